@@ -1,0 +1,123 @@
+"""Public entry points: load_pretrained, init_random, forward, save_pretrained."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.checkpoint import load_params, save_checkpoint
+from m3jax.config import M3Config, UnsupportedConfigError, load_config
+from m3jax.model import forward_jit
+from m3jax.params import init_random as _init_params
+from m3jax.vision import check_grid
+
+
+@dataclasses.dataclass
+class M3Model:
+    """A config and its parameter tree (see :mod:`m3jax.params` for the layout)."""
+
+    config: M3Config
+    params: dict
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: jax.Array  # fp32 [B, T, vocab]
+    # {layer: int32 [B, index_n_heads, T, topk]} for MSA layers, -1 padded; None unless asked for.
+    block_indices: dict[int, jax.Array] | None = None
+
+
+def resolve_attention_impl(impl: str) -> str:
+    """"auto" -> the best available implementation for this platform; explicit choices fail fast."""
+    if impl == "pallas":
+        raise UnsupportedConfigError(
+            "attention_impl='pallas': the MSA Pallas GPU kernels are not part of this build yet; "
+            "use 'reference' (gathered blocks) or 'dense_mask'"
+        )
+    return "reference" if impl == "auto" else impl
+
+
+def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True) -> M3Model:
+    """Load an HF-layout MiniMax-M3 checkpoint directory (config.json + safetensors, BF16 or MXFP8)."""
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype={dtype!r}; choose 'bfloat16' or 'float32'")
+    cfg = load_config(path, attention_impl=resolve_attention_impl(attention_impl))
+    params = load_params(path, cfg, dtype=dtype, progress=progress)
+    return M3Model(cfg, params)
+
+
+def init_random(config: M3Config, seed: int = 0, dtype: str = "float32") -> M3Model:
+    """Random weights for any config (tests, benchmarks, the tiny default)."""
+    cfg = dataclasses.replace(config, attention_impl=resolve_attention_impl(config.attention_impl))
+    return M3Model(cfg, _init_params(cfg, seed, dtype=jnp.dtype(dtype)))
+
+
+def save_pretrained(model: M3Model, path: str | Path, **kwargs) -> Path:
+    """Write the model as an HF checkpoint (official tensor names); see ``checkpoint.save_checkpoint``."""
+    return save_checkpoint(model.params, model.config, path, **kwargs)
+
+
+def _grid(grid_thw, what: str) -> tuple[tuple[int, int, int], ...]:
+    g = np.asarray(grid_thw)
+    if g.ndim != 2 or g.shape[1] != 3:
+        raise ValueError(f"{what} must be [n, 3] (t, h, w), got shape {g.shape}")
+    return tuple(tuple(int(v) for v in row) for row in g)
+
+
+def _media(model, input_ids, pixels, grid_thw, token_id, kind):
+    """Validate one media input on the host; returns (pixels or None, static grid or None)."""
+    n_placeholders = int((input_ids == token_id).sum())
+    if pixels is None:
+        if n_placeholders:
+            raise ValueError(f"input_ids hold {n_placeholders} {kind} placeholder(s) (id {token_id}) but no {kind} pixels were given")
+        return None, None
+    if model.config.vision is None:
+        raise UnsupportedConfigError(f"{kind} input given but the config has no vision_config")
+    if grid_thw is None:
+        raise ValueError(f"{kind} pixels given without their grid_thw")
+    grid = _grid(grid_thw, f"{kind}_grid_thw")
+    check_grid(tuple(np.shape(pixels)), grid, model.config.vision, kind)
+    merge = model.config.vision.spatial_merge_size ** 2
+    n_tokens = sum(t * h * w for t, h, w in grid) // merge
+    if n_tokens != n_placeholders:
+        raise ValueError(
+            f"{kind} features give {n_tokens} tokens but input_ids hold {n_placeholders} placeholder(s) (id {token_id})"
+        )
+    return jnp.asarray(pixels, jnp.float32), grid
+
+
+def forward(
+    model: M3Model,
+    input_ids,
+    *,
+    pixel_values=None,
+    image_grid_thw=None,
+    pixel_values_videos=None,
+    video_grid_thw=None,
+    return_block_indices: bool = False,
+) -> ForwardOutput:
+    """Full forward pass. input_ids: int [B, T] (a 1-D sequence is treated as B = 1).
+
+    Media follow transformers' inputs: ``pixel_values`` [N, C*T*P*P] with ``image_grid_thw`` [n, 3], and
+    ``pixel_values_videos`` with ``video_grid_thw`` (one row per attention segment).
+    """
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be an integer [B, T] array, got {ids.dtype} {ids.shape}")
+    cfg = model.config
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.text.vocab_size):
+        raise ValueError(f"input_ids out of range [0, {cfg.text.vocab_size})")
+    if ids.shape[1] > cfg.text.max_position_embeddings:
+        raise ValueError(
+            f"sequence of {ids.shape[1]} tokens exceeds max_position_embeddings={cfg.text.max_position_embeddings}"
+        )
+    pix, image_grid = _media(model, ids, pixel_values, image_grid_thw, cfg.image_token_id, "image")
+    vid, video_grid = _media(model, ids, pixel_values_videos, video_grid_thw, cfg.video_token_id, "video")
+    logits, blocks = forward_jit(model.params, jnp.asarray(ids, jnp.int32), pix, vid, cfg, image_grid, video_grid)
+    return ForwardOutput(logits, blocks if return_block_indices else None)

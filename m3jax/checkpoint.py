@@ -1,0 +1,388 @@
+"""Hugging Face checkpoint <-> m3jax parameter tree.
+
+Official tensor names (spec ARCHITECTURE.md §4), e.g.::
+
+    language_model.model.layers.{i}.self_attn.q_proj.weight                 [N*H, D]  -> text.layers[i].attn.wq [D, N, H]
+    language_model.model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight  [Fe, D]   -> stacked into moe.gate [E, D, Fe]
+    vision_tower.vision_model.embeddings.patch_embedding.weight             [Dv,C,T,P,P] -> vision.patch_embed [C*T*P*P, Dv]
+    patch_merge_mlp.linear_1.weight                                         [Pj, 4D]  -> merger.w1 [4D, Pj]
+
+Loading is lazy (memory-mapped safetensors, one tensor at a time; per-expert tensors written into
+one preallocated stack), so host memory peaks near the largest stacked tensor. MXFP8 weights
+(float8_e4m3fn + uint8 E8M0 ``weight_scale_inv`` per 32 inputs) are dequantised on load. Every
+problem names the tensor: missing, unexpected, wrong shape, wrong dtype, truncated file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from m3jax.config import M3Config, config_to_hf
+from m3jax.params import ParamSpec, param_specs
+from m3jax.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
+
+MXFP8_BLOCK = 32
+# Tensors transformers also skips on load: MTP heads the base model does not use.
+IGNORED = re.compile(r"(^|\.)mtp\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One parameter leaf and the checkpoint tensor(s) it comes from.
+
+    kind: "copy" (same layout), "linear" (torch [out, in] -> [in..., out...], ``n_in`` leading dims of
+    the leaf form ``in``), "experts" (one linear per expert, stacked on axis 0), "patch" (Conv3d weight
+    flattened to [C*T*P*P, Dv]).
+    """
+
+    path: tuple
+    names: tuple[str, ...]
+    kind: str
+    spec: ParamSpec
+    n_in: int = 1
+
+    def hf_shape(self) -> tuple[int, ...]:
+        """Shape of each checkpoint tensor (torch layout)."""
+        s = self.spec.shape
+        if self.kind == "copy":
+            return s
+        if self.kind == "linear":
+            return (math.prod(s[self.n_in :]), math.prod(s[: self.n_in]))
+        if self.kind == "experts":
+            return (s[2], s[1])
+        raise AssertionError(self.kind)
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def tensor_plan(cfg: M3Config) -> list[Entry]:
+    """Every parameter leaf with its official checkpoint name(s), in a stable order."""
+    specs = param_specs(cfg)
+    out: list[Entry] = []
+
+    def add(path, names, kind="linear", n_in=1):
+        names = (names,) if isinstance(names, str) else tuple(names)
+        out.append(Entry(tuple(path), names, kind, _get(specs, path), n_in))
+
+    t = cfg.text
+    lm = "language_model.model."
+    add(("text", "embed"), lm + "embed_tokens.weight", "copy")
+    add(("text", "lm_head"), "language_model.lm_head.weight")
+    add(("text", "final_norm"), lm + "norm.weight", "copy")
+    for i in range(t.num_hidden_layers):
+        L = ("text", "layers", i)
+        pre = f"{lm}layers.{i}."
+        add(L + ("input_norm",), pre + "input_layernorm.weight", "copy")
+        add(L + ("post_attn_norm",), pre + "post_attention_layernorm.weight", "copy")
+        add(L + ("attn", "wq"), pre + "self_attn.q_proj.weight")
+        add(L + ("attn", "wk"), pre + "self_attn.k_proj.weight")
+        add(L + ("attn", "wv"), pre + "self_attn.v_proj.weight")
+        add(L + ("attn", "wo"), pre + "self_attn.o_proj.weight", n_in=2)
+        add(L + ("attn", "q_norm"), pre + "self_attn.q_norm.weight", "copy")
+        add(L + ("attn", "k_norm"), pre + "self_attn.k_norm.weight", "copy")
+        if t.is_sparse_attention(i):
+            add(L + ("index", "wq"), pre + "self_attn.index_q_proj.weight")
+            add(L + ("index", "wk"), pre + "self_attn.index_k_proj.weight")
+            add(L + ("index", "q_norm"), pre + "self_attn.index_q_norm.weight", "copy")
+            add(L + ("index", "k_norm"), pre + "self_attn.index_k_norm.weight", "copy")
+        if t.is_moe(i):
+            moe = pre + "block_sparse_moe."
+            add(L + ("moe", "router"), moe + "gate.weight")
+            add(L + ("moe", "router_bias"), moe + "e_score_correction_bias", "copy")
+            for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                names = [f"{moe}experts.{e}.{theirs}.weight" for e in range(t.num_local_experts)]
+                add(L + ("moe", ours), names, "experts")
+            for ours in ("gate", "up", "down"):
+                add(L + ("moe", "shared", ours), f"{moe}shared_experts.{ours}_proj.weight")
+        else:
+            for ours in ("gate", "up", "down"):
+                add(L + ("mlp", ours), f"{pre}mlp.{ours}_proj.weight")
+
+    if cfg.vision is not None:
+        vt = "vision_tower.vision_model."
+        add(("vision", "patch_embed"), vt + "embeddings.patch_embedding.weight", "patch")
+        add(("vision", "pre_ln", "scale"), vt + "pre_layrnorm.weight", "copy")
+        add(("vision", "pre_ln", "bias"), vt + "pre_layrnorm.bias", "copy")
+        for j in range(cfg.vision.num_hidden_layers):
+            V = ("vision", "layers", j)
+            pre = f"{vt}encoder.layers.{j}."
+            for ln in ("1", "2"):
+                add(V + (f"ln{ln}", "scale"), f"{pre}layer_norm{ln}.weight", "copy")
+                add(V + (f"ln{ln}", "bias"), f"{pre}layer_norm{ln}.bias", "copy")
+            for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out")):
+                add(V + (f"w{ours}",), f"{pre}self_attn.{theirs}_proj.weight")
+                add(V + (f"b{ours}",), f"{pre}self_attn.{theirs}_proj.bias", "copy")
+            add(V + ("fc1",), pre + "mlp.fc1.weight")
+            add(V + ("b1",), pre + "mlp.fc1.bias", "copy")
+            add(V + ("fc2",), pre + "mlp.fc2.weight")
+            add(V + ("b2",), pre + "mlp.fc2.bias", "copy")
+        for ours, theirs in (("projector", "multi_modal_projector"), ("merger", "patch_merge_mlp")):
+            for n in ("1", "2"):
+                add((ours, f"w{n}"), f"{theirs}.linear_{n}.weight")
+                add((ours, f"b{n}"), f"{theirs}.linear_{n}.bias", "copy")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# MXFP8 (float8_e4m3fn values, one E8M0 exponent per 32 inputs of a row)
+
+
+def dequantize_mxfp8(w: np.ndarray, scale_inv: np.ndarray, name: str = "") -> np.ndarray:
+    """W[o, i] = fp8[o, i] * 2^(scale_inv[o, i // 32] - 127), in fp32."""
+    out_dim, in_dim = w.shape
+    if scale_inv.shape != (out_dim, -(-in_dim // MXFP8_BLOCK)):
+        raise CheckpointError(
+            f"tensor {name}_scale_inv has shape {scale_inv.shape}, expected {(out_dim, -(-in_dim // MXFP8_BLOCK))}"
+        )
+    if scale_inv.dtype != np.uint8:
+        raise CheckpointError(f"tensor {name}_scale_inv has dtype {scale_inv.dtype}, expected uint8 (E8M0)")
+    scale = np.ldexp(np.float32(1.0), scale_inv.astype(np.int32) - 127).astype(np.float32)
+    return w.astype(np.float32) * np.repeat(scale, MXFP8_BLOCK, axis=1)[:, :in_dim]
+
+
+def quantize_mxfp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 [out, in] -> (float8_e4m3fn [out, in], uint8 exponents [out, in/32]); E4M3 max is 448."""
+    out_dim, in_dim = w.shape
+    if in_dim % MXFP8_BLOCK:
+        raise ValueError(f"MXFP8 needs the input dim to be a multiple of {MXFP8_BLOCK}, got {in_dim}")
+    blocks = w.astype(np.float32).reshape(out_dim, in_dim // MXFP8_BLOCK, MXFP8_BLOCK)
+    amax = np.abs(blocks).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.ceil(np.log2(amax / 448.0)), -127)
+    e = np.clip(e, -127, 127).astype(np.int32)
+    q = (blocks / np.ldexp(np.float32(1.0), e)[..., None]).reshape(out_dim, in_dim)
+    return q.astype(ml_dtypes.float8_e4m3fn), (e + 127).astype(np.uint8)
+
+
+# Weights the released MXFP8 checkpoint quantizes: attention, index branch, dense MLP, experts.
+_MXFP8_QUANTIZED = re.compile(
+    r"\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|mlp\.(gate|up|down)_proj|"
+    r"block_sparse_moe\.(shared_experts\.(gate|up|down)_proj|experts\.\d+\.w[123]))\.weight$"
+)
+
+
+def is_mxfp8_quantized(name: str) -> bool:
+    return name.startswith("language_model.") and bool(_MXFP8_QUANTIZED.search(name))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+class CheckpointReader:
+    """Name -> tensor over a directory of safetensors shards (index.json, one file, or a glob)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.directory}: no model.safetensors.index.json and no *.safetensors files")
+            weight_map = {}
+        self.files: dict[str, SafetensorsFile] = {}
+        for fname in files:
+            path = self.directory / fname
+            if not path.exists():
+                raise CheckpointError(f"{index}: lists shard {fname} which does not exist")
+            self.files[fname] = SafetensorsFile(path)
+        self.location: dict[str, SafetensorsFile] = {}
+        for fname, f in self.files.items():
+            for name in f.keys():
+                self.location[name] = f
+        for name, fname in weight_map.items():
+            if name not in self.location:
+                raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname} but that file does not hold it")
+
+    def names(self) -> set[str]:
+        return set(self.location)
+
+    def has(self, name: str) -> bool:
+        return name in self.location
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self.location:
+            raise CheckpointError(f"{self.directory}: missing tensor {name!r}")
+        return self.location[name].get(name)
+
+    def read_dequantized(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
+        """fp32 (or stored float) tensor with its shape checked; returns (array, names consumed)."""
+        a = self.read(name)
+        if tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+        used = [name]
+        if a.dtype == ml_dtypes.float8_e4m3fn:
+            scale_name = name + "_scale_inv"
+            if not self.has(scale_name):
+                raise CheckpointError(f"tensor {name!r} is float8_e4m3fn but {scale_name!r} is missing")
+            a = dequantize_mxfp8(a, self.read(scale_name), name)
+            used.append(scale_name)
+        elif not np.issubdtype(a.dtype, np.floating) and a.dtype != ml_dtypes.bfloat16:
+            raise CheckpointError(f"tensor {name!r} has dtype {a.dtype}, expected a floating-point dtype")
+        return a, used
+
+
+def _convert(reader: CheckpointReader, e: Entry, out_dtype) -> tuple[np.ndarray, list[str]]:
+    """Read and re-layout one entry into a numpy array of the leaf's shape and ``out_dtype``."""
+    if e.kind == "experts":
+        stacked = np.empty(e.spec.shape, dtype=out_dtype)
+        used = []
+        for idx, name in enumerate(e.names):
+            a, u = reader.read_dequantized(name, e.hf_shape())
+            stacked[idx] = a.T.astype(out_dtype)
+            used += u
+        return stacked, used
+    name = e.names[0]
+    if e.kind == "patch":
+        dv = e.spec.shape[1]
+        a = reader.read(name)
+        if a.ndim != 5 or a.shape[0] != dv or math.prod(a.shape[1:]) != e.spec.shape[0]:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected [{dv}, C, T, P, P] "
+                                  f"with C*T*P*P = {e.spec.shape[0]}")
+        return a.reshape(dv, -1).T.astype(out_dtype), [name]
+    a, used = reader.read_dequantized(name, e.hf_shape())
+    if e.kind == "linear":
+        a = a.T
+    return a.reshape(e.spec.shape).astype(out_dtype), used
+
+
+def iter_checkpoint_arrays(
+    directory: str | Path, cfg: M3Config, dtype="bfloat16", progress: bool = True
+) -> Iterator[tuple[Entry, np.ndarray]]:
+    """Yield (entry, numpy array in our layout) one leaf at a time; verifies nothing is left unused."""
+    from tqdm.auto import tqdm
+
+    reader = CheckpointReader(directory)
+    plan = tensor_plan(cfg)
+    unexpected = {n for n in reader.names() if not IGNORED.search(n)}
+    bar = tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress)
+    for e in bar:
+        np_dtype = np.dtype(ml_dtypes.bfloat16) if e.spec.resolve_dtype(dtype) == jnp.bfloat16 else np.dtype(
+            e.spec.resolve_dtype(dtype)
+        )
+        arr, used = _convert(reader, e, np_dtype)
+        unexpected.difference_update(used)
+        yield e, arr
+    if unexpected:
+        sample = sorted(unexpected)[:8]
+        raise CheckpointError(
+            f"{directory}: {len(unexpected)} unexpected tensor(s) not used by this config, e.g. {sample}; "
+            "the config.json and the weights disagree"
+        )
+
+
+def load_params(
+    directory: str | Path,
+    cfg: M3Config,
+    dtype="bfloat16",
+    progress: bool = True,
+    place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+) -> dict:
+    """Load a checkpoint into our parameter tree.
+
+    ``place(path, array)`` puts one leaf on device(s) (default: ``jax.device_put``); the sharding
+    module passes a function that shards it. The host copy is dropped right after placement.
+    """
+    place = place or (lambda path, a: jax.device_put(a))
+    tree = jax.tree.map(lambda s: None, param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
+    for e, arr in iter_checkpoint_arrays(directory, cfg, dtype, progress):
+        parent = _get(tree, e.path[:-1])
+        parent[e.path[-1]] = place(e.path, arr)
+        del arr
+    return tree
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def checkpoint_tensors(params: dict, cfg: M3Config, dtype=None, quantize_mxfp8_weights: bool = False):
+    """Yield (official name, numpy tensor in torch layout) for every tensor of the checkpoint."""
+    for e in tensor_plan(cfg):
+        a = np.asarray(jax.device_get(_get(params, e.path)))
+        if dtype is not None and e.spec.dtype == "model":
+            a = a.astype(ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype))
+        if e.kind == "copy":
+            mats = [a]
+        elif e.kind == "linear":
+            mats = [a.reshape(math.prod(a.shape[: e.n_in]), -1).T]
+        elif e.kind == "experts":
+            mats = [x.T for x in a]
+        else:  # patch
+            v = cfg.vision
+            mats = [a.T.reshape(v.hidden_size, v.num_channels, v.temporal_patch_size, v.patch_size, v.patch_size)]
+        for name, m in zip(e.names, mats):
+            if quantize_mxfp8_weights and is_mxfp8_quantized(name):
+                q, s = quantize_mxfp8(np.asarray(m, np.float32))
+                yield name, q
+                yield name + "_scale_inv", s
+            else:
+                yield name, np.ascontiguousarray(m)
+
+
+def save_checkpoint(
+    params: dict,
+    cfg: M3Config,
+    directory: str | Path,
+    *,
+    dtype=None,
+    max_shard_bytes: int = 4 << 30,
+    quantize_mxfp8_weights: bool = False,
+) -> Path:
+    """Write ``config.json`` + safetensors shards (+ index when several) in the official naming.
+
+    ``quantize_mxfp8_weights`` writes the MXFP8 layout of the released MXFP8 repo.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # Shards are flushed as they fill (host memory stays one shard); names get their final
+    # "-of-N" once N is known.
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush():
+        path = directory / f"shard-{len(written):05d}.tmp"
+        write_safetensors(path, shard)
+        written.append((path, list(shard)))
+
+    for name, a in checkpoint_tensors(params, cfg, dtype, quantize_mxfp8_weights):
+        if size and size + a.nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = a
+        size += a.nbytes
+        total += a.nbytes
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(directory / "model.safetensors")
+    else:
+        weight_map = {}
+        for k, (path, names) in enumerate(written):
+            fname = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+            path.rename(directory / fname)
+            weight_map.update({n: fname for n in names})
+        with open(directory / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    hf = config_to_hf(dataclasses.replace(cfg, quantization="mxfp8" if quantize_mxfp8_weights else cfg.quantization))
+    with open(directory / "config.json", "w") as f:
+        json.dump(hf, f, indent=2)
+    return directory

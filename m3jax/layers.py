@@ -1,0 +1,57 @@
+"""Small building blocks shared by the text and vision towers: norms, RoPE, activations."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Gemma RMSNorm over the last axis: normalise in fp32, scale by (1 + w), cast back.
+
+    The checkpoint stores the offset ``w`` (initialised to zero), not the scale.
+    """
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, p: dict, eps: float) -> jax.Array:
+    """LayerNorm with scale and bias (vision tower), statistics in fp32."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Angles [..., rotary_dim // 2] = pos * theta^(-2i / rotary_dim) (fp32)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    return positions.astype(jnp.float32)[..., None] * inv_freq
+
+
+def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """NeoX (rotate-half) RoPE on the first ``2 * angles.shape[-1]`` channels of ``x``; the rest pass.
+
+    x: [..., S, heads, dim]; angles: [..., S, r/2] (broadcast over heads). Pairs are (i, i + r/2).
+    """
+    half = angles.shape[-1]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2, rest = xf[..., :half], xf[..., half : 2 * half], xf[..., 2 * half :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return out.astype(x.dtype)
+
+
+def swiglu_oai(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss style SwiGLU with clamps: min(gate, limit) * sigmoid(alpha * gate) * (clip(up) + 1)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (up + 1.0)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact (erf) GELU, as torch's nn.functional.gelu default."""
+    return jax.nn.gelu(x, approximate=False)

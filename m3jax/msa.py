@@ -1,0 +1,171 @@
+"""MSA — MiniMax Sparse Attention, pure-jnp reference.
+
+Per query token t and KV group g (spec MSA.md §1):
+
+1. index branch: ``iq = RoPE(norm(x Wiq))`` [Hi heads], ``ik = RoPE(norm(x Wik))`` [one shared head];
+2. block scores ``B[g, t, j] = max_{s in block j, s <= t} iq[t, g] . ik[s]`` (fp32, no scale);
+3. selection: the query's own block (and ``local_blocks - 1`` before it, and ``init_blocks`` sinks)
+   forced, the remaining slots of ``topk`` filled by the highest-scoring visible blocks, ties to the
+   lower block id, ``-1`` padding when fewer blocks are visible;
+4. attention of the group's query heads over the tokens of the selected blocks (causal inside the
+   own block), softmax scale ``1/sqrt(head_dim)``.
+
+Everything is processed in query chunks so that no [T, S] array exists for the whole sequence:
+memory is O(chunk * S) for the scores and O(chunk * topk * block) for the gathered keys.
+Block selections follow transformers' contract: int32 [B, Hi, T, topk], forced blocks first, then
+descending score, ``-1`` right padding.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NEG_INF = float("-inf")
+
+
+def map_query_chunks(fn: Callable, chunk: int, q_pos: jax.Array, *per_query: jax.Array):
+    """Run ``fn(q_pos_chunk, *chunks)`` over chunks of the query axis with ``lax.map``.
+
+    ``q_pos`` [B, T] and each ``per_query`` array [B, T, ...] are split along axis 1 into chunks of
+    ``chunk`` rows (the last padded; padding rows get position 0, attend to token 0 only, and are
+    dropped). Returns ``(outs, merge)``: ``outs`` is ``fn``'s output pytree with a leading chunk axis,
+    and ``merge(y, qaxis)`` folds one output back into [..., T, ...] given the query axis of ``fn``'s
+    per-chunk output.
+    """
+    b, t = q_pos.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+    outs = jax.lax.map(lambda args: fn(*args), (split(q_pos), *[split(x) for x in per_query]))
+
+    def merge(y, qaxis):
+        # y: [n, B, ..., C (at qaxis), ...] -> [B, ..., T, ...]
+        y = jnp.moveaxis(y, 0, qaxis)  # [B, ..., n, C, ...]
+        y = y.reshape(*y.shape[:qaxis], n * c, *y.shape[qaxis + 2 :])
+        return jax.lax.slice_in_dim(y, 0, t, axis=qaxis)
+
+    return outs, merge
+
+
+def block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, block_size: int) -> jax.Array:
+    """Max-pooled index scores.
+
+    Args:
+      iq: [B, C, Hi, Hx] index queries (post norm + RoPE).
+      ik: [B, S, Hx] index keys; key s sits at absolute position s.
+      q_pos: [B, C] absolute query positions.
+    Returns:
+      fp32 [B, Hi, C, nb], nb = ceil(S / block_size); blocks wholly in the future are -inf.
+    """
+    s_len = ik.shape[1]
+    nb = -(-s_len // block_size)
+    s = jnp.einsum("bchx,bsx->bhcs", iq.astype(jnp.float32), ik.astype(jnp.float32), precision=HIGHEST)
+    future = jnp.arange(s_len)[None, None, None, :] > q_pos[:, None, :, None]
+    s = jnp.where(future, NEG_INF, s)
+    s = jnp.pad(s, [(0, 0), (0, 0), (0, 0), (0, nb * block_size - s_len)], constant_values=NEG_INF)
+    return s.reshape(*s.shape[:3], nb, block_size).max(axis=-1)
+
+
+def select_blocks(
+    scores: jax.Array, q_pos: jax.Array, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0
+) -> jax.Array:
+    """Top-k block ids per (batch, index head, query).
+
+    Args:
+      scores: fp32 [B, Hi, C, nb] from :func:`block_scores` (-inf for invisible blocks).
+      q_pos: [B, C] absolute positions.
+    Returns:
+      int32 [B, Hi, C, topk]: forced blocks first (own block, then the ``local_blocks - 1`` before
+      it, then ``init_blocks`` sinks), then visible blocks by descending score, ties to the lower id;
+      ``-1`` after the last valid entry.
+    """
+    nb = scores.shape[-1]
+    own = (q_pos // block_size)[:, None, :, None]
+    j = jnp.arange(nb)[None, None, None, :]
+    # Forced blocks get huge finite scores ordered own > own-1 > ... > init sinks, so top_k puts them
+    # first in a fixed order; real scores are dot products of normalised vectors, far below 1e38.
+    local = (j <= own) & (j > own - local_blocks)
+    priority = jnp.where(local, 1.0 + local_blocks - (own - j), jnp.where((j < init_blocks) & (j <= own), 0.5, 0.0))
+    ranked = jnp.where(priority > 0, 1e38 + priority * 1e36, scores)
+    # top_k orders floats totally (-0.0 < +0.0); equal scores must tie and go to the lower id.
+    ranked = jnp.where(ranked == 0, 0.0, ranked)
+    k = min(topk, nb)
+    vals, idx = jax.lax.top_k(ranked, k)
+    idx = jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
+    if k < topk:
+        idx = jnp.pad(idx, [(0, 0)] * 3 + [(0, topk - k)], constant_values=-1)
+    return idx
+
+
+def sparse_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Array, q_pos: jax.Array, block_size: int
+) -> jax.Array:
+    """Attention of each query over the tokens of its group's selected blocks (gathered, no mask over S).
+
+    Args:
+      q: [B, C, N, H]; k, v: [B, S, K, H] (key s at position s); block_idx: int32 [B, K, C, topk]
+      (-1 = empty slot); q_pos: [B, C].
+    Returns:
+      [B, C, N, H] in q.dtype; softmax in fp32, scale 1/sqrt(H).
+    """
+    b, c, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    nb = -(-s_len // block_size)
+    pad = nb * block_size - s_len
+
+    def blocks(x):  # [B, S, K, H] -> [B, K, nb, bs, H]
+        x = jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        return jnp.moveaxis(x.reshape(b, nb, block_size, kh, h), 3, 1)
+
+    safe = jnp.maximum(block_idx, 0)
+    bi = jnp.arange(b)[:, None, None, None]
+    gi = jnp.arange(kh)[None, :, None, None]
+    kg = blocks(k)[bi, gi, safe]  # [B, K, C, topk, bs, H]
+    vg = blocks(v)[bi, gi, safe]
+    qg = q.reshape(b, c, kh, g, h)
+    logits = jnp.einsum("bckgh,bkctsh->bkgcts", qg.astype(jnp.float32), kg.astype(jnp.float32), precision=HIGHEST)
+    logits = logits * (h**-0.5)
+    kpos = block_idx[..., None] * block_size + jnp.arange(block_size)  # [B, K, C, topk, bs]
+    ok = (block_idx[..., None] >= 0) & (kpos <= q_pos[:, None, :, None, None])
+    logits = jnp.where(ok[:, :, None], logits, NEG_INF)
+    p = jax.nn.softmax(logits.reshape(*logits.shape[:4], -1), axis=-1).reshape(logits.shape)
+    out = jnp.einsum("bkgcts,bkctsh->bckgh", p, vg.astype(jnp.float32), precision=HIGHEST)
+    return out.reshape(b, c, n, h).astype(q.dtype)
+
+
+def dense_mask_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Array | None, q_pos: jax.Array, block_size: int
+) -> jax.Array:
+    """Causal attention over all S keys with an optional block-selection mask ([C, S] per chunk).
+
+    ``block_idx=None`` is plain causal attention (the dense layers). With ``block_idx`` it is the
+    dense-mask formulation of MSA: mask[g, t, s] = (s <= t) & selected[g, t, s // block_size].
+    Shapes as :func:`sparse_attention`.
+    """
+    b, c, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, c, kh, g, h)
+    logits = jnp.einsum("bckgh,bskh->bkgcs", qg.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST)
+    logits = logits * (h**-0.5)
+    kpos = jnp.arange(s_len)
+    ok = (kpos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, C, S]
+    if block_idx is not None:
+        nb = -(-s_len // block_size)
+        hit = jax.nn.one_hot(block_idx, nb + 1, dtype=jnp.bool_)[..., :nb]  # -1 -> no column
+        selected = hit.any(axis=-2)  # [B, K, C, nb]
+        ok = ok & jnp.repeat(selected, block_size, axis=-1)[..., :s_len]
+    logits = jnp.where(ok[:, :, None], logits, NEG_INF)
+    p = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgcs,bskh->bckgh", p, v.astype(jnp.float32), precision=HIGHEST)
+    return out.reshape(b, c, n, h).astype(q.dtype)

@@ -1,0 +1,195 @@
+"""Parameter declarations: one tree of :class:`ParamSpec` leaves from which shapes, random init,
+parameter counts and sharding are all derived (never written twice).
+
+Layout (our names; matmul weights are ``[in, out]``, heads split out)::
+
+    text.embed            [V, D]            text.lm_head      [D, V]       text.final_norm [D]
+    text.layers[i].input_norm / post_attn_norm                 [D]
+    text.layers[i].attn.{wq [D,N,H], wk [D,K,H], wv [D,K,H], wo [N,H,D], q_norm [H], k_norm [H]}
+    text.layers[i].index.{wq [D,Hi,Hx], wk [D,Hx], q_norm [Hx], k_norm [Hx]}       (MSA layers)
+    text.layers[i].mlp.{gate [D,F], up [D,F], down [F,D]}                          (dense layers)
+    text.layers[i].moe.{router [D,E] f32, router_bias [E] f32,
+                         gate [E,D,Fe], up [E,D,Fe], down [E,Fe,D], shared.{gate, up, down}}
+    vision.patch_embed [C*Tp*P*P, Dv] f32,  vision.pre_ln.{scale, bias}
+    vision.layers[j].{ln1, ln2, wq, bq, wk, bk, wv, bv, wo, bo, fc1, b1, fc2, b2}
+    projector.{w1 [Dv,Pj], b1, w2 [Pj,D], b2}      merger.{w1 [4D,Pj], b1, w2 [Pj,D], b2}
+
+Dimension letters (README has the table): V vocab, D hidden, N query heads, K KV heads, H head dim,
+Hi index heads, Hx index head dim, F dense MLP width, E experts, Fe expert width.
+Every leaf names its logical axes; the sharding module maps them onto a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.config import M3Config
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Shape, storage dtype policy and logical axes of one parameter."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    # "model": the caller's dtype (bf16/fp32). "float32": always fp32 because the model computes in fp32.
+    dtype: str = "model"
+    # "normal" weights, "norm_offset" Gemma (1 + w) offsets, "ones"/"zeros" for LayerNorm.
+    init: str = "normal"
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+    def resolve_dtype(self, model_dtype) -> jnp.dtype:
+        return jnp.float32 if self.dtype == "float32" else jnp.dtype(model_dtype)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def _dense_mlp(d: int, f: int) -> dict:
+    return {
+        "gate": ParamSpec((d, f), ("embed", "mlp")),
+        "up": ParamSpec((d, f), ("embed", "mlp")),
+        "down": ParamSpec((f, d), ("mlp", "embed")),
+    }
+
+
+def _layer_norm(d: int, axis: str) -> dict:
+    return {"scale": ParamSpec((d,), (axis,), init="ones"), "bias": ParamSpec((d,), (axis,), init="zeros")}
+
+
+def text_param_specs(cfg: M3Config) -> dict:
+    t = cfg.text
+    d, n, k, h = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    layers = []
+    for i in range(t.num_hidden_layers):
+        layer: dict[str, Any] = {
+            "input_norm": ParamSpec((d,), ("embed",), init="norm_offset"),
+            "post_attn_norm": ParamSpec((d,), ("embed",), init="norm_offset"),
+            "attn": {
+                "wq": ParamSpec((d, n, h), ("embed", "q_heads", "head_dim")),
+                "wk": ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim")),
+                "wv": ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim")),
+                "wo": ParamSpec((n, h, d), ("q_heads", "head_dim", "embed")),
+                "q_norm": ParamSpec((h,), ("head_dim",), init="norm_offset"),
+                "k_norm": ParamSpec((h,), ("head_dim",), init="norm_offset"),
+            },
+        }
+        if t.is_sparse_attention(i):
+            hi, hx = t.index_n_heads, t.index_head_dim
+            layer["index"] = {
+                "wq": ParamSpec((d, hi, hx), ("embed", "kv_heads", "head_dim")),
+                "wk": ParamSpec((d, hx), ("embed", "head_dim")),
+                "q_norm": ParamSpec((hx,), ("head_dim",), init="norm_offset"),
+                "k_norm": ParamSpec((hx,), ("head_dim",), init="norm_offset"),
+            }
+        if t.is_moe(i):
+            e, fe = t.num_local_experts, t.intermediate_size
+            layer["moe"] = {
+                "router": ParamSpec((d, e), ("embed", None), dtype="float32"),
+                "router_bias": ParamSpec((e,), (None,), dtype="float32"),
+                "gate": ParamSpec((e, d, fe), ("experts", "embed", "expert_mlp")),
+                "up": ParamSpec((e, d, fe), ("experts", "embed", "expert_mlp")),
+                "down": ParamSpec((e, fe, d), ("experts", "expert_mlp", "embed")),
+                "shared": _dense_mlp(d, t.shared_intermediate_size),
+            }
+        else:
+            layer["mlp"] = _dense_mlp(d, t.dense_intermediate_size)
+        layers.append(layer)
+    return {
+        "embed": ParamSpec((t.vocab_size, d), ("vocab", "embed")),
+        "lm_head": ParamSpec((d, t.vocab_size), ("embed", "vocab")),
+        "final_norm": ParamSpec((d,), ("embed",), init="norm_offset"),
+        "layers": layers,
+    }
+
+
+def vision_param_specs(cfg: M3Config) -> dict:
+    v = cfg.vision
+    dv, fv = v.hidden_size, v.intermediate_size
+    layers = []
+    for _ in range(v.num_hidden_layers):
+        layer = {"ln1": _layer_norm(dv, "vis_embed"), "ln2": _layer_norm(dv, "vis_embed")}
+        for name in ("q", "k", "v", "o"):
+            layer[f"w{name}"] = ParamSpec((dv, dv), ("vis_embed", "vis_heads"))
+            layer[f"b{name}"] = ParamSpec((dv,), ("vis_heads",))
+        layer["fc1"] = ParamSpec((dv, fv), ("vis_embed", "vis_mlp"))
+        layer["b1"] = ParamSpec((fv,), ("vis_mlp",))
+        layer["fc2"] = ParamSpec((fv, dv), ("vis_mlp", "vis_embed"))
+        layer["b2"] = ParamSpec((dv,), ("vis_embed",))
+        layers.append(layer)
+    return {
+        # fp32 in the released checkpoint; transformers runs the Conv3d in the weight's dtype.
+        "patch_embed": ParamSpec((v.patch_dim, dv), (None, "vis_embed"), dtype="float32"),
+        "pre_ln": _layer_norm(dv, "vis_embed"),
+        "layers": layers,
+    }
+
+
+def projector_param_specs(cfg: M3Config) -> tuple[dict, dict]:
+    d, p, dv = cfg.text.hidden_size, cfg.projector_hidden_size, cfg.vision.hidden_size
+    merged = d * cfg.vision.spatial_merge_size**2
+
+    def mlp(d_in):
+        return {
+            "w1": ParamSpec((d_in, p), (None, "mlp")),
+            "b1": ParamSpec((p,), ("mlp",)),
+            "w2": ParamSpec((p, d), ("mlp", "embed")),
+            "b2": ParamSpec((d,), ("embed",)),
+        }
+
+    return mlp(dv), mlp(merged)
+
+
+def param_specs(cfg: M3Config) -> dict:
+    """The whole parameter tree as :class:`ParamSpec` leaves."""
+    tree = {"text": text_param_specs(cfg)}
+    if cfg.vision is not None:
+        tree["vision"] = vision_param_specs(cfg)
+        tree["projector"], tree["merger"] = projector_param_specs(cfg)
+    return tree
+
+
+def abstract_params(cfg: M3Config, dtype=jnp.bfloat16) -> dict:
+    """``jax.ShapeDtypeStruct`` tree (for ``jax.eval_shape`` and sharded loading)."""
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.resolve_dtype(dtype)), param_specs(cfg), is_leaf=_is_spec
+    )
+
+
+def logical_axes(cfg: M3Config) -> dict:
+    """Tree of logical axis-name tuples, same structure as the parameters."""
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+def count_params(cfg: M3Config) -> int:
+    leaves = jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec)
+    return sum(math.prod(s.shape) for s in leaves)
+
+
+def init_random(cfg: M3Config, seed: int = 0, dtype=jnp.float32, scale: float = 0.1) -> dict:
+    """Random weights for any config: N(0, scale) for weights and biases, N(0, 0.3) Gemma-norm offsets,
+    1 + N(0, 0.2) LayerNorm scales. Norm offsets are random (not zero) so a missing (1 + w) shows up."""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in leaves:
+        if s.init == "normal":
+            x = rng.normal(0.0, scale, s.shape)
+        elif s.init == "norm_offset":
+            x = rng.normal(0.0, 0.3, s.shape)
+        elif s.init == "ones":
+            x = 1.0 + rng.normal(0.0, 0.2, s.shape)
+        else:
+            x = rng.normal(0.0, 0.2, s.shape)
+        out.append(jnp.asarray(x, dtype=s.resolve_dtype(dtype)))
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,113 @@
+"""Lazy reading and writing of the safetensors format (8-byte header length, JSON header, raw data).
+
+Our own reader memory-maps each file and converts one tensor at a time, so peak host memory is one
+tensor (plus what the caller stacks), never the file set. It knows the dtypes of M3 checkpoints,
+including BF16 and F8_E4M3 (through ml_dtypes), and reports truncated or malformed files by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor that cannot be loaded; the message names the file and tensor."""
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file: header parsed eagerly, tensors read lazily through a memmap."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{self.path}: file is truncated (no safetensors header)")
+            (n,) = struct.unpack("<Q", raw)
+            if 8 + n > size:
+                raise CheckpointError(f"{self.path}: file is truncated (header of {n} bytes, file has {size})")
+            try:
+                header = json.loads(f.read(n))
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + n
+        self.entries: dict[str, dict] = header
+        for name, e in header.items():
+            if e.get("dtype") not in DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
+            begin, end = e["data_offsets"]
+            want = math.prod(e["shape"]) * DTYPES[e["dtype"]].itemsize
+            if end - begin != want:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} spans {end - begin} bytes but shape {e['shape']} "
+                    f"{e['dtype']} needs {want}"
+                )
+            if self.data_start + end > size:
+                raise CheckpointError(
+                    f"{self.path}: file is truncated: tensor {name!r} ends at byte {self.data_start + end} "
+                    f"but the file has {size} bytes"
+                )
+        self._mm: np.memmap | None = None
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> np.dtype:
+        return DTYPES[self.entries[name]["dtype"]]
+
+    def get(self, name: str) -> np.ndarray:
+        """Read-only view of the tensor (pages are read on access)."""
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        e = self.entries[name]
+        begin, end = e["data_offsets"]
+        buf = self._mm[self.data_start + begin : self.data_start + end]
+        return buf.view(DTYPES[e["dtype"]]).reshape(e["shape"])
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+    """Write tensors (numpy, any dtype in :data:`DTYPES`) to one safetensors file."""
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"cannot write tensor {name!r} of dtype {a.dtype}")
+        header[name] = {"dtype": DTYPE_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())

@@ -1,0 +1,84 @@
+"""Shared test setup: fixture locations, tolerances (one table), and small config builders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from m3jax.config import M3Config, TextConfig, VisionConfig
+
+FIXTURES = Path(os.environ.get("M3JAX_FIXTURES", Path(__file__).parent / "fixtures"))
+ORACLE_CONFIGS = ("text_mixed", "text_wide_block", "image", "video", "mxfp8")
+
+# Tolerances: the single written table. Relative L2 error unless marked atol.
+TOL = {
+    "float32": 1e-5,  # fp32 vs the transformers oracle / vs our own reference paths
+    "bfloat16": 2e-2,
+}
+
+
+def rel_l2(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def assert_close(got, ref, dtype="float32", what=""):
+    err = rel_l2(got, ref)
+    assert err <= TOL[dtype], f"{what}: relative L2 error {err:.3e} > {TOL[dtype]:.0e} ({dtype})"
+
+
+def same_sets(got, ref) -> int:
+    """Number of (…, row) entries whose valid (>= 0) block ids differ as sets."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert got.shape[:-1] == ref.shape[:-1], (got.shape, ref.shape)
+    bad = 0
+    for idx in np.ndindex(ref.shape[:-1]):
+        g, r = got[idx], ref[idx]
+        if set(g[g >= 0].tolist()) != set(r[r >= 0].tolist()):
+            bad += 1
+    return bad
+
+
+@pytest.fixture(scope="session")
+def oracle_dir() -> Path:
+    missing = [n for n in ORACLE_CONFIGS if not (FIXTURES / n / "fixture.npz").exists()]
+    if missing:
+        pytest.fail(
+            f"oracle fixtures {missing} not found under {FIXTURES}; generate them with "
+            "`bash tests/run_tests.sh` (builds the Python 3.11 oracle venv) or "
+            "`<oracle-venv>/bin/python tests/oracle/make_fixtures.py --out tests/fixtures`"
+        )
+    return FIXTURES
+
+
+def tiny_text(**kw) -> TextConfig:
+    base = dict(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        layer_types=("full_attention", "minimax_m3_sparse", "minimax_m3_sparse"),
+        mlp_layer_types=("dense", "sparse", "sparse"),
+        intermediate_size=16,
+        dense_intermediate_size=48,
+        shared_intermediate_size=16,
+        num_local_experts=6,
+        num_experts_per_tok=3,
+        rotary_dim=4,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_block_size=4,
+        index_topk_blocks=3,
+    )
+    base.update(kw)
+    return TextConfig(**base)
+
+
+def tiny_config(vision: bool = False, **text_kw) -> M3Config:
+    v = VisionConfig(hidden_size=40, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2) if vision else None
+    return M3Config(text=tiny_text(**text_kw), vision=v, image_token_id=90, video_token_id=91, projector_hidden_size=24)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): builds the transformers oracle venv (Python 3.11, CPU torch)
+# on first use, regenerates the oracle fixtures, then runs the whole pytest suite with the current
+# Python (3.12, m3jax installed). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/find_python.sh
+ORACLE=${M3JAX_ORACLE_VENV:-.venvs/oracle}
+if [ ! -x "$ORACLE/bin/python" ] || ! "$ORACLE/bin/python" -c "import torch, transformers" 2>/dev/null; then
+  echo "== building the oracle venv in $ORACLE (Python 3.11, torch CPU, transformers)"
+  "$(find_python 3.11)" -m venv "$ORACLE"
+  "$ORACLE/bin/python" -m pip install -q --upgrade pip
+  "$ORACLE/bin/python" -m pip install -q -r tests/oracle/requirements.txt
+fi
+echo "== regenerating oracle fixtures"
+"$ORACLE/bin/python" tests/oracle/make_fixtures.py --out tests/fixtures
+echo "== pytest"
+exec python -m pytest -q "$@"
