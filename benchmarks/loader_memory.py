@@ -252,13 +252,15 @@ def main():
         ("checkpoint tensor bytes", f"{total / MiB:,.0f} MiB ({total / 1e9:.2f} GB; {on_disk / 1e9:.2f} GB on disk)"),
         ("shards", f"{len(files)} (~{args.shard_mb} MiB each)"),
         ("largest stacked leaf", f"{largest / MiB:,.0f} MiB (`{largest_path}`, bf16)"),
-        ("leaves loaded", f"{r['leaves']} in {r['seconds']:.1f} s ({total / r['seconds'] / 1e9:.2f} GB/s, warm page cache)"),
+        ("leaves loaded", f"{r['leaves']} in {r['seconds']:.1f} s "
+                          f"({total / r['seconds'] / 1e9:.2f} GB/s, warm page cache)"),
         ("RSS after `import jax`", f"{r['after_import_jax'] / MiB:,.0f} MiB"),
         ("baseline RSS (imports + CPU backend)", f"{base / MiB:,.0f} MiB (anon {r['baseline_anon'] / MiB:,.0f} MiB)"),
         ("peak RSS (`ru_maxrss`)", f"{peak / MiB:,.0f} MiB"),
         ("(peak - baseline) / largest leaf", f"**{(peak - base) / largest:.2f}**"),
         ("sampled peak RssAnon (heap)", f"{r['peak_RssAnon'] / MiB:,.0f} MiB"),
-        ("(peak RssAnon - baseline anon) / largest leaf", f"**{(r['peak_RssAnon'] - r['baseline_anon']) / largest:.2f}**"),
+        ("(peak RssAnon - baseline anon) / largest leaf",
+         f"**{(r['peak_RssAnon'] - r['baseline_anon']) / largest:.2f}**"),
         ("sampled peak RssFile (mapped shards)", f"{r['peak_RssFile'] / MiB:,.0f} MiB"),
         ("RSS at end of load", f"{r['end_rss'] / MiB:,.0f} MiB"),
     ]

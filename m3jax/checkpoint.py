@@ -50,6 +50,7 @@ class Entry:
     kind: str
     spec: ParamSpec
     n_in: int = 1
+    patch_shape: tuple[int, ...] = ()  # Conv3d weight shape [Dv, C, T, P, P] for kind "patch"
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of each checkpoint tensor (torch layout)."""
@@ -60,7 +61,7 @@ class Entry:
             return (math.prod(s[self.n_in :]), math.prod(s[: self.n_in]))
         if self.kind == "experts":
             return (s[2], s[1])
-        raise AssertionError(self.kind)
+        return self.patch_shape
 
 
 def _get(tree, path):
@@ -74,9 +75,9 @@ def tensor_plan(cfg: M3Config) -> list[Entry]:
     specs = param_specs(cfg)
     out: list[Entry] = []
 
-    def add(path, names, kind="linear", n_in=1):
+    def add(path, names, kind="linear", n_in=1, patch_shape=()):
         names = (names,) if isinstance(names, str) else tuple(names)
-        out.append(Entry(tuple(path), names, kind, _get(specs, path), n_in))
+        out.append(Entry(tuple(path), names, kind, _get(specs, path), n_in, patch_shape))
 
     t = cfg.text
     lm = "language_model.model."
@@ -114,7 +115,9 @@ def tensor_plan(cfg: M3Config) -> list[Entry]:
 
     if cfg.vision is not None:
         vt = "vision_tower.vision_model."
-        add(("vision", "patch_embed"), vt + "embeddings.patch_embedding.weight", "patch")
+        v = cfg.vision
+        conv = (v.hidden_size, v.num_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        add(("vision", "patch_embed"), vt + "embeddings.patch_embedding.weight", "patch", patch_shape=conv)
         add(("vision", "pre_ln", "scale"), vt + "pre_layrnorm.weight", "copy")
         add(("vision", "pre_ln", "bias"), vt + "pre_layrnorm.bias", "copy")
         for j in range(cfg.vision.num_hidden_layers):
@@ -209,7 +212,7 @@ class CheckpointReader:
             for name in f.keys():
                 self.location[name] = f
         for name, fname in weight_map.items():
-            if name not in self.location:
+            if name not in self.location or self.location[name] is not self.files[fname]:
                 raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname} but that file does not hold it")
 
     def names(self) -> set[str]:
@@ -252,12 +255,8 @@ def _convert(reader: CheckpointReader, e: Entry, out_dtype) -> tuple[np.ndarray,
         return stacked, used
     name = e.names[0]
     if e.kind == "patch":
-        dv = e.spec.shape[1]
-        a = reader.read(name)
-        if a.ndim != 5 or a.shape[0] != dv or math.prod(a.shape[1:]) != e.spec.shape[0]:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected [{dv}, C, T, P, P] "
-                                  f"with C*T*P*P = {e.spec.shape[0]}")
-        return a.reshape(dv, -1).T.astype(out_dtype), [name]
+        a, used = reader.read_dequantized(name, e.hf_shape())
+        return a.reshape(a.shape[0], -1).T.astype(out_dtype), used
     a, used = reader.read_dequantized(name, e.hf_shape())
     if e.kind == "linear":
         a = a.T
@@ -281,6 +280,7 @@ def iter_checkpoint_arrays(
         arr, used = _convert(reader, e, np_dtype)
         unexpected.difference_update(used)
         yield e, arr
+        del arr  # before converting the next leaf, so at most one converted leaf is alive here
     if unexpected:
         sample = sorted(unexpected)[:8]
         raise CheckpointError(
@@ -327,8 +327,7 @@ def checkpoint_tensors(params: dict, cfg: M3Config, dtype=None, quantize_mxfp8_w
         elif e.kind == "experts":
             mats = [x.T for x in a]
         else:  # patch
-            v = cfg.vision
-            mats = [a.T.reshape(v.hidden_size, v.num_channels, v.temporal_patch_size, v.patch_size, v.patch_size)]
+            mats = [a.T.reshape(e.patch_shape)]
         for name, m in zip(e.names, mats):
             if quantize_mxfp8_weights and is_mxfp8_quantized(name):
                 q, s = quantize_mxfp8(np.asarray(m, np.float32))

@@ -51,27 +51,32 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: file is truncated (header of {n} bytes, file has {size})")
             try:
                 header = json.loads(f.read(n))
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}
         self.data_start = 8 + n
         self.entries: dict[str, dict] = header
         for name, e in header.items():
-            if e.get("dtype") not in DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
-            begin, end = e["data_offsets"]
-            want = math.prod(e["shape"]) * DTYPES[e["dtype"]].itemsize
+            try:
+                dtype, shape, (begin, end) = e["dtype"], [int(d) for d in e["shape"]], e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(
+                    f"{self.path}: corrupt header entry for tensor {name!r} (needs dtype, shape, data_offsets)"
+                ) from None
+            if dtype not in DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            want = math.prod(shape) * DTYPES[dtype].itemsize
             if end - begin != want:
                 raise CheckpointError(
-                    f"{self.path}: tensor {name!r} spans {end - begin} bytes but shape {e['shape']} "
-                    f"{e['dtype']} needs {want}"
+                    f"{self.path}: tensor {name!r} spans {end - begin} bytes but shape {shape} {dtype} needs {want}"
                 )
             if self.data_start + end > size:
                 raise CheckpointError(
                     f"{self.path}: file is truncated: tensor {name!r} ends at byte {self.data_start + end} "
                     f"but the file has {size} bytes"
                 )
-        self._mm: np.memmap | None = None
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -83,12 +88,16 @@ class SafetensorsFile:
         return DTYPES[self.entries[name]["dtype"]]
 
     def get(self, name: str) -> np.ndarray:
-        """Read-only view of the tensor (pages are read on access)."""
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        """Read-only view of the tensor (pages are read on access).
+
+        Each call maps only this tensor's bytes, and the mapping is released with the returned view,
+        so a long load never keeps the whole file set resident.
+        """
         e = self.entries[name]
         begin, end = e["data_offsets"]
-        buf = self._mm[self.data_start + begin : self.data_start + end]
+        if end == begin:
+            return np.empty(e["shape"], DTYPES[e["dtype"]])
+        buf = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start + begin, shape=(end - begin,))
         return buf.view(DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
