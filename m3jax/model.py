@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax import msa
+from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config, TextConfig
 from m3jax.layers import apply_rope, rms_norm, rope_angles
 from m3jax.moe import dense_mlp, moe_sorted
@@ -37,21 +38,37 @@ def index_branch(x: jax.Array, p: dict, angles: jax.Array, cfg: TextConfig) -> t
 
 
 def attention(
-    x: jax.Array, lp: dict, angles: jax.Array, q_pos: jax.Array, cfg: M3Config, sparse: bool
-) -> tuple[jax.Array, jax.Array | None]:
-    """One attention block. x: [B, T, D] (already normed); returns ([B, T, D], block ids or None).
+    x: jax.Array,
+    lp: dict,
+    angles: jax.Array,
+    q_pos: jax.Array,
+    cfg: M3Config,
+    sparse: bool,
+    kv: LayerCache | None = None,
+    page_table: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, LayerCache | None]:
+    """One attention block. x: [B, T, D] (already normed) at positions q_pos [B, T].
 
-    Block ids (MSA layers): int32 [B, K, T, topk], transformers' indexer contract.
+    Without a cache the keys are these T tokens (key s at position s). With ``kv`` the new K/V (and
+    index keys) are written at q_pos first and the keys are the sequence's whole cache, so chunked
+    prefill and decode run the same maths as the full forward.
+    Returns ([B, T, D], MSA block ids int32 [B, K, T, topk] or None, updated cache or None).
     """
     t = cfg.text
     p = lp["attn"]
     q = _qk_heads(x, p["wq"], p["q_norm"], angles, t.rms_norm_eps)
     k = _qk_heads(x, p["wk"], p["k_norm"], angles, t.rms_norm_eps)
     v = jnp.einsum("btd,dkh->btkh", x, p["wv"])
+    iq = ik = None
+    if sparse:
+        iq, ik = index_branch(x, lp["index"], angles, t)
+    if kv is not None:
+        kv = kv.write(page_table, q_pos, k, v, ik)
+        k, v, ik_all = kv.gather(page_table)
+        ik = ik_all if sparse else None
     bs = t.index_block_size
 
     if sparse:
-        iq, ik = index_branch(x, lp["index"], angles, t)
         attend = msa.dense_mask_attention if cfg.attention_impl == "dense_mask" else msa.sparse_attention
 
         def chunk_fn(qp, qc, iqc):
@@ -72,12 +89,13 @@ def attention(
             lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, q_pos, q
         )
         o, block_idx = merge(o, 1), None
-    return jnp.einsum("btnh,nhd->btd", o, p["wo"]), block_idx
+    return jnp.einsum("btnh,nhd->btd", o, p["wo"]), block_idx, kv
 
 
-def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int):
+def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None):
     t = cfg.text
-    a, block_idx = attention(rms_norm(h, lp["input_norm"], t.rms_norm_eps), lp, angles, q_pos, cfg, t.is_sparse_attention(i))
+    x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
+    a, block_idx, kv = attention(x, lp, angles, q_pos, cfg, t.is_sparse_attention(i), kv, page_table)
     h = h + a
     y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
     if t.is_moe(i):
@@ -85,28 +103,51 @@ def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int):
         f = moe_sorted(y.reshape(b * n, d), lp["moe"], t).reshape(b, n, d)
     else:
         f = dense_mlp(y, lp["mlp"], t)
-    return h + f, block_idx
+    return h + f, block_idx, kv
 
 
-def text_forward(
-    params: dict, inputs_embeds: jax.Array, positions: jax.Array, cfg: M3Config
-) -> tuple[jax.Array, dict[int, jax.Array]]:
-    """Decoder stack. inputs_embeds: [B, T, D]; positions: int [B, T].
+def text_hidden(
+    params: dict,
+    inputs_embeds: jax.Array,
+    positions: jax.Array,
+    cfg: M3Config,
+    cache: PagedCache | None = None,
+    page_table: jax.Array | None = None,
+) -> tuple[jax.Array, dict[int, jax.Array], PagedCache | None]:
+    """Decoder stack up to the final norm. inputs_embeds: [B, T, D]; positions: int [B, T].
 
-    Returns fp32 logits [B, T, V] and {layer: int32 [B, K, T, topk]} for the MSA layers.
+    ``cache`` (with the ``page_table`` rows of these B sequences) is read and updated.
+    Returns (hidden [B, T, D], {layer: int32 [B, K, T, topk]} for MSA layers, cache).
     """
     t = cfg.text
     p = params["text"]
     angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
     h = inputs_embeds
     selections = {}
+    new_layers = []
     for i, lp in enumerate(p["layers"]):
+        kv = None if cache is None else cache.layers[i]
         with jax.named_scope(f"layer_{i}"):
-            h, block_idx = decoder_layer(h, lp, angles, positions, cfg, i)
+            h, block_idx, kv = decoder_layer(h, lp, angles, positions, cfg, i, kv, page_table)
+        new_layers.append(kv)
         if block_idx is not None:
             selections[i] = block_idx
-    h = rms_norm(h, p["final_norm"], t.rms_norm_eps)
-    return jnp.einsum("btd,dv->btv", h, p["lm_head"]).astype(jnp.float32), selections
+    if cache is not None:
+        cache = PagedCache(new_layers, cache.page_table)
+    return rms_norm(h, p["final_norm"], t.rms_norm_eps), selections, cache
+
+
+def lm_head(params: dict, h: jax.Array) -> jax.Array:
+    """[..., D] -> fp32 logits [..., V]."""
+    return jnp.einsum("...d,dv->...v", h, params["text"]["lm_head"]).astype(jnp.float32)
+
+
+def text_forward(
+    params: dict, inputs_embeds: jax.Array, positions: jax.Array, cfg: M3Config
+) -> tuple[jax.Array, dict[int, jax.Array]]:
+    """Decoder stack without a cache: fp32 logits [B, T, V] and the MSA selections."""
+    h, selections, _ = text_hidden(params, inputs_embeds, positions, cfg)
+    return lm_head(params, h), selections
 
 
 def scatter_media(embeds: jax.Array, input_ids: jax.Array, token_id: int, features: jax.Array) -> jax.Array:

@@ -191,5 +191,6 @@ def init_random(cfg: M3Config, seed: int = 0, dtype=jnp.float32, scale: float = 
             x = 1.0 + rng.normal(0.0, 0.2, s.shape)
         else:
             x = rng.normal(0.0, 0.2, s.shape)
-        out.append(jnp.asarray(x, dtype=s.resolve_dtype(dtype)))
+        # Cast on the host (ml_dtypes) so that no per-shape device conversion gets compiled.
+        out.append(jnp.asarray(x.astype(s.resolve_dtype(dtype))))
     return jax.tree.unflatten(treedef, out)

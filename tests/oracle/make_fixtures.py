@@ -175,6 +175,9 @@ class FixtureSpec:
     make_inputs: Callable[[torch.Generator], dict]
     max_shard_size: str = "1GB"
     mxfp8: bool = False
+    # Greedy continuation by one full forward per step (the decoding reference: transformers'
+    # generate() disagreed with its own forward on M3), stored as greedy_ids / greedy_logits.
+    greedy_tokens: int = 0
 
 
 SMALL_VL_TEXT = dict(
@@ -205,6 +208,7 @@ SPECS = [
         ),
         make_inputs=text_inputs(batch=2, length=77),  # 10 key blocks > top-k 4
         max_shard_size="200KB",  # several shards + model.safetensors.index.json
+        greedy_tokens=32,
     ),
     FixtureSpec(
         name="text_wide_block",
@@ -225,6 +229,7 @@ SPECS = [
             swiglu_limit=2.0,
         ),
         make_inputs=text_inputs(batch=1, length=130),
+        greedy_tokens=34,
     ),
     FixtureSpec(
         name="image",
@@ -445,6 +450,18 @@ def reference_outputs(model: MiniMaxM3SparseForConditionalGeneration, inputs: di
     return result
 
 
+@torch.no_grad()
+def greedy_by_full_forward(model: MiniMaxM3SparseForConditionalGeneration, input_ids: torch.Tensor, steps: int) -> dict:
+    """Greedy decoding where every step re-runs the whole sequence (no cache)."""
+    ids = input_ids
+    step_logits = []
+    for _ in range(steps):
+        last = model(input_ids=ids).logits[:, -1]
+        step_logits.append(last)
+        ids = torch.cat([ids, last.argmax(-1, keepdim=True)], dim=1)
+    return {"greedy_ids": ids[:, input_ids.shape[1] :], "greedy_logits": torch.stack(step_logits, dim=1)}
+
+
 def check_block_indices(indices: torch.Tensor, block_size: int) -> None:
     """Kernel contract for [B, H, T, K] selections of a prompt at positions 0..T-1:
     the query's own block first, distinct valid blocks left-packed, -1 right-padding."""
@@ -474,6 +491,9 @@ def make_fixture(spec: FixtureSpec, out_dir: Path) -> str:
         notes.append(f"mxfp8 weights {quantize_checkpoint(path)}")
         reloaded = load_dequantized(path)
     outputs = reference_outputs(reloaded, inputs)
+    if spec.greedy_tokens:
+        outputs.update(greedy_by_full_forward(reloaded, inputs["input_ids"], spec.greedy_tokens))
+        notes.append(f"greedy {spec.greedy_tokens} tokens")
     if spec.mxfp8:
         with torch.no_grad():
             exact = model(**inputs).logits

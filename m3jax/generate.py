@@ -1,0 +1,189 @@
+"""Generate text with MiniMax-M3: ``python -m m3jax.generate``.
+
+    python -m m3jax.generate                                   # built-in default: random m3_tiny, byte tokenizer
+    python -m m3jax.generate --checkpoint DIR --prompt "..."   # HF checkpoint with tokenizer.json
+    python -m m3jax.generate --ctx 32768 --fill                # pad the prompt with a haystack to the context
+    python -m m3jax.generate --checkpoint DIR --prompt-ids 1,2,3 --max-new-tokens 32 --temperature 0 \\
+        --output-json out.json                                  # exact greedy ids in out.json
+
+Caches are sized for ``--ctx`` tokens; the limit is the config's max_position_embeddings unless
+``--allow-beyond-max-position`` is given. Before allocating, a memory plan (weights, KV + index
+cache, activations) is checked against the device; a run that would not fit is refused with the
+numbers and the largest ``--ctx`` that fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import m3jax
+from m3jax.config import load_config, preset, preset_names
+from m3jax.engine import Engine, SamplingParams
+from m3jax.memory import max_fitting_ctx, plan
+from m3jax.tokenizer import ByteTokenizer, load_tokenizer
+
+DEFAULT_PRESET = "m3_tiny"
+HAYSTACK = (
+    "The grass is green and the sky is blue. A river runs past the old mill, and the miller counts "
+    "his sacks of flour twice a day. "
+)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", type=Path, help="HF checkpoint directory (config.json + safetensors)")
+    src.add_argument("--config", help=f"preset with random weights: {preset_names()} (default {DEFAULT_PRESET})")
+    ap.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (caches are sized for it)")
+    prompt = ap.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None)
+    prompt.add_argument("--prompt-file", type=Path)
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids (no template, no tokenizer)")
+    ap.add_argument("--raw", action="store_true", help="do not apply the checkpoint's chat template")
+    ap.add_argument("--fill", action="store_true", help="prepend a synthetic haystack up to the context")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "dense_mask", "pallas"])
+    ap.add_argument("--output-json", type=Path)
+    ap.add_argument("--allow-beyond-max-position", action="store_true",
+                    help="run past the config's max_position_embeddings (RoPE extrapolation: quality unknown)")
+    ap.add_argument("--quiet", action="store_true", help="no streaming text, no progress bars")
+    return ap.parse_args(argv)
+
+
+def _peak_memory() -> dict:
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "peak_bytes_in_use" in stats:
+        return {"peak_device_memory_bytes": int(stats["peak_bytes_in_use"]), "memory_kind": dev.device_kind}
+    return {"peak_device_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "memory_kind": "host RSS (CPU backend)"}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    overrides = {"attention_impl": m3jax.api.resolve_attention_impl(args.attention_impl)}
+    cfg = load_config(args.checkpoint, **overrides) if args.checkpoint else preset(args.config or DEFAULT_PRESET, **overrides)
+    if args.allow_beyond_max_position:
+        cfg = cfg.replace_text(max_position_embeddings=max(args.ctx, cfg.text.max_position_embeddings))
+    elif args.ctx > cfg.text.max_position_embeddings:
+        raise SystemExit(
+            f"--ctx {args.ctx} exceeds the model's max_position_embeddings={cfg.text.max_position_embeddings}; "
+            "pass --allow-beyond-max-position to run anyway"
+        )
+    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    mem = plan(cfg, batch=1, capacity=args.ctx, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes)
+    if not mem.fits:
+        best = max_fitting_ctx(cfg, batch=1, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes, weights_loaded=False)
+        hint = f"--ctx {best} fits" if best else "no --ctx fits; use a smaller --prefill-chunk or more devices"
+        raise SystemExit(f"refusing to run: {mem.describe()}. {hint}"
+                         + ("" if args.dtype == "bfloat16" else "; --dtype bfloat16 halves weights and caches"))
+
+    t0 = time.perf_counter()
+    if args.checkpoint:
+        model = m3jax.load_pretrained(args.checkpoint, dtype=args.dtype, attention_impl=cfg.attention_impl,
+                                      progress=not args.quiet)
+        model = m3jax.M3Model(cfg, model.params)
+    else:
+        model = m3jax.init_random(cfg, seed=args.seed, dtype=args.dtype)
+    jax.block_until_ready(model.params)
+    load_s = time.perf_counter() - t0
+    tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size)
+
+    if args.prompt_ids:
+        ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    else:
+        text = args.prompt_file.read_text() if args.prompt_file else (args.prompt if args.prompt is not None else "Hello")
+        if not args.raw and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(text)
+        ids = tok.encode(text)
+    if any(not 0 <= i < cfg.text.vocab_size for i in ids):
+        raise SystemExit(f"prompt ids must be in [0, {cfg.text.vocab_size})")
+    if args.fill:
+        room = args.ctx - args.max_new_tokens - len(ids)
+        hay = tok.encode(HAYSTACK)
+        ids = (hay * (room // len(hay) + 1))[: max(room, 0)] + ids
+    if not ids:
+        raise SystemExit("empty prompt")
+
+    engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk)
+    compile_s = engine.warmup()
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+    eos = cfg.text.eos_token_id
+    eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
+
+    bar = None
+    if not args.quiet:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(ids), desc="prefill", unit="tok", unit_scale=True, file=sys.stderr)
+    streamed: list[int] = []
+    shown = ""
+
+    def on_token(row, token):
+        nonlocal shown
+        if bar is not None and bar.n >= bar.total:
+            bar.close()
+        streamed.append(token)
+        if not args.quiet:
+            text = tok.decode(streamed)
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+
+    result = engine.generate(
+        [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_ids=eos_ids,
+        on_token=on_token, on_prefill_progress=(bar.update if bar is not None else None),
+    )
+    if not args.quiet:
+        sys.stdout.write("\n")
+    gen = result.generated[0]
+    t = result.timings
+    steps = max(t["decode_steps"], 1)
+    report = {
+        "prompt_len": len(ids),
+        "generated_ids": gen,
+        "text": tok.decode(gen),
+        "tokenizer": tok.name,
+        "config": args.checkpoint.as_posix() if args.checkpoint else (args.config or DEFAULT_PRESET),
+        "ctx": args.ctx,
+        "attention_impl": cfg.attention_impl,
+        "devices": [str(d) for d in jax.devices()],
+        "timings": {
+            "load_s": load_s,
+            "compile_s": compile_s,
+            "ttft_s": t["ttft_s"],
+            "prefill_tok_per_s": t["prefill_tokens"] / t["ttft_s"],
+            "decode_ms_per_token": 1e3 * t["decode_s"] / steps,
+            "decode_steps": t["decode_steps"],
+        },
+        "memory_plan": mem.describe(),
+        **_peak_memory(),
+    }
+    if not args.quiet:
+        tm = report["timings"]
+        print(f"[{len(ids)} prompt tokens, {len(gen)} generated] load {tm['load_s']:.2f}s, TTFT {tm['ttft_s']:.2f}s "
+              f"({tm['prefill_tok_per_s']:.0f} tok/s prefill; compile {tm['compile_s']:.1f}s before), decode "
+              f"{tm['decode_ms_per_token']:.1f} ms/token; peak memory {report['peak_device_memory_bytes'] / 2**30:.2f} GiB "
+              f"({report['memory_kind']})", file=sys.stderr)
+    if args.output_json:
+        args.output_json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

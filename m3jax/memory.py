@@ -1,0 +1,98 @@
+"""Memory planner for generation: weights + caches + activations against what the device has.
+
+The estimate is for the reference (jnp) attention path the engine runs today, whose largest
+transients per prefill chunk are the gathered per-sequence cache views, the index scores of one
+query chunk against the whole context, and the gathered selected K/V blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+from m3jax.cache import cache_bytes
+from m3jax.config import M3Config
+from m3jax.params import param_specs, ParamSpec
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    weights: int
+    cache: int
+    activations: int
+    available: int | None
+    device: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.cache + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.total <= self.available
+
+    def describe(self) -> str:
+        avail = "unknown" if self.available is None else f"{self.available / GiB:.2f} GiB"
+        return (
+            f"needs {self.total / GiB:.2f} GiB (weights {self.weights / GiB:.2f}, KV+index cache "
+            f"{self.cache / GiB:.2f}, activations ~{self.activations / GiB:.2f}); available on {self.device}: {avail}"
+        )
+
+
+def weight_bytes(cfg: M3Config, dtype_bytes: int) -> int:
+    total = 0
+    for s in jax.tree.leaves(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec)):
+        n = 1
+        for d in s.shape:
+            n *= d
+        total += n * (4 if s.dtype == "float32" else dtype_bytes)
+    return total
+
+
+def activation_bytes(cfg: M3Config, batch: int, capacity: int, chunk: int, dtype_bytes: int) -> int:
+    t = cfg.text
+    c, ca = chunk, min(cfg.attention_chunk, chunk)
+    hidden = 8 * c * max(t.hidden_size, t.num_attention_heads * t.head_dim) * 4
+    moe = 3 * c * t.num_experts_per_tok * max(t.intermediate_size, t.hidden_size) * 4
+    mlp = 3 * c * t.dense_intermediate_size * 4
+    views = 2 * batch * capacity * t.num_key_value_heads * t.head_dim * dtype_bytes + capacity * t.index_head_dim * 4
+    scores = ca * max(t.index_n_heads, t.num_attention_heads) * capacity * 4 * 2
+    gathered = 2 * ca * t.num_key_value_heads * t.index_topk_blocks * t.index_block_size * t.head_dim * 4
+    logits = batch * t.vocab_size * 4 * 2
+    return hidden + moe + mlp + views + scores + gathered + logits
+
+
+def device_memory() -> tuple[int | None, str]:
+    """(bytes usable, description) for the default device; host RAM for the CPU backend."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{dev.device_kind} ({dev.platform})"
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.9), "host RAM (CPU backend)"
+    except (ValueError, OSError):
+        return None, "host"
+
+
+def plan(cfg: M3Config, *, batch: int, capacity: int, chunk: int, dtype_bytes: int, weights_loaded: bool = False) -> MemoryPlan:
+    available, device = device_memory()
+    w = 0 if weights_loaded else weight_bytes(cfg, dtype_bytes)
+    return MemoryPlan(w, cache_bytes(cfg, batch, capacity, dtype_bytes),
+                      activation_bytes(cfg, batch, capacity, chunk, dtype_bytes), available, device)
+
+
+def max_fitting_ctx(cfg: M3Config, *, batch: int, chunk: int, dtype_bytes: int, weights_loaded: bool) -> int:
+    """Largest capacity (multiple of the block) that fits, or 0."""
+    bs = cfg.text.index_block_size
+    lo, hi = 0, cfg.text.max_position_embeddings // bs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan(cfg, batch=batch, capacity=mid * bs, chunk=chunk, dtype_bytes=dtype_bytes, weights_loaded=weights_loaded).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * bs

@@ -1,0 +1,470 @@
+"""MSA decode kernels in Mosaic GPU: paged index-block scoring and sparse paged attention.
+
+Cache layout (one page = one MSA block of ``block_size`` tokens):
+``k_pages``/``v_pages`` [num_pages, block_size, K, H], ``ik_pages`` [num_pages, block_size, Hx],
+``page_table`` int32 [B, max_pages] (logical block j of sequence b is physical page
+``page_table[b, j]``), ``seq_lens`` int32 [B] counting the Q new tokens; query i of Q sits at
+position ``seq_lens[b] - Q + i``.
+
+1. :func:`decode_index_scores_kernel` (MSA.md §2.2, "AB-swapped"): one CTA per (request, context
+   split). The ``block_size`` index keys of a page are the wgmma **M** side (A operand straight from
+   the TMA-loaded SMEM page), the few ``Hi * Q`` query rows are the **N** side (padded to the wgmma
+   granularity of 8, B operand = the query tile, loaded once, K-major). Each CTA owns a contiguous
+   range of logical pages (``num_splits`` is static, so the grid is shape-static / graph-stable) and
+   only visits pages that hold tokens (``cdiv(seq_len, block_size)``); an ``emit_pipeline`` keeps
+   ``stages`` page loads in flight (physical page read from ``page_table`` inside the index map).
+   Per page: the ``[block_size, N]`` fp32 accumulator is masked causally (key position <= query
+   position), max-reduced over the key axis, and the ``[N]`` row goes to an SMEM score tile that is
+   written back with one TMA store per CTA (rows of pages without tokens are set to -inf in XLA). Memory-bound: the index-key scan is the only large read.
+2. :func:`sparse_decode_attention_kernel` (MSA.md §2.6): one CTA per (request, KV head, split of the
+   selected pages). The group's ``G`` query heads times the ``Q`` tokens are packed as wgmma rows
+   (padded to 64). The Q tokens' selections are merged into a **union** of distinct pages with a
+   per-page token bitmask (built in XLA from the tiny ``block_idx`` tensor), so a page selected by
+   several draft tokens is read once (the verify-as-decode fix, MSA.md §2.6 item 2). Pages are loaded
+   by TMA through the page table (``emit_pipeline``), online softmax in fp32 (exp2, log2 e folded in
+   the scale), masked by token bitmask and ``key pos <= query pos`` (which implies ``< seq_len``).
+   Each split writes a normalised fp32 partial output and its natural-log LSE; the LSE merge of
+   MSA.md §1.5 runs in XLA (tiny: ``splits x rows x H``). Rows without any visible key give 0.
+
+fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
+reference accuracy the wrappers split fp32 operands into bf16 ``hi + lo`` parts and the kernels
+issue three bf16 wgmmas (hi*hi + hi*lo + lo*hi, ~2^-16 relative error); 16-bit inputs use one
+wgmma. (The split costs one extra XLA pass over the fp32 cache: fp32 is a test path, the serving
+cache is bf16.)
+
+What changes on Blackwell (``Target.BLACKWELL``): the wgmma calls become ``plgpu.tcgen05_mma`` with
+the accumulators in TMEM (index scoring: the [block_size, N] score tile lives in TMEM and the block
+max is a TMEM load-with-reduce on SM103); the attention's P operand is written to TMEM instead of
+registers; ``tma_gather`` lets one indexed TMA fetch all selected pages of a split instead of one
+copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. Tile sizes, stage counts
+and the MMA choice come from :class:`DecodeConfig` + ``Target``; the algorithm is unchanged.
+
+Remaining work (not needed for correctness): warp specialisation (a TMA warp + 2 compute warpgroups,
+as in ``attention_mgpu``) so that the MMA/softmax of one page overlaps the next page's wait; a
+second compute warpgroup for Q*G = 128 rows (Q = 8) to halve register pressure; fusing the top-k
+into the scoring kernel (per-split partial top-k, MSA.md §6 item 3) so the score row is not
+re-read; FP8 index keys (halves the scan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._backend import on_gpu as _on_gpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexScoreConfig:
+    """Tiling of :func:`decode_index_scores_kernel`.
+
+    num_splits: CTAs per request along the context (None: enough for ~2 waves over the SMs).
+    stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
+    """
+
+    num_splits: int | None = None
+    stages: int = 4
+    waves: int = 2
+
+    def splits(self, batch: int, max_pages: int, target: Target) -> int:
+        if self.num_splits is not None:
+            return max(1, min(self.num_splits, max_pages))
+        return max(1, min(max_pages, -(-self.waves * target.num_sms // batch)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDecodeConfig:
+    """Tiling of :func:`sparse_decode_attention_kernel`.
+
+    num_splits: splits of a request's union of selected pages (None: ~1 wave over the SMs, at most
+      one page per split).
+    stages: K/V page pairs in flight per CTA (reduced automatically to fit SMEM).
+    """
+
+    num_splits: int | None = None
+    stages: int = 2
+
+    def splits(self, batch: int, kv_heads: int, union_len: int, target: Target) -> int:
+        if self.num_splits is not None:
+            return max(1, min(self.num_splits, union_len))
+        return max(1, min(union_len, -(-target.num_sms // (batch * kv_heads))))
+
+
+def _smem_transforms(dtype) -> tuple:
+    swizzle = 128
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def split_parts(x: jax.Array) -> tuple[jax.Array, ...]:
+    """16-bit arrays pass through; fp32 becomes bf16 (hi, lo) with hi + lo ~= x to 2^-16."""
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        return (x,)
+    x = x.astype(jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return (hi, lo)
+
+
+def _products(n_parts: int) -> tuple[tuple[int, int], ...]:
+    return ((0, 0),) if n_parts == 1 else ((0, 0), (0, 1), (1, 0))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. index scores
+# --------------------------------------------------------------------------------------------------
+
+
+def decode_index_scores_kernel(
+    iq: jax.Array,
+    ik_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    block_size: int,
+    config: IndexScoreConfig = IndexScoreConfig(),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Block-max index scores of the Q new tokens over a paged index-key cache.
+
+    Args:
+      iq: [B, Q, Hi, Hx] index queries; ik_pages: [num_pages, block_size, Hx] index keys;
+      page_table: int32 [B, max_pages]; seq_lens: int32 [B] (including the Q new tokens).
+    Returns:
+      fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
+      blocks with no visible key (future or unused pages).
+    """
+    b, q, hi, hx = iq.shape
+    num_pages, bs, hx2 = ik_pages.shape
+    max_pages = page_table.shape[1]
+    if bs != block_size or hx2 != hx:
+        raise ValueError(f"ik_pages {ik_pages.shape} does not match block_size={block_size}, Hx={hx}")
+    if bs % 64 or bs > 256:
+        raise ValueError(f"block_size={bs} must be a multiple of 64 and <= 256 (wgmma M tiles)")
+    if hx % 64:
+        raise ValueError(f"index head dim {hx} must be a multiple of 64")
+    n_rows = hi * q
+    n_pad = _round_up(n_rows, 8)
+    if n_pad > 256:
+        raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
+    target = current_target()
+    splits = config.splits(b, max_pages, target)
+    chunk = -(-max_pages // splits)
+
+    # rows n = h * Q + q (so the output reshapes to [Hi, Q] for free), padded with zeros.
+    rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, n_rows, hx)
+    rows = jnp.pad(rows, [(0, 0), (0, n_pad - n_rows), (0, 0)])
+    q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)))
+    k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32))
+    k_parts = tuple(kp.reshape(num_pages * bs, hx) for kp in k_parts)
+    n_parts = len(q_parts)
+    prods = _products(n_parts)
+    dtype = q_parts[0].dtype
+    transforms = _smem_transforms(dtype)
+    stages = max(1, min(config.stages, chunk))
+
+    def body(*refs):
+        q_gmem = refs[:n_parts]
+        k_gmem = refs[n_parts : 2 * n_parts]
+        pt_gmem, len_gmem, out_gmem = refs[2 * n_parts : 2 * n_parts + 3]
+        q_smem, score_smem, q_bar = refs[2 * n_parts + 3 :]
+        bi = lax.axis_index("b")
+        si = lax.axis_index("s")
+        seq_len = len_gmem[bi]
+        first = si * chunk
+        live_pages = (seq_len + bs - 1) // bs
+        steps = jnp.clip(jnp.minimum(live_pages, first + chunk) - first, 0, chunk)
+
+        for p in range(n_parts):
+            plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        # query position of accumulator column n (n = h * Q + t): seq_len - Q + t
+        col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
+        row = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 0, layout=plgpu.Layout.WGMMA)
+        q_pos = seq_len - q + lax.rem(col, q)
+
+        def page_step(idx, *k_smems):
+            (i,) = idx
+            j = first + i
+
+            def mma(acc_ref):
+                for a, c in prods:
+                    plgpu.wgmma(acc_ref, k_smems[a], q_smem.at[c].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(mma, plgpu.ACC((bs, n_pad), jnp.float32))
+            s = jnp.where(row + j * bs <= q_pos, s, -jnp.inf)
+            score_smem[i] = s.max(axis=0)
+
+        def page_of(i):
+            return (pt_gmem[bi, first + i], 0)
+
+        plgpu.emit_pipeline(
+            page_step,
+            grid=(steps,),
+            in_specs=[plgpu.BlockSpec((bs, hx), page_of, transforms=transforms) for _ in range(n_parts)],
+            max_concurrent_steps=stages,
+        )(*k_gmem)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(score_smem, out_gmem.at[bi, pl.ds(first, chunk)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((n_parts, n_pad, hx), dtype, transforms=transforms),
+            plgpu.SMEM((chunk, n_pad), jnp.float32),
+            plgpu.Barrier(num_arrivals=n_parts),
+        ],
+        grid=(b, splits),
+        grid_names=("b", "s"),
+    )
+    out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    # Rows of pages a CTA did not visit (no tokens) were never written: -inf them here.
+    live = (seq_lens.astype(jnp.int32)[:, None] + bs - 1) // bs
+    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out[:, :max_pages, :n_rows], -jnp.inf)
+    out = out.reshape(b, max_pages, hi, q)
+    return jnp.transpose(out, (0, 2, 3, 1))
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. sparse attention
+# --------------------------------------------------------------------------------------------------
+
+
+def union_pages(block_idx: jax.Array, page_table: jax.Array):
+    """Distinct selected pages per (request, KV head) with the bitmask of tokens that selected them.
+
+    Args:
+      block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty); page_table: int32 [B, max_pages].
+    Returns:
+      (logical [B, K, U], physical [B, K, U], token_bits [B, K, U], count [B, K]) with U = Q * topk;
+      the first ``count`` entries are the distinct valid blocks (in first-selection order), the rest
+      are padding (logical -1, physical page 0, bits 0).
+    """
+    b, kh, q, topk = block_idx.shape
+    u = q * topk
+    flat = block_idx.reshape(b, kh, u).astype(jnp.int32)
+    valid = flat >= 0
+    eq = (flat[..., :, None] == flat[..., None, :]) & valid[..., :, None] & valid[..., None, :]
+    e = jnp.arange(u)
+    first = valid & ~jnp.any(eq & (e[None, :] < e[:, None]), axis=-1)
+    token = e // topk
+    tok_hit = jnp.zeros((b, kh, u), jnp.int32)
+    for t in range(q):  # bit t: token t selected this block
+        hit_t = jnp.any(eq & (token == t)[None, None, None, :], axis=-1)
+        tok_hit = tok_hit | (hit_t.astype(jnp.int32) << t)
+    order = jnp.argsort(jnp.where(first, e, u + e), axis=-1)
+    logical = jnp.take_along_axis(jnp.where(first, flat, -1), order, axis=-1)
+    bits = jnp.take_along_axis(jnp.where(first, tok_hit, 0), order, axis=-1)
+    count = jnp.sum(first, axis=-1).astype(jnp.int32)
+    physical = jnp.take_along_axis(page_table[:, None, :].astype(jnp.int32), jnp.maximum(logical, 0), axis=-1)
+    physical = jnp.where(logical >= 0, physical, 0)
+    return logical, physical, bits, count
+
+
+def sparse_decode_attention_kernel(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    block_idx: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    block_size: int,
+    config: SparseDecodeConfig = SparseDecodeConfig(),
+    interpret: bool | None = None,
+    return_lse: bool = False,
+):
+    """Sparse paged decode attention (see module docstring).
+
+    Args:
+      q: [B, Q, N, H]; k_pages, v_pages: [num_pages, block_size, K, H]; page_table: int32
+      [B, max_pages]; block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty, unique per row);
+      seq_lens: int32 [B].
+    Returns:
+      [B, Q, N, H] in q.dtype (and the natural-log LSE fp32 [B, Q, N] if ``return_lse``).
+    """
+    b, nq, n, h = q.shape
+    num_pages, bs, kh, h2 = k_pages.shape
+    g = n // kh
+    topk = block_idx.shape[-1]
+    if bs != block_size or h2 != h or n % kh:
+        raise ValueError(f"shapes q {q.shape}, k_pages {k_pages.shape}, block_size={block_size}")
+    if bs % 64 or bs > 256:
+        raise ValueError(f"block_size={bs} must be a multiple of 64 and <= 256 (wgmma N)")
+    if h % 64 or h > 256:
+        raise ValueError(f"head dim {h} must be a multiple of 64 and <= 256")
+    if nq > 32:
+        raise ValueError("at most 32 query tokens per request (token bitmask is int32)")
+    rows = nq * g
+    m_pad = _round_up(rows, 64)
+    target = current_target()
+    u = nq * topk
+    splits = config.splits(b, kh, u, target)
+    chunk = -(-u // splits)
+
+    logical, physical, bits, count = union_pages(block_idx, page_table)
+    # rows r = t * G + g_head, padded with zeros: [B, K, M_pad, H]
+    q_rows = jnp.transpose(q.reshape(b, nq, kh, g, h), (0, 2, 1, 3, 4)).reshape(b, kh, rows, h)
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, m_pad - rows), (0, 0)])
+    cdt = jnp.promote_types(jnp.promote_types(q.dtype, k_pages.dtype), v_pages.dtype)
+    q_parts = split_parts(q_rows.astype(cdt))
+    k_parts = split_parts(k_pages.astype(cdt))
+    v_parts = split_parts(v_pages.astype(cdt))
+    k_parts = tuple(x.reshape(num_pages * bs, kh, h) for x in k_parts)
+    v_parts = tuple(x.reshape(num_pages * bs, kh, h) for x in v_parts)
+    n_parts = len(q_parts)
+    prods = _products(n_parts)
+    dtype = q_parts[0].dtype
+    transforms = _smem_transforms(dtype)
+    page_bytes = 2 * n_parts * bs * h * jnp.dtype(dtype).itemsize
+    fixed = n_parts * m_pad * (h + bs) * 2 + m_pad * h * 4 + 4 * m_pad + 4096
+    stages = max(1, min(config.stages, chunk, (target.smem_bytes - fixed) // page_bytes))
+    scale = (h**-0.5) * LOG2E
+    accumulate_in_place = not (interpret if interpret is not None else not _on_gpu())
+
+    def body(*refs):
+        q_gmem = refs[:n_parts]
+        k_gmem = refs[n_parts : 2 * n_parts]
+        v_gmem = refs[2 * n_parts : 3 * n_parts]
+        log_gmem, phys_gmem, bits_gmem, cnt_gmem, len_gmem, o_gmem, lse_gmem = refs[3 * n_parts : 3 * n_parts + 7]
+        q_smem, p_smem, q_bar = refs[3 * n_parts + 7 :]
+        bi = lax.axis_index("b")
+        hk = lax.axis_index("k")
+        si = lax.axis_index("s")
+        seq_len = len_gmem[bi]
+        first = si * chunk
+        steps = jnp.clip(cnt_gmem[bi, hk] - first, 0, chunk)
+
+        for p in range(n_parts):
+            plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, hk], q_smem.at[p], q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        row = plgpu.broadcasted_iota(jnp.int32, (m_pad, bs), 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (m_pad, bs), 1, layout=plgpu.Layout.WGMMA)
+        tok = lax.div(row, g)
+        q_pos = seq_len - nq + tok
+
+        m0 = plgpu.layout_cast(jnp.full((m_pad,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l0 = plgpu.layout_cast(jnp.full((m_pad,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc0 = plgpu.layout_cast(jnp.full((m_pad, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def page_step(idx, *kv_and_carry):
+            (i,) = idx
+            k_smems = kv_and_carry[:n_parts]
+            v_smems = kv_and_carry[n_parts : 2 * n_parts]
+            acc, m_i, l_i = kv_and_carry[2 * n_parts]
+            e = first + i
+            blk = log_gmem[bi, hk, e]
+            sel = bits_gmem[bi, hk, e]
+
+            def qk(acc_ref):
+                for a, c in prods:
+                    plgpu.wgmma(acc_ref, q_smem.at[a], k_smems[c].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((m_pad, bs), jnp.float32)) * scale
+            ok = ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * bs <= q_pos) & (row < rows)
+            s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
+            p_parts = split_parts(p) if n_parts == 2 else (p.astype(dtype),)
+            for a in range(n_parts):
+                p_smem[a] = p_parts[a]
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                for a, c in prods:
+                    plgpu.wgmma(acc_ref, p_smem.at[a], v_smems[c])
+                return acc_ref[...]
+
+            if accumulate_in_place:  # GPU: wgmma accumulates onto the rescaled acc registers
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:  # interpret mode has no run_state over accumulators: fresh acc + add
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
+            return acc, m_new, l_i
+
+        def kv_page(i):
+            return (phys_gmem[bi, hk, first + i], 0)
+
+        spec = plgpu.BlockSpec((bs, h), kv_page, transforms=transforms)
+        acc, m_i, l_i = plgpu.emit_pipeline(
+            page_step,
+            grid=(steps,),
+            in_specs=[spec] * (2 * n_parts),
+            max_concurrent_steps=stages,
+            init_carry=(acc0, m0, l0),
+        )(*(x.at[:, hk] for x in k_gmem), *(x.at[:, hk] for x in v_gmem))
+
+        has = l_i > 0.0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        lse = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+
+        def store(o_smem, lse_smem):
+            o_smem[...] = out
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[bi, hk, si])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[bi, hk, si])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((m_pad, h), jnp.float32), plgpu.SMEM((m_pad,), jnp.float32))
+
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=(
+            jax.ShapeDtypeStruct((b, kh, splits, m_pad, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, splits, m_pad), jnp.float32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((n_parts, m_pad, h), dtype, transforms=transforms),
+            plgpu.SMEM((n_parts, m_pad, bs), dtype, transforms=transforms),
+            plgpu.Barrier(num_arrivals=n_parts),
+        ],
+        grid=(b, kh, splits),
+        grid_names=("b", "k", "s"),
+    )
+    o_part, lse_part = kern(
+        *q_parts, *k_parts, *v_parts, logical, physical, bits, count, seq_lens.astype(jnp.int32)
+    )
+    out, lse = combine_splits(o_part, lse_part)  # [B, K, M_pad, H], [B, K, M_pad]
+    out = out[:, :, :rows].reshape(b, kh, nq, g, h)
+    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, nq, n, h).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.transpose(lse[:, :, :rows].reshape(b, kh, nq, g), (0, 2, 1, 3)).reshape(b, nq, n)
+    return out, lse
+
+
+def combine_splits(o_part: jax.Array, lse_part: jax.Array):
+    """LSE merge over axis 2 of normalised partials (MSA.md §1.5); all -inf rows give 0 / -inf."""
+    m = jnp.max(lse_part, axis=2, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse_part - m_safe)  # -inf -> 0
+    z = jnp.sum(w, axis=2)
+    o = jnp.sum(w[..., None] * o_part, axis=2) / jnp.where(z > 0, z, 1.0)[..., None]
+    lse = jnp.where(z > 0, m_safe[:, :, 0] + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)
+    return o, lse

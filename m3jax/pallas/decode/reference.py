@@ -1,0 +1,36 @@
+"""Pure-jnp references of the MSA decode kernels: gather the pages, then call :mod:`m3jax.msa`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from m3jax import msa
+
+
+def query_positions(seq_lens: jax.Array, q: int) -> jax.Array:
+    """int32 [B, Q]: query i of Q sits at ``seq_lens[b] - Q + i``."""
+    return seq_lens.astype(jnp.int32)[:, None] - q + jnp.arange(q, dtype=jnp.int32)[None, :]
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """[num_pages, bs, ...] + [B, max_pages] -> [B, max_pages * bs, ...] (logical token order)."""
+    g = pages[page_table]  # [B, max_pages, bs, ...]
+    return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+
+
+def decode_index_scores(iq, ik_pages, page_table, seq_lens, *, block_size: int, **_unused) -> jax.Array:
+    """fp32 [B, Hi, Q, max_pages]; iq [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx]."""
+    ik = gather_pages(ik_pages, page_table)
+    return msa.block_scores(iq, ik, query_positions(seq_lens, iq.shape[1]), block_size)
+
+
+def sparse_decode_attention(
+    q, k_pages, v_pages, page_table, block_idx, seq_lens, *, block_size: int, **_unused
+) -> jax.Array:
+    """[B, Q, N, H]; rows whose query position is < 0 (padding) give 0."""
+    k = gather_pages(k_pages, page_table)
+    v = gather_pages(v_pages, page_table)
+    q_pos = query_positions(seq_lens, q.shape[1])
+    out = msa.sparse_attention(q, k, v, block_idx, q_pos, block_size)
+    return jnp.where((q_pos >= 0)[:, :, None, None], out, 0).astype(q.dtype)

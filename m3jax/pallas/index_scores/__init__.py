@@ -1,0 +1,33 @@
+"""MSA index block scoring (MSA.md §1.2, §2.1): Mosaic GPU kernel + pure-jnp reference.
+
+``index_block_scores(iq, ik, q_pos, *, block_size, implementation="pallas", config=None)`` returns
+fp32 ``[B, Hi, T, nb]`` with the semantics of ``m3jax.msa.block_scores``.
+``index_select_blocks(...)`` is the fused scores + top-k kernel (the score matrix is never
+written); it returns ``m3jax.msa.select_blocks``'s int32 ``[B, Hi, T, topk]`` in the same order.
+"""
+
+from __future__ import annotations
+
+from m3jax.pallas.index_scores import kernel as _kernel
+from m3jax.pallas.index_scores import reference as _reference
+from m3jax.pallas.index_scores.kernel import IndexScoreConfig, index_block_scores_blockmajor
+
+__all__ = ["IndexScoreConfig", "index_block_scores", "index_select_blocks", "index_block_scores_blockmajor"]
+
+
+def index_block_scores(iq, ik, q_pos, *, block_size: int, implementation: str = "pallas", config=None):
+    if implementation == "pallas":
+        return _kernel.index_block_scores(iq, ik, q_pos, block_size=block_size, config=config)
+    if implementation == "reference":
+        return _reference.index_block_scores(iq, ik, q_pos, block_size=block_size, config=config)
+    raise ValueError(f"unknown implementation {implementation!r}")
+
+
+def index_select_blocks(iq, ik, q_pos, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
+                        implementation: str = "pallas", config=None):
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, config=config)
+    if implementation == "pallas":
+        return _kernel.index_select_blocks(iq, ik, q_pos, **kw)
+    if implementation == "reference":
+        return _reference.index_select_blocks(iq, ik, q_pos, **kw)
+    raise ValueError(f"unknown implementation {implementation!r}")

@@ -1,0 +1,282 @@
+"""Mosaic GPU kernel: MSA index block scores (fused GEMM + per-block row max), optionally fused top-k.
+
+Design (Hopper, ``Target.HOPPER``):
+
+* Rows. The ``Hi`` index heads are packed with query tokens into the MMA M dimension: the wrapper
+  views ``iq [B, T, Hi, Hx]`` as ``[B, T*Hi, Hx]`` (row ``r = t*Hi + h``, a free reshape) and a
+  CTA owns one tile of ``rows`` (64 or 128) rows = ``rows / Hi`` query tokens, loaded once by TMA.
+* Columns. N = ``block_size`` keys = exactly one index block per MMA tile, K = ``Hx``. One
+  ``wgmma`` per key block (bf16 operands, fp32 accumulators in registers); the key blocks
+  stream through SMEM with ``plgpu.emit_pipeline`` (TMA, ``max_concurrent_steps`` buffers).
+* Epilogue. The fp32 accumulator tile is reduced with a row max in registers; token-level scores
+  never leave the registers. Only the diagonal region needs the causal mask, so the key loop is
+  split in two pipelines: blocks ``[0, full)`` that every row of the tile sees completely (no mask)
+  and blocks ``[full, nvis)`` that need the per-row mask ``key_pos <= q_pos`` (usually 1 block).
+  Blocks past the tile's causal limit ``nvis`` are never loaded (skipped, written as ``-inf``).
+* Output (unfused). Row-max vectors are written into an SMEM tile ``[G, rows]`` (one SMEM row per
+  key block, double buffered) and stored by TMA into a *block-major* score array
+  ``[B, nb_pad, T_pad*Hi]``; the public ``[B, Hi, T, nb]`` layout is one XLA transpose of that
+  (``m3jax.pallas.topk`` consumes the block-major layout directly, without the transpose).
+* Output (fused top-k, MSA.md §2.8). Instead of writing scores, each row-max vector goes through
+  the register insertion top-k of ``m3jax.pallas.topk._select`` (forced own/local/sink blocks,
+  descending score, ties to the lower id). Only ``[B, topk, T_pad*Hi]`` int32 ids are written.
+* fp32 inputs. The MMA is bf16 only; fp32 ``iq``/``ik`` are split as ``x = hi + lo`` (both bf16)
+  and the wrapper concatenates ``[hi_q | hi_q | lo_q]`` against ``[hi_k | lo_k | hi_k]`` along
+  K (K = 3 Hx, "bf16x3"): ``hi.hi + hi.lo + lo.hi`` recovers ~16 mantissa bits per product, within
+  the 2e-4 tolerance of MSA.md §4.3, at 3x the MMA work. bf16 inputs run the plain K = Hx GEMM.
+
+What remains for peak (measured numbers in benchmarks/msa_index.py): a warp-specialised version
+(one TMA producer warpgroup + two consumer warpgroups ping-ponging so that one warpgroup's epilogue
+overlaps the other's wgmma), a persistent grid over (batch, row tile) with cost-sorted tiles for
+ragged batches, and a skip of the fused top-k insertion when no row improves.
+
+Blackwell (``Target.BLACKWELL``): the same tiling maps to ``tcgen05_mma`` with the accumulator in
+TMEM (``plgpu.TMEM``; the epilogue reads it with ``async_load_tmem`` and can use the TMEM
+load-with-reduce on SM103), M = 256 rows on a 2-CTA cluster (``cluster=2``, each CTA loading half
+of the key block), and several TMEM accumulator stages so the MMA warp runs ahead of the epilogue
+warps. Paged index-K caches can then use a TMA gather of the page ids. Only the MMA call, the
+accumulator allocation and the row tile change; the pipeline, masks and outputs stay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
+from m3jax.pallas.topk import _select
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexScoreConfig:
+    """Tile configuration. ``rows``: MMA M rows per CTA (tokens x Hi, 64 or 128); ``group``: key
+    blocks per output TMA store; ``max_concurrent_steps``: key blocks in flight."""
+
+    rows: int = 128
+    group: int = 16
+    max_concurrent_steps: int = 3
+
+    def for_block(self, block_size: int, fused: bool) -> "IndexScoreConfig":
+        rows = self.rows
+        # fp32 accumulator registers: rows * block_size / 128 threads (+ the top-k state if fused).
+        if rows * block_size > (8192 if fused else 16384):
+            rows = 64
+        return dataclasses.replace(self, rows=rows)
+
+
+def _row_layout():
+    return plgpu.Layout.WGMMA.reduce(1)
+
+
+def _swizzle_transforms(kx: int):
+    swizzle = plgpu.find_swizzle(kx * 16)  # bf16 rows of kx elements, in bits
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel_call(q2, k2, rowpos, tile_info, *, s_len, block_size, nb, config, fused, topk, local_blocks,
+                 init_blocks, interpret=None):
+    """q2 [B, Rp, Kx] bf16, k2 [B, Sp, Kx] bf16, rowpos [B, Rp] i32, tile_info [B, ntiles, 2] i32."""
+    b, r_pad, kx = q2.shape
+    rows, group = config.rows, config.group
+    bs = block_size
+    n_tiles = r_pad // rows
+    nb_pad = -(-nb // group) * group
+    transforms = _swizzle_transforms(kx)
+    full_key_blocks = s_len // bs  # blocks wholly inside [0, S)
+
+    if fused:
+        out_type = jax.ShapeDtypeStruct((b, topk, r_pad), jnp.int32)
+    else:
+        out_type = jax.ShapeDtypeStruct((b, nb_pad, r_pad), jnp.float32)
+
+    def body(q_ref, k_ref, rowpos_ref, info_ref, out_ref, q_smem, rp_smem, o_smem, ninf_smem, bar):
+        bi = jax.lax.axis_index("b")
+        ti = jax.lax.axis_index("tile")
+        r0 = ti * rows
+        minpos = info_ref[bi, ti, 0]
+        maxpos = info_ref[bi, ti, 1]
+        nvis = jnp.clip(jnp.floor_divide(maxpos, bs) + 1, 0, nb)
+        full = jnp.clip(jnp.floor_divide(minpos + 1, bs), 0, jnp.minimum(nvis, full_key_blocks))
+
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(r0, rows)], q_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(rowpos_ref.at[bi, pl.ds(r0, rows)], rp_smem, bar.at[1])
+        plgpu.barrier_wait(bar.at[0])
+        plgpu.barrier_wait(bar.at[1])
+        rowpos = plgpu.load(rp_smem, layout=_row_layout())
+
+        def row_max(k_smem, j, masked):
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(mma, plgpu.ACC((rows, bs), jnp.float32))
+            if masked:
+                col = plgpu.broadcasted_iota(jnp.int32, (rows, bs), 1, layout=plgpu.Layout.WGMMA) + j * bs
+                rp = jax.lax.broadcast_in_dim(rowpos, (rows, bs), [0])
+                acc = jnp.where((col <= rp) & (col < s_len), acc, NEG_INF)
+            return acc.max(axis=1)
+
+        def spec(offset):
+            return plgpu.BlockSpec((bs, kx), lambda j: (j + offset, 0), transforms=transforms)
+
+        if fused:
+            init = (
+                tuple(jnp.full((rows,), NEG_INF, jnp.float32) for _ in range(topk)),
+                tuple(jnp.full((rows,), -1, jnp.int32) for _ in range(topk)),
+            )
+            init = jax.tree.map(lambda x: plgpu.layout_cast(x, _row_layout()), init)
+
+            def step(offset, masked):
+                def fn(idx, k_smem, carry):
+                    j = idx[0] + offset
+                    x = _select.forced_candidate(row_max(k_smem, j, masked), rowpos, j, block_size=bs,
+                                                 local_blocks=local_blocks, init_blocks=init_blocks)
+                    return _select.insert(*carry, x, j)
+
+                return fn
+
+            carry = plgpu.emit_pipeline(step(0, False), grid=(full,), in_specs=[spec(0)],
+                                        max_concurrent_steps=config.max_concurrent_steps,
+                                        init_carry=init)(k_ref.at[bi])
+            carry = plgpu.emit_pipeline(step(full, True), grid=(nvis - full,), in_specs=[spec(full)],
+                                        max_concurrent_steps=config.max_concurrent_steps,
+                                        init_carry=carry)(k_ref.at[bi])
+            _, ids = carry
+            for i in range(topk):
+                o_smem[i] = ids[i]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, :, pl.ds(r0, rows)])
+            plgpu.wait_smem_to_gmem(0)
+            return
+
+        ninf_smem[...] = jnp.full((group, rows), NEG_INF, jnp.float32)
+
+        def step(offset, masked):
+            def fn(idx, k_smem):
+                j = idx[0] + offset
+                g, row = jax.lax.div(j, group), jax.lax.rem(j, group)
+                slot = jax.lax.rem(g, 2)
+
+                @pl.when(row == 0)
+                def _():
+                    # The TMA store that last read this slot (group g - 2) must be done.
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    o_smem[slot] = jnp.full((group, rows), NEG_INF, jnp.float32)
+
+                o_smem[slot, row] = row_max(k_smem, j, masked)
+
+                @pl.when((row == group - 1) | (j == nvis - 1))
+                def _():
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[slot], out_ref.at[bi, pl.ds(g * group, group), pl.ds(r0, rows)])
+
+            return fn
+
+        plgpu.emit_pipeline(step(0, False), grid=(full,), in_specs=[spec(0)],
+                            max_concurrent_steps=config.max_concurrent_steps)(k_ref.at[bi])
+        plgpu.emit_pipeline(step(full, True), grid=(nvis - full,), in_specs=[spec(full)],
+                            max_concurrent_steps=config.max_concurrent_steps)(k_ref.at[bi])
+        plgpu.commit_smem()
+
+        @pl.loop(-(-nvis // group), nb_pad // group)
+        def _(g):
+            plgpu.copy_smem_to_gmem(ninf_smem, out_ref.at[bi, pl.ds(g * group, group), pl.ds(r0, rows)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    o_scratch = plgpu.SMEM((topk, rows), jnp.int32) if fused else plgpu.SMEM((2, group, rows), jnp.float32)
+    ninf_scratch = plgpu.SMEM((8, rows), jnp.float32) if fused else plgpu.SMEM((group, rows), jnp.float32)
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=out_type,
+        grid=(b, n_tiles),
+        grid_names=("b", "tile"),
+        scratch_types=[
+            plgpu.SMEM((rows, kx), jnp.bfloat16, transforms=transforms),
+            plgpu.SMEM((rows,), jnp.int32),
+            o_scratch,
+            ninf_scratch,
+            plgpu.Barrier(num_barriers=2),
+        ],
+    )
+    return kern(q2, k2, rowpos, tile_info)
+
+
+def _prepare(iq, ik, q_pos, block_size, rows):
+    b, t, hi, hx = iq.shape
+    s_len = ik.shape[1]
+    if rows % hi:
+        raise ValueError(f"row tile {rows} must be a multiple of the index heads {hi}")
+    nb = -(-s_len // block_size)
+    tq = rows // hi
+    t_pad = -(-t // tq) * tq
+    if iq.dtype == jnp.float32 or ik.dtype == jnp.float32:
+        # bf16x3: hi.hi + hi.lo + lo.hi along K.
+        qf, kf = iq.astype(jnp.float32), ik.astype(jnp.float32)
+        qh = qf.astype(jnp.bfloat16)
+        ql = (qf - qh.astype(jnp.float32)).astype(jnp.bfloat16)
+        kh = kf.astype(jnp.bfloat16)
+        kl = (kf - kh.astype(jnp.float32)).astype(jnp.bfloat16)
+        q2 = jnp.concatenate([qh, qh, ql], axis=-1)
+        k2 = jnp.concatenate([kh, kl, kh], axis=-1)
+    else:
+        q2, k2 = iq.astype(jnp.bfloat16), ik.astype(jnp.bfloat16)
+    kx = q2.shape[-1]
+    q2 = jnp.pad(q2, [(0, 0), (0, t_pad - t), (0, 0), (0, 0)]).reshape(b, t_pad * hi, kx)
+    if nb * block_size != s_len:
+        k2 = jnp.pad(k2, [(0, 0), (0, nb * block_size - s_len), (0, 0)])
+    qp = jnp.pad(q_pos.astype(jnp.int32), [(0, 0), (0, t_pad - t)], constant_values=-1)
+    rowpos = jnp.repeat(qp, hi, axis=1)  # [B, Rp], row t*Hi + h
+    tiles = qp.reshape(b, t_pad // tq, tq)
+    valid = tiles >= 0
+    tmin = jnp.min(jnp.where(valid, tiles, jnp.iinfo(jnp.int32).max), axis=-1)
+    tmax = jnp.max(tiles, axis=-1)
+    tile_info = jnp.stack([tmin, tmax], axis=-1).astype(jnp.int32)
+    return q2, k2, rowpos, tile_info, nb, t_pad
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
+def index_block_scores_blockmajor(iq, ik, q_pos, *, block_size, config=None, interpret=None):
+    """Kernel-native scores: fp32 [B, nb_pad, T_pad*Hi] (row t*Hi + h; padding rows/blocks -inf or junk)."""
+    config = (config or IndexScoreConfig()).for_block(block_size, fused=False)
+    q2, k2, rowpos, info, nb, _ = _prepare(iq, ik, q_pos, block_size, config.rows)
+    out = _kernel_call(q2, k2, rowpos, info, s_len=ik.shape[1], block_size=block_size, nb=nb, config=config,
+                       fused=False, topk=0, local_blocks=0, init_blocks=0, interpret=interpret)
+    return out, rowpos
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
+def index_block_scores(iq, ik, q_pos, *, block_size, config=None, interpret=None):
+    """fp32 [B, Hi, T, nb]; semantics of ``m3jax.msa.block_scores``."""
+    b, t, hi, _ = iq.shape
+    nb = -(-ik.shape[1] // block_size)
+    out, _ = index_block_scores_blockmajor(iq, ik, q_pos, block_size=block_size, config=config, interpret=interpret)
+    out = out[:, :nb, : t * hi].reshape(b, nb, t, hi)
+    return jnp.transpose(out, (0, 3, 2, 1))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "config", "interpret")
+)
+def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, config=None,
+                        interpret=None):
+    """Fused scores + top-k: int32 [B, Hi, T, topk], the [T, nb] score matrix is never written.
+
+    Order: forced blocks first (own, own-1, ..., sinks), then descending score, ties to the lower
+    id, ``-1`` padding: the same order as ``m3jax.msa.select_blocks``.
+    """
+    b, t, hi, _ = iq.shape
+    config = (config or IndexScoreConfig()).for_block(block_size, fused=True)
+    q2, k2, rowpos, info, nb, _ = _prepare(iq, ik, q_pos, block_size, config.rows)
+    ids = _kernel_call(q2, k2, rowpos, info, s_len=ik.shape[1], block_size=block_size, nb=nb, config=config,
+                       fused=True, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+                       interpret=interpret)
+    ids = ids[:, :, : t * hi].reshape(b, topk, t, hi)
+    return jnp.transpose(ids, (0, 3, 2, 1))

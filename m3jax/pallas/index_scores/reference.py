@@ -1,0 +1,22 @@
+"""Pure-jnp reference for the MSA index block scores (fp32 accumulation); same signature as the kernel."""
+
+from __future__ import annotations
+
+import jax
+
+from m3jax import msa
+
+
+def index_block_scores(iq, ik, q_pos, *, block_size: int, config=None) -> jax.Array:
+    """fp32 [B, Hi, T, nb]: max over the block's tokens s <= q_pos of iq . ik, -inf for future blocks."""
+    del config
+    return msa.block_scores(iq, ik, q_pos, block_size)
+
+
+def index_select_blocks(iq, ik, q_pos, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
+                        config=None) -> jax.Array:
+    """Scores then top-k: int32 [B, Hi, T, topk] (``msa.select_blocks`` order)."""
+    del config
+    scores = msa.block_scores(iq, ik, q_pos, block_size)
+    return msa.select_blocks(scores, q_pos, block_size=block_size, topk=topk, local_blocks=local_blocks,
+                             init_blocks=init_blocks)

@@ -1,0 +1,58 @@
+"""Register-level top-k helpers shared by the top-k kernel and the fused index-score + top-k kernel.
+
+Both kernels see a row tile of R rows (one (batch, query token, index head) each) as a set of 1-D
+register vectors of length R, one vector per block id ``j`` in increasing ``j``. A running
+top-k list per row is kept as ``k`` value vectors and ``k`` id vectors, sorted by descending value;
+each new candidate ``(x, j)`` is inserted by one compare per slot and a shift of the entries
+below the insertion point (``5 k`` element-wise ops per candidate, no data-dependent control flow).
+Because candidates arrive in increasing block id and the comparison is strict (``>``), an equal
+score never displaces an earlier (lower) id: ties go to the lower block id, as in
+``m3jax.msa.select_blocks``. ``-0.0`` and ``+0.0`` compare equal, so they tie too.
+
+Forced blocks (the own block, ``local_blocks - 1`` before it, ``init_blocks`` sinks) get the same
+huge finite priorities as the reference (``1e38 + p * 1e36`` with own > own-1 > ... > sinks), so
+they take the first slots in the reference order. Empty slots hold ``(-inf, -1)``; a ``-inf``
+candidate (a block wholly in the future) never enters, which yields the ``-1`` right padding.
+The emitted order is therefore exactly the reference order: forced blocks first (own, own-1, ...,
+sinks), then descending score, ties to the lower id, then ``-1``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+
+
+def forced_candidate(score, rowpos, j, *, block_size: int, local_blocks: int, init_blocks: int):
+    """The value that enters the top-k list for block ``j`` (a traced int32 scalar) per row."""
+    own = jnp.floor_divide(rowpos, block_size)
+    dist = own - j  # >= 0 for blocks at or before the own block
+    local = (dist >= 0) & (dist < local_blocks)
+    prio = jnp.where(local, (1.0 + local_blocks) - dist.astype(jnp.float32), 0.0)
+    if init_blocks:
+        sink = (dist >= 0) & (j < init_blocks)
+        prio = jnp.where(local, prio, jnp.where(sink, 0.5, 0.0))
+    return jnp.where(prio > 0, 1e38 + prio * 1e36, score)
+
+
+def insert(vals, ids, x, j):
+    """Insert candidate ``x`` (vector) with block id ``j`` (scalar) into the sorted lists.
+
+    ``g_i = x > v_i`` is monotone in ``i`` (the list is sorted descending), so the new list is
+    ``v_i`` above the insertion point, ``x`` at it and ``v_{i-1}`` (shifted down) below it.
+    """
+    xi = jnp.full(x.shape, j, jnp.int32)
+    new_vals, new_ids = [], []
+    prev_g = prev_v = prev_i = None
+    for v, i in zip(vals, ids):
+        g = x > v
+        if prev_g is None:
+            nv, ni = jnp.where(g, x, v), jnp.where(g, xi, i)
+        else:
+            nv = jnp.where(g, jnp.where(prev_g, prev_v, x), v)
+            ni = jnp.where(g, jnp.where(prev_g, prev_i, xi), i)
+        new_vals.append(nv)
+        new_ids.append(ni)
+        prev_g, prev_v, prev_i = g, v, i
+    return tuple(new_vals), tuple(new_ids)

@@ -1,0 +1,81 @@
+"""Tokenizers for generation.
+
+* A checkpoint with ``tokenizer.json`` uses it through the ``tokenizers`` library; its chat template
+  (``chat_template`` in ``tokenizer_config.json``, or ``chat_template.jinja``) is applied with jinja2
+  unless ``raw`` is asked for.
+* A random-weight preset has no tokenizer: the **byte-level fallback** maps each UTF-8 byte b to
+  id b (ids 0..255; the preset's vocabulary must hold at least 256 ids) and decodes ids >= 256 as
+  ``<id>``. It exists so the CLI runs end to end on presets; the text is meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class ByteTokenizer:
+    name = "byte-level fallback"
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 256:
+            raise ValueError(f"byte-level fallback tokenizer needs vocab_size >= 256, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            if i < 256:
+                buf.append(i)
+            else:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+                out.append(f"<{i}>")
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer:
+    """``tokenizer.json`` (+ optional chat template) from a checkpoint directory."""
+
+    def __init__(self, directory: Path):
+        from tokenizers import Tokenizer
+
+        self.name = str(directory / "tokenizer.json")
+        self.tok = Tokenizer.from_file(self.name)
+        cfg_path = directory / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template_file = directory / "chat_template.jinja"
+        self.chat_template = template_file.read_text() if template_file.exists() else self.config.get("chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def token_str(self, key: str) -> str | None:
+        v = self.config.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    def apply_chat_template(self, prompt: str) -> str:
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=[{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            bos_token=self.token_str("bos_token") or "",
+            eos_token=self.token_str("eos_token") or "",
+        )
+
+
+def load_tokenizer(checkpoint: Path | None, vocab_size: int):
+    if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").exists():
+        return HFTokenizer(Path(checkpoint))
+    return ByteTokenizer(vocab_size)

@@ -1,0 +1,107 @@
+"""Generation engine: cached greedy decoding equals full-forward greedy decoding (transformers oracle
+and our own no-cache path), chunked prefill, static decode shapes, sampling, CLI contract."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import m3jax
+from m3jax import engine as eng
+from m3jax import generate
+from m3jax.engine import Engine, SamplingParams, sample
+from tests.conftest import rel_l2, tiny_config
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name,chunk", [("text_mixed", 16), ("text_wide_block", 48), ("text_wide_block", 512)])
+def test_cached_greedy_equals_oracle_full_forward(oracle_dir, name, chunk):
+    fx = np.load(oracle_dir / name / "fixture.npz")
+    model = m3jax.load_pretrained(oracle_dir / name, dtype="float32", progress=False)
+    ids, ref_ids = fx["input_ids"], fx["greedy_ids"]
+    n = ref_ids.shape[1]
+    assert n >= 32 and ids.shape[1] > model.config.text.index_topk_blocks * model.config.text.index_block_size
+    e = Engine(model.params, model.config, batch=ids.shape[0], capacity=ids.shape[1] + n, prefill_chunk=chunk)
+    res = e.generate([list(r) for r in ids], max_new_tokens=n, sampling=GREEDY, keep_logits=True)
+    np.testing.assert_array_equal(np.array(res.generated), ref_ids)
+    steps = np.stack(res.step_logits, axis=1)
+    assert rel_l2(steps, fx["greedy_logits"]) <= 1e-5
+    # Our own no-cache path: one causal forward over prompt + generated gives every step's logits.
+    full = m3jax.forward(model, np.concatenate([ids, ref_ids], axis=1)).logits
+    own = np.asarray(full)[:, ids.shape[1] - 1 : ids.shape[1] - 1 + n]
+    assert rel_l2(steps, own) <= 1e-5
+
+
+def test_batch_of_different_lengths_and_static_decode():
+    """Prompts of different lengths in one batch; decode compiled once, reused for every token."""
+    cfg = tiny_config(index_block_size=4, index_topk_blocks=2)
+    model = m3jax.init_random(cfg, seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 80, n).tolist() for n in (23, 9, 17)]
+    e = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)
+    res = e.generate(prompts, max_new_tokens=12, sampling=GREEDY, keep_logits=True)
+    compiled = eng.decode_step._cache_size()
+    for b, p in enumerate(prompts):
+        full = np.asarray(m3jax.forward(model, np.array([p + res.generated[b]])).logits)[0]
+        steps = np.stack([s[b] for s in res.step_logits])
+        assert rel_l2(steps, full[len(p) - 1 : len(p) - 1 + 12]) <= 1e-5, f"sequence {b}"
+    e2 = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)
+    e2.generate(prompts, max_new_tokens=20, sampling=SamplingParams(0.8, 0.9, 5), seed=3)
+    assert eng.decode_step._cache_size() == compiled, "decode step recompiled for a new token or engine"
+
+
+def test_sampling_rules():
+    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    key = jax.random.key(1)
+    np.testing.assert_array_equal(sample(logits, key, SamplingParams(1.0, 1.0, 1)), np.argmax(logits, -1))
+    a = sample(logits, key, SamplingParams(1.0, 0.95, 40))
+    np.testing.assert_array_equal(a, sample(logits, key, SamplingParams(1.0, 0.95, 40)))
+    top5 = np.argsort(-np.asarray(logits), -1)[:, :5]
+    for s in range(20):
+        t = np.asarray(sample(logits, jax.random.key(s), SamplingParams(1.0, 1.0, 5)))
+        assert all(t[i] in top5[i] for i in range(4))
+    # top-p so small that only the argmax survives
+    t = sample(logits, key, SamplingParams(1.0, 1e-6, 0))
+    np.testing.assert_array_equal(t, np.argmax(logits, -1))
+
+
+@pytest.mark.oracle
+def test_cli_greedy_contract(oracle_dir, tmp_path):
+    fx = np.load(oracle_dir / "text_wide_block" / "fixture.npz")
+    out = tmp_path / "out.json"
+    prompt = ",".join(str(i) for i in fx["input_ids"][0])
+    n = fx["greedy_ids"].shape[1]
+    generate.main(["--checkpoint", str(oracle_dir / "text_wide_block"), "--prompt-ids", prompt,
+                   "--max-new-tokens", str(n), "--temperature", "0", "--dtype", "float32", "--ctx", "256",
+                   "--output-json", str(out), "--quiet"])
+    report = json.loads(out.read_text())
+    assert report["generated_ids"] == fx["greedy_ids"][0].tolist()
+    assert report["prompt_len"] == fx["input_ids"].shape[1]
+    assert set(report["timings"]) >= {"load_s", "ttft_s", "prefill_tok_per_s", "decode_ms_per_token"}
+
+
+def test_cli_default_preset_with_fill(tmp_path):
+    out = tmp_path / "out.json"
+    report = generate.main(["--ctx", "512", "--fill", "--max-new-tokens", "4", "--prefill-chunk", "256",
+                            "--output-json", str(out), "--quiet"])
+    assert report["prompt_len"] == 512 - 4 and len(report["generated_ids"]) == 4
+
+
+def test_cli_refuses_context_over_limit_and_over_memory():
+    with pytest.raises(SystemExit, match="max_position_embeddings"):
+        generate.main(["--ctx", str(10**7), "--quiet"])
+    with pytest.raises(SystemExit, match="refusing to run"):
+        generate.main(["--ctx", str(2 * 10**9), "--allow-beyond-max-position", "--quiet"])
+
+
+def test_prompt_longer_than_capacity_is_an_error():
+    cfg = tiny_config()
+    model = m3jax.init_random(cfg)
+    e = Engine(model.params, cfg, batch=1, capacity=16, prefill_chunk=8)
+    with pytest.raises(ValueError, match="capacity"):
+        e.generate([list(range(14))], max_new_tokens=4)
