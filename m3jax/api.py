@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ class M3Model:
 
     config: M3Config
     params: dict
+    # The jax.sharding.Mesh the params are placed on (m3jax.sharding), or None for one device.
+    mesh: Any = None
 
 
 @dataclasses.dataclass
@@ -31,28 +34,43 @@ class ForwardOutput:
     block_indices: dict[int, jax.Array] | None = None
 
 
-def resolve_attention_impl(impl: str) -> str:
-    """"auto" -> the best available implementation for this platform; explicit choices fail fast."""
-    if impl == "pallas":
-        raise UnsupportedConfigError(
-            "attention_impl='pallas': the MSA Pallas GPU kernels are not part of this build yet; "
-            "use 'reference' (gathered blocks) or 'dense_mask'"
-        )
+def resolve_attention_impl(impl: str, cfg=None) -> str:
+    """"auto" -> "reference" (the exact jnp path; kernels are opt-in until their fp32 path is proven on
+    the GPU); "pallas" is checked against what the kernels support and refused with the reason."""
+    if impl == "pallas" and cfg is not None and cfg.text.has_sparse_layers:
+        from m3jax.model import pallas_unsupported_reason
+
+        reason = pallas_unsupported_reason(cfg.text)
+        if reason:
+            raise UnsupportedConfigError(f"attention_impl='pallas' cannot run this config: {reason}")
     return "reference" if impl == "auto" else impl
 
 
-def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True) -> M3Model:
-    """Load an HF-layout MiniMax-M3 checkpoint directory (config.json + safetensors, BF16 or MXFP8)."""
+def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True,
+                    mesh=None) -> M3Model:
+    """Load an HF-layout MiniMax-M3 checkpoint directory (config.json + safetensors, BF16 or MXFP8).
+
+    With ``mesh`` (``m3jax.sharding.make_mesh``) each device reads only its shard from the files."""
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype={dtype!r}; choose 'bfloat16' or 'float32'")
-    cfg = load_config(path, attention_impl=resolve_attention_impl(attention_impl))
+    cfg = load_config(path)
+    cfg = cfg.replace(attention_impl=resolve_attention_impl(attention_impl, cfg))
+    if mesh is not None:
+        from m3jax.sharding import load_sharded
+
+        return M3Model(cfg, load_sharded(path, cfg, mesh, dtype=dtype, progress=progress), mesh)
     params = load_params(path, cfg, dtype=dtype, progress=progress)
     return M3Model(cfg, params)
 
 
-def init_random(config: M3Config, seed: int = 0, dtype: str = "float32") -> M3Model:
-    """Random weights for any config (tests, benchmarks, the tiny default)."""
-    cfg = dataclasses.replace(config, attention_impl=resolve_attention_impl(config.attention_impl))
+def init_random(config: M3Config, seed: int = 0, dtype: str = "float32", mesh=None) -> M3Model:
+    """Random weights for any config (tests, benchmarks, the tiny default); placed by the sharding
+    rules on ``mesh`` when one is given."""
+    cfg = dataclasses.replace(config, attention_impl=resolve_attention_impl(config.attention_impl, config))
+    if mesh is not None:
+        from m3jax.sharding import shard_params
+
+        return M3Model(cfg, shard_params(_init_params(cfg, seed, dtype=jnp.dtype(dtype)), cfg, mesh), mesh)
     return M3Model(cfg, _init_params(cfg, seed, dtype=jnp.dtype(dtype)))
 
 
@@ -119,5 +137,9 @@ def forward(
         )
     pix, image_grid = _media(model, ids, pixel_values, image_grid_thw, cfg.image_token_id, "image")
     vid, video_grid = _media(model, ids, pixel_values_videos, video_grid_thw, cfg.video_token_id, "video")
+    if model.mesh is not None:  # expert-parallel MoE and sharded params (m3jax.sharding)
+        with jax.set_mesh(model.mesh):
+            logits, blocks = forward_jit(model.params, jnp.asarray(ids, jnp.int32), pix, vid, cfg, image_grid, video_grid)
+        return ForwardOutput(logits, blocks if return_block_indices else None)
     logits, blocks = forward_jit(model.params, jnp.asarray(ids, jnp.int32), pix, vid, cfg, image_grid, video_grid)
     return ForwardOutput(logits, blocks if return_block_indices else None)

@@ -385,3 +385,98 @@ def save_checkpoint(
     with open(directory / "config.json", "w") as f:
         json.dump(hf, f, indent=2)
     return directory
+
+
+# --------------------------------------------------------------------------------------------------
+# Partial reads (sharded loading): one device's slice of one leaf, straight from the memory-mapped files
+
+
+def _flat_range(index: tuple, dims: tuple[int, ...]) -> tuple[int, int, tuple]:
+    """Row range of the flattened ``dims`` that covers ``index`` (slices over those dims).
+
+    When only the leading dim is sliced (the others whole) the range is exact and the residual index is
+    all-whole; otherwise the whole range is read and the index is applied after. Returns (lo, hi, residual).
+    """
+    whole = tuple(slice(None) for _ in dims)
+    if not dims:
+        return 0, 1, ()
+    inner = math.prod(dims[1:])
+    rest_whole = all(s.indices(d) == (0, d, 1) for s, d in zip(index[1:], dims[1:]))
+    lo, hi, step = index[0].indices(dims[0])
+    if rest_whole and step == 1:
+        return lo * inner, hi * inner, whole
+    return 0, math.prod(dims), tuple(index)
+
+
+def _read_rows_cols(reader: CheckpointReader, name: str, hf_shape, rows: tuple[int, int], cols: tuple[int, int]):
+    """fp32/stored-float block ``tensor[r0:r1, c0:c1]`` of a 2-D checkpoint tensor (MXFP8 dequantised on
+    just the 32-column groups that cover it). Returns (array, names consumed)."""
+    a = reader.read(name)
+    if tuple(a.shape) != tuple(hf_shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(hf_shape)}")
+    (r0, r1), (c0, c1) = rows, cols
+    if a.dtype == ml_dtypes.float8_e4m3fn:
+        scale_name = name + "_scale_inv"
+        if not reader.has(scale_name):
+            raise CheckpointError(f"tensor {name!r} is float8_e4m3fn but {scale_name!r} is missing")
+        g0, g1 = c0 // MXFP8_BLOCK, -(-c1 // MXFP8_BLOCK)
+        scale = reader.read(scale_name)
+        if scale.shape != (a.shape[0], -(-a.shape[1] // MXFP8_BLOCK)) or scale.dtype != np.uint8:
+            dequantize_mxfp8(np.asarray(a[:1]), np.asarray(scale[:1]), name)  # raises the detailed error
+        cb1 = min(a.shape[1], g1 * MXFP8_BLOCK)
+        block = np.asarray(a[r0:r1, g0 * MXFP8_BLOCK : cb1])
+        deq = dequantize_mxfp8(block, np.asarray(scale[r0:r1, g0:g1]), name)
+        return deq[:, c0 - g0 * MXFP8_BLOCK : c1 - g0 * MXFP8_BLOCK], [name, scale_name]
+    if not np.issubdtype(a.dtype, np.floating) and a.dtype != ml_dtypes.bfloat16:
+        raise CheckpointError(f"tensor {name!r} has dtype {a.dtype}, expected a floating-point dtype")
+    return np.asarray(a[r0:r1, c0:c1]), [name]
+
+
+def read_entry_shard(reader: CheckpointReader, e: Entry, index: tuple | None, out_dtype) -> tuple[np.ndarray, list[str]]:
+    """The slice ``index`` (a tuple of slices over the leaf's shape, as ``jax.make_array_from_callback``
+    passes it) of one leaf, in our layout and ``out_dtype``, reading only what the slice needs:
+
+    * ``experts``: only the experts in ``index[0]`` are opened (one [Fe, D] matrix each);
+    * ``linear``: only the checkpoint rows / columns the slice covers (exact when the leading dim of
+      the leaf's output or input group is the sliced one, which is what the sharding rules produce);
+    * ``copy``: a slice of the memory map; ``patch`` (vision Conv3d, small) is read whole.
+
+    Returns (array, checkpoint names consumed). Equal to ``_convert(...)[0][index]``.
+    """
+    shape = e.spec.shape
+    index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
+    index = index + tuple(slice(None) for _ in range(len(shape) - len(index)))
+    if e.kind == "experts":
+        lo, hi, step = index[0].indices(shape[0])
+        mats, used = [], []
+        for idx in range(lo, hi, step):
+            a, u = reader.read_dequantized(e.names[idx], e.hf_shape())
+            mats.append(np.asarray(a.T[index[1:]]).astype(out_dtype))
+            used += u
+        out = np.stack(mats) if mats else np.empty((0,) + np.empty(shape[1:])[index[1:]].shape, out_dtype)
+        return out, used
+    if e.kind == "patch":
+        a, used = _convert(reader, e, out_dtype)
+        return np.ascontiguousarray(a[index]), used
+    if e.kind == "copy":
+        a = reader.read(e.names[0])
+        if tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {e.names[0]!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+        if a.dtype == ml_dtypes.float8_e4m3fn or (not np.issubdtype(a.dtype, np.floating) and a.dtype != ml_dtypes.bfloat16):
+            full, used = reader.read_dequantized(e.names[0], shape)
+            return np.asarray(full[index]).astype(out_dtype), used
+        return np.asarray(a[index]).astype(out_dtype), [e.names[0]]
+    # linear: ours = hf.T.reshape(in_dims + out_dims), hf = [prod(out_dims), prod(in_dims)]
+    in_dims, out_dims = shape[: e.n_in], shape[e.n_in :]
+    c0, c1, in_rest = _flat_range(index[: e.n_in], in_dims)
+    r0, r1, out_rest = _flat_range(index[e.n_in :], out_dims)
+    block, used = _read_rows_cols(reader, e.names[0], e.hf_shape(), (r0, r1), (c0, c1))
+
+    def sub(dims, lo, hi, rest):  # shape of the read range in the leaf's dims
+        if rest and any(s != slice(None) for s in rest):
+            return dims
+        inner = math.prod(dims[1:])
+        return ((hi - lo) // inner,) + tuple(dims[1:])
+
+    a = block.T.reshape(sub(in_dims, c0, c1, in_rest) + sub(out_dims, r0, r1, out_rest))
+    return np.ascontiguousarray(a[tuple(in_rest) + tuple(out_rest)]).astype(out_dtype), used

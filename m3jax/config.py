@@ -59,6 +59,10 @@ class TextConfig:
     index_topk_blocks: int = 16
     index_local_blocks: int = 1
     index_init_blocks: int = 0
+    # Research interventions (not in any checkpoint): (layer, block id) pairs forced into / out of
+    # every selection of that layer. Empty = the model exactly as released.
+    msa_force_in: tuple[tuple[int, int], ...] = ()
+    msa_force_out: tuple[tuple[int, int], ...] = ()
     bos_token_id: int | None = 200034
     eos_token_id: int | tuple[int, ...] | None = 200020
 

@@ -83,7 +83,7 @@ class Engine:
     """Holds a model, its cache and the compiled steps; ``generate`` takes prompts of any lengths."""
 
     def __init__(self, params: dict, cfg: M3Config, *, batch: int, capacity: int, prefill_chunk: int = 512,
-                 cache_dtype=None):
+                 cache_dtype=None, mesh=None):
         if capacity > cfg.text.max_position_embeddings:
             raise ValueError(
                 f"context {capacity} exceeds max_position_embeddings={cfg.text.max_position_embeddings} of the config"
@@ -92,8 +92,27 @@ class Engine:
         self.batch, self.capacity = batch, capacity
         self.chunk = min(prefill_chunk, capacity)
         dtype = cache_dtype or params["text"]["embed"].dtype
-        self.cache = init_cache(cfg, batch, capacity, dtype)
+        self.cache = init_cache(cfg, batch, capacity, dtype) if mesh is None else None
+        # With a mesh (m3jax.sharding): parameters placed by the rule table, cache pages split over the
+        # model axis (striped page table), and every step traced under jax.set_mesh (expert-parallel MoE).
+        self.mesh = mesh
+        if mesh is not None:
+            from m3jax import sharding
 
+            self.params = sharding.shard_params(params, cfg, mesh)
+            self.cache = sharding.init_sharded_cache(cfg, batch, capacity, dtype, mesh)
+
+    def _under_mesh(fn):  # noqa: N805  (method decorator: run under the engine's mesh, if any)
+        @functools.wraps(fn)
+        def wrapped(self, *args, **kwargs):
+            if self.mesh is None:
+                return fn(self, *args, **kwargs)
+            with jax.set_mesh(self.mesh):
+                return fn(self, *args, **kwargs)
+
+        return wrapped
+
+    @_under_mesh
     def warmup(self) -> float:
         """Compile the prefill chunk and the decode step (one dummy call each) so that timings after
         it measure running, not compiling. The dummy writes land in row 0 at positions the real
@@ -108,6 +127,7 @@ class Engine:
         jax.block_until_ready(logits)
         return time.perf_counter() - t0
 
+    @_under_mesh
     def prefill(self, row: int, prompt_embeds: jax.Array, on_progress: Callable[[int], None] | None = None,
                 return_selections: bool = False):
         """Prefill sequence ``row`` with embeddings [T, D]; returns (logits at the last token, selections)."""
@@ -133,6 +153,7 @@ class Engine:
             selections = {k: np.concatenate([s[k] for s in selections], axis=2) for k in selections[0]}
         return logits, selections
 
+    @_under_mesh
     def generate(
         self,
         prompts: Sequence[Sequence[int]] | None = None,

@@ -37,17 +37,42 @@ def index_branch(x: jax.Array, p: dict, angles: jax.Array, cfg: TextConfig) -> t
     return iq, ik
 
 
+def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, sparse: bool):
+    """q [B,T,N,H], k, v [B,T,K,H] (q/k normed and rotated) and, on MSA layers, iq [B,T,Hi,Hx], ik [B,T,Hx]."""
+    p = lp["attn"]
+    q = _qk_heads(x, p["wq"], p["q_norm"], angles, cfg.rms_norm_eps)
+    k = _qk_heads(x, p["wk"], p["k_norm"], angles, cfg.rms_norm_eps)
+    v = jnp.einsum("btd,dkh->btkh", x, p["wv"])
+    iq, ik = index_branch(x, lp["index"], angles, cfg) if sparse else (None, None)
+    return q, k, v, iq, ik
+
+
+def msa_select(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
+    """Block selection of one query chunk with the config's MSA knobs (block, top-k, forced blocks,
+    and the per-layer force-in / force-out interventions). Returns int32 [B, K, C, topk]."""
+    return msa.select_blocks(
+        msa.block_scores(iq, ik, q_pos, cfg.index_block_size),
+        q_pos,
+        block_size=cfg.index_block_size,
+        topk=cfg.index_topk_blocks,
+        local_blocks=cfg.index_local_blocks,
+        init_blocks=cfg.index_init_blocks,
+        force_in=tuple(b for l, b in cfg.msa_force_in if l == layer),
+        force_out=tuple(b for l, b in cfg.msa_force_out if l == layer),
+    )
+
+
 def attention(
     x: jax.Array,
     lp: dict,
     angles: jax.Array,
     q_pos: jax.Array,
     cfg: M3Config,
-    sparse: bool,
+    layer: int,
     kv: LayerCache | None = None,
     page_table: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, LayerCache | None]:
-    """One attention block. x: [B, T, D] (already normed) at positions q_pos [B, T].
+    """Attention block of ``layer``. x: [B, T, D] (already normed) at positions q_pos [B, T].
 
     Without a cache the keys are these T tokens (key s at position s). With ``kv`` the new K/V (and
     index keys) are written at q_pos first and the keys are the sequence's whole cache, so chunked
@@ -55,31 +80,21 @@ def attention(
     Returns ([B, T, D], MSA block ids int32 [B, K, T, topk] or None, updated cache or None).
     """
     t = cfg.text
-    p = lp["attn"]
-    q = _qk_heads(x, p["wq"], p["q_norm"], angles, t.rms_norm_eps)
-    k = _qk_heads(x, p["wk"], p["k_norm"], angles, t.rms_norm_eps)
-    v = jnp.einsum("btd,dkh->btkh", x, p["wv"])
-    iq = ik = None
-    if sparse:
-        iq, ik = index_branch(x, lp["index"], angles, t)
+    sparse = t.is_sparse_attention(layer)
+    q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse)
     if kv is not None:
         kv = kv.write(page_table, q_pos, k, v, ik)
         k, v, ik_all = kv.gather(page_table)
         ik = ik_all if sparse else None
     bs = t.index_block_size
 
-    if sparse:
+    if sparse and cfg.attention_impl == "pallas":
+        o, block_idx = _msa_pallas(q, k, v, iq, ik, q_pos, t)
+    elif sparse:
         attend = msa.dense_mask_attention if cfg.attention_impl == "dense_mask" else msa.sparse_attention
 
         def chunk_fn(qp, qc, iqc):
-            sel = msa.select_blocks(
-                msa.block_scores(iqc, ik, qp, bs),
-                qp,
-                block_size=bs,
-                topk=t.index_topk_blocks,
-                local_blocks=t.index_local_blocks,
-                init_blocks=t.index_init_blocks,
-            )
+            sel = msa_select(iqc, ik, qp, t, layer)
             return attend(qc, k, v, sel, qp, bs), sel
 
         (o, sel), merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
@@ -89,21 +104,53 @@ def attention(
             lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, q_pos, q
         )
         o, block_idx = merge(o, 1), None
-    return jnp.einsum("btnh,nhd->btd", o, p["wo"]), block_idx, kv
+    return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
+
+
+def _msa_pallas(q, k, v, iq, ik, q_pos, cfg: TextConfig):
+    """MSA through the Mosaic GPU kernels (m3jax/pallas): index scores, top-k, KV-block-major attention.
+
+    The kernels take the whole query range at once (they tile it themselves); forced-in/out
+    interventions are a reference-path feature (refused by ``pallas_unsupported_reason``).
+    """
+    from m3jax.pallas.index_scores import index_block_scores
+    from m3jax.pallas.sparse_attention import sparse_attention
+    from m3jax.pallas.topk import select_blocks
+
+    bs = cfg.index_block_size
+    scores = index_block_scores(iq, ik, q_pos, block_size=bs)
+    sel = select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
+                        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
+    return sparse_attention(q, k, v, sel, q_pos, block_size=bs, implementation="kv_major"), sel
+
+
+def pallas_unsupported_reason(cfg: TextConfig) -> str | None:
+    """Why the MSA kernels cannot run this config (None when they can)."""
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    if g % 8:
+        return f"query heads per KV head = {g} must be a multiple of 8 (GQA rows packed into wgmma tiles)"
+    if cfg.head_dim % 64 or cfg.index_head_dim % 64:
+        return f"head_dim {cfg.head_dim} and index_head_dim {cfg.index_head_dim} must be multiples of 64"
+    if cfg.index_block_size % 64 or cfg.index_block_size > 256:
+        return f"index_block_size {cfg.index_block_size} must be 64, 128, 192 or 256"
+    if cfg.msa_force_in or cfg.msa_force_out:
+        return "msa_force_in / msa_force_out interventions run on the reference path only"
+    return None
+
+
+def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int) -> jax.Array:
+    """Dense SwiGLU-OAI MLP or the MoE block. y: [B, T, D] (already normed)."""
+    if cfg.is_moe(layer):
+        b, n, d = y.shape
+        return moe_sorted(y.reshape(b * n, d), lp["moe"], cfg).reshape(b, n, d)
+    return dense_mlp(y, lp["mlp"], cfg)
 
 
 def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None):
     t = cfg.text
-    x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
-    a, block_idx, kv = attention(x, lp, angles, q_pos, cfg, t.is_sparse_attention(i), kv, page_table)
+    a, block_idx, kv = attention(rms_norm(h, lp["input_norm"], t.rms_norm_eps), lp, angles, q_pos, cfg, i, kv, page_table)
     h = h + a
-    y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
-    if t.is_moe(i):
-        b, n, d = y.shape
-        f = moe_sorted(y.reshape(b * n, d), lp["moe"], t).reshape(b, n, d)
-    else:
-        f = dense_mlp(y, lp["mlp"], t)
-    return h + f, block_idx, kv
+    return h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i), block_idx, kv
 
 
 def text_hidden(

@@ -44,6 +44,8 @@ def grouped_expert_mlp(xs: jax.Array, group_sizes: jax.Array, p: dict, cfg: Text
 
 def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
     """MoE over x [T, D] -> [T, D]: sort (token, slot) pairs by expert, grouped matmul, weighted scatter-add."""
+    if expert_parallel_axis(cfg) is not None:  # a mesh with an expert axis is active (m3jax.sharding)
+        return moe_expert_parallel(x, p, cfg)
     t, _ = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_local_experts
     ids, w = route(x, p, cfg)
@@ -68,5 +70,108 @@ def moe_dense_reference(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
     act = swiglu_oai(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit).astype(x.dtype)
     per_expert = jnp.einsum("tef,efd->ted", act, p["down"]).astype(jnp.float32)
     routed = jnp.einsum("te,ted->td", combine, per_expert)
+    shared = dense_mlp(x, p["shared"], cfg)
+    return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert parallelism: experts split over the mesh axis EXPERT_AXIS, tokens dispatched by all-to-all
+
+EXPERT_AXIS = "model"
+
+
+def expert_parallel_axis(cfg: TextConfig) -> str | None:
+    """The expert mesh axis when a mesh (``jax.set_mesh``) with EXPERT_AXIS > 1 that divides the experts
+    is active, else None (then :func:`moe_sorted` runs unchanged; experts that do not divide are
+    replicated by the sharding rules)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return None
+    n = mesh.shape[EXPERT_AXIS]
+    return EXPERT_AXIS if n > 1 and cfg.num_local_experts % n == 0 else None
+
+
+def _ragged_all_to_all_gathered(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` semantics built from ``all_gather`` (XLA:CPU has no
+    ragged-all-to-all): chunk ``operand[input_offsets[j] : + send_sizes[j]]`` of every peer lands at
+    ``output_offsets[j]`` of peer j's ``output``. Same offsets, same result; n x the traffic."""
+    del recv_sizes
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)
+    offs = jax.lax.all_gather(input_offsets, axis_name)
+    sizes = jax.lax.all_gather(send_sizes, axis_name)
+    dests = jax.lax.all_gather(output_offsets, axis_name)
+    r = jnp.arange(output.shape[0])
+    for i in range(ops.shape[0]):
+        start, size, src = dests[i, me], sizes[i, me], offs[i, me]
+        hit = (r >= start) & (r < start + size)
+        rows = ops[i][jnp.clip(src + r - start, 0, operand.shape[0] - 1)]
+        output = jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), rows, output)
+    return output
+
+
+def _exchange(*args, axis_name):
+    if jax.default_backend() == "cpu":
+        return _ragged_all_to_all_gathered(*args, axis_name=axis_name)
+    return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
+
+
+def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = EXPERT_AXIS) -> jax.Array:
+    """:func:`moe_sorted` with the experts split over mesh ``axis`` (E / n per device).
+
+    Tokens are split over every mesh axis; each device routes its tokens, sorts the (token, slot) pairs
+    by expert (= by destination device), sends each device its rows with one ragged all-to-all (counts
+    exchanged first, receive buffer sized for the worst case n * t * min(k, E/n) rows, so no token is
+    ever dropped), runs its local experts as one grouped matmul, and sends the rows back along the
+    reverse offsets; the weighted scatter-add and the shared expert are as in :func:`moe_sorted`.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    n = mesh.shape[axis]
+    token_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    n_tok = 1
+    for a in token_axes:
+        n_tok *= mesh.shape[a]
+    t_all, d = x.shape
+    pad = -t_all % n_tok
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    k, e_loc = cfg.num_experts_per_tok, cfg.num_local_experts // n
+    P = jax.sharding.PartitionSpec
+
+    def body(xl, router, bias, gate, up, down):
+        t = xl.shape[0]
+        ids, w = route(xl, {"router": router, "router_bias": bias}, cfg)
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        sorted_ids = flat[order]
+        dest = sorted_ids // e_loc
+        send = jnp.bincount(dest, length=n).astype(jnp.int32)
+        in_off = (jnp.cumsum(send) - send).astype(jnp.int32)
+        counts = jax.lax.all_gather(send, axis)  # [src, dst]
+        me = jax.lax.axis_index(axis)
+        before = jnp.arange(n)[:, None] < me
+        out_off = jnp.sum(jnp.where(before, counts, 0), 0).astype(jnp.int32)  # where my rows land at each dst
+        recv = counts[:, me]
+        recv_off = (jnp.cumsum(recv) - recv).astype(jnp.int32)
+        back_off = jnp.sum(jnp.where(jnp.arange(n)[None, :] < me, counts, 0), 1).astype(jnp.int32)
+        cap = n * t * min(k, e_loc)
+        xs = _exchange(xl[token], jnp.zeros((cap, d), xl.dtype), in_off, send, out_off, recv, axis_name=axis)
+        lid = _exchange((sorted_ids - dest * e_loc).astype(jnp.int32), jnp.full((cap,), e_loc, jnp.int32),
+                        in_off, send, out_off, recv, axis_name=axis)
+        o2 = jnp.argsort(lid, stable=True)
+        sizes = jnp.bincount(lid, length=e_loc).astype(jnp.int32)
+        ys = grouped_expert_mlp(xs[o2], sizes, {"gate": gate, "up": up, "down": down}, cfg)
+        ys = jnp.zeros_like(ys).at[o2].set(ys)
+        ys = _exchange(ys, jnp.zeros((t * k, d), ys.dtype), recv_off, recv, back_off, send, axis_name=axis)
+        ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
+        return jnp.zeros((t, d), jnp.float32).at[token].add(ys)
+
+    tok = P(token_axes, None)
+    routed = jax.shard_map(
+        body,
+        in_specs=(tok, P(), P(), P(axis), P(axis), P(axis)),
+        out_specs=tok,
+        check_vma=False,
+    )(xp, p["router"], p["router_bias"], p["gate"], p["up"], p["down"])[:t_all]
     shared = dense_mlp(x, p["shared"], cfg)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)

@@ -56,6 +56,13 @@ def map_query_chunks(fn: Callable, chunk: int, q_pos: jax.Array, *per_query: jax
     return outs, merge
 
 
+def _softmax_or_zero(logits: jax.Array) -> jax.Array:
+    """Softmax over the last axis; a row with no visible key (e.g. a padded row at position < 0)
+    gets all-zero weights, hence a zero output (MSA.md §1.5), instead of NaN."""
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(jnp.isfinite(logits).any(-1, keepdims=True), p, 0.0)
+
+
 def block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, block_size: int) -> jax.Array:
     """Max-pooled index scores.
 
@@ -76,13 +83,23 @@ def block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, block_size: int
 
 
 def select_blocks(
-    scores: jax.Array, q_pos: jax.Array, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0
+    scores: jax.Array,
+    q_pos: jax.Array,
+    *,
+    block_size: int,
+    topk: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+    force_in: tuple[int, ...] = (),
+    force_out: tuple[int, ...] = (),
 ) -> jax.Array:
     """Top-k block ids per (batch, index head, query).
 
     Args:
       scores: fp32 [B, Hi, C, nb] from :func:`block_scores` (-inf for invisible blocks).
       q_pos: [B, C] absolute positions.
+      force_in / force_out: research interventions — block ids always selected when visible (after
+        the forced local/init blocks) / never selected unless the local/init rules force them.
     Returns:
       int32 [B, Hi, C, topk]: forced blocks first (own block, then the ``local_blocks - 1`` before
       it, then ``init_blocks`` sinks), then visible blocks by descending score, ties to the lower id;
@@ -95,6 +112,11 @@ def select_blocks(
     # first in a fixed order; real scores are dot products of normalised vectors, far below 1e38.
     local = (j <= own) & (j > own - local_blocks)
     priority = jnp.where(local, 1.0 + local_blocks - (own - j), jnp.where((j < init_blocks) & (j <= own), 0.5, 0.0))
+    if force_in:
+        chosen = jnp.isin(j, jnp.asarray(force_in)) & (j <= own)
+        priority = jnp.where((priority == 0) & chosen, 0.25, priority)
+    if force_out:
+        scores = jnp.where(jnp.isin(j, jnp.asarray(force_out)) & (j != own), NEG_INF, scores)
     ranked = jnp.where(priority > 0, 1e38 + priority * 1e36, scores)
     # top_k orders floats totally (-0.0 < +0.0); equal scores must tie and go to the lower id.
     ranked = jnp.where(ranked == 0, 0.0, ranked)
@@ -138,7 +160,7 @@ def sparse_attention(
     kpos = block_idx[..., None] * block_size + jnp.arange(block_size)  # [B, K, C, topk, bs]
     ok = (block_idx[..., None] >= 0) & (kpos <= q_pos[:, None, :, None, None])
     logits = jnp.where(ok[:, :, None], logits, NEG_INF)
-    p = jax.nn.softmax(logits.reshape(*logits.shape[:4], -1), axis=-1).reshape(logits.shape)
+    p = _softmax_or_zero(logits.reshape(*logits.shape[:4], -1)).reshape(logits.shape)
     out = jnp.einsum("bkgcts,bkctsh->bckgh", p, vg.astype(jnp.float32), precision=HIGHEST)
     return out.reshape(b, c, n, h).astype(q.dtype)
 
@@ -166,6 +188,6 @@ def dense_mask_attention(
         selected = hit.any(axis=-2)  # [B, K, C, nb]
         ok = ok & jnp.repeat(selected, block_size, axis=-1)[..., :s_len]
     logits = jnp.where(ok[:, :, None], logits, NEG_INF)
-    p = jax.nn.softmax(logits, axis=-1)
+    p = _softmax_or_zero(logits)
     out = jnp.einsum("bkgcs,bskh->bckgh", p, v.astype(jnp.float32), precision=HIGHEST)
     return out.reshape(b, c, n, h).astype(q.dtype)

@@ -194,3 +194,30 @@ def init_random(cfg: M3Config, seed: int = 0, dtype=jnp.float32, scale: float = 
         # Cast on the host (ml_dtypes) so that no per-shape device conversion gets compiled.
         out.append(jnp.asarray(x.astype(s.resolve_dtype(dtype))))
     return jax.tree.unflatten(treedef, out)
+
+
+def init_random_on_device(cfg: M3Config, seed: int = 0, dtype=jnp.bfloat16, scale: float = 0.02,
+                          parts: tuple[str, ...] | None = None) -> dict:
+    """Random weights generated on the default device (large configs: benchmarks at real widths).
+
+    Same distributions as :func:`init_random` (weights N(0, scale)) but drawn with ``jax.random``, so a
+    multi-GB model never passes through host numpy. ``parts`` keeps only those top-level groups
+    (e.g. ``("vision", "projector", "merger")`` for the vision tower alone).
+    """
+    specs = param_specs(cfg)
+    if parts is not None:
+        specs = {k: v for k, v in specs.items() if k in parts}
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def one(s: ParamSpec, key):
+        dt = s.resolve_dtype(dtype)
+        if s.init == "normal":
+            return (scale * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
+        if s.init == "norm_offset":
+            return (0.3 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
+        if s.init == "ones":
+            return (1.0 + 0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
+        return (0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
+
+    return jax.tree.unflatten(treedef, [jax.jit(one, static_argnums=0)(s, k) for s, k in zip(leaves, keys)])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): builds the transformers oracle venv (Python 3.11, CPU torch)
 # on first use, regenerates the oracle fixtures, then runs the whole pytest suite with the current
-# Python (3.12, m3jax installed). Extra arguments go to pytest.
+# Python (3.12, m3jax installed). Extra arguments go to pytest. A second oracle venv with torchvision
+# (tests/oracle/requirements-vision.txt) writes the image/video processor fixtures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/find_python.sh
@@ -14,5 +15,14 @@ if [ ! -x "$ORACLE/bin/python" ] || ! "$ORACLE/bin/python" -c "import torch, tra
 fi
 echo "== regenerating oracle fixtures"
 "$ORACLE/bin/python" tests/oracle/make_fixtures.py --out tests/fixtures
+VISION=${M3JAX_ORACLE_VISION_VENV:-.venvs/oracle-vision}
+if [ ! -x "$VISION/bin/python" ] || ! "$VISION/bin/python" -c "import torch, torchvision, transformers, av, PIL" 2>/dev/null; then
+  echo "== building the vision oracle venv in $VISION (Python 3.11, torch + torchvision, transformers)"
+  "$(find_python 3.11)" -m venv "$VISION"
+  "$VISION/bin/python" -m pip install -q --upgrade pip
+  "$VISION/bin/python" -m pip install -q -r tests/oracle/requirements-vision.txt
+fi
+echo "== regenerating processor fixtures (transformers' image/video processors)"
+"$VISION/bin/python" tests/oracle/make_processor_fixtures.py --out tests/fixtures/processor
 echo "== pytest"
 exec python -m pytest -q "$@"

@@ -25,6 +25,11 @@ position ``seq_lens[b] - Q + i``.
    the scale), masked by token bitmask and ``key pos <= query pos`` (which implies ``< seq_len``).
    Each split writes a normalised fp32 partial output and its natural-log LSE; the LSE merge of
    MSA.md §1.5 runs in XLA (tiny: ``splits x rows x H``). Rows without any visible key give 0.
+   The pipeline length is static (``ceil(Q * topk / splits)`` union entries per split): with a
+   dynamic step count ``emit_pipeline`` puts the (acc, m, l) register carries in a while loop, which
+   Mosaic GPU (jax 0.11.2) cannot lower. Padding entries (the union is shorter than ``Q * topk`` when
+   tokens share pages) have token bits 0, load page 0 and change nothing -- but they cost a page
+   load + MMAs each; for Q = 1 the union is full and nothing is wasted.
 
 fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
 reference accuracy the wrappers split fp32 operands into bf16 ``hi + lo`` parts and the kernels
@@ -39,7 +44,9 @@ registers; ``tma_gather`` lets one indexed TMA fetch all selected pages of a spl
 copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. Tile sizes, stage counts
 and the MMA choice come from :class:`DecodeConfig` + ``Target``; the algorithm is unchanged.
 
-Remaining work (not needed for correctness): warp specialisation (a TMA warp + 2 compute warpgroups,
+Remaining work (not needed for correctness): skip the padding entries of the union for Q > 1
+(dynamic step count with the accumulators kept outside the loop carry, or compacting the union
+across splits); warp specialisation (a TMA warp + 2 compute warpgroups,
 as in ``attention_mgpu``) so that the MMA/softmax of one page overlaps the next page's wait; a
 second compute warpgroup for Q*G = 128 rows (Q = 8) to halve register pressure; fusing the top-k
 into the scoring kernel (per-split partial top-k, MSA.md §6 item 3) so the score row is not
@@ -49,6 +56,7 @@ re-read; FP8 index keys (halves the scan).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -56,7 +64,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._backend import on_gpu as _on_gpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -87,10 +94,13 @@ class SparseDecodeConfig:
     num_splits: splits of a request's union of selected pages (None: ~1 wave over the SMs, at most
       one page per split).
     stages: K/V page pairs in flight per CTA (reduced automatically to fit SMEM).
+    kv_tile: keys per pipeline step (a divisor of the page, multiple of 64). None: whole pages when
+      two of them fit in SMEM, else half / quarter pages (fp32 inputs with block 256).
     """
 
     num_splits: int | None = None
     stages: int = 2
+    kv_tile: int | None = None
 
     def splits(self, batch: int, kv_heads: int, union_len: int, target: Target) -> int:
         if self.num_splits is not None:
@@ -105,13 +115,25 @@ def _smem_transforms(dtype) -> tuple:
 
 
 def split_parts(x: jax.Array) -> tuple[jax.Array, ...]:
-    """16-bit arrays pass through; fp32 becomes bf16 (hi, lo) with hi + lo ~= x to 2^-16."""
+    """16-bit arrays pass through; fp32 becomes bf16 (hi, lo) with hi + lo ~= x to 2^-16 (XLA side).
+
+    hi is rounded to nearest-even on the bits: with XLA's default ``xla_allow_excess_precision`` the
+    GPU compiler may drop an f32 -> bf16 -> f32 round trip, which would make ``x - f32(bf16(x))``
+    zero (seen on the H200 by the index-scores kernel: the fp32 path had bf16-level error).
+    """
     if x.dtype in (jnp.bfloat16, jnp.float16):
         return (x,)
     x = x.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    hi = lax.bitcast_convert_type(rounded, jnp.float32)
+    return (hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16))
+
+
+def _split_in_kernel(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """In-kernel fp32 -> bf16 (hi, lo) (Mosaic GPU lowers the casts as-is; XLA does not see them)."""
     hi = x.astype(jnp.bfloat16)
-    lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    return (hi, lo)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def _products(n_parts: int) -> tuple[tuple[int, int], ...]:
@@ -127,6 +149,7 @@ def _round_up(x: int, m: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
 def decode_index_scores_kernel(
     iq: jax.Array,
     ik_pages: jax.Array,
@@ -161,6 +184,8 @@ def decode_index_scores_kernel(
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
     target = current_target()
     splits = config.splits(b, max_pages, target)
+    # bound the per-CTA SMEM score tile (chunk x n_pad fp32) to 32 KiB (large batches: more splits)
+    splits = max(splits, -(-max_pages // max(1, 32768 // (4 * n_pad))))
     chunk = -(-max_pages // splits)
 
     # rows n = h * Q + q (so the output reshapes to [Hi, Q] for free), padded with zeros.
@@ -173,7 +198,9 @@ def decode_index_scores_kernel(
     prods = _products(n_parts)
     dtype = q_parts[0].dtype
     transforms = _smem_transforms(dtype)
-    stages = max(1, min(config.stages, chunk))
+    # page buffers that fit next to the query tile and the score tile (fp32 = 2 bf16 parts per page)
+    fixed = n_parts * n_pad * hx * 2 + chunk * n_pad * 4 + 4096
+    stages = max(1, min(config.stages, chunk, (target.smem_bytes - fixed) // (n_parts * bs * hx * 2)))
 
     def body(*refs):
         q_gmem = refs[:n_parts]
@@ -191,14 +218,14 @@ def decode_index_scores_kernel(
             plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
         plgpu.barrier_wait(q_bar)
 
-        # query position of accumulator column n (n = h * Q + t): seq_len - Q + t
-        col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
-        row = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 0, layout=plgpu.Layout.WGMMA)
-        q_pos = seq_len - q + lax.rem(col, q)
-
         def page_step(idx, *k_smems):
             (i,) = idx
             j = first + i
+            # query position of accumulator column n (n = h * Q + t): seq_len - Q + t. (Built inside
+            # the loop body: no vector values closed over by the pipeline loop.)
+            col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
+            row = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 0, layout=plgpu.Layout.WGMMA)
+            q_pos = seq_len - q + lax.rem(col, q)
 
             def mma(acc_ref):
                 for a, c in prods:
@@ -278,6 +305,7 @@ def union_pages(block_idx: jax.Array, page_table: jax.Array):
     return logical, physical, bits, count
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))
 def sparse_decode_attention_kernel(
     q: jax.Array,
     k_pages: jax.Array,
@@ -318,8 +346,17 @@ def sparse_decode_attention_kernel(
     u = nq * topk
     splits = config.splits(b, kh, u, target)
     chunk = -(-u // splits)
+    splits = -(-u // chunk)  # no split made only of padding entries
 
-    logical, physical, bits, count = union_pages(block_idx, page_table)
+    logical, physical, bits, _ = union_pages(block_idx, page_table)
+    # Static pipeline length: every split walks exactly ``chunk`` entries (a dynamic step count puts
+    # the (acc, m, l) vector carries in a while loop, which Mosaic GPU cannot lower). Padding
+    # entries (beyond ``count`` or beyond U) have token bits 0: every score is masked, they load
+    # page 0 and change nothing.
+    pad = [(0, 0), (0, 0), (0, splits * chunk - u)]
+    logical = jnp.pad(logical, pad, constant_values=-1)
+    physical = jnp.pad(physical, pad)
+    bits = jnp.pad(bits, pad)
     # rows r = t * G + g_head, padded with zeros: [B, K, M_pad, H]
     q_rows = jnp.transpose(q.reshape(b, nq, kh, g, h), (0, 2, 1, 3, 4)).reshape(b, kh, rows, h)
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, m_pad - rows), (0, 0)])
@@ -333,33 +370,40 @@ def sparse_decode_attention_kernel(
     prods = _products(n_parts)
     dtype = q_parts[0].dtype
     transforms = _smem_transforms(dtype)
-    page_bytes = 2 * n_parts * bs * h * jnp.dtype(dtype).itemsize
-    fixed = n_parts * m_pad * (h + bs) * 2 + m_pad * h * 4 + 4 * m_pad + 4096
-    stages = max(1, min(config.stages, chunk, (target.smem_bytes - fixed) // page_bytes))
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def fitting_stages(tile):  # K/V tile pairs that fit next to the Q, P and output tiles
+        fixed = n_parts * m_pad * (h + tile) * itemsize + m_pad * h * 4 + 4 * m_pad + 4096
+        return (target.smem_bytes - fixed) // (2 * n_parts * tile * h * itemsize)
+
+    # A page is loaded as bs // kv_tile sub-tiles when whole pages do not double-buffer in SMEM
+    # (fp32 inputs = 2 bf16 parts, block 256).
+    tiles = [t for t in (bs, bs // 2, bs // 4) if t % 64 == 0 and bs % t == 0]
+    kv_tile = next((t for t in tiles if fitting_stages(t) >= min(2, chunk * (bs // t))), tiles[-1])
+    if config.kv_tile is not None:
+        if config.kv_tile % 64 or bs % config.kv_tile:
+            raise ValueError(f"kv_tile={config.kv_tile} must be a multiple of 64 dividing block_size={bs}")
+        kv_tile = config.kv_tile
+    sub = bs // kv_tile
+    steps = chunk * sub
+    stages = max(1, min(config.stages, steps, fitting_stages(kv_tile)))
     scale = (h**-0.5) * LOG2E
-    accumulate_in_place = not (interpret if interpret is not None else not _on_gpu())
 
     def body(*refs):
         q_gmem = refs[:n_parts]
         k_gmem = refs[n_parts : 2 * n_parts]
         v_gmem = refs[2 * n_parts : 3 * n_parts]
-        log_gmem, phys_gmem, bits_gmem, cnt_gmem, len_gmem, o_gmem, lse_gmem = refs[3 * n_parts : 3 * n_parts + 7]
-        q_smem, p_smem, q_bar = refs[3 * n_parts + 7 :]
+        log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem = refs[3 * n_parts : 3 * n_parts + 6]
+        q_smem, p_smem, q_bar = refs[3 * n_parts + 6 :]
         bi = lax.axis_index("b")
         hk = lax.axis_index("k")
         si = lax.axis_index("s")
         seq_len = len_gmem[bi]
         first = si * chunk
-        steps = jnp.clip(cnt_gmem[bi, hk] - first, 0, chunk)
 
         for p in range(n_parts):
             plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, hk], q_smem.at[p], q_bar)
         plgpu.barrier_wait(q_bar)
-
-        row = plgpu.broadcasted_iota(jnp.int32, (m_pad, bs), 0, layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (m_pad, bs), 1, layout=plgpu.Layout.WGMMA)
-        tok = lax.div(row, g)
-        q_pos = seq_len - nq + tok
 
         m0 = plgpu.layout_cast(jnp.full((m_pad,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l0 = plgpu.layout_cast(jnp.full((m_pad,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -370,7 +414,12 @@ def sparse_decode_attention_kernel(
             k_smems = kv_and_carry[:n_parts]
             v_smems = kv_and_carry[n_parts : 2 * n_parts]
             acc, m_i, l_i = kv_and_carry[2 * n_parts]
-            e = first + i
+            e = first + lax.div(i, sub)
+            key0 = lax.rem(i, sub) * kv_tile  # first key of this sub-tile within its page
+            row = plgpu.broadcasted_iota(jnp.int32, (m_pad, kv_tile), 0, layout=plgpu.Layout.WGMMA)
+            col = plgpu.broadcasted_iota(jnp.int32, (m_pad, kv_tile), 1, layout=plgpu.Layout.WGMMA) + key0
+            tok = lax.div(row, g)
+            q_pos = seq_len - nq + tok
             blk = log_gmem[bi, hk, e]
             sel = bits_gmem[bi, hk, e]
 
@@ -379,7 +428,7 @@ def sparse_decode_attention_kernel(
                     plgpu.wgmma(acc_ref, q_smem.at[a], k_smems[c].transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((m_pad, bs), jnp.float32)) * scale
+            s = pl.run_scoped(qk, plgpu.ACC((m_pad, kv_tile), jnp.float32)) * scale
             ok = ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * bs <= q_pos) & (row < rows)
             s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -389,7 +438,7 @@ def sparse_decode_attention_kernel(
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
-            p_parts = split_parts(p) if n_parts == 2 else (p.astype(dtype),)
+            p_parts = _split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
             for a in range(n_parts):
                 p_smem[a] = p_parts[a]
             plgpu.commit_smem()
@@ -399,16 +448,17 @@ def sparse_decode_attention_kernel(
                     plgpu.wgmma(acc_ref, p_smem.at[a], v_smems[c])
                 return acc_ref[...]
 
-            if accumulate_in_place:  # GPU: wgmma accumulates onto the rescaled acc registers
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            else:  # interpret mode has no run_state over accumulators: fresh acc + add
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
+            # Fresh accumulator + add. (``pl.run_state(pv)(plgpu.ACC.init(acc))`` would accumulate in
+            # place, but in jax 0.11.2 it fails to lower when the body closes over a dynamically
+            # sliced SMEM ref -- the pipeline slot index becomes a scalar run_state operand -- and
+            # the interpreter has no run_state over accumulators either.)
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
             return acc, m_new, l_i
 
-        def kv_page(i):
-            return (phys_gmem[bi, hk, first + i], 0)
+        def kv_page(i):  # block index in units of kv_tile rows of the [num_pages * bs, H] view
+            return (phys_gmem[bi, hk, first + lax.div(i, sub)] * sub + lax.rem(i, sub), 0)
 
-        spec = plgpu.BlockSpec((bs, h), kv_page, transforms=transforms)
+        spec = plgpu.BlockSpec((kv_tile, h), kv_page, transforms=transforms)
         acc, m_i, l_i = plgpu.emit_pipeline(
             page_step,
             grid=(steps,),
@@ -441,14 +491,14 @@ def sparse_decode_attention_kernel(
         ),
         scratch_types=[
             plgpu.SMEM((n_parts, m_pad, h), dtype, transforms=transforms),
-            plgpu.SMEM((n_parts, m_pad, bs), dtype, transforms=transforms),
+            plgpu.SMEM((n_parts, m_pad, kv_tile), dtype, transforms=transforms),
             plgpu.Barrier(num_arrivals=n_parts),
         ],
         grid=(b, kh, splits),
         grid_names=("b", "k", "s"),
     )
     o_part, lse_part = kern(
-        *q_parts, *k_parts, *v_parts, logical, physical, bits, count, seq_lens.astype(jnp.int32)
+        *q_parts, *k_parts, *v_parts, logical, physical, bits, seq_lens.astype(jnp.int32)
     )
     out, lse = combine_splits(o_part, lse_part)  # [B, K, M_pad, H], [B, K, M_pad]
     out = out[:, :, :rows].reshape(b, kh, nq, g, h)

@@ -3,6 +3,10 @@ baseline kernel, and the pure-jnp reference (see :mod:`.kernel` for the design).
 
 from __future__ import annotations
 
+import functools
+
+import jax
+
 from . import csr, kernel, reference
 from .kernel import SparseAttentionConfig
 
@@ -24,6 +28,15 @@ def sparse_attention(
     Returns:
       [B, T, N, H] in q.dtype (and the LSE), semantics of :func:`m3jax.msa.sparse_attention`.
     """
+    return _sparse_attention(
+        q, k, v, block_idx, q_pos, block_size=block_size, implementation=implementation, config=config,
+        return_lse=return_lse,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "implementation", "config", "return_lse"))
+def _sparse_attention(q, k, v, block_idx, q_pos, *, block_size, implementation, config, return_lse):
+    # jitted so repeated calls with the same shapes reuse the compiled kernels (also in interpret mode)
     if implementation == "reference":
         return reference.sparse_attention(q, k, v, block_idx, q_pos, block_size=block_size, return_lse=return_lse)
     cfg = config or SparseAttentionConfig()

@@ -36,6 +36,11 @@ pairs CTAs on a 256-row tile with the K/V block multicast to both; ``tma_gather`
 ``tq`` per-token Q copies by one indexed TMA (``plgpu.Layout.TMA_INDICES``). The CSR, work list,
 staging layout and combine are unchanged.
 
+Measured (H200, M3 shapes, T=8192 queries at context 128K, bf16, random own+15 selections):
+KV-major 3.12 ms (forward kernel 2.25, XLA combine 0.57, CSR ~0.1) = 171 effective TFLOP/s,
+2.11x the query-major kernel (6.58 ms) and 18.5x cuDNN dense over the same chunk (57.7 ms).
+The causal mask runs only on tiles holding a query of the block (``pl.when`` on the tile's limits).
+
 What remains (not done here): warp specialisation (a producer warp for TMA + 2 consumer
 warpgroups ping-ponging, FA3-style) and K/V prefetch across work items; skipping the combine when a
 query has one valid slot; the Mosaic combine kernel (the XLA one is used); FP8 paths.

@@ -1,0 +1,127 @@
+"""MSA decode benchmark (one layer, one step): index scoring + top-k + sparse paged attention.
+
+M3 shapes: N=64 query heads, K=4 KV heads, H=128, index Hx=128 with Hi=4 heads, block (page) 128,
+top-k 16, bf16 caches, Q=1 new token; contexts 128K and 1M, batch 1 and 8. Bytes counted: index keys
+scanned (256 B/token) + selected K/V pages (K * topk * 128 * 128 * 2 * 2 B per request). The
+baseline is cuDNN dense decode attention (``jax.nn.dot_product_attention(implementation="cudnn")``,
+T=1 query over the full context) measured in the same process; ``ratio`` = baseline_ms / ms
+(> 1: the MSA step is faster than dense attention). Timing: CUPTI kernel time
+(``jax.experimental.mosaic.gpu.profiler.measure``), median of 20 iterations after a warm-up.
+
+Run: ``PYTHONPATH=. python benchmarks/msa_decode.py`` (prints one JSON row per result).
+``MSA_BENCH_BUDGET_S=<seconds>``: stop starting new measurements after that long (the remaining ones
+are reported as skipped), so a time-limited device run still writes its table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+N, K, H, HX, HI, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
+
+
+def _time_ms(f, *args, iters: int = 20) -> float:
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(f(*args))  # compile + warm-up
+    _, times = profiler.measure(f, iterations=iters)(*args)
+    return float(statistics.median(times))
+
+
+def _inputs(b: int, ctx: int, q_len: int = 1, seed: int = 0):
+    pages_per_seq = ctx // BS
+    num_pages = b * pages_per_seq
+    ks = jax.random.split(jax.random.key(seed), 6)
+    dt = jnp.bfloat16
+    q = jax.random.normal(ks[0], (b, q_len, N, H), dt)
+    iq = jax.random.normal(ks[1], (b, q_len, HI, HX), dt)
+    k_pages = jax.random.normal(ks[2], (num_pages, BS, K, H), dt)
+    v_pages = jax.random.normal(ks[3], (num_pages, BS, K, H), dt)
+    ik_pages = (jax.random.normal(ks[4], (num_pages, BS, HX), dt) * 0.1).astype(dt)
+    page_table = jax.random.permutation(ks[5], num_pages).astype(jnp.int32).reshape(b, pages_per_seq)
+    seq_lens = jnp.full((b,), ctx, jnp.int32)
+    return q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens
+
+
+def bench(report) -> None:
+    from m3jax import msa
+    from m3jax.pallas import decode as D
+
+    deadline = time.time() + float(os.environ.get("MSA_BENCH_BUDGET_S", "inf"))
+
+    for ctx in (128 * 1024, 1024 * 1024):
+        for b in (1, 8):
+            shape = f"B={b} ctx={ctx // 1024}K Q=1 N={N} K={K} H={H} Hx={HX} Hi={HI} bs={BS} topk={TOPK}"
+            if time.time() > deadline:
+                report({"op": "msa_decode", "shape": shape, "impl": "-", "ms": None, "notes": "skipped: time budget"})
+                continue
+            q, iq, kp, vp, ikp, pt, sl = _inputs(b, ctx)
+            idx_bytes = b * ctx * HX * 2
+            kv_bytes = b * K * TOPK * BS * H * 2 * 2
+            q_pos = D.query_positions(sl, 1)
+
+            def step(impl, q, iq, kp, vp, ikp, pt, sl):
+                return D.msa_decode(q, iq, kp, vp, ikp, pt, sl, block_size=BS, topk=TOPK, implementation=impl)
+
+            scores = jax.jit(functools.partial(D.decode_index_scores, block_size=BS))
+            select = jax.jit(lambda s: msa.select_blocks(s, q_pos, block_size=BS, topk=TOPK))
+            attn = jax.jit(functools.partial(D.sparse_decode_attention, block_size=BS))
+            s_val = D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, implementation="reference")
+            bidx = select(s_val)
+
+            rows = []
+
+            def timed(op, impl, nbytes, f, *args):
+                if time.time() > deadline:
+                    rows.append((op, impl, float("nan"), nbytes, "skipped: time budget"))
+                    return
+                try:
+                    rows.append((op, impl, _time_ms(f, *args), nbytes, ""))
+                except Exception as e:  # noqa: BLE001  (a failing piece must not hide the others)
+                    rows.append((op, impl, float("nan"), nbytes, f"failed: {type(e).__name__}: {str(e)[:200]}"))
+
+            timed("index_scores", "pallas", idx_bytes, scores, iq, ikp, pt, sl)
+            timed("index_scores", "xla_reference", idx_bytes,
+                  jax.jit(functools.partial(D.decode_index_scores, block_size=BS, implementation="reference")),
+                  iq, ikp, pt, sl)
+            timed("topk(select_blocks)", "xla", b * HI * (ctx // BS) * 4, select, s_val)
+            timed("sparse_attention", "pallas", kv_bytes, attn, q, kp, vp, pt, bidx, sl)
+            timed("decode_step", "pallas", idx_bytes + kv_bytes, jax.jit(functools.partial(step, "pallas")),
+                  q, iq, kp, vp, ikp, pt, sl)
+            timed("decode_step", "xla_reference", idx_bytes + kv_bytes,
+                  jax.jit(functools.partial(step, "reference")), q, iq, kp, vp, ikp, pt, sl)
+
+            # cuDNN dense decode baseline: the same context as contiguous K/V.
+            kd = kp[pt].reshape(b, ctx, K, H)
+            vd = vp[pt].reshape(b, ctx, K, H)
+            dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+            try:
+                if time.time() > deadline:
+                    raise TimeoutError("skipped: time budget")
+                t_dense = _time_ms(dense, q, kd, vd)
+                dense_note = ""
+            except Exception as e:  # noqa: BLE001
+                t_dense, dense_note = float("nan"), f"cudnn failed: {type(e).__name__}: {str(e)[:120]}"
+            dense_bytes = b * ctx * K * H * 2 * 2
+            report({"op": "dense_decode_attention", "shape": shape, "impl": "cudnn", "ms": t_dense,
+                    "gbps": dense_bytes / t_dense / 1e6, "baseline": None, "ratio": None, "notes": dense_note})
+            del kd, vd
+            for op, impl, t, nbytes, note in rows:
+                report({
+                    "op": f"msa_decode/{op}", "shape": shape, "impl": impl, "ms": t,
+                    "gbps": nbytes / t / 1e6, "baseline": f"cudnn dense decode {t_dense:.4f} ms",
+                    "ratio": t_dense / t if op == "decode_step" else None,
+                    "notes": ("ratio = cudnn_ms / ms; " if op == "decode_step" else "") + note,
+                })
+            del q, iq, kp, vp, ikp, pt, sl
+
+
+if __name__ == "__main__":
+    bench(lambda row: print(json.dumps(row), flush=True))

@@ -1,0 +1,119 @@
+"""Benchmark: MSA index block scoring + top-k at M3 shapes (Hi=4, Hx=128, block 128, top-16).
+
+Chunked prefill: the queries are the last ``chunk`` tokens of a ``ctx``-token context (prefix =
+ctx - chunk). FLOPs follow MSA.md §1.7: indexer = 2 * Hx * Hi * causal_elements, causal_elements =
+sum_t (q_pos_t + 1). Baseline: a bf16 ``jnp.dot`` with the same FLOP count (8192 x 8192 x K) in the
+same process (the tensor-core ceiling as XLA/cuBLAS reaches it), and the XLA reference
+(``m3jax.msa.block_scores`` / ``select_blocks``) where its [T, S] scores fit in memory.
+
+``bench(report)`` records rows for: the unfused score kernel, the fused score + top-k kernel, the
+top-k kernel alone on block-major scores, and ``jax.lax.top_k`` (the reference) on the same rows.
+Run ``python benchmarks/msa_index.py`` to print the rows.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from m3jax import msa
+from m3jax.pallas import index_scores, topk as topk_mod
+
+HI, HX, BS, TOPK = 4, 128, 128, 16
+
+
+def _time_ms(f, *args, iters: int = 20) -> float:
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, t = profiler.measure(f, iterations=iters)(*args)
+        if isinstance(t, (list, tuple)):
+            t = statistics.median(t)
+        return float(t)
+    except Exception:  # noqa: BLE001  (CPU or profiler API change: wall clock)
+        jax.block_until_ready(f(*args))
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+
+def _inputs(chunk, ctx, dtype=jnp.bfloat16, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    iq = jax.random.normal(k1, (1, chunk, HI, HX), jnp.float32).astype(dtype)
+    ik = jax.random.normal(k2, (1, ctx, HX), jnp.float32).astype(dtype)
+    q_pos = (ctx - chunk + jnp.arange(chunk, dtype=jnp.int32))[None]
+    return iq, ik, q_pos
+
+
+def _matmul_rate(flops):
+    k = max(128, int(round(flops / (2 * 8192 * 8192) / 128)) * 128)
+    a = jnp.ones((8192, k), jnp.bfloat16)
+    b = jnp.ones((k, 8192), jnp.bfloat16)
+    ms = _time_ms(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)), a, b)
+    return 2 * 8192 * 8192 * k / ms / 1e9, ms
+
+
+def bench(report, contexts=(32768, 131072, 1048576), chunk=8192):
+    for ctx in contexts:
+        iq, ik, q_pos = _inputs(chunk, ctx)
+        causal = float(chunk) * (ctx - chunk) + chunk * (chunk + 1) / 2  # sum_t (q_pos_t + 1)
+        flops = 2 * HX * HI * causal
+        mm_tflops, _ = _matmul_rate(flops)
+        shape = f"B=1 T={chunk} S={ctx} Hi={HI} Hx={HX} bs={BS}"
+
+        f_scores = jax.jit(lambda a, b, c: index_scores.index_block_scores_blockmajor(a, b, c, block_size=BS)[0])
+        ms = _time_ms(f_scores, iq, ik, q_pos)
+        report(dict(op="msa_index_scores", shape=shape, impl="pallas (block-major out)", ms=ms,
+                    tflops=flops / ms / 1e9, baseline=f"bf16 jnp.dot {mm_tflops:.0f} TF/s",
+                    ratio=(flops / ms / 1e9) / mm_tflops, notes="unfused, writes [nb, T*Hi] fp32"))
+
+        f_pub = jax.jit(lambda a, b, c: index_scores.index_block_scores(a, b, c, block_size=BS))
+        ms_pub = _time_ms(f_pub, iq, ik, q_pos)
+        report(dict(op="msa_index_scores", shape=shape, impl="pallas ([B,Hi,T,nb] out)", ms=ms_pub,
+                    tflops=flops / ms_pub / 1e9, baseline=f"bf16 jnp.dot {mm_tflops:.0f} TF/s",
+                    ratio=(flops / ms_pub / 1e9) / mm_tflops, notes="kernel + XLA transpose"))
+
+        fused_cfg = index_scores.IndexScoreConfig(fused_topk=True)
+        f_fused = jax.jit(lambda a, b, c: index_scores.index_select_blocks(a, b, c, block_size=BS, topk=TOPK,
+                                                                           config=fused_cfg))
+        ms_f = _time_ms(f_fused, iq, ik, q_pos)
+        report(dict(op="msa_index_topk_fused", shape=shape + f" topk={TOPK}", impl="pallas fused", ms=ms_f,
+                    tflops=flops / ms_f / 1e9, baseline=f"unfused scores+topk",
+                    ratio=None, notes="score matrix never written"))
+
+        scores_bm, rowpos = jax.jit(
+            lambda a, b, c: index_scores.index_block_scores_blockmajor(a, b, c, block_size=BS))(iq, ik, q_pos)
+        f_topk = jax.jit(lambda s, r: topk_mod.select_blocks_blockmajor(s, r, block_size=BS, topk=TOPK))
+        ms_t = _time_ms(f_topk, scores_bm, rowpos)
+        rows = chunk * HI
+        report(dict(op="msa_topk", shape=f"rows={rows} nb={ctx // BS} topk={TOPK}", impl="pallas (block-major)",
+                    ms=ms_t, gbps=rows * (ctx // BS) * 4 / ms_t / 1e6, baseline=None, ratio=None,
+                    notes=f"unfused scores+topk = {ms + ms_t:.3f} ms vs fused {ms_f:.3f} ms"))
+
+        scores = jnp.transpose(scores_bm[:, : ctx // BS, :rows].reshape(1, ctx // BS, chunk, HI), (0, 3, 2, 1))
+        del scores_bm
+        f_ref_topk = jax.jit(lambda s, p: msa.select_blocks(s, p, block_size=BS, topk=TOPK))
+        ms_rt = _time_ms(f_ref_topk, scores, q_pos)
+        report(dict(op="msa_topk", shape=f"rows={rows} nb={ctx // BS} topk={TOPK}", impl="xla lax.top_k (reference)",
+                    ms=ms_rt, gbps=rows * (ctx // BS) * 4 / ms_rt / 1e6, baseline=None, ratio=ms_rt / ms_t,
+                    notes="ratio = reference / pallas"))
+        del scores
+        if ctx <= 131072:
+            f_ref = jax.jit(lambda a, b, c: msa.block_scores(a, b, c, BS))
+            ms_r = _time_ms(f_ref, iq, ik, q_pos, iters=5)
+            report(dict(op="msa_index_scores", shape=shape, impl="xla reference (fp32 einsum)", ms=ms_r,
+                        tflops=flops / ms_r / 1e9, baseline=None, ratio=ms_r / ms, notes="ratio = reference / pallas"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    ctxs = tuple(int(x) for x in sys.argv[1:]) or (32768, 131072, 1048576)
+    bench(lambda row: print(json.dumps(row), flush=True), contexts=ctxs)

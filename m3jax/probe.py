@@ -1,0 +1,207 @@
+"""Look inside MSA: per layer and KV group, which blocks are selected and what that costs.
+
+``probe(model, input_ids)`` runs the forward pass one layer at a time (each layer jitted, query
+rows streamed in chunks of ``query_chunk``, so no [T, T] matrix exists for more than one chunk of
+one layer) and records, for every MSA layer:
+
+* ``block_indices`` int32 [B, K, T, topk] — the selections (same contract as ``forward``);
+* ``recall`` fp32 [B, N, T] — share of the *dense* softmax mass of each query head that falls
+  inside its group's selected blocks (1.0 = the selection loses nothing);
+* ``output_error`` fp32 [B, T] — ||o_sparse - o_dense|| / ||o_dense|| of the attention output;
+* ``margin`` fp32 [B, K, T] — score of the last block that made it minus the best block that did
+  not (NaN when every visible block fits), i.e. how close the selection is to flipping;
+* ``block_scores`` fp32 [B, K, T, nb] when ``keep_scores=True``;
+
+and for every MoE layer ``experts`` int32 [B, T, k] (routed expert ids). Cross-group and
+cross-layer Jaccard overlap and distance-from-query histograms are computed from the selections.
+The residual stream is the model's own (same functions), so ``result.logits`` equals
+``m3jax.forward``'s. Interventions are config fields, e.g.
+``model.config.replace_text(index_topk_blocks=8)``, ``msa_force_in=((layer, block),)``, or a layer
+switched to dense by editing ``layer_types`` (:func:`with_dense_layers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax import msa
+from m3jax.config import FULL_ATTENTION, M3Config
+from m3jax.layers import rms_norm, rope_angles
+from m3jax.model import lm_head, mlp_block, msa_select, project_qkv
+from m3jax.moe import route
+
+
+@dataclasses.dataclass
+class LayerProbe:
+    layer: int
+    block_indices: np.ndarray | None = None
+    recall: np.ndarray | None = None
+    output_error: np.ndarray | None = None
+    margin: np.ndarray | None = None
+    block_scores: np.ndarray | None = None
+    experts: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class ProbeResult:
+    logits: np.ndarray  # fp32 [B, T, V]
+    layers: dict[int, LayerProbe]
+    block_size: int
+
+    @property
+    def msa_layers(self) -> list[int]:
+        return [i for i, p in self.layers.items() if p.block_indices is not None]
+
+    def jaccard_groups(self, layer: int) -> np.ndarray:
+        """[K, K] mean Jaccard overlap of the selected-block sets of two KV groups (over batch, queries)."""
+        sel = self.layers[layer].block_indices
+        k = sel.shape[1]
+        out = np.ones((k, k))
+        for a in range(k):
+            for b in range(a + 1, k):
+                out[a, b] = out[b, a] = _mean_jaccard(sel[:, a], sel[:, b])
+        return out
+
+    def jaccard_layers(self) -> tuple[list[int], np.ndarray]:
+        """(MSA layers, [L, L] mean Jaccard overlap of the same (batch, group, query) rows across layers)."""
+        layers = self.msa_layers
+        out = np.ones((len(layers), len(layers)))
+        for a in range(len(layers)):
+            for b in range(a + 1, len(layers)):
+                out[a, b] = out[b, a] = _mean_jaccard(
+                    self.layers[layers[a]].block_indices, self.layers[layers[b]].block_indices
+                )
+        return layers, out
+
+    def distance_histogram(self, layer: int) -> np.ndarray:
+        """counts[d] = selected blocks at distance d = own block - block (0 = the query's own block)."""
+        sel = self.layers[layer].block_indices
+        t = sel.shape[2]
+        own = (np.arange(t) // self.block_size)[None, None, :, None]
+        d = np.broadcast_to(own, sel.shape) - sel
+        return np.bincount(d[sel >= 0].ravel(), minlength=int(own.max()) + 1)
+
+    def summary(self) -> list[dict]:
+        """One row per MSA layer: mean recall, mean and max output error, median margin."""
+        rows = []
+        for i in self.msa_layers:
+            p = self.layers[i]
+            rows.append({
+                "layer": i,
+                "recall_mean": float(np.mean(p.recall)),
+                "recall_min": float(np.min(p.recall)),
+                "output_error_mean": float(np.mean(p.output_error)),
+                "output_error_max": float(np.max(p.output_error)),
+                "margin_median": float(np.nanmedian(p.margin)) if np.isfinite(p.margin).any() else float("nan"),
+            })
+        return rows
+
+
+def _mean_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over rows (all axes but the last) of |A ∩ B| / |A ∪ B| of the valid (>= 0) ids."""
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    vals = []
+    for x, y in zip(a2, b2):
+        sx, sy = set(x[x >= 0].tolist()), set(y[y >= 0].tolist())
+        vals.append(len(sx & sy) / max(len(sx | sy), 1))
+    return float(np.mean(vals))
+
+
+def with_dense_layers(cfg: M3Config, layers) -> M3Config:
+    """Config where the given MSA layers run dense causal attention (their index weights go unused)."""
+    types = list(cfg.text.layer_types)
+    for i in layers:
+        types[i] = FULL_ATTENTION
+    return cfg.replace_text(layer_types=tuple(types))
+
+
+def _margin(scores, sel, q_pos, t) -> jax.Array:
+    """Last selected ranked score minus best unselected visible score, per (b, group, query)."""
+    nb = scores.shape[-1]
+    j = jnp.arange(nb)
+    chosen = jnp.any(sel[..., None] == j, axis=-2)  # [B, K, C, nb]
+    visible = jnp.isfinite(scores)
+    own = (q_pos // t.index_block_size)[:, None, :, None]
+    ranked = visible & (j[None, None, None, :] < own)  # history blocks compete; own block is forced
+    in_score = jnp.where(chosen & ranked, scores, jnp.inf).min(-1)
+    out_score = jnp.where(~chosen & ranked, scores, -jnp.inf).max(-1)
+    ok = jnp.isfinite(in_score) & jnp.isfinite(out_score)
+    return jnp.where(ok, in_score - out_score, jnp.nan)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layer", "keep_scores"))
+def _probe_layer(lp, h, positions, cfg: M3Config, layer: int, keep_scores: bool):
+    t = cfg.text
+    angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
+    x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
+    sparse = t.is_sparse_attention(layer)
+    q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse)
+    bs = t.index_block_size
+    metrics = {}
+    if sparse:
+        b, _, n, hd = q.shape
+        kh = k.shape[2]
+
+        def chunk_fn(qp, qc, iqc):
+            scores = msa.block_scores(iqc, ik, qp, bs)
+            sel = msa_select(iqc, ik, qp, t, layer)
+            o_sparse = msa.sparse_attention(qc, k, v, sel, qp, bs)
+            o_dense = msa.dense_mask_attention(qc, k, v, None, qp, bs)
+            # Dense softmax mass inside the selected blocks, per query head.
+            qg = qc.reshape(b, -1, kh, n // kh, hd).astype(jnp.float32)
+            logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * hd**-0.5
+            s_len = k.shape[1]
+            logits = jnp.where((jnp.arange(s_len)[None, :] <= qp[:, :, None])[:, None, None], logits, -jnp.inf)
+            p = jax.nn.softmax(logits, axis=-1)
+            nbk = scores.shape[-1]
+            hit = jax.nn.one_hot(sel, nbk + 1, dtype=jnp.bool_)[..., :nbk].any(-2)  # [B, K, C, nb]
+            mask = jnp.repeat(hit, bs, axis=-1)[..., :s_len]
+            recall = jnp.sum(jnp.where(mask[:, :, None], p, 0.0), -1).reshape(b, n, -1)
+            diff = (o_sparse - o_dense).astype(jnp.float32)
+            err = jnp.sqrt(jnp.sum(diff**2, (2, 3)) / jnp.maximum(jnp.sum(o_dense.astype(jnp.float32) ** 2, (2, 3)), 1e-30))
+            out = (o_sparse, sel, recall, err, _margin(scores, sel, qp, t))
+            return out + ((scores,) if keep_scores else ())
+
+        outs, merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, positions, q, iq)
+        o = merge(outs[0], 1)
+        metrics = {"block_indices": merge(outs[1], 2), "recall": merge(outs[2], 2), "output_error": merge(outs[3], 1),
+                   "margin": merge(outs[4], 2)}
+        if keep_scores:
+            metrics["block_scores"] = merge(outs[5], 2)
+    else:
+        outs, merge = msa.map_query_chunks(
+            lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, positions, q
+        )
+        o = merge(outs, 1)
+    h = h + jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"])
+    y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
+    if t.is_moe(layer):
+        ids, _ = route(y.reshape(-1, y.shape[-1]), lp["moe"], t)
+        metrics["experts"] = ids.reshape(*y.shape[:2], -1)
+    return h + mlp_block(y, lp, t, layer), metrics
+
+
+def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False, progress: bool = False) -> ProbeResult:
+    """Run ``model`` on ``input_ids`` [B, T] (text) layer by layer and collect the MSA diagnostics."""
+    cfg = dataclasses.replace(model.config, attention_chunk=query_chunk)
+    ids = np.asarray(input_ids)
+    ids = ids[None] if ids.ndim == 1 else ids
+    params = model.params["text"]
+    h = params["embed"][jnp.asarray(ids, jnp.int32)]
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    layers = {}
+    it = enumerate(params["layers"])
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, total=len(params["layers"]), desc="probe", unit="layer")
+    for i, lp in it:
+        h, metrics = _probe_layer(lp, h, positions, cfg, i, keep_scores)
+        layers[i] = LayerProbe(i, **{k: np.asarray(v) for k, v in metrics.items()})
+    h = rms_norm(h, params["final_norm"], cfg.text.rms_norm_eps)
+    return ProbeResult(np.asarray(lm_head(model.params, h)), layers, cfg.text.index_block_size)
