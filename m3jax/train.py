@@ -1,0 +1,681 @@
+"""Training: next-token loss + the MSA indexer objective, optax optimizer, orbax checkpoints, CLI.
+
+Objective (per step)::
+
+    loss = CE(next token)  +  kl_weight * mean over MSA layers of KL_indexer
+
+**Indexer KL** (one MSA layer; per query t and KV group g). The target is the main branch's own
+attention, computed from ``stop_gradient``'d q/k: the causal softmax of every query head of the
+group, summed per key block, averaged over the group's heads, restricted to the support and
+renormalised. The prediction is a softmax over the support of the index branch's max-pooled block
+scores scaled by ``1/sqrt(index_head_dim)`` (the selection is scale-free, so the scale is only the
+temperature of the KL; 1/sqrt(Hx) puts the scores on the same footing as attention logits). The row
+value is KL(target || prediction); rows are averaged over (batch, group, query) among the rows whose
+support has at least two blocks (a one-block support has KL = 0 by construction).
+
+The support:
+
+* ``sparse``: the blocks the selection actually picked, forced ones (own block, local window, init
+  sinks) included — DSA's sparse stage, KL over S_t;
+* ``dense_warmup`` / ``indexer_only``: every visible block — DSA's dense warm-up.
+
+Forced blocks are kept in the support although their score never decides their selection: the
+softmax over the support then calibrates the history blocks against the local one, and with a small
+top-k (e.g. 2 = own block + one ranked block) a support without them would be a single block and
+carry no signal.
+
+The target is the *dense* softmax restricted afterwards: heads that put much of their mass outside
+the selection weigh less. (MaxText's DeepSeek-V3.2 indexer loss in its sparse stage instead takes
+each head's softmax over the selected keys only, then sums over heads; the two agree when every
+head has the same recall.)
+
+Because the KL and the LM loss reach disjoint parameter groups, and each group has its own Adam,
+``kl_weight`` barely matters (Adam is invariant to a loss scale); the indexer's pace is set by
+``index_lr``.
+
+**Gradient paths.** The index branch reads ``stop_gradient(x)`` of the layer's normed input, and the
+target reads ``stop_gradient(q), stop_gradient(k)``, so the KL reaches only the ``index`` weights
+(wq, wk, q_norm, k_norm). The LM loss reaches the index weights through nothing: the block selection
+is discrete (``lax.top_k`` ids). Sparse attention is differentiated through the gathered
+pure-jnp reference (:func:`m3jax.msa.sparse_attention`): its gradient w.r.t. q/k/v is plain autodiff
+of gathers, einsums and a softmax, which is correct by construction and fast enough for small models
+on CPU/GPU; a custom_vjp for the Pallas kernels is a later, separate step (those kernels are
+forward-only).
+
+Modes:
+
+* ``dense_warmup``: dense causal attention in every layer; all weights train (LM on the main
+  branch, KL on the index branch over all visible blocks);
+* ``sparse``: MSA attention (the model as deployed); all weights train, KL over the selected blocks;
+* ``indexer_only``: main weights frozen bit-for-bit (``optax.set_to_zero`` on them, and the step
+  puts the old arrays back), dense forward, KL over all visible blocks. Used to retrain the
+  indexer of a loaded model for a new block size / top-k; the LM term is not computed.
+
+CLI (text from the Python standard library's own sources, byte-level BPE from ``tokenizers``)::
+
+    python -m m3jax.train --config m3_tiny --steps 300 --seq-len 256 --batch 4 --out /tmp/run \
+        [--resume] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import sys
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from m3jax import msa
+from m3jax.config import M3Config, load_config, preset
+from m3jax.layers import rms_norm, rope_angles
+from m3jax.model import index_branch, lm_head, mlp_block, msa_select, project_qkv
+from m3jax.params import ParamSpec, param_specs
+
+MODES = ("dense_warmup", "sparse", "indexer_only")
+_BIG_NEG = -1e30
+
+
+# --------------------------------------------------------------------------------------------------
+# State
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 scalar
+
+
+def param_labels(params: dict) -> dict:
+    """"index" for the MSA index-branch leaves (``text.layers[i].index.*``), "frozen" for the vision
+    tower / projectors (text-only training never updates them, not even by weight decay), "main" for
+    the rest of the text decoder."""
+
+    def label(path, _):
+        keys = [getattr(p, "key", None) for p in path]
+        if keys[0] != "text":
+            return "frozen"
+        return "index" if "index" in keys else "main"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _decay_mask(params: dict) -> dict:
+    """Weight decay on matrices only (no norms, biases, router correction bias)."""
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(
+    mode: str, steps: int, lr: float = 2e-3, index_lr: float | None = None, warmup: int = 20,
+    weight_decay: float = 0.1, clip: float = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW (warm-up + cosine) per parameter group (:func:`param_labels`); ``set_to_zero`` (no state,
+    no update) for the frozen group, and for the main group in ``indexer_only``."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+
+    def adamw(peak):
+        sched = optax.warmup_cosine_decay_schedule(0.0, peak, max(1, min(warmup, steps - 1)), max(steps, 2), peak * 0.1)
+        return optax.chain(
+            optax.clip_by_global_norm(clip),
+            optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=_decay_mask),
+        )
+
+    main = optax.set_to_zero() if mode == "indexer_only" else adamw(lr)
+    return optax.multi_transform(
+        {"main": main, "index": adamw(index_lr or lr), "frozen": optax.set_to_zero()}, param_labels
+    )
+
+
+def init_train_params(cfg: M3Config, seed: int = 0, std: float = 0.02) -> dict:
+    """Fresh fp32 weights for training: N(0, std) matrices, zero Gemma-norm offsets (scale 1), zero
+    router correction bias. (``params.init_random`` randomises norm offsets on purpose, for tests.)"""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in leaves:
+        if s.init == "normal" and len(s.shape) >= 2:
+            x = rng.normal(0.0, std, s.shape)
+        elif s.init == "ones":
+            x = np.ones(s.shape)
+        else:  # norm offsets, biases, router_bias
+            x = np.zeros(s.shape)
+        out.append(jnp.asarray(x, jnp.float32))
+    return jax.tree.unflatten(treedef, out)
+
+
+def init_state(params: dict, tx: optax.GradientTransformation) -> TrainState:
+    """Step 0. Every array is committed to its device / sharding (as restored checkpoints are), so a
+    fresh and a restored state hit the same compiled step."""
+    params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, params))
+    opt_state, step = jax.jit(lambda p: (tx.init(p), jnp.zeros((), jnp.int32)))(params)
+    meshes = {x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, jax.sharding.NamedSharding)}
+    fallback = (jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec()) if meshes
+                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+    def commit(x):  # leaves made from constants (counters) come out of jit uncommitted
+        return x if x._committed else jax.device_put(x, fallback)
+
+    return TrainState(params, jax.tree.map(commit, opt_state), commit(step))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss
+
+
+def indexer_kl(q, k, scores, support, q_pos, block_size: int, index_head_dim: int):
+    """KL(target || index prediction) per (batch, group, query) row of one query chunk.
+
+    Args:
+      q: [B, C, N, H] main queries; k: [B, S, K, H] main keys (both used under stop_gradient).
+      scores: fp32 [B, K, C, nb] index block scores (differentiable w.r.t. the index branch).
+      support: bool [B, K, C, nb] blocks the KL runs over.
+    Returns:
+      (kl fp32 [B, K, C], valid bool [B, K, C]) — valid = support has >= 2 blocks.
+    """
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    b, c, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    nb = scores.shape[-1]
+    qg = q.reshape(b, c, kh, n // kh, h).astype(jnp.float32)
+    logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
+    causal = (jnp.arange(s_len)[None, None, :] <= q_pos[:, :, None])[:, None, None]
+    p = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    p = jnp.pad(p, [(0, 0)] * 4 + [(0, nb * block_size - s_len)])
+    mass = p.reshape(*p.shape[:4], nb, block_size).sum(-1).mean(2)  # [B, K, C, nb]
+    target = jnp.where(support, mass, 0.0)
+    z = target.sum(-1, keepdims=True)
+    target = jax.lax.stop_gradient(target / jnp.where(z > 0, z, 1.0))
+    logq = jax.nn.log_softmax(jnp.where(support, scores * index_head_dim**-0.5, _BIG_NEG), axis=-1)
+    pos = target > 0
+    kl = jnp.sum(jnp.where(pos, target * (jnp.log(jnp.where(pos, target, 1.0)) - logq), 0.0), -1)
+    valid = support.sum(-1) >= 2
+    return jnp.where(valid, kl, 0.0), valid
+
+
+def _msa_layer_train(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str):
+    """Attention of one MSA layer in training: returns (out [B, T, D], kl_sum, kl_rows)."""
+    t = cfg.text
+    bs = t.index_block_size
+    q, k, v, _, _ = project_qkv(x, lp, angles, t, sparse=False)
+    # The index branch sees a detached input: the KL trains only the index weights.
+    iq, ik = index_branch(jax.lax.stop_gradient(x), lp["index"], angles, t)
+
+    def chunk_fn(qp, qc, iqc):
+        scores = msa.block_scores(iqc, ik, qp, bs)  # [B, K, C, nb]
+        nb = scores.shape[-1]
+        if mode == "sparse":
+            sel = msa_select(jax.lax.stop_gradient(iqc), jax.lax.stop_gradient(ik), qp, t, layer)
+            o = msa.sparse_attention(qc, k, v, sel, qp, bs)
+            support = jax.nn.one_hot(sel, nb + 1, dtype=jnp.bool_)[..., :nb].any(-2)  # -1 -> no column
+        else:
+            o = msa.dense_mask_attention(qc, k, v, None, qp, bs)
+            support = jnp.isfinite(scores)
+        kl, valid = indexer_kl(qc, k, scores, support, qp, bs, t.index_head_dim)
+        return o, kl, valid
+
+    (o, kl, valid), merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
+    o, kl, valid = merge(o, 1), merge(kl, 2), merge(valid, 2)
+    out = jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"])
+    return out, jnp.sum(kl), jnp.sum(valid)
+
+
+def _dense_layer(x, lp, angles, q_pos, cfg: M3Config):
+    t = cfg.text
+    q, k, v, _, _ = project_qkv(x, lp, angles, t, sparse=False)
+    o, merge = msa.map_query_chunks(
+        lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, t.index_block_size), cfg.attention_chunk, q_pos, q
+    )
+    return jnp.einsum("btnh,nhd->btd", merge(o, 1), lp["attn"]["wo"])
+
+
+def train_forward(params: dict, input_ids: jax.Array, cfg: M3Config, mode: str):
+    """Text decoder for training. Returns (final hidden [B, T, D], {layer: (kl_sum, kl_rows)})."""
+    t = cfg.text
+    p = params["text"]
+    b, n = input_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
+    h = p["embed"][input_ids]
+    kls = {}
+    for i, lp in enumerate(p["layers"]):
+        x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
+        if t.is_sparse_attention(i):
+            a, kl_sum, kl_rows = _msa_layer_train(x, lp, angles, positions, cfg, i, mode)
+            kls[i] = (kl_sum, kl_rows)
+        else:
+            a = _dense_layer(x, lp, angles, positions, cfg)
+        h = h + a
+        h = h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i)
+    return rms_norm(h, p["final_norm"], t.rms_norm_eps), kls
+
+
+def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: float = 1.0):
+    """LM cross-entropy + kl_weight * mean-over-MSA-layers indexer KL.
+
+    batch: ``{"tokens": int32 [B, T + 1]}`` (inputs are tokens[:, :-1], labels tokens[:, 1:]) and
+    optionally ``"mask"`` [B, T] (1 = count the label). Returns (total, {"lm", "kl", "kl_layers"}).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+    if mode == "indexer_only":
+        labels = param_labels(params)
+        params = jax.tree.map(lambda l, x: x if l == "index" else jax.lax.stop_gradient(x), labels, params)
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    h, kls = train_forward(params, inputs, cfg, mode)
+    if mode == "indexer_only":
+        lm = jnp.zeros((), jnp.float32)  # main weights frozen: the LM term has no gradient to give
+    else:
+        ce = optax.softmax_cross_entropy_with_integer_labels(lm_head(params, h), targets)
+        mask = batch.get("mask")
+        mask = jnp.ones_like(ce) if mask is None else mask.astype(jnp.float32)
+        lm = jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    per_layer = jnp.stack([s / jnp.maximum(r, 1) for s, r in kls.values()]) if kls else jnp.zeros((0,))
+    kl = jnp.mean(per_layer) if kls else jnp.zeros((), jnp.float32)
+    return lm + kl_weight * kl, {"lm": lm, "kl": kl, "kl_layers": per_layer}
+
+
+def make_train_step(cfg: M3Config, tx: optax.GradientTransformation, mode: str, kl_weight: float = 1.0, mesh=None):
+    """Jitted ``step(state, batch) -> (state, metrics)`` (state donated). With ``mesh`` the step runs
+    under it: parameters keep the shardings they were placed with (``m3jax.sharding.shard_params``),
+    the batch is split over the data axis."""
+
+    def step(state: TrainState, batch: dict):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, cfg, mode, kl_weight)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # Weights that must not move keep their old values bit for bit (p + 0.0 would turn -0.0 into +0.0).
+        keep = ("main", "frozen") if mode == "indexer_only" else ("frozen",)
+        params = jax.tree.map(lambda l, old, new: old if l in keep else new, param_labels(params), state.params, params)
+        metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads)}
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    jitted = jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        return jitted
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from m3jax.sharding import DATA
+
+    def run(state, batch):
+        batch = {k: jax.device_put(v, NamedSharding(mesh, P(DATA))) for k, v in batch.items()}
+        with jax.set_mesh(mesh):
+            return jitted(state, batch)
+
+    return run
+
+
+def make_eval_step(cfg: M3Config, mode: str = "sparse"):
+    """Jitted ``(params, batch) -> {"lm", "kl", "kl_layers"}`` (no gradients)."""
+    return jax.jit(lambda params, batch: loss_fn(params, batch, cfg, mode)[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints (orbax): the whole TrainState
+
+
+def _state_tree(state: TrainState) -> dict:
+    return {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+
+
+def checkpoint_manager(directory: str | Path, max_to_keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(Path(directory).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+
+
+def save_state(mngr, state: TrainState) -> None:
+    import orbax.checkpoint as ocp
+
+    mngr.save(int(state.step), args=ocp.args.StandardSave(_state_tree(state)))
+    mngr.wait_until_finished()
+
+
+def restore_state(mngr, like: TrainState, step: int | None = None) -> TrainState:
+    """Restore the latest (or ``step``) checkpoint into the structure, dtypes and shardings of ``like``."""
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {mngr.directory}")
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), _state_tree(like)
+    )
+    tree = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    return TrainState(tree["params"], tree["opt_state"], tree["step"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: the Python standard library's own sources
+
+
+def stdlib_files() -> tuple[list[Path], list[Path], Path]:
+    """(train, held-out, root): ``*.py`` under the stdlib (site-packages excluded), sorted by relative
+    path; a file is held out when crc32(relative path) % 20 == 0 (about 5 %, stable across machines)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((f for f in root.rglob("*.py") if "site-packages" not in f.parts), key=lambda f: f.relative_to(root).as_posix())
+    held = [f for f in files if zlib.crc32(f.relative_to(root).as_posix().encode()) % 20 == 0]
+    held_set = set(held)
+    return [f for f in files if f not in held_set], held, root
+
+
+def _read_texts(files: list[Path], budget_bytes: int | None) -> list[str]:
+    out, total = [], 0
+    for f in files:
+        try:
+            s = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        out.append(s)
+        total += len(s)
+        if budget_bytes and total >= budget_bytes:
+            break
+    return out
+
+
+SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+def train_tokenizer(texts: list[str], cfg: M3Config, tokenizer_mb: float = 8.0):
+    """Byte-level BPE (``tokenizers``) to the config's vocabulary. Ids 0, 1, 2 are <pad>, <s>, </s>;
+    when the image / video placeholder ids fall inside the vocabulary, the BPE stops below them and
+    ``<image>`` / ``<video>`` take those ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    v = cfg.text.vocab_size
+    media = sorted(i for i in (cfg.image_token_id, cfg.video_token_id) if i < v)
+    n_bpe = media[0] if media else v
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=n_bpe, special_tokens=list(SPECIALS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    budget, sample = int(tokenizer_mb * 1e6), []
+    for s in texts:
+        sample.append(s)
+        budget -= len(s)
+        if budget <= 0:
+            break
+    tok.train_from_iterator(sample, trainer=trainer)
+    names = {cfg.image_token_id: "<image>", cfg.video_token_id: "<video>"}
+    for i in media:
+        if tok.get_vocab_size() == i:
+            tok.add_special_tokens([names[i]])
+    if tok.get_vocab_size() > v:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids > vocab_size {v}")
+    return tok
+
+
+def encode_corpus(tok, texts: list[str], eos_id: int) -> np.ndarray:
+    """One int32 stream: each file's tokens followed by </s>."""
+    parts = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        parts.append(np.asarray(enc.ids, np.int32))
+        parts.append(np.asarray([eos_id], np.int32))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+def sample_batch(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int = 0) -> dict:
+    """Deterministic windows of seq_len + 1 tokens for ``step`` (a resumed run sees the same data)."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch)
+    return {"tokens": np.stack([stream[s : s + seq_len + 1] for s in starts])}
+
+
+def heldout_batches(stream: np.ndarray, n: int, batch: int, seq_len: int) -> list[dict]:
+    """``n`` fixed, evenly spaced held-out batches."""
+    total = n * batch
+    starts = np.linspace(0, len(stream) - seq_len - 2, total).astype(np.int64)
+    rows = np.stack([stream[s : s + seq_len + 1] for s in starts])
+    return [{"tokens": rows[i * batch : (i + 1) * batch]} for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Recall (m3jax.probe) and plots
+
+
+def mean_recall(params: dict, cfg: M3Config, tokens: np.ndarray) -> dict[int, float]:
+    """{MSA layer: mean dense-softmax mass inside the selected blocks} on ``tokens`` [B, T]."""
+    from m3jax.api import M3Model
+    from m3jax.probe import probe
+
+    res = probe(M3Model(cfg, params), tokens, query_chunk=cfg.attention_chunk)
+    return {r["layer"]: r["recall_mean"] for r in res.summary()}
+
+
+def plot_curves(csv_path: Path, png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    every = list(csv.DictReader(open(csv_path)))
+    rows = [r for r in every if r.get("lm")]
+    if not every:
+        return
+    step = np.array([int(r["step"]) for r in rows])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for key in ("lm", "loss"):
+        axes[0].plot(step, [float(r[key]) for r in rows], label=f"train {key}", lw=1)
+    ev = [(int(r["step"]), float(r["eval_lm"])) for r in every if r.get("eval_lm")]
+    if ev:
+        axes[0].plot(*zip(*ev), "o-", label="held-out lm")
+    axes[0].set_xlabel("step"), axes[0].set_ylabel("nats/token"), axes[0].legend()
+    axes[1].plot(step, [float(r["kl"]) for r in rows], lw=1, label="indexer KL (train)")
+    rec = [(int(r["step"]), float(r["recall"])) for r in every if r.get("recall")]
+    if rec:
+        ax2 = axes[1].twinx()
+        ax2.plot(*zip(*rec), "s-", color="C2", label="held-out recall")
+        ax2.set_ylabel("recall")
+        ax2.legend(loc="center right")
+    axes[1].set_xlabel("step"), axes[1].legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+CSV_FIELDS = ("step", "mode", "loss", "lm", "kl", "grad_norm", "seconds", "eval_lm", "eval_kl", "recall")
+
+
+def _load_cfg(args) -> M3Config:
+    p = Path(args.config)
+    cfg = load_config(p) if p.exists() else preset(args.config)
+    changes = {}
+    if args.block_size:
+        changes["index_block_size"] = args.block_size
+    if args.topk:
+        changes["index_topk_blocks"] = args.topk
+    if changes:
+        cfg = cfg.replace_text(**changes)
+    # Text-only training; by default one attention chunk = the whole (short) training sequence.
+    return cfg.replace(attention_impl="reference", attention_chunk=args.attention_chunk or args.seq_len)
+
+
+def _prepare_data(args, cfg: M3Config, out: Path):
+    from tokenizers import Tokenizer
+
+    train_files, held_files, _ = stdlib_files()
+    budget = int(args.data_mb * 1e6) if args.data_mb else None
+    tok_path = out / "tokenizer.json"
+    cache = out / "data.npz"
+    if tok_path.exists() and cache.exists():
+        tok = Tokenizer.from_file(str(tok_path))
+        d = np.load(cache)
+        return tok, d["train"], d["heldout"]
+    t0 = time.time()
+    train_texts = _read_texts(train_files, budget)
+    held_texts = _read_texts(held_files, budget // 20 if budget else None)
+    if tok_path.exists():
+        tok = Tokenizer.from_file(str(tok_path))
+    elif args.tokenizer_from:
+        tok = Tokenizer.from_file(str(Path(args.tokenizer_from) / "tokenizer.json"))
+        tok.save(str(tok_path))
+    else:
+        tok = train_tokenizer(train_texts, cfg, args.tokenizer_mb)
+        tok.save(str(tok_path))
+    eos = cfg.text.eos_token_id if isinstance(cfg.text.eos_token_id, int) else cfg.text.eos_token_id[0]
+    train, held = encode_corpus(tok, train_texts, eos), encode_corpus(tok, held_texts, eos)
+    np.savez(cache, train=train, heldout=held)
+    print(f"data: {len(train_texts)} train / {len(held_texts)} held-out files -> {len(train)} / {len(held)} tokens "
+          f"(vocab {tok.get_vocab_size()}, {time.time() - t0:.1f}s)", flush=True)
+    return tok, train, held
+
+
+def _write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+         "model_max_length": cfg.text.max_position_embeddings}, indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m m3jax.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="m3_tiny", help="preset name (configs/) or a config.json / checkpoint dir")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", action="store_true", help="continue from the latest orbax checkpoint in OUT/ckpt")
+    ap.add_argument("--mode", choices=MODES, default="sparse")
+    ap.add_argument("--dense-warmup-steps", type=int, default=0, help="first N steps in dense_warmup (mode sparse)")
+    ap.add_argument("--block-size", type=int, default=0)
+    ap.add_argument("--topk", type=int, default=0)
+    ap.add_argument("--init-from", default=None, help="start from an HF checkpoint dir (e.g. for indexer_only)")
+    ap.add_argument("--tokenizer-from", default=None, help="reuse DIR/tokenizer.json instead of training one")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--index-lr", type=float, default=None)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--kl-weight", type=float, default=1.0)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--data-mb", type=float, default=0.0, help="read only the first N MB of train sources (0 = all)")
+    ap.add_argument("--tokenizer-mb", type=float, default=8.0)
+    ap.add_argument("--attention-chunk", type=int, default=0, help="query rows per attention chunk (0 = seq-len)")
+    ap.add_argument("--data-parallel", type=int, default=0, help="N > 0: run on a (N, 1) mesh, batch split N ways")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _load_cfg(args)
+    tok, train_stream, held_stream = _prepare_data(args, cfg, out)
+
+    mesh = None
+    if args.data_parallel:
+        from m3jax.sharding import make_mesh
+
+        mesh = make_mesh(args.data_parallel, data=args.data_parallel)
+
+    if args.init_from:
+        from m3jax.checkpoint import load_params
+
+        params = load_params(args.init_from, cfg, dtype="float32", progress=False)
+    else:
+        params = init_train_params(cfg, args.seed)
+    if mesh is not None:
+        from m3jax.sharding import shard_params
+
+        params = shard_params(params, cfg, mesh)
+
+    phases = [("dense_warmup", args.dense_warmup_steps), (args.mode, args.steps - args.dense_warmup_steps)]
+    if args.mode != "sparse" or args.dense_warmup_steps <= 0:
+        phases = [(args.mode, args.steps)]
+    tx = make_optimizer(phases[-1][0], args.steps, args.lr, args.index_lr, args.warmup)
+    state = init_state(params, tx)
+    index_init = jax.tree.map(np.asarray, [lp.get("index") for lp in params["text"]["layers"]])
+    mngr = checkpoint_manager(out / "ckpt")
+    csv_path = out / "train_log.csv"
+    rows: list[dict] = []
+    if args.resume and mngr.latest_step() is not None:
+        state = restore_state(mngr, state)
+        if csv_path.exists():
+            rows = [r for r in csv.DictReader(open(csv_path)) if int(r["step"]) <= int(state.step)]
+        print(f"resumed at step {int(state.step)}", flush=True)
+
+    steps = {m: make_train_step(cfg, tx, m, args.kl_weight, mesh) for m, _ in phases}
+    eval_step = make_eval_step(cfg, "sparse")
+    evals = heldout_batches(held_stream, args.eval_batches, args.batch, args.seq_len)
+    probe_tokens = evals[0]["tokens"][:, :-1]
+    boundary = phases[0][1] if len(phases) == 2 else 0
+
+    def evaluate(params):
+        ms = [eval_step(params, b) for b in evals]
+        lm = float(np.mean([m["lm"] for m in ms]))
+        kl = float(np.mean([m["kl"] for m in ms]))
+        rec = mean_recall(params, cfg, probe_tokens) if cfg.text.has_sparse_layers else {}
+        return lm, kl, float(np.mean(list(rec.values()))) if rec else float("nan")
+
+    # The CSV is rewritten with the rows up to the (restored) step, then appended to every step.
+    csv_file = open(csv_path, "w", newline="")
+    log = csv.DictWriter(csv_file, CSV_FIELDS)
+    log.writeheader()
+    log.writerows(rows)
+    if int(state.step) == 0:
+        lm0, kl0, rec0 = evaluate(state.params)
+        log.writerow({"step": 0, "mode": "init", "eval_lm": f"{lm0:.5f}", "eval_kl": f"{kl0:.5f}", "recall": f"{rec0:.5f}"})
+        print(f"step 0: held-out lm {lm0:.4f} kl {kl0:.4f} recall {rec0:.4f}", flush=True)
+    t_start = time.time()
+    while int(state.step) < args.steps:
+        s = int(state.step)
+        mode = phases[0][0] if s < boundary else phases[-1][0]
+        t0 = time.time()
+        state, m = steps[mode](state, sample_batch(train_stream, s, args.batch, args.seq_len, args.seed))
+        m = jax.device_get(m)
+        row = {"step": s + 1, "mode": mode, "loss": f"{m['loss']:.5f}", "lm": f"{m['lm']:.5f}", "kl": f"{m['kl']:.5f}",
+               "grad_norm": f"{m['grad_norm']:.4f}", "seconds": f"{time.time() - t0:.3f}"}
+        done = int(state.step)
+        if done % args.eval_every == 0 or done == args.steps:
+            lm, kl, rec = evaluate(state.params)
+            row.update(eval_lm=f"{lm:.5f}", eval_kl=f"{kl:.5f}", recall=f"{rec:.5f}")
+            print(f"step {done} [{mode}]: train lm {m['lm']:.4f} kl {m['kl']:.4f} | held-out lm {lm:.4f} "
+                  f"kl {kl:.4f} recall {rec:.4f} ({time.time() - t_start:.0f}s)", flush=True)
+        log.writerow(row)
+        csv_file.flush()
+        if done % args.ckpt_every == 0 or done == args.steps:
+            save_state(mngr, state)
+    csv_file.close()
+    plot_curves(csv_path, out / "loss_curve.png")
+
+    from m3jax.api import M3Model, save_pretrained
+
+    params = jax.device_get(state.params)
+    final = out / "model"
+    save_pretrained(M3Model(cfg.replace(attention_impl="auto"), params), final)
+    _write_tokenizer_files(tok, cfg, final)
+    summary = {"steps": int(state.step), "config": args.config, "block_size": cfg.text.index_block_size,
+               "topk": cfg.text.index_topk_blocks}
+    if cfg.text.has_sparse_layers:
+        untrained = {"text": {**params["text"], "layers": [
+            {**lp, "index": ii} if ii is not None else lp for lp, ii in zip(params["text"]["layers"], index_init)]}}
+        summary["recall_trained_index"] = mean_recall(params, cfg, probe_tokens)
+        summary["recall_initial_index"] = mean_recall(untrained, cfg, probe_tokens)
+    lm, kl, _ = evaluate(params)
+    summary.update(heldout_lm=lm, heldout_kl=kl)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
