@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -137,9 +138,7 @@ def forward(
         )
     pix, image_grid = _media(model, ids, pixel_values, image_grid_thw, cfg.image_token_id, "image")
     vid, video_grid = _media(model, ids, pixel_values_videos, video_grid_thw, cfg.video_token_id, "video")
-    if model.mesh is not None:  # expert-parallel MoE and sharded params (m3jax.sharding)
-        with jax.set_mesh(model.mesh):
-            logits, blocks = forward_jit(model.params, jnp.asarray(ids, jnp.int32), pix, vid, cfg, image_grid, video_grid)
-        return ForwardOutput(logits, blocks if return_block_indices else None)
-    logits, blocks = forward_jit(model.params, jnp.asarray(ids, jnp.int32), pix, vid, cfg, image_grid, video_grid)
+    # Under the model's mesh, sharded params and the expert-parallel MoE are used (m3jax.sharding).
+    with jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext():
+        logits, blocks = forward_jit(model.params, jnp.asarray(ids, jnp.int32), pix, vid, cfg, image_grid, video_grid)
     return ForwardOutput(logits, blocks if return_block_indices else None)

@@ -50,11 +50,6 @@ class PagedCache:
     layers: list[LayerCache]
     page_table: jax.Array  # int32 [B, max_pages]
 
-    @property
-    def capacity(self) -> int:
-        """Tokens per sequence."""
-        return self.page_table.shape[1] * self.layers[0].k.shape[1]
-
 
 def init_cache(cfg: M3Config, batch: int, capacity: int, dtype=jnp.bfloat16) -> PagedCache:
     """Zeroed cache for ``batch`` sequences of up to ``capacity`` tokens (rounded up to whole pages).

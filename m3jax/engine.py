@@ -128,30 +128,24 @@ class Engine:
         return time.perf_counter() - t0
 
     @_under_mesh
-    def prefill(self, row: int, prompt_embeds: jax.Array, on_progress: Callable[[int], None] | None = None,
-                return_selections: bool = False):
-        """Prefill sequence ``row`` with embeddings [T, D]; returns (logits at the last token, selections)."""
+    def prefill(self, row: int, prompt_embeds: jax.Array, on_progress: Callable[[int], None] | None = None):
+        """Prefill sequence ``row`` with embeddings [T, D]; returns fp32 logits [V] at the last token."""
         t = prompt_embeds.shape[0]
         if t == 0:
             raise ValueError("empty prompt")
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens exceeds the context capacity {self.capacity}")
-        selections = []
         for start in range(0, t, self.chunk):
             n = min(self.chunk, t - start)
             piece = prompt_embeds[start : start + n]
             if n < self.chunk:  # pad to the compiled chunk; pad rows land beyond the prompt and are rewritten later
                 piece = jnp.concatenate([piece, jnp.zeros((self.chunk - n, piece.shape[1]), piece.dtype)])
-            logits, sel, self.cache = prefill_chunk(
+            logits, _, self.cache = prefill_chunk(
                 self.params, self.cache, piece[None], jnp.int32(row), jnp.int32(start), jnp.int32(n - 1), self.cfg
             )
-            if return_selections:
-                selections.append({k: np.asarray(v)[..., :n, :] for k, v in sel.items()})
             if on_progress:
                 on_progress(n)
-        if return_selections:
-            selections = {k: np.concatenate([s[k] for s in selections], axis=2) for k in selections[0]}
-        return logits, selections
+        return logits
 
     @_under_mesh
     def generate(
@@ -185,8 +179,7 @@ class Engine:
         t0 = time.perf_counter()
         first_logits = []
         for row, e in enumerate(prompt_embeds):
-            logits, _ = self.prefill(row, e, on_progress=on_prefill_progress)
-            first_logits.append(logits)
+            first_logits.append(self.prefill(row, e, on_progress=on_prefill_progress))
         logits = jnp.stack(first_logits + [first_logits[0]] * (self.batch - n))
         key, sub = jax.random.split(key)
         tokens = sample(logits, sub, sampling)
