@@ -29,21 +29,36 @@ def _median_ms(fn, *args, iters=10):
     return 1e3 * sorted(ts)[len(ts) // 2]
 
 
+def make_inputs(ctx: int, chunk: int, *, n=N, kh=K, h=H, hx=HX, dtype=jnp.bfloat16):
+    """Random (q, k, v, iq, ik, pos) of one prefill chunk of ``chunk`` queries at the end of ``ctx`` keys."""
+    ks = jax.random.split(jax.random.key(ctx), 5)
+    q = (jax.random.normal(ks[0], (1, chunk, n, h)) * 0.25).astype(dtype)
+    k = (jax.random.normal(ks[1], (1, ctx, kh, h)) * 0.25).astype(dtype)
+    v = (jax.random.normal(ks[2], (1, ctx, kh, h)) * 0.25).astype(dtype)
+    iq = jax.random.normal(ks[3], (1, chunk, kh, hx)).astype(dtype)
+    ik = jax.random.normal(ks[4], (1, ctx, hx)).astype(dtype)
+    pos = (ctx - chunk + jnp.arange(chunk, dtype=jnp.int32))[None]
+    return q, k, v, iq, ik, pos
+
+
+def time_msa_step(cfg, inputs, iters=10) -> float:
+    """Median ms of the whole pallas MSA step (``cfg``: a TextConfig, its block size and top-k used)."""
+    step = jax.jit(lambda q, k, v, iq, ik, pos: _msa_pallas(q, k, v, iq, ik, pos, cfg)[0])
+    return _median_ms(step, *inputs, iters=iters)
+
+
+def time_dense(inputs, implementation="cudnn", iters=10) -> float:
+    """Median ms of dense attention of the chunk's queries over the whole context (no causal trim)."""
+    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
+    return _median_ms(dense, *inputs[:3], iters=iters)
+
+
 def bench(report, contexts=(131072, 1048576), chunk=8192):
     cfg = preset("minimax_m3").text
-    step = jax.jit(lambda q, k, v, iq, ik, pos: _msa_pallas(q, k, v, iq, ik, pos, cfg)[0])
-    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
     for ctx in contexts:
-        ks = jax.random.split(jax.random.key(ctx), 5)
-        bf = jnp.bfloat16
-        q = (jax.random.normal(ks[0], (1, chunk, N, H)) * 0.25).astype(bf)
-        k = (jax.random.normal(ks[1], (1, ctx, K, H)) * 0.25).astype(bf)
-        v = (jax.random.normal(ks[2], (1, ctx, K, H)) * 0.25).astype(bf)
-        iq = jax.random.normal(ks[3], (1, chunk, K, HX)).astype(bf)
-        ik = jax.random.normal(ks[4], (1, ctx, HX)).astype(bf)
-        pos = (ctx - chunk + jnp.arange(chunk, dtype=jnp.int32))[None]
-        ms_sparse = _median_ms(step, q, k, v, iq, ik, pos)
-        ms_dense = _median_ms(dense, q, k, v)
+        inputs = make_inputs(ctx, chunk)
+        ms_sparse = time_msa_step(cfg, inputs)
+        ms_dense = time_dense(inputs)
         shape = f"T={chunk} ctx={ctx} N={N} K={K} H={H} bs={BS} topk={TOPK}"
         report(dict(op="msa_step", shape=shape, impl="pallas: scores+topk+kv_major+combine", ms=ms_sparse,
                     baseline="cudnn dense", ratio=ms_dense / ms_sparse, notes=f"cudnn dense {ms_dense:.2f} ms"))

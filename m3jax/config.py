@@ -18,6 +18,9 @@ from typing import Any, Literal
 
 AttentionImpl = Literal["auto", "reference", "dense_mask", "pallas"]
 ATTENTION_IMPLS = ("auto", "reference", "dense_mask", "pallas")
+# MoE grouped matmul: "auto" = the Mosaic GPU kernel on GPU for bf16 shapes it takes, else ragged_dot.
+MoeImpl = Literal["auto", "ragged_dot", "pallas"]
+MOE_IMPLS = ("auto", "ragged_dot", "pallas")
 
 FULL_ATTENTION = "full_attention"
 SPARSE_ATTENTION = "minimax_m3_sparse"
@@ -180,12 +183,15 @@ class M3Config:
     # "mxfp8" when the checkpoint stores float8 weights with E8M0 block scales (dequantised on load).
     quantization: str | None = None
     attention_impl: AttentionImpl = "auto"
+    moe_impl: MoeImpl = "auto"  # run-time choice like attention_impl: never written to config.json
     # Query rows processed together by the reference attention; bounds memory at long context.
     attention_chunk: int = 256
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
             raise UnsupportedConfigError(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise UnsupportedConfigError(f"moe_impl={self.moe_impl!r}; choose one of {MOE_IMPLS}")
 
     def replace(self, **changes) -> "M3Config":
         return dataclasses.replace(self, **changes)

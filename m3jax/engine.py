@@ -1,8 +1,10 @@
 """Generation engine: chunked prefill into a paged KV + index-key cache, batched decode, sampling.
 
-* Prefill runs one sequence at a time in fixed-size chunks (one compiled shape per chunk size);
-  each chunk writes its K/V/index keys into the sequence's pages, then attends over the whole
-  cache of that sequence, so the maths equals the full forward pass.
+* Prefill runs one sequence at a time in fixed-size chunks; each chunk writes its K/V/index keys
+  into the sequence's pages, then attends over a key window of the first W pages, W = the chunk's
+  end rounded up to a bucket (:func:`key_window_pages`). Keys past the chunk's end are in every
+  query's future, so the window gives the full forward pass's maths while a chunk costs what it
+  reads, not the whole capacity; buckets keep the compiled shapes to O(log capacity).
 * Decode runs all sequences together, one token each, with static shapes: the step is compiled
   once and reused for every token (positions and tokens are traced values).
 * Sampling follows the model card by default (temperature 1.0, top-p 0.95, top-k 40);
@@ -19,6 +21,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from m3jax.cache import PagedCache, init_cache
 from m3jax.config import M3Config
@@ -52,13 +55,27 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
     return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, cfg: M3Config):
+def key_window_pages(end: int, block_size: int, max_pages: int) -> int:
+    """Pages a prefill chunk ending (exclusive) at token ``end`` attends over: ceil(end / block)
+    rounded up to the next 2^k or 3 * 2^(k-1) (at most 1.5x the keys needed, about 2 log2(max_pages)
+    distinct shapes), capped at the sequence's ``max_pages``."""
+    need = -(-end // block_size)
+    w = 1
+    while w < need:
+        w *= 2
+    if w >= 4 and 3 * w // 4 >= need:
+        w = 3 * w // 4
+    return min(w, max_pages)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "key_pages"), donate_argnames=("cache",))
+def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, cfg: M3Config, key_pages: int):
     """One prefill chunk of one sequence. embeds [1, C, D] at positions start..start+C-1 of sequence
-    ``row``; returns (fp32 logits [V] at chunk index ``last``, MSA selections, cache)."""
+    ``row``, all below ``key_pages * block``; returns (fp32 logits [V] at chunk index ``last``, MSA
+    selections, cache). Only the row's first ``key_pages`` pages are written and read."""
     c = embeds.shape[1]
     positions = (start + jnp.arange(c, dtype=jnp.int32))[None]
-    page_table = jax.lax.dynamic_slice_in_dim(cache.page_table, row, 1, axis=0)
+    page_table = jax.lax.dynamic_slice(cache.page_table, (row, 0), (1, key_pages))
     h, selections, cache = text_hidden(params, embeds, positions, cfg, cache, page_table)
     return lm_head(params, h[0, last]), selections, cache
 
@@ -101,6 +118,10 @@ class Engine:
 
             self.params = sharding.shard_params(params, cfg, mesh)
             self.cache = sharding.init_sharded_cache(cfg, batch, capacity, dtype, mesh)
+        self.max_pages = self.cache.page_table.shape[1]
+        self._prefill_compiled: dict[int, Callable] = {}
+        # Ahead-of-time executables take inputs exactly as lowered: chunk embeddings go in replicated.
+        self._embeds_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
     def _under_mesh(fn):  # noqa: N805  (method decorator: run under the engine's mesh, if any)
         @functools.wraps(fn)
@@ -112,36 +133,60 @@ class Engine:
 
         return wrapped
 
+    def _windows(self, prompt_len: int) -> list[int]:
+        """Key windows (pages) of the chunks of a ``prompt_len``-token prefill, in order."""
+        bs = self.cfg.text.index_block_size
+        return [key_window_pages(start + self.chunk, bs, self.max_pages) for start in range(0, prompt_len, self.chunk)]
+
+    def _prefill_step(self, key_pages: int) -> Callable:
+        """The prefill chunk compiled for one key window. Compiled ahead of time (not through the jit
+        cache) so that warmup can build every window without running a chunk per window."""
+        fn = self._prefill_compiled.get(key_pages)
+        if fn is None:
+            embed = self.params["text"]["embed"]
+            embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._embeds_sharding)
+            i32 = jax.ShapeDtypeStruct((), jnp.int32)
+            fn = prefill_chunk.lower(self.params, self.cache, embeds, i32, i32, i32, cfg=self.cfg,
+                                     key_pages=key_pages).compile()
+            self._prefill_compiled[key_pages] = fn
+        return fn
+
     @_under_mesh
-    def warmup(self) -> float:
-        """Compile the prefill chunk and the decode step (one dummy call each) so that timings after
-        it measure running, not compiling. The dummy writes land in row 0 at positions the real
-        prefill rewrites before anything reads them. Returns the seconds spent."""
+    def warmup(self, max_prompt_len: int | None = None) -> float:
+        """Compile the prefill chunk for every key window a prompt of up to ``max_prompt_len`` tokens
+        (default: the capacity) uses, and the decode step (one dummy call), so that timings after it
+        measure running, not compiling. The dummy decode writes position 0 of each row, which the
+        real prefill rewrites before anything reads it. Returns the seconds spent."""
         t0 = time.perf_counter()
-        d = self.params["text"]["embed"].shape[1]
-        dummy = jnp.zeros((1, self.chunk, d), self.params["text"]["embed"].dtype)
-        logits, _, self.cache = prefill_chunk(self.params, self.cache, dummy, jnp.int32(0), jnp.int32(0),
-                                              jnp.int32(0), self.cfg)
+        for w in sorted(set(self._windows(min(max_prompt_len or self.capacity, self.capacity)))):
+            self._prefill_step(w)
         zeros = jnp.zeros((self.batch,), jnp.int32)
         logits, self.cache = decode_step(self.params, self.cache, zeros, zeros, self.cfg)
         jax.block_until_ready(logits)
         return time.perf_counter() - t0
 
     @_under_mesh
-    def prefill(self, row: int, prompt_embeds: jax.Array, on_progress: Callable[[int], None] | None = None):
-        """Prefill sequence ``row`` with embeddings [T, D]; returns fp32 logits [V] at the last token."""
-        t = prompt_embeds.shape[0]
+    def prefill(self, row: int, prompt: Sequence[int] | jax.Array, on_progress: Callable[[int], None] | None = None):
+        """Prefill sequence ``row`` with token ids or embeddings [T, D]; returns fp32 logits [V] at the
+        last token. Token ids are embedded one chunk at a time: at 1M tokens of M3 the whole prompt's
+        embeddings would be 12 GB."""
+        by_id = np.ndim(prompt) == 1
+        if by_id:
+            prompt = np.asarray(prompt, np.int32)
+        embed = self.params["text"]["embed"]
+        t = prompt.shape[0]
         if t == 0:
             raise ValueError("empty prompt")
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens exceeds the context capacity {self.capacity}")
-        for start in range(0, t, self.chunk):
+        for start, window in zip(range(0, t, self.chunk), self._windows(t)):
             n = min(self.chunk, t - start)
-            piece = prompt_embeds[start : start + n]
+            piece = embed[jnp.asarray(prompt[start : start + n])] if by_id else prompt[start : start + n]
             if n < self.chunk:  # pad to the compiled chunk; pad rows land beyond the prompt and are rewritten later
                 piece = jnp.concatenate([piece, jnp.zeros((self.chunk - n, piece.shape[1]), piece.dtype)])
-            logits, _, self.cache = prefill_chunk(
-                self.params, self.cache, piece[None], jnp.int32(row), jnp.int32(start), jnp.int32(n - 1), self.cfg
+            piece = jax.device_put(piece[None], self._embeds_sharding)
+            logits, _, self.cache = self._prefill_step(window)(
+                self.params, self.cache, piece, jnp.int32(row), jnp.int32(start), jnp.int32(n - 1)
             )
             if on_progress:
                 on_progress(n)
@@ -162,13 +207,11 @@ class Engine:
         on_prefill_progress: Callable[[int], None] | None = None,
     ) -> GenerationResult:
         """Generate for up to ``batch`` prompts (token ids, or precomputed embeddings [T, D] each)."""
-        if prompt_embeds is None:
-            embed = self.params["text"]["embed"]
-            prompt_embeds = [embed[jnp.asarray(p, jnp.int32)] for p in prompts]
-        n = len(prompt_embeds)
+        inputs = list(prompts) if prompt_embeds is None else list(prompt_embeds)
+        n = len(inputs)
         if not 0 < n <= self.batch:
             raise ValueError(f"{n} prompts for an engine of batch {self.batch}")
-        lens = [int(e.shape[0]) for e in prompt_embeds]
+        lens = [len(p) for p in inputs]
         if max(lens) + max_new_tokens > self.capacity:
             raise ValueError(
                 f"prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context capacity "
@@ -178,8 +221,8 @@ class Engine:
         key = jax.random.key(seed)
         t0 = time.perf_counter()
         first_logits = []
-        for row, e in enumerate(prompt_embeds):
-            first_logits.append(self.prefill(row, e, on_progress=on_prefill_progress))
+        for row, p in enumerate(inputs):
+            first_logits.append(self.prefill(row, p, on_progress=on_prefill_progress))
         logits = jnp.stack(first_logits + [first_logits[0]] * (self.batch - n))
         key, sub = jax.random.split(key)
         tokens = sample(logits, sub, sampling)

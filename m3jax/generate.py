@@ -1,6 +1,6 @@
 """Generate text with MiniMax-M3: ``python -m m3jax.generate``.
 
-    python -m m3jax.generate                                   # built-in default: random m3_tiny, byte tokenizer
+    python -m m3jax.generate                                   # built-in default: the trained m3-small
     python -m m3jax.generate --checkpoint DIR --prompt "..."   # HF checkpoint with tokenizer.json
     python -m m3jax.generate --ctx 32768 --fill                # pad the prompt with a haystack to the context
     python -m m3jax.generate --checkpoint DIR --image a.png --prompt "What is in the picture?"
@@ -38,12 +38,15 @@ import m3jax
 from m3jax import processing
 from m3jax.config import load_config, preset, preset_names
 from m3jax.engine import Engine, SamplingParams
-from m3jax.memory import max_fitting_ctx, plan
+from m3jax.memory import GiB, max_fitting_ctx, plan
 from m3jax.model import scatter_media
+from m3jax.params import init_random_on_device
 from m3jax.tokenizer import ByteTokenizer, load_tokenizer
 from m3jax.vision import encode_media
 
-DEFAULT_PRESET = "m3_tiny"
+# The built-in default: m3-small, trained by scripts/build_m3_small.sh and shipped in the package.
+DEFAULT_CHECKPOINT = Path(__file__).parent / "assets" / "m3-small"
+DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv=None):\n"
 HAYSTACK = (
     "The grass is green and the sky is blue. A river runs past the old mill, and the miller counts "
     "his sacks of flour twice a day. "
@@ -53,8 +56,10 @@ HAYSTACK = (
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", type=Path, help="HF checkpoint directory (config.json + safetensors)")
-    src.add_argument("--config", help=f"preset with random weights: {preset_names()} (default {DEFAULT_PRESET})")
+    src.add_argument("--checkpoint", type=Path,
+                     help="HF checkpoint directory (config.json + safetensors); default: the built-in trained "
+                          "m3-small (m3jax/assets/m3-small) unless --config is given")
+    src.add_argument("--config", help=f"preset with random weights instead of the default checkpoint: {preset_names()}")
     ap.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (caches are sized for it)")
     prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None)
@@ -76,7 +81,9 @@ def parse_args(argv=None):
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=2048,
+                    help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
+                         "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "dense_mask", "pallas"])
     ap.add_argument("--output-json", type=Path)
     ap.add_argument("--allow-beyond-max-position", action="store_true",
@@ -160,7 +167,9 @@ def _media_prompt_embeds(params, cfg, ids, images, videos):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config or DEFAULT_PRESET)
+    if args.checkpoint is None and args.config is None:
+        args.checkpoint = DEFAULT_CHECKPOINT
+    cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
     cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg))
     if args.allow_beyond_max_position:
         cfg = cfg.replace_text(max_position_embeddings=max(args.ctx, cfg.text.max_position_embeddings))
@@ -185,6 +194,9 @@ def main(argv=None) -> dict:
         model = m3jax.load_pretrained(args.checkpoint, dtype=args.dtype, attention_impl=cfg.attention_impl,
                                       progress=not args.quiet)
         model = m3jax.M3Model(cfg, model.params)
+    elif mem.weights > GiB:
+        # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the device.
+        model = m3jax.M3Model(cfg, init_random_on_device(cfg, seed=args.seed, dtype=jnp.dtype(args.dtype)))
     else:
         model = m3jax.init_random(cfg, seed=args.seed, dtype=args.dtype)
     jax.block_until_ready(model.params)
@@ -193,7 +205,7 @@ def main(argv=None) -> dict:
     if args.prompt_ids:
         ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
     else:
-        text = args.prompt_file.read_text() if args.prompt_file else (args.prompt if args.prompt is not None else "Hello")
+        text = args.prompt_file.read_text() if args.prompt_file else (args.prompt if args.prompt is not None else DEFAULT_PROMPT)
         if media:
             text = processing.insert_placeholders(text, len(args.image), len(args.video))
         if not args.raw and getattr(tok, "chat_template", None):
@@ -217,7 +229,7 @@ def main(argv=None) -> dict:
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
     engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk)
-    compile_s = engine.warmup()
+    compile_s = engine.warmup(len(ids))
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
@@ -256,7 +268,7 @@ def main(argv=None) -> dict:
         "generated_ids": gen,
         "text": tok.decode(gen),
         "tokenizer": tok.name,
-        "config": args.checkpoint.as_posix() if args.checkpoint else (args.config or DEFAULT_PRESET),
+        "config": args.checkpoint.as_posix() if args.checkpoint else args.config,
         "ctx": args.ctx,
         "attention_impl": cfg.attention_impl,
         "devices": [str(d) for d in jax.devices()],

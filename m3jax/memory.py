@@ -1,8 +1,10 @@
 """Memory planner for generation: weights + caches + activations against what the device has.
 
-The estimate is for the reference (jnp) attention path the engine runs today, whose largest
-transients per prefill chunk are the gathered per-sequence cache views, the index scores of one
-query chunk against the whole context, and the gathered selected K/V blocks.
+The largest transients of a prefill chunk are the gathered cache views of its key window (at most
+the capacity), and per attention path: the reference's index scores of one query sub-chunk against
+the window, its key-blocked dense attention and the gathered selected K/V blocks; the kernels path's
+block-major index scores of the whole chunk, the KV-major staging of partial outputs, and on the GPU
+the cuDNN causal mask of the full-attention layers (a bf16 bias [chunk, window]).
 """
 
 from __future__ import annotations
@@ -56,14 +58,26 @@ def weight_bytes(cfg: M3Config, dtype_bytes: int) -> int:
 def activation_bytes(cfg: M3Config, batch: int, capacity: int, chunk: int, dtype_bytes: int) -> int:
     t = cfg.text
     c, ca = chunk, min(cfg.attention_chunk, chunk)
-    hidden = 8 * c * max(t.hidden_size, t.num_attention_heads * t.head_dim) * 4
+    n, k, h = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    hidden = 8 * c * max(t.hidden_size, n * h) * 4
     moe = 3 * c * t.num_experts_per_tok * max(t.intermediate_size, t.hidden_size) * 4
     mlp = 3 * c * t.dense_intermediate_size * 4
-    views = 2 * batch * capacity * t.num_key_value_heads * t.head_dim * dtype_bytes + capacity * t.index_head_dim * 4
-    scores = ca * max(t.index_n_heads, t.num_attention_heads) * capacity * 4 * 2
-    gathered = 2 * ca * t.num_key_value_heads * t.index_topk_blocks * t.index_block_size * t.head_dim * 4
+    views = capacity * (2 * k * h + t.index_head_dim) * dtype_bytes
     logits = batch * t.vocab_size * 4 * 2
-    return hidden + moe + mlp + views + scores + gathered + logits
+    if cfg.attention_impl == "pallas":
+        # block-major fp32 index scores of the whole chunk (+ the top-k kernel's copy), the KV-major
+        # per-(query, slot) partial outputs and LSEs, and the cuDNN bf16 causal bias on the GPU
+        nb = -(-capacity // t.index_block_size)
+        attn = 2 * c * t.index_n_heads * nb * 4 + c * t.index_topk_blocks * n * (h * dtype_bytes + 4)
+        if jax.default_backend() == "gpu":
+            attn = max(attn, 3 * c * capacity)
+    else:
+        scores = 2 * ca * t.index_n_heads * capacity * 4
+        gathered = 2 * ca * k * t.index_topk_blocks * t.index_block_size * h * 4
+        # dense_mask: [sub-chunk, S] logits per head; reference: key blocks of 1024 (causal_attention)
+        dense = 2 * ca * n * (capacity if cfg.attention_impl == "dense_mask" else min(1024, capacity)) * 4
+        attn = max(scores + gathered, dense)
+    return hidden + moe + mlp + views + attn + logits
 
 
 def device_memory() -> tuple[int | None, str]:

@@ -75,21 +75,27 @@ def attention(
     """Attention block of ``layer``. x: [B, T, D] (already normed) at positions q_pos [B, T].
 
     Without a cache the keys are these T tokens (key s at position s). With ``kv`` the new K/V (and
-    index keys) are written at q_pos first and the keys are the sequence's whole cache, so chunked
-    prefill and decode run the same maths as the full forward.
+    index keys) are written at q_pos first and the keys are the cache pages of ``page_table`` (the
+    engine passes a prefill chunk only the pages up to its key window), so chunked prefill and
+    decode run the same maths as the full forward.
     Returns ([B, T, D], MSA block ids int32 [B, K, T, topk] or None, updated cache or None).
     """
     t = cfg.text
     sparse = t.is_sparse_attention(layer)
     q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse)
+    bs = t.index_block_size
     if kv is not None:
         kv = kv.write(page_table, q_pos, k, v, ik)
+        if sparse and cfg.attention_impl == "pallas" and q.shape[1] == 1:
+            o, block_idx = _msa_decode_pallas(q, iq, kv, page_table, q_pos, t)
+            return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
         k, v, ik_all = kv.gather(page_table)
         ik = ik_all if sparse else None
-    bs = t.index_block_size
 
     if sparse and cfg.attention_impl == "pallas":
-        o, block_idx = _msa_pallas(q, k, v, iq, ik, q_pos, t)
+        from m3jax.sharding import msa_pallas_sharded  # heads split in shard_map under a mesh, else a plain call
+
+        o, block_idx = msa_pallas_sharded(_msa_pallas, q, k, v, iq, ik, q_pos, t)
     elif sparse:
         attend = msa.dense_mask_attention if cfg.attention_impl == "dense_mask" else msa.sparse_attention
 
@@ -100,11 +106,79 @@ def attention(
         (o, sel), merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
         o, block_idx = merge(o, 1), merge(sel, 2)
     else:
-        o, merge = msa.map_query_chunks(
-            lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, q_pos, q
-        )
-        o, block_idx = merge(o, 1), None
+        o, block_idx = _dense_layer_attention(q, k, v, q_pos, cfg), None
     return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
+
+
+def _dense_layer_attention(q, k, v, q_pos, cfg: M3Config) -> jax.Array:
+    """Causal attention of a full-attention layer. Prefill: cuDNN flash attention on the kernels path
+    on the GPU, else the key-blocked jnp reference. One query per row (decode) and ``dense_mask``:
+    the dense-mask formulation, a single fused pass over the keys."""
+    if cfg.attention_impl == "pallas" and jax.default_backend() == "gpu" and q.shape[1] > 1:
+        return cudnn_causal_attention(q, k, v, q_pos)
+    if cfg.attention_impl == "dense_mask" or q.shape[1] == 1:
+        bs = cfg.text.index_block_size
+        attend = lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs)  # noqa: E731
+    else:
+        attend = lambda qp, qc: causal_attention(qc, k, v, qp)  # noqa: E731
+    o, merge = msa.map_query_chunks(attend, cfg.attention_chunk, q_pos, q)
+    return merge(o, 1)
+
+
+def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """cuDNN flash attention of queries at q_pos [B, C] over keys [B, S, K, H] (key s at position s).
+
+    cuDNN's causal mask is aligned top-left (query i sees keys <= i), which is wrong for a chunk
+    that starts at position > 0, so the causal rule goes in as a boolean mask [B, 1, C, S] that
+    jax turns into a bf16 bias (C * S * 2 bytes per sequence; the memory planner counts it).
+    cuDNN runs 16-bit inputs only: q, k, v are cast to bf16 (the output keeps q's dtype).
+    """
+    mask = (jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])[:, None]
+    o = jax.nn.dot_product_attention(
+        q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), mask=mask, implementation="cudnn"
+    )
+    return o.astype(q.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, key_block: int = 1024) -> jax.Array:
+    """Dense causal GQA attention, the reference for the full-attention layers.
+
+    q [B, C, N, H] at positions q_pos [B, C]; k, v [B, S, K, H] (key s at position s). Keys are
+    visited in blocks of ``key_block`` with an online softmax (fp32), so memory is O(C * key_block)
+    and not O(C * S), and the loop stops after the last block any query can see: keys past the
+    chunk (a bucketed cache window, or the causal future of a query chunk) cost nothing. Heads are
+    laid out [B, K, G, C, H] before the loop so both products are plain batched matmuls (the
+    [B, C, K, G, H] layout ran ~3x slower on the CPU backend). Rows with no visible key give 0.
+    """
+    b, c, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    kb = min(key_block, s_len)
+    n_blocks = -(-s_len // kb)
+    pad = [(0, 0), (0, 0), (0, n_blocks * kb - s_len), (0, 0)]
+    qt = jnp.transpose(q.reshape(b, c, kh, g, h), (0, 2, 3, 1, 4)).astype(jnp.float32)  # [B, K, G, C, H]
+    kt = jnp.pad(jnp.swapaxes(k, 1, 2), pad)  # [B, K, S_pad, H]
+    vt = jnp.pad(jnp.swapaxes(v, 1, 2), pad)
+    qp = q_pos[:, None, None, :, None]
+
+    def body(j, carry):
+        m, l, acc = carry
+        kj = jax.lax.dynamic_slice_in_dim(kt, j * kb, kb, axis=2).astype(jnp.float32)
+        vj = jax.lax.dynamic_slice_in_dim(vt, j * kb, kb, axis=2).astype(jnp.float32)
+        s = jnp.einsum("bkgch,bksh->bkgcs", qt, kj, precision=msa.HIGHEST) * (h**-0.5)
+        s = jnp.where(j * kb + jnp.arange(kb) <= qp, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all-masked so far: keep exp() finite
+        p = jnp.exp(s - m_ref[..., None])
+        scale = jnp.exp(m - m_ref)
+        acc = acc * scale[..., None] + jnp.einsum("bkgcs,bksh->bkgch", p, vj, precision=msa.HIGHEST)
+        return m_new, l * scale + p.sum(-1), acc
+
+    stats = jnp.zeros((b, kh, g, c), jnp.float32)
+    visible = jnp.clip(jnp.max(q_pos) // kb + 1, 1, n_blocks)
+    m, l, acc = jax.lax.fori_loop(0, visible, body, (stats - jnp.inf, stats, jnp.zeros((b, kh, g, c, h), jnp.float32)))
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, c, n, h).astype(q.dtype)
 
 
 def _msa_pallas(q, k, v, iq, ik, q_pos, cfg: TextConfig):
@@ -113,15 +187,28 @@ def _msa_pallas(q, k, v, iq, ik, q_pos, cfg: TextConfig):
     The kernels take the whole query range at once (they tile it themselves); forced-in/out
     interventions are a reference-path feature (refused by ``pallas_unsupported_reason``).
     """
-    from m3jax.pallas.index_scores import index_block_scores
+    from m3jax.pallas.index_scores import index_select_blocks
     from m3jax.pallas.sparse_attention import sparse_attention
-    from m3jax.pallas.topk import select_blocks
 
     bs = cfg.index_block_size
-    scores = index_block_scores(iq, ik, q_pos, block_size=bs)
-    sel = select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
-                        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
+    # Fused scores + top-k entry: the kernel's block-major scores go straight into the top-k kernel,
+    # never transposed to [B, Hi, T, nb] (1 GiB per 8K-token chunk at 1M context).
+    sel = index_select_blocks(iq, ik, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
+                              local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
     return sparse_attention(q, k, v, sel, q_pos, block_size=bs, implementation="kv_major"), sel
+
+
+def _msa_decode_pallas(q, iq, kv: LayerCache, page_table, q_pos, cfg: TextConfig):
+    """One decode token per sequence through the paged decode kernels (m3jax/pallas/decode): the
+    index keys and the selected K/V pages are read in place, the cache is never gathered."""
+    from m3jax.pallas.decode import decode_index_scores, sparse_decode_attention
+
+    bs = cfg.index_block_size
+    seq_lens = q_pos[:, -1] + 1
+    scores = decode_index_scores(iq, kv.ik, page_table, seq_lens, block_size=bs)
+    sel = msa.select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
+                            local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
+    return sparse_decode_attention(q, kv.k, kv.v, page_table, sel, seq_lens, block_size=bs), sel
 
 
 def pallas_unsupported_reason(cfg: TextConfig) -> str | None:
@@ -138,11 +225,11 @@ def pallas_unsupported_reason(cfg: TextConfig) -> str | None:
     return None
 
 
-def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int) -> jax.Array:
+def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int, moe_impl: str = "auto") -> jax.Array:
     """Dense SwiGLU-OAI MLP or the MoE block. y: [B, T, D] (already normed)."""
     if cfg.is_moe(layer):
         b, n, d = y.shape
-        return moe_sorted(y.reshape(b * n, d), lp["moe"], cfg).reshape(b, n, d)
+        return moe_sorted(y.reshape(b * n, d), lp["moe"], cfg, impl=moe_impl).reshape(b, n, d)
     return dense_mlp(y, lp["mlp"], cfg)
 
 
@@ -150,7 +237,7 @@ def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_tab
     t = cfg.text
     a, block_idx, kv = attention(rms_norm(h, lp["input_norm"], t.rms_norm_eps), lp, angles, q_pos, cfg, i, kv, page_table)
     h = h + a
-    return h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i), block_idx, kv
+    return h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i, cfg.moe_impl), block_idx, kv
 
 
 def text_hidden(

@@ -34,18 +34,66 @@ def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]
     return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
 
 
-def grouped_expert_mlp(xs: jax.Array, group_sizes: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
-    """Expert MLPs over rows already sorted by expert. xs: [M, D]; group_sizes: int32 [E]."""
-    gate = jax.lax.ragged_dot(xs, p["gate"], group_sizes)
-    up = jax.lax.ragged_dot(xs, p["up"], group_sizes)
+def _grouped_matmul_config(m: int, g: int):
+    from m3jax.pallas.grouped_matmul import GroupedMatmulConfig
+
+    # Few rows per expert (decode, small batches): 64-row tiles waste less of each straddled tile.
+    return GroupedMatmulConfig(block_m=64 if m <= 64 * g else 128)
+
+
+def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
+    """"ragged_dot" or "pallas" for ``xs [M, K] x w [E, K, N]``.
+
+    "auto" takes the Mosaic GPU grouped-matmul kernel on GPU for bf16 operands whose shapes it
+    supports (``jax.lax.ragged_dot`` is dense-emulated on the device image's cuDNN), else
+    ``jax.lax.ragged_dot``; an explicit "pallas" raises on shapes the kernel cannot take (off-GPU it
+    runs in interpret mode: tests only).
+    """
+    if impl == "ragged_dot":
+        return impl
+    if impl not in ("auto", "pallas"):
+        raise ValueError(f"moe_impl={impl!r}; choose 'auto', 'ragged_dot' or 'pallas'")
+    from m3jax.pallas._backend import on_gpu
+    from m3jax.pallas.grouped_matmul import unsupported_reason
+
+    (m, k), (g, _, n) = xs.shape, w.shape
+    reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, g))
+    if impl == "pallas":
+        if reason:
+            raise ValueError(f"moe_impl='pallas' cannot run [{m}, {k}] x [{g}, {k}, {n}]: {reason}")
+        return impl
+    bf16 = xs.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+    return "pallas" if on_gpu() and bf16 and reason is None else "ragged_dot"
+
+
+def grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "auto") -> jax.Array:
+    """``jax.lax.ragged_dot(xs [M, K], w [E, K, N], group_sizes [E])`` through the chosen implementation."""
+    if resolve_moe_impl(impl, xs, w) == "pallas":
+        from m3jax.pallas.grouped_matmul import grouped_matmul as kernel
+
+        return kernel(xs, w, group_sizes, config=_grouped_matmul_config(xs.shape[0], w.shape[0]))
+    return jax.lax.ragged_dot(xs, w, group_sizes)
+
+
+def grouped_expert_mlp(xs: jax.Array, group_sizes: jax.Array, p: dict, cfg: TextConfig,
+                       impl: str = "auto") -> jax.Array:
+    """Expert MLPs over rows already sorted by expert. xs: [M, D]; group_sizes: int32 [E].
+
+    ``impl``: ``M3Config.moe_impl`` ("auto" | "ragged_dot" | "pallas"), per matmul (see
+    :func:`resolve_moe_impl`).
+    """
+    gate = grouped_matmul(xs, p["gate"], group_sizes, impl)
+    up = grouped_matmul(xs, p["up"], group_sizes, impl)
     act = swiglu_oai(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit).astype(xs.dtype)
-    return jax.lax.ragged_dot(act, p["down"], group_sizes)
+    return grouped_matmul(act, p["down"], group_sizes, impl)
 
 
-def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
-    """MoE over x [T, D] -> [T, D]: sort (token, slot) pairs by expert, grouped matmul, weighted scatter-add."""
+def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> jax.Array:
+    """MoE over x [T, D] -> [T, D]: sort (token, slot) pairs by expert, grouped matmul, weighted scatter-add.
+
+    ``impl``: the grouped matmul (``M3Config.moe_impl``)."""
     if expert_parallel_axis(cfg) is not None:  # a mesh with an expert axis is active (m3jax.sharding)
-        return moe_expert_parallel(x, p, cfg)
+        return moe_expert_parallel(x, p, cfg, impl=impl)
     t, _ = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_local_experts
     ids, w = route(x, p, cfg)
@@ -53,7 +101,7 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
     order = jnp.argsort(flat_ids, stable=True)
     token = order // k
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
-    ys = grouped_expert_mlp(x[token], group_sizes, p, cfg)
+    ys = grouped_expert_mlp(x[token], group_sizes, p, cfg, impl)
     ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
     routed = jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(ys)
     shared = dense_mlp(x, p["shared"], cfg)
@@ -116,7 +164,8 @@ def _exchange(*args, axis_name):
     return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
 
-def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = EXPERT_AXIS) -> jax.Array:
+def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = EXPERT_AXIS,
+                        impl: str = "auto") -> jax.Array:
     """:func:`moe_sorted` with the experts split over mesh ``axis`` (E / n per device).
 
     Tokens are split over every mesh axis; each device routes its tokens, sorts the (token, slot) pairs
@@ -160,7 +209,7 @@ def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = EXPE
                         in_off, send, out_off, recv, axis_name=axis)
         o2 = jnp.argsort(lid, stable=True)
         sizes = jnp.bincount(lid, length=e_loc).astype(jnp.int32)
-        ys = grouped_expert_mlp(xs[o2], sizes, {"gate": gate, "up": up, "down": down}, cfg)
+        ys = grouped_expert_mlp(xs[o2], sizes, {"gate": gate, "up": up, "down": down}, cfg, impl)
         ys = jnp.zeros_like(ys).at[o2].set(ys)
         ys = _exchange(ys, jnp.zeros((t * k, d), ys.dtype), recv_off, recv, back_off, send, axis_name=axis)
         ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]

@@ -183,11 +183,33 @@ def _probe_layer(lp, h, positions, cfg: M3Config, layer: int, keep_scores: bool)
     if t.is_moe(layer):
         ids, _ = route(y.reshape(-1, y.shape[-1]), lp["moe"], t)
         metrics["experts"] = ids.reshape(*y.shape[:2], -1)
-    return h + mlp_block(y, lp, t, layer), metrics
+    return h + mlp_block(y, lp, t, layer, cfg.moe_impl), metrics
 
 
-def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False, progress: bool = False) -> ProbeResult:
-    """Run ``model`` on ``input_ids`` [B, T] (text) layer by layer and collect the MSA diagnostics."""
+def _shared_layer_step(cfg: M3Config, layer: int) -> tuple[M3Config, int]:
+    """(config, layer) whose jitted probe step computes exactly what ``layer``'s does, chosen so that
+    layers of one kind share a compilation: the first layer with the same attention and MLP kind and
+    the same forced blocks; dense-attention layers also get MSA knobs they never read reset."""
+    t = cfg.text
+
+    def kind(i):
+        forced = tuple(b for l, b in t.msa_force_in if l == i), tuple(b for l, b in t.msa_force_out if l == i)
+        return t.is_sparse_attention(i), t.is_moe(i), forced
+
+    first = next(i for i in range(t.num_hidden_layers) if kind(i) == kind(layer))
+    if not t.is_sparse_attention(layer):
+        cfg = cfg.replace_text(index_block_size=1, index_topk_blocks=t.index_local_blocks + t.index_init_blocks,
+                               msa_force_in=(), msa_force_out=())
+    return cfg, first
+
+
+def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False, progress: bool = False,
+          share_compilation: bool = False) -> ProbeResult:
+    """Run ``model`` on ``input_ids`` [B, T] (text) layer by layer and collect the MSA diagnostics.
+
+    ``share_compilation=True`` compiles one step per layer kind instead of one per layer (and keeps
+    the dense layers' step across MSA-knob changes): same numbers, much less compile time in sweeps.
+    """
     cfg = dataclasses.replace(model.config, attention_chunk=query_chunk)
     ids = np.asarray(input_ids)
     ids = ids[None] if ids.ndim == 1 else ids
@@ -201,7 +223,8 @@ def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False
 
         it = tqdm(it, total=len(params["layers"]), desc="probe", unit="layer")
     for i, lp in it:
-        h, metrics = _probe_layer(lp, h, positions, cfg, i, keep_scores)
+        cfg_i, i_step = _shared_layer_step(cfg, i) if share_compilation else (cfg, i)
+        h, metrics = _probe_layer(lp, h, positions, cfg_i, i_step, keep_scores)
         layers[i] = LayerProbe(i, **{k: np.asarray(v) for k, v in metrics.items()})
     h = rms_norm(h, params["final_norm"], cfg.text.rms_norm_eps)
     return ProbeResult(np.asarray(lm_head(model.params, h)), layers, cfg.text.index_block_size)

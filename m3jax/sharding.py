@@ -15,7 +15,9 @@ shard). docs/SHARDING.md has the strategy for MiniMax-M3 on 8 GPUs with its arit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -447,3 +449,76 @@ def split_context(x: jax.Array, n: int, block_size: int) -> jax.Array:
     nb = s // block_size
     x = x.reshape(b, nb // n, n, block_size, *x.shape[2:])
     return jnp.moveaxis(x, 2, 0).reshape(n, b, s // n, *x.shape[4:])
+
+
+def msa_pallas_split_reason(cfg: M3Config | object, n: int) -> str | None:
+    """Why the MSA kernels cannot run head-split over ``n`` devices (None when they can).
+
+    Each device gets N / n query heads: whole KV groups when n divides K (K / n groups each, KV and
+    index heads split with them), or N / n heads of one group when K divides n (that group's KV head
+    and index head only). The per-device head counts must pass ``model.pallas_unsupported_reason``
+    (G' = min(G, N / n) a multiple of 8 for the packed wgmma rows).
+    """
+    from m3jax.model import pallas_unsupported_reason
+
+    t = getattr(cfg, "text", cfg)
+    nh, kh, hi = t.num_attention_heads, t.num_key_value_heads, t.index_n_heads
+    if hi != kh:
+        return f"index heads {hi} != KV heads {kh} (the selection is per KV group)"
+    if nh % n:
+        return f"{nh} query heads do not split over {n} devices"
+    if kh % n and n % kh:
+        return f"{kh} KV groups do not split over {n} devices, nor {n} devices over them"
+    per = nh // n
+    groups = max(1, kh // n)
+    local = dataclasses.replace(t, num_attention_heads=per, num_key_value_heads=groups, index_n_heads=groups)
+    reason = pallas_unsupported_reason(local)
+    return None if reason is None else f"{per} query heads per device: {reason}"
+
+
+def msa_pallas_sharded(kernel: Callable, q, k, v, iq, ik, q_pos, cfg, *, mesh=None, axis: str = MODEL):
+    """Run the MSA Pallas path ``kernel(q, k, v, iq, ik, q_pos, cfg) -> (o, block_idx)`` (the model's
+    ``_msa_pallas``: index kernel + top-k + sparse attention) inside ``jax.shard_map`` over ``axis``.
+
+    q [B, T, N, H], k/v [B, S, K, H], iq [B, T, K, Hx] (one index head per KV group), ik [B, S, Hx],
+    q_pos [B, T]. Query heads are split over ``axis`` (out: [B, T, N, H] head-split, the layout ``wo``
+    contracts). When n divides K, KV heads and index heads are split with them; when K divides n
+    (M3: 4 KV heads on 8), K/V and iq enter replicated and each device slices its own group's KV head
+    and index head, so the n / K devices of one group compute that group's selection redundantly
+    (the index kernel is per (token, index head) row: every device gets the single-device selection,
+    bit for bit). The shared index key ik and q_pos are replicated. The batch is split over ``data``
+    when that axis divides it. Returns (o, block_idx int32 [B, K, T, topk]).
+
+    No active mesh (and none given): ``kernel`` is called as is. When the per-device head counts do
+    not fit the kernels (:func:`msa_pallas_split_reason`), every device runs the whole kernel on all
+    heads (replicated, with a warning): correct, no memory or time saved.
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or axis not in mesh.axis_names:
+        return kernel(q, k, v, iq, ik, q_pos, cfg)
+    n = mesh.shape[axis]
+    nh, kh = q.shape[2], k.shape[2]
+    b = q.shape[0]
+    nd = mesh.shape.get(DATA, 1)
+    bax = DATA if nd > 1 and b % nd == 0 else None
+    rep = P(bax)
+    reason = msa_pallas_split_reason(cfg, n)
+    if reason is not None:
+        warnings.warn(f"MSA Pallas kernels replicated over the {n}-device {axis!r} axis: {reason}", stacklevel=2)
+        return jax.shard_map(lambda *a: kernel(*a, cfg), mesh=mesh, in_specs=(rep,) * 6, out_specs=(rep, rep),
+                             check_vma=False)(q, k, v, iq, ik, q_pos)
+    split_kv = kh % n == 0
+    g = nh // kh
+
+    def body(q_, k_, v_, iq_, ik_, qp_):
+        if not split_kv:  # n / K devices per group: this device's group (KV head + index head)
+            grp = jax.lax.axis_index(axis) * (nh // n) // g
+            k_, v_, iq_ = (jax.lax.dynamic_slice_in_dim(x, grp, 1, axis=2) for x in (k_, v_, iq_))
+        return kernel(q_, k_, v_, iq_, ik_, qp_, cfg)
+
+    heads = P(bax, None, axis)
+    kv = heads if split_kv else rep
+    o, sel = jax.shard_map(
+        body, mesh=mesh, in_specs=(heads, kv, kv, kv, rep, rep), out_specs=(heads, P(bax, axis)), check_vma=False,
+    )(q, k, v, iq, ik, q_pos)
+    return o, (sel if split_kv else sel[:, :: n // kh])  # one row per group (the n / K copies are equal)

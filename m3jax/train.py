@@ -258,7 +258,7 @@ def train_forward(params: dict, input_ids: jax.Array, cfg: M3Config, mode: str):
         else:
             a = _dense_layer(x, lp, angles, positions, cfg)
         h = h + a
-        h = h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i)
+        h = h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i, cfg.moe_impl)
     return rms_norm(h, p["final_norm"], t.rms_norm_eps), kls
 
 
@@ -498,6 +498,8 @@ CSV_FIELDS = ("step", "mode", "loss", "lm", "kl", "grad_norm", "seconds", "eval_
 
 
 def _load_cfg(args) -> M3Config:
+    if args.config is None:
+        args.config = args.init_from or "m3_tiny"
     p = Path(args.config)
     cfg = load_config(p) if p.exists() else preset(args.config)
     changes = {}
@@ -541,6 +543,29 @@ def _prepare_data(args, cfg: M3Config, out: Path):
     return tok, train, held
 
 
+def mngr_has_state(out: Path) -> bool:
+    return checkpoint_manager(out / "ckpt").latest_step() is not None
+
+
+def _steps_for_budget(cfg: M3Config, params: dict, args, stream: np.ndarray, mesh) -> int:
+    """Steps that fit in ``args.time_budget`` seconds: compile and time a few steps of the slower
+    (sparse) mode on a throw-away state, keep a margin for the evaluations and the final save."""
+    tx = make_optimizer(args.mode, 100, args.lr, args.index_lr, args.warmup)
+    state = init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates its state
+    step = make_train_step(cfg, tx, args.mode, args.kl_weight, mesh)
+    times = []
+    for s in range(6):
+        t0 = time.time()
+        state, m = step(state, sample_batch(stream, s, args.batch, args.seq_len, args.seed))
+        jax.block_until_ready(m)
+        times.append(time.time() - t0)
+    per_step = float(np.median(times[2:]))
+    n_evals_share = 1.15  # evaluations every eval_every steps + checkpoints, measured at about 10-15 %
+    steps = int(args.time_budget / (per_step * n_evals_share))
+    print(f"timing: {per_step * 1e3:.0f} ms/step after compile ({times[0]:.1f}s first step)", flush=True)
+    return max(steps, 10)
+
+
 def _write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
@@ -550,7 +575,8 @@ def _write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m m3jax.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="m3_tiny", help="preset name (configs/) or a config.json / checkpoint dir")
+    ap.add_argument("--config", default=None,
+                    help="preset name (configs/) or a config.json / checkpoint dir (default: --init-from's config, else m3_tiny)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
@@ -574,6 +600,12 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-chunk", type=int, default=0, help="query rows per attention chunk (0 = seq-len)")
     ap.add_argument("--data-parallel", type=int, default=0, help="N > 0: run on a (N, 1) mesh, batch split N ways")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds: time a few steps first, then set --steps to what fits (recorded in summary.json)")
+    ap.add_argument("--dense-warmup-frac", type=float, default=0.0,
+                    help="with --time-budget: the dense warm-up's share of the chosen steps")
+    ap.add_argument("--save-format", choices=["float32", "bfloat16", "mxfp8"], default="float32",
+                    help="dtype of the saved HF checkpoint (mxfp8: the released MXFP8 layout, 1 byte per linear weight)")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -598,6 +630,12 @@ def main(argv=None) -> int:
 
         params = shard_params(params, cfg, mesh)
 
+    if args.time_budget and not (args.resume and mngr_has_state(out)):
+        args.steps = _steps_for_budget(cfg, params, args, train_stream, mesh)
+        if args.dense_warmup_frac:
+            args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
+        print(f"time budget {args.time_budget:.0f}s -> --steps {args.steps} --dense-warmup-steps {args.dense_warmup_steps}",
+              flush=True)
     phases = [("dense_warmup", args.dense_warmup_steps), (args.mode, args.steps - args.dense_warmup_steps)]
     if args.mode != "sparse" or args.dense_warmup_steps <= 0:
         phases = [(args.mode, args.steps)]
@@ -661,10 +699,14 @@ def main(argv=None) -> int:
 
     params = jax.device_get(state.params)
     final = out / "model"
-    save_pretrained(M3Model(cfg.replace(attention_impl="auto"), params), final)
+    fmt = args.save_format
+    save_pretrained(M3Model(cfg.replace(attention_impl="auto"), params), final,
+                    dtype="bfloat16" if fmt == "mxfp8" else fmt, quantize_mxfp8_weights=fmt == "mxfp8")
     _write_tokenizer_files(tok, cfg, final)
-    summary = {"steps": int(state.step), "config": args.config, "block_size": cfg.text.index_block_size,
-               "topk": cfg.text.index_topk_blocks}
+    summary = {"steps": int(state.step), "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
+               "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
+               "batch": args.batch, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
+               "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if cfg.text.has_sparse_layers:
         untrained = {"text": {**params["text"], "layers": [
             {**lp, "index": ii} if ii is not None else lp for lp, ii in zip(params["text"]["layers"], index_init)]}}

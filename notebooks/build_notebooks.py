@@ -1,31 +1,41 @@
 """Writes the notebooks from this source (cells as Python strings) so they stay reviewable in diffs.
 
-    python notebooks/build_notebooks.py      # rewrites notebooks/*.ipynb (without outputs)
+    python notebooks/build_notebooks.py                        # rewrites notebooks/*.ipynb (without outputs)
+    python notebooks/build_notebooks.py 02_ablations.ipynb     # only the named notebooks
 """
 
+import sys
 from pathlib import Path
 
 import nbformat as nbf
 
 HERE = Path(__file__).parent
 
-SETUP = '''# Any HF-layout M3 checkpoint works; None = the built-in random tiny preset (patterns are then noise).
-CHECKPOINT = None
-SEQ_LEN = 512
+SETUP = '''# Any HF-layout M3 checkpoint works; the default is the built-in m3-small, trained on the Python
+# standard library (m3jax/assets/m3-small). The text is held-out stdlib source, tokenized with the
+# checkpoint's own tokenizer (random ids when the checkpoint has none).
+from pathlib import Path
+from m3jax.generate import DEFAULT_CHECKPOINT
+CHECKPOINT = DEFAULT_CHECKPOINT
+SEQ_LEN = 1024
 import numpy as np
 import matplotlib.pyplot as plt
 import m3jax
 from m3jax import plots
 from m3jax.probe import probe, with_dense_layers
+from m3jax.train import stdlib_files
 
-if CHECKPOINT:
-    model = m3jax.load_pretrained(CHECKPOINT, dtype="float32")
-else:
-    model = m3jax.init_random(m3jax.preset("m3_tiny"), seed=0)
+model = m3jax.load_pretrained(CHECKPOINT, dtype="float32", progress=False)
 cfg = model.config.text
-ids = np.random.default_rng(0).integers(0, min(cfg.vocab_size, 256), (1, SEQ_LEN))
+if (Path(CHECKPOINT) / "tokenizer.json").exists():
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(CHECKPOINT) / "tokenizer.json"))
+    text = "\\n".join(f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()[1][:8])
+    ids = np.asarray(tok.encode(text).ids[:SEQ_LEN])[None]
+else:
+    ids = np.random.default_rng(0).integers(0, min(cfg.vocab_size, 256), (1, SEQ_LEN))
 print(f"MSA block {cfg.index_block_size}, top-{cfg.index_topk_blocks}, MSA layers",
-      [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_attention(i)])'''
+      [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_attention(i)], "| tokens", ids.shape[1])'''
 
 NOTEBOOKS = {
     "01_sparsity_patterns.ipynb": [
@@ -33,7 +43,7 @@ NOTEBOOKS = {
                "attention mass the selection keeps, how far back it reaches, and how much layers agree. "
                "Everything comes from `m3jax.probe.probe`, which streams over query chunks."),
         ("code", SETUP),
-        ("code", "res = probe(model, ids, query_chunk=128)\nres.summary()"),
+        ("code", "res = probe(model, ids, query_chunk=256)\nres.summary()"),
         ("md", "## Selection heatmaps (query position × key block)"),
         ("code", "layers = res.msa_layers[:4]\nfig, axes = plt.subplots(1, len(layers), figsize=(4 * len(layers), 3.5))\n"
                  "for ax, i in zip(np.atleast_1d(axes), layers):\n    plots.selection_heatmap(res, i, group=0, ax=ax)\nfig.tight_layout()"),
@@ -66,9 +76,77 @@ NOTEBOOKS = {
     ],
 }
 
+ABLATIONS_SETUP = """# Reads the results of experiments/2026-11-29_block_topk/sweep.py (committed under its results/).
+# When they are missing (or QUICK = True) a --quick sweep runs here first on a tiny random model:
+# CPU, 1-2 minutes, and its numbers are noise: only the plumbing is real.
+QUICK = False
+import json
+import subprocess
+import sys
+from pathlib import Path
 
-def build():
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import Image, Markdown, display
+
+import m3jax
+
+EXP = Path(m3jax.__file__).resolve().parent.parent / "experiments" / "2026-11-29_block_topk"
+SWEEP = [sys.executable, str(EXP / "sweep.py")]
+results = EXP / "results"
+if QUICK or not (results / "quality.jsonl").exists():
+    results = Path("block_topk_quick").resolve()
+    subprocess.run(SWEEP + ["--quick", "--out", str(results)], check=True)
+plots = Path("block_topk_plots").resolve()  # derived views go next to the notebook, not into the repo
+subprocess.run(SWEEP + ["--plot", "--out", str(results), "--plots", str(plots)], check=True, capture_output=True)
+rows = [json.loads(l) for l in (results / "quality.jsonl").read_text().splitlines() if l.strip()]
+ok = [r for r in rows if "error" not in r]
+setup_id = ok[-1]["setup_id"]  # the latest setup, as sweep.py --plot shows it
+cells = {r["cell"]: r for r in ok if r["setup_id"] == setup_id}
+print(f"{results}: {len(cells)} cells of setup {setup_id}")
+print(json.dumps(cells["dense"]["setup"] if "dense" in cells else ok[-1]["setup"], indent=1))"""
+
+NOTEBOOKS_02 = {
+    "02_ablations.ipynb": [
+        ("md", "# 02 — Ablations: MSA block size × top-k\n\nHow much quality does MSA give up against dense attention "
+               "as the block size and the number of selected blocks change, and what does each choice buy in speed? "
+               "Cells come from `experiments/2026-11-29_block_topk/sweep.py` (README there: hypothesis, commands, "
+               "metric definitions). Quality is measured on held-out long documents over the second half of the "
+               "context, where the selection matters; the dense baseline is top-k over every block (exactly dense "
+               "causal attention)."),
+        ("code", ABLATIONS_SETUP),
+        ("md", "## All cells\n\nΔ ll is the mean per-token log-likelihood minus the dense baseline's (negative = "
+               "worse). Recall: share of the dense softmax mass inside the selected blocks. Needle: greedy retrieval "
+               "of a planted `SECRET_nnnn = \"value\"` line, the value's log-likelihood gain over a haystack without "
+               "the needle, and how often the selection at the answer holds the needle's block."),
+        ("code", "display(Markdown((plots / 'summary.md').read_text()))"),
+        ("md", "## Quality over the grid"),
+        ("code", "display(Image(str(plots / 'quality_heatmaps.png')))"),
+        ("md", "## Equal token budget: fewer large blocks or more small ones?"),
+        ("code", "if (plots / 'equal_budget.png').exists():\n    display(Image(str(plots / 'equal_budget.png')))"),
+        ("md", "## Recall per MSA layer\n\nWhich layers lose attention mass first as top-k shrinks (native block size)."),
+        ("code", "native = cells['dense']['native_block_size'] if 'dense' in cells else None\n"
+                 "line = sorted((r for r in cells.values() if r.get('topk') and r['block_size'] == native), key=lambda r: r['topk'])\n"
+                 "line = line or sorted((r for r in cells.values() if r.get('topk')), key=lambda r: (r['block_size'], r['topk']))\n"
+                 "fig, ax = plt.subplots(figsize=(6, 3.5))\n"
+                 "for r in line:\n"
+                 "    layers = sorted(r['per_layer'], key=int)\n"
+                 "    ax.plot([int(l) for l in layers], [r['per_layer'][l]['recall_tail'] for l in layers], 'o-', label=r['cell'])\n"
+                 "ax.set(xlabel='layer', ylabel='recall (tail)', ylim=(0, 1.02))\nax.legend(fontsize=7);"),
+        ("md", "## Speed of the whole MSA step vs cuDNN dense (128K context, M3 shapes)\n\nFrom `sweep.py --speed` on a "
+               "GPU; block 32 is outside what the Pallas kernels take (recorded with the reason)."),
+        ("code", "if (plots / 'speedup.png').exists():\n    display(Image(str(plots / 'speedup.png')))\n"
+                 "else:\n    print('no speed results yet: run sweep.py --speed on a GPU')"),
+    ],
+}
+NOTEBOOKS = {**{k: v for k, v in NOTEBOOKS.items() if k < "02"}, **NOTEBOOKS_02,
+             **{k: v for k, v in NOTEBOOKS.items() if k > "02"}}
+
+
+def build(names=None):
     for name, cells in NOTEBOOKS.items():
+        if names and name not in names:
+            continue
         nb = nbf.v4.new_notebook()
         nb.cells = [nbf.v4.new_markdown_cell(src) if kind == "md" else nbf.v4.new_code_cell(src) for kind, src in cells]
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -76,4 +154,4 @@ def build():
 
 
 if __name__ == "__main__":
-    build()
+    build(sys.argv[1:])

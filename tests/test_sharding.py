@@ -129,7 +129,8 @@ def multidevice_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", ["forward_divisible", "forward_replicated", "forward_mixed_4", "engine_divisible",
-                                   "engine_replicated", "loading", "context_parallel"])
+                                   "engine_replicated", "loading", "context_parallel", "pallas_mesh",
+                                   "pallas_cuda_lowering"])
 def test_on_8_cpu_devices(multidevice_results, check):
     r = multidevice_results.get(check)
     assert r is not None, f"check {check} did not report"

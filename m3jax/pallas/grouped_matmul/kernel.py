@@ -1,0 +1,322 @@
+"""Mosaic GPU kernel: grouped GEMM (``jax.lax.ragged_dot``) for the MoE experts.
+
+``out[r] = lhs[r] @ rhs[g(r)]`` where the rows of ``lhs [M, K]`` are sorted by group and group ``g``
+owns the ``group_sizes[g]`` rows after the previous groups'. Rows past ``sum(group_sizes)`` are
+written as zeros (as ``ragged_dot`` does); a sum larger than ``M`` is clipped to ``M``.
+
+Design (Hopper, ``Target.HOPPER``):
+
+* Tile schedule (``tile_schedule``, plain XLA on ``G + M / block_m`` integers). Row tiles are
+  aligned to ``block_m`` and may straddle group boundaries: a tile crossed by ``j`` boundaries is
+  *visited* ``j + 1`` times, once per group that owns some of its rows, and each visit owns the row
+  range ``[lo, hi)`` of the tile that belongs to its group. Visits are listed group by group, so a
+  group's visits are adjacent. Rows past the sum are one extra "zero group" (id ``G``) whose visits
+  store zeros without loading anything. There are at most ``cdiv(M, block_m) + G`` visits, which
+  fixes the launch grid statically; unused entries have ``lo == hi`` and exit at once.
+* Launch. A 1-D grid of ``visits x N tiles``, the N tile varying fastest: the CTAs running together
+  share the same LHS row tile (read from HBM once for all N tiles) and the visits of one group (the
+  expert's weights, read from HBM about once and then from L2).
+* Main loop. Each CTA reads its ``(group, tile, lo, hi)`` entry from GMEM and runs a K loop with
+  ``plgpu.emit_pipeline``: TMA copies of ``lhs[tile rows, k block]`` and ``rhs[group, k block,
+  n block]`` into 128-byte-swizzled SMEM (``max_concurrent_steps`` buffers), one ``wgmma`` per step
+  into a fp32 register accumulator, ``wgmma_wait(1)`` so a buffer is refilled only after the wgmma
+  that read it retired (``delay_release=1``). The whole ``block_m`` rows are multiplied; rows of
+  other groups are discarded at the store.
+* Masked store. The accumulator is cast to the output dtype into an SMEM tile (its scope reuses
+  the pipeline buffers) and only rows ``[lo, hi)`` go back by TMA: aligned 8-row chunks that lie
+  fully inside the range, then up to 7 single rows at each ragged end, each copy under its own
+  condition (at most ``bm / 8 + 14`` conditional TMA issues, no read-modify-write). Two visits
+  of a straddling tile therefore write disjoint rows of the same output tile and never race.
+* fp32 inputs. The MMA is bf16: fp32 ``lhs``/``rhs`` are split as ``x = hi + lo`` (both bf16) and
+  the kernel runs once on K-concatenated operands ``[hi, lo, hi] . [hi; hi; lo]`` ("bf16x3", 3x the
+  MMA work; relative error ~5e-6 measured on random normals, inside the fp32 tolerance). The
+  ``moe_impl="auto"`` path uses the kernel only for bf16.
+* Backward (``jax.custom_vjp``): ``d lhs = d out . rhs[g]^T`` is this kernel again with the RHS
+  tiles read transposed (``transpose_rhs``: ``[bn, bk]`` tiles of ``rhs [G, N', K']``, no copy),
+  where the shapes allow; ``d rhs`` contracts over the ragged rows and still goes through
+  ``jax.lax.ragged_dot``'s VJP (a transposed grouped-GEMM kernel is the next step for training).
+
+Limits (``unsupported_reason``): ``K % block_k == 0``, ``N % block_n == 0``, ``block_m`` 64 or
+128, ``block_n`` a multiple of 64 up to 256 and ``block_m * block_n <= 128 * 128`` (one
+warpgroup holds the fp32 accumulator in 128 registers per thread).
+
+What remains for peak (H200): a persistent grid over the SMs (``plgpu.nd_loop``) with warp
+specialisation (a TMA producer warpgroup and two consumer warpgroups, so one tile's epilogue
+overlaps the next tile's loads and ``block_m=128, block_n=256`` fits in registers), and sorting
+visits so that the few straddling tiles do not sit at the end of the launch.
+
+Blackwell (``Target.BLACKWELL``): the schedule, the pipeline and the masked store stay; the MMA
+becomes ``plgpu.tcgen05_mma`` with the accumulator in TMEM (``plgpu.TMEM``, read back with
+``async_load_tmem`` in the epilogue, so no register limit on ``block_n``), ``block_m=256`` rows on a
+2-CTA cluster (``cluster=2``, each CTA loading half of the RHS tile, ``collective_axes`` on the
+copies), and two TMEM accumulator stages so the MMA warp starts the next visit while the epilogue
+warps store this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+
+ROW_CHUNK = 8  # rows per aligned TMA store chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """Tile configuration. ``block_m``: rows per tile (64 or 128); ``block_n``: output columns per
+    CTA (64..256, multiple of 64); ``block_k``: K per pipeline step (64 = one 128-byte swizzled
+    bf16 row); ``max_concurrent_steps``: K steps in flight (capped by SMEM)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+
+
+def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConfig | None = None) -> str | None:
+    """Why the kernel cannot take ``lhs [m, k] x rhs [g, k, n]`` (None when it can)."""
+    c = config or GroupedMatmulConfig()
+    if c.block_m not in (64, 128):
+        return f"block_m={c.block_m} must be 64 or 128"
+    if c.block_n % 64 or not 64 <= c.block_n <= 256:
+        return f"block_n={c.block_n} must be a multiple of 64 in [64, 256]"
+    if c.block_k != 64:
+        return f"block_k={c.block_k} must be 64 (one 128-byte swizzled bf16 row)"
+    if c.block_m * c.block_n > 128 * 128:
+        return (f"block_m * block_n = {c.block_m * c.block_n} > 16384: the fp32 accumulator would need more "
+                "than 128 registers per thread of one warpgroup")
+    if k % c.block_k:
+        return f"K={k} must be a multiple of block_k={c.block_k}"
+    if n % c.block_n:
+        return f"N={n} must be a multiple of block_n={c.block_n}"
+    if g < 1 or m < 1:
+        return f"empty problem (M={m}, G={g})"
+    return None
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """int32 [cdiv(m, block_m) + G, 4]: per visit (group, row tile, lo, hi), rows ``[lo, hi)``.
+
+    Group ``G`` is the zero group (rows ``[sum, m)``); unused entries have ``lo == hi == 0``.
+    """
+    g = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    total = ends[-1:]
+    starts = jnp.concatenate([starts, total])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    first = starts // block_m
+    last = jnp.where(ends > starts, (ends + block_m - 1) // block_m, first)
+    count = last - first  # tiles touched, per group
+    cum = jnp.cumsum(count)
+    visit = jnp.arange(-(-m // block_m) + g, dtype=jnp.int32)
+    grp = jnp.searchsorted(cum, visit, side="right").astype(jnp.int32)
+    valid = grp <= g
+    gc = jnp.minimum(grp, g)
+    tile = first[gc] + visit - (cum[gc] - count[gc])
+    lo = jnp.maximum(starts[gc], tile * block_m)
+    hi = jnp.minimum(ends[gc], tile * block_m + block_m)
+    zero = jnp.zeros_like(visit)
+    return jnp.stack([gc, jnp.where(valid, tile, zero), jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)],
+                     axis=1).astype(jnp.int32)
+
+
+def _swizzle_transforms(minor: int):
+    swizzle = plgpu.find_swizzle(minor * 16)  # bf16 rows of `minor` elements, in bits
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _pipeline_steps(k: int, config: GroupedMatmulConfig) -> int:
+    stage = (config.block_m + config.block_n) * config.block_k * 2
+    fit = (current_target().smem_bytes - 4096) // stage
+    return max(1, min(config.max_concurrent_steps, fit, k // config.block_k))
+
+
+def _store_rows(o_smem, out_ref, *, t0, lo, hi, col0, block_m, block_n):
+    """TMA rows [lo, hi) of the tile starting at row t0: aligned 8-row chunks, then single edge rows."""
+    a = (lo + ROW_CHUNK - 1) // ROW_CHUNK * ROW_CHUNK
+    b = hi // ROW_CHUNK * ROW_CHUNK
+
+    def put(row, rows, pred):
+        # pl.when rather than the copy's predicate= (which interpret mode does not implement);
+        # either way one lane issues the TMA.
+        @pl.when(pred)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row - t0, rows)],
+                                    out_ref.at[pl.ds(row, rows), pl.ds(col0, block_n)])
+
+    for c in range(block_m // ROW_CHUNK):
+        row = t0 + c * ROW_CHUNK
+        put(row, ROW_CHUNK, (row >= a) & (row + ROW_CHUNK <= b))
+    head_end = jnp.minimum(a, hi)
+    for j in range(ROW_CHUNK - 1):
+        put(lo + j, 1, lo + j < head_end)
+        put(b + j, 1, (b + j >= a) & (b + j < hi))
+
+
+def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, transpose_rhs=False, interpret=None):
+    """sched int32 [V, 4] (``tile_schedule``); lhs bf16 [M, K] (M >= block_m); rhs bf16 [G, K, N], or
+    [G, N, K] with ``transpose_rhs`` (the backward's d lhs = d out . rhs^T, without a transpose copy)."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    n_tiles = n // bn
+    n_visits = sched.shape[0]
+    steps = _pipeline_steps(k, config)
+    delay = 1 if steps > 1 else 0
+
+    def body(sched_ref, lhs_ref, rhs_ref, out_ref):
+        pid = jax.lax.axis_index("t")
+        v, ni = jax.lax.div(pid, n_tiles), jax.lax.rem(pid, n_tiles)
+        grp, tile, lo, hi = (sched_ref[v, i] for i in range(4))
+        t0, col0 = tile * bm, ni * bn
+
+        def store(values):
+            def scope(o_smem):
+                o_smem[...] = values
+                plgpu.commit_smem()
+                _store_rows(o_smem, out_ref, t0=t0, lo=lo, hi=hi, col0=col0, block_m=bm, block_n=bn)
+                plgpu.wait_smem_to_gmem(0)  # last thing the CTA does: wait for the writes too
+
+            pl.run_scoped(scope, plgpu.SMEM((bm, bn), out_dtype))
+
+        @pl.when((hi > lo) & (grp < g))
+        def _():
+            def mma(acc_ref):
+                def step(_, a_smem, b_smem):
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
+                    plgpu.wgmma_wait(delay)
+
+                if transpose_rhs:
+                    rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=_swizzle_transforms(bk),
+                                               delay_release=delay)
+                else:
+                    rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=_swizzle_transforms(bn),
+                                               delay_release=delay)
+
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(k // bk,),
+                    in_specs=[
+                        plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=_swizzle_transforms(bk),
+                                        delay_release=delay),
+                        rhs_spec,
+                    ],
+                    max_concurrent_steps=steps,
+                )(lhs_ref, rhs_ref.at[grp])
+                return acc_ref[...]
+
+            store(pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32)).astype(out_dtype))
+
+        @pl.when((hi > lo) & (grp == g))
+        def _():
+            store(jnp.zeros((bm, bn), out_dtype))
+
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(n_visits * n_tiles,),
+        grid_names=("t",),
+    )
+    return kern(sched, lhs, rhs)
+
+
+def _split_bf16(x):
+    """x = hi + lo, both bf16 (hi rounded to nearest even on the bits, so an XLA excess-precision
+    rewrite cannot turn x - f32(bf16(x)) into zero; see index_scores.kernel._split_bf16)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    hi = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+
+
+def _forward(lhs, rhs, group_sizes, out_dtype, config, interpret, transpose_rhs=False):
+    m = lhs.shape[0]
+    bm = config.block_m
+    if lhs.dtype == jnp.float32 or rhs.dtype == jnp.float32:
+        # bf16x3 along K: [hi, lo, hi] . [hi; hi; lo] = hi.hi + lo.hi + hi.lo
+        lh, ll = _split_bf16(lhs.astype(jnp.float32))
+        rh, rl = _split_bf16(rhs.astype(jnp.float32))
+        lhs = jnp.concatenate([lh, ll, lh], axis=1)
+        rhs = jnp.concatenate([rh, rh, rl], axis=2 if transpose_rhs else 1)
+    else:
+        lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+    m_pad = max(m, bm)  # TMA boxes of block_m rows need at least block_m rows
+    if m_pad != m:
+        lhs = jnp.pad(lhs, [(0, m_pad - m), (0, 0)])
+    sched = tile_schedule(group_sizes, m, bm)
+    out = _kernel_call(sched, lhs, rhs, out_dtype=out_dtype, config=config, transpose_rhs=transpose_rhs,
+                       interpret=interpret)
+    return out[:m] if m_pad != m else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_matmul(lhs, rhs, group_sizes, out_dtype, config, interpret):
+    return _forward(lhs, rhs, group_sizes, out_dtype, config, interpret)
+
+
+def _fwd(lhs, rhs, group_sizes, out_dtype, config, interpret):
+    return _forward(lhs, rhs, group_sizes, out_dtype, config, interpret), (lhs, rhs, group_sizes)
+
+
+def _bwd(out_dtype, config, interpret, res, d_out):
+    from m3jax.pallas.grouped_matmul import reference
+
+    lhs, rhs, group_sizes = res
+    d_out = d_out.astype(out_dtype)
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    if unsupported_reason(m, n, k, g, config) is None:
+        # d lhs = d out [M, N] . rhs[g]^T: the same kernel with rhs read transposed (contraction over N).
+        d_lhs = _forward(d_out, rhs, group_sizes, lhs.dtype, config, interpret, transpose_rhs=True)
+    else:
+        _, vjp_lhs = jax.vjp(lambda a: reference.grouped_matmul(a, rhs, group_sizes, out_dtype=out_dtype), lhs)
+        (d_lhs,) = vjp_lhs(d_out)
+    # d rhs contracts over the ragged rows (a transposed grouped GEMM): ragged_dot's own VJP for now.
+    _, vjp_rhs = jax.vjp(lambda b: reference.grouped_matmul(lhs, b, group_sizes, out_dtype=out_dtype), rhs)
+    (d_rhs,) = vjp_rhs(d_out)
+    return d_lhs, d_rhs, None
+
+
+_grouped_matmul.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interpret=None):
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` on the Mosaic GPU kernel.
+
+    Args:
+      lhs: [M, K] bf16 or fp32, rows sorted by group.
+      rhs: [G, K, N] bf16 or fp32.
+      group_sizes: int [G], sum <= M (rows past the sum come out as zeros).
+      out_dtype: output dtype (default: the inputs' result type); accumulation is fp32.
+    Returns:
+      [M, N] ``out_dtype``.
+    Raises:
+      ValueError: shapes the kernel cannot take (``unsupported_reason``).
+    """
+    config = config or GroupedMatmulConfig()
+    m, k = lhs.shape
+    g, k2, n = rhs.shape
+    if k != k2 or group_sizes.shape != (g,):
+        raise ValueError(f"shape mismatch: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+    reason = unsupported_reason(m, k, n, g, config)
+    if reason:
+        raise ValueError(f"grouped_matmul kernel cannot take lhs {lhs.shape} x rhs {rhs.shape}: {reason}")
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+    # The TMA store into out [M, N] needs M to be a multiple of its 8-row tiling once M exceeds it
+    # (seen on the H200 only: interpret mode has no such rule). Rows past sum(group_sizes) come out
+    # zero, so zero rows appended here change nothing and are cut off again.
+    pad = -m % 8 if m > 8 else 0
+    if pad:
+        lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+    out = _grouped_matmul(lhs, rhs, group_sizes, out_dtype, config, interpret)
+    return out[:m] if pad else out
