@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.msa_index import _time_ms
 from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, grouped_matmul
 
 M3 = dict(tokens=8192, topk=4, experts=128, cases=(("gate/up", 6144, 3072), ("down", 3072, 6144)))
@@ -34,24 +33,6 @@ CONFIGS = {
     "bm64_bn256": GroupedMatmulConfig(block_m=64, block_n=256),
 }
 DRY_CONFIGS = {"bm64_bn128": GroupedMatmulConfig(block_m=64, block_n=128, max_concurrent_steps=2)}
-
-
-def _time_ms(f, *args, iters: int) -> float:
-    jax.block_until_ready(f(*args))  # compile + warm-up
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        if jax.default_backend() != "gpu":
-            raise RuntimeError("CUPTI needs a GPU")
-        _, t = profiler.measure(f, iterations=iters)(*args)
-        return float(statistics.median(t) if isinstance(t, (list, tuple)) else t)
-    except Exception:  # noqa: BLE001  (CPU, or a profiler API change: wall clock)
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
 
 
 def router_group_sizes(tokens: int, topk: int, experts: int, seed: int = 0) -> jax.Array:

@@ -248,6 +248,14 @@ def finished(path: Path, setup_id: str) -> set[str]:
     return {r["cell"] for r in read_rows(path) if r.get("setup_id") == setup_id and "error" not in r}
 
 
+def _record(out, rows: list, row: dict, t0: float) -> None:
+    """A finished (or failed) cell: its time, one line in the results file, one printed line."""
+    row["seconds"] = round(time.time() - t0, 2)
+    append_row(out, row)
+    rows.append(row)
+    print(_fmt_row(row), flush=True)
+
+
 def append_row(path: Path, row: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -325,10 +333,7 @@ def run_quality(args) -> list[dict]:
                                          query_chunk=args.query_chunk))
         except Exception as e:  # noqa: BLE001 - one failing cell must not stop the sweep; rerun retries it
             row["error"] = f"{type(e).__name__}: {e}"
-        row["seconds"] = round(time.time() - t0, 2)
-        append_row(out, row)
-        rows.append(row)
-        print(_fmt_row(row), flush=True)
+        _record(out, rows, row, t0)
     return rows
 
 
@@ -390,10 +395,7 @@ def run_speed(args) -> list[dict]:
                 row["speedup"] = ms_dense / row["ms_msa"]
             except Exception as e:  # noqa: BLE001 - recorded, retried on the next run
                 row["error"] = f"{type(e).__name__}: {e}"
-        row["seconds"] = round(time.time() - t0, 2)
-        append_row(out, row)
-        rows.append(row)
-        print(_fmt_row(row), flush=True)
+        _record(out, rows, row, t0)
     return rows
 
 
