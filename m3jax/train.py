@@ -156,6 +156,12 @@ def init_train_params(cfg: M3Config, seed: int = 0, std: float = 0.02) -> dict:
     return jax.tree.unflatten(treedef, out)
 
 
+def with_index_branch(params: dict, index_layers: list) -> dict:
+    """``params`` with layer i's MSA index branch replaced by ``index_layers[i]`` (None: layer kept)."""
+    layers = [lp if ii is None else {**lp, "index": ii} for lp, ii in zip(params["text"]["layers"], index_layers)]
+    return {**params, "text": {**params["text"], "layers": layers}}
+
+
 def init_state(params: dict, tx: optax.GradientTransformation) -> TrainState:
     """Step 0. Every array is committed to its device / sharding (as restored checkpoints are), so a
     fresh and a restored state hit the same compiled step."""
@@ -543,13 +549,9 @@ def _prepare_data(args, cfg: M3Config, out: Path):
     return tok, train, held
 
 
-def mngr_has_state(out: Path) -> bool:
-    return checkpoint_manager(out / "ckpt").latest_step() is not None
-
-
 def _steps_for_budget(cfg: M3Config, params: dict, args, stream: np.ndarray, mesh) -> int:
-    """Steps that fit in ``args.time_budget`` seconds: compile and time a few steps of the slower
-    (sparse) mode on a throw-away state, keep a margin for the evaluations and the final save."""
+    """Steps that fit in ``args.time_budget`` seconds: compile and time a few steps of ``args.mode``
+    on a throw-away state, keep a margin for the evaluations and the final save."""
     tx = make_optimizer(args.mode, 100, args.lr, args.index_lr, args.warmup)
     state = init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates its state
     step = make_train_step(cfg, tx, args.mode, args.kl_weight, mesh)
@@ -630,10 +632,18 @@ def main(argv=None) -> int:
 
         params = shard_params(params, cfg, mesh)
 
-    if args.time_budget and not (args.resume and mngr_has_state(out)):
-        args.steps = _steps_for_budget(cfg, params, args, train_stream, mesh)
-        if args.dense_warmup_frac:
-            args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
+    mngr = checkpoint_manager(out / "ckpt")
+    resuming = args.resume and mngr.latest_step() is not None
+    if args.time_budget:
+        # The chosen counts set the LR schedule and the phase boundary: a resumed run must reuse them.
+        chosen = out / "time_budget_steps.json"
+        if resuming and chosen.exists():
+            args.steps, args.dense_warmup_steps = json.loads(chosen.read_text())
+        else:
+            args.steps = _steps_for_budget(cfg, params, args, train_stream, mesh)
+            if args.dense_warmup_frac:
+                args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
+            chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
         print(f"time budget {args.time_budget:.0f}s -> --steps {args.steps} --dense-warmup-steps {args.dense_warmup_steps}",
               flush=True)
     phases = [("dense_warmup", args.dense_warmup_steps), (args.mode, args.steps - args.dense_warmup_steps)]
@@ -642,10 +652,9 @@ def main(argv=None) -> int:
     tx = make_optimizer(phases[-1][0], args.steps, args.lr, args.index_lr, args.warmup)
     state = init_state(params, tx)
     index_init = jax.tree.map(np.asarray, [lp.get("index") for lp in params["text"]["layers"]])
-    mngr = checkpoint_manager(out / "ckpt")
     csv_path = out / "train_log.csv"
     rows: list[dict] = []
-    if args.resume and mngr.latest_step() is not None:
+    if resuming:
         state = restore_state(mngr, state)
         if csv_path.exists():
             rows = [r for r in csv.DictReader(open(csv_path)) if int(r["step"]) <= int(state.step)]
@@ -708,8 +717,7 @@ def main(argv=None) -> int:
                "batch": args.batch, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if cfg.text.has_sparse_layers:
-        untrained = {"text": {**params["text"], "layers": [
-            {**lp, "index": ii} if ii is not None else lp for lp, ii in zip(params["text"]["layers"], index_init)]}}
+        untrained = with_index_branch(params, index_init)
         summary["recall_trained_index"] = mean_recall(params, cfg, probe_tokens)
         summary["recall_initial_index"] = mean_recall(untrained, cfg, probe_tokens)
     lm, kl, _ = evaluate(params)

@@ -40,8 +40,8 @@ def _nll(model, ids):
 def test_shipped_checkpoint_is_m3_small_in_mxfp8():
     cfg = m3jax.load_config(ASSET)
     assert cfg.text == preset("m3_small").text
-    header = json.loads((ASSET / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
-        (ASSET / "model.safetensors").read_bytes()[:8], "little")])
+    raw = (ASSET / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
     assert "F8_E4M3" in dtypes and any(k.endswith("_scale_inv") for k in header)
     assert (ASSET / "model.safetensors").stat().st_size < 24e6

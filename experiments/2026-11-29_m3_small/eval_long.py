@@ -21,7 +21,7 @@ import numpy as np
 import m3jax
 from m3jax.generate import DEFAULT_CHECKPOINT
 from m3jax.probe import probe, with_dense_layers
-from m3jax.train import init_train_params, stdlib_files
+from m3jax.train import init_train_params, stdlib_files, with_index_branch
 
 HERE = Path(__file__).parent
 
@@ -71,8 +71,7 @@ def main(argv=None):
     sparse = [i for i in range(cfg.text.num_hidden_layers) if cfg.text.is_sparse_attention(i)]
     dense = m3jax.M3Model(with_dense_layers(cfg, sparse), model.params)
     fresh = init_train_params(cfg, seed=1)["text"]["layers"]
-    untrained = m3jax.M3Model(cfg, {**model.params, "text": {**model.params["text"], "layers": [
-        {**lp, "index": fl["index"]} if "index" in lp else lp for lp, fl in zip(model.params["text"]["layers"], fresh)]}})
+    untrained = m3jax.M3Model(cfg, with_index_branch(model.params, [fl.get("index") for fl in fresh]))
     out = []
     for ctx in args.ctx:
         t0 = time.time()
