@@ -202,12 +202,15 @@ def _msa_decode_pallas(q, iq, kv: LayerCache, page_table, q_pos, cfg: TextConfig
     """One decode token per sequence through the paged decode kernels (m3jax/pallas/decode): the
     index keys and the selected K/V pages are read in place, the cache is never gathered."""
     from m3jax.pallas.decode import decode_index_scores, sparse_decode_attention
+    from m3jax.pallas.topk import select_blocks
 
     bs = cfg.index_block_size
     seq_lens = q_pos[:, -1] + 1
     scores = decode_index_scores(iq, kv.ik, page_table, seq_lens, block_size=bs)
-    sel = msa.select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
-                            local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
+    # msa_force_in / msa_force_out never reach here (pallas_unsupported_reason refuses them).
+    sel = select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
+                        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
+                        implementation="pallas")
     return sparse_decode_attention(q, kv.k, kv.v, page_table, sel, seq_lens, block_size=bs), sel
 
 

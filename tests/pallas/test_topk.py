@@ -1,4 +1,5 @@
-"""MSA top-k block selection: Mosaic GPU kernel vs ``m3jax.msa.select_blocks`` (interpret mode off-GPU)."""
+"""MSA top-k block selection: the Mosaic GPU kernels (block-major for prefill, row-split for decode) vs
+``m3jax.msa.select_blocks`` (interpret mode off-GPU), and the row-split kernel's CUDA lowering."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 from m3jax import msa
 from m3jax.pallas import _backend
-from m3jax.pallas.topk import TopkConfig, select_blocks
+from m3jax.pallas import topk
+from m3jax.pallas.topk import ROWSPLIT_MAX_ROWS, TopkConfig, rowsplit, select_blocks
 
 CFG = TopkConfig(chunk=8, max_concurrent_steps=2)
 
@@ -24,8 +26,9 @@ def _scores(b, hi, t, s, bs, q_pos, seed=0, ties=False, dtype=jnp.float32):
     return jnp.round(sc) if ties else sc
 
 
-def _check(scores, q_pos, bs, k, **kw):
-    got = np.asarray(select_blocks(scores, q_pos, block_size=bs, topk=k, config=CFG, **kw))
+def _check(scores, q_pos, bs, k, implementation="pallas_blockmajor", **kw):
+    got = np.asarray(select_blocks(scores, q_pos, block_size=bs, topk=k, implementation=implementation, config=CFG,
+                                   **kw))
     assert not _backend.interpret_races_found()
     ref = np.asarray(select_blocks(scores, q_pos, block_size=bs, topk=k, implementation="reference", **kw))
     assert got.shape == ref.shape and got.dtype == np.int32
@@ -64,3 +67,48 @@ def test_fuzz(valid, prefix_blocks, seed):
     q_pos = jnp.where(ar < valid, prefix_blocks * bs + ar, 0)[None]
     scores = _scores(1, 2, t, s, bs, q_pos, seed=seed, ties=seed % 2 == 0)
     _check(scores, q_pos, bs, k)
+
+
+def _tie_scores(b, hi, q, nb, bs, q_pos, seed):
+    """fp32 [b, hi, q, nb] integers in [-2, 2] with zeros of both signs (ties everywhere, -0.0 vs +0.0);
+    blocks past each query's own block are -inf, as in ``msa.block_scores``."""
+    rng = np.random.default_rng(seed)
+    s = rng.integers(-2, 3, (b, hi, q, nb)).astype(np.float32)
+    s = np.where(s == 0, np.where(rng.random(s.shape) < 0.5, -0.0, 0.0), s).astype(np.float32)
+    visible = np.arange(nb) <= (np.asarray(q_pos) // bs)[:, None, :, None]
+    zeros = s[visible & (s == 0)]
+    assert np.signbit(zeros).any() and not np.signbit(zeros).all()
+    return jnp.asarray(np.where(visible, s, -np.inf).astype(np.float32))
+
+
+@pytest.mark.parametrize("k,local,init,ties", [(6, 2, 1, True), (8, 1, 0, False), (16, 2, 1, True)])
+def test_rowsplit_decode_rows(k, local, init, ties):
+    # B=2, Hi=2, Q=2: 8 rows, one CTA each. nb=300 (not a multiple of 128, 3 SMEM rows); q_pos 5 sees
+    # 2 blocks (< topk: -1 padding, 2 SMEM rows skipped), 517 ends inside the second SMEM row.
+    bs, nb = 4, 300
+    q_pos = jnp.array([[1198, 1199], [5, 517]], jnp.int32)
+    if ties:
+        scores = _tie_scores(2, 2, 2, nb, bs, q_pos, seed=k)
+    else:
+        scores = _scores(2, 2, 2, nb * bs, bs, q_pos, seed=k)
+    _check(scores, q_pos, bs, k, implementation="pallas_rowsplit", local_blocks=local, init_blocks=init)
+
+
+def test_pallas_picks_rowsplit_for_few_rows_that_fit(monkeypatch):
+    calls = []
+    monkeypatch.setattr(topk._rowsplit, "select_blocks", lambda *a, **kw: calls.append("rowsplit"))
+    monkeypatch.setattr(topk._kernel, "select_blocks", lambda *a, **kw: calls.append("blockmajor"))
+    # B=1, Hi=4: rows = 4 t; the last row of 8,192 blocks at top-64 is too large for one CTA's SMEM.
+    for t, nb, k in ((ROWSPLIT_MAX_ROWS // 4, 8, 2), (ROWSPLIT_MAX_ROWS // 4 + 1, 8, 2), (1, 8192, 64)):
+        select_blocks(jnp.zeros((1, 4, t, nb)), jnp.zeros((1, t), jnp.int32), block_size=4, topk=k)
+    assert calls == ["rowsplit", "blockmajor", "blockmajor"]
+
+
+@pytest.mark.parametrize("b,nb", [(1, 1024), (8, 8192)])
+def test_rowsplit_lowers_for_cuda_at_m3_decode_shapes(b, nb):
+    # M3 decode: Hi=4 index heads, Q=1, top-16 of 1,024 (128K tokens) / 8,192 (1M) blocks of 128 ->
+    # 4 / 32 rows. Lowered for CUDA on the CPU (Pallas -> Mosaic GPU custom call); nothing compiled.
+    args = (jax.ShapeDtypeStruct((b, 4, 1, nb), jnp.float32), jax.ShapeDtypeStruct((b, 1), jnp.int32))
+    f = jax.jit(lambda s, p: rowsplit.select_blocks(s, p, block_size=128, topk=16, interpret=False))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1

@@ -1,14 +1,15 @@
-"""MSA decode: paged index-block scoring, top-k (``m3jax.msa.select_blocks``) and sparse paged attention.
+"""MSA decode: paged index-block scoring, top-k (:mod:`m3jax.pallas.topk`) and sparse paged attention.
 
-``implementation="pallas"`` runs the Mosaic GPU kernels of :mod:`.kernel` (GPU interpret mode off-GPU);
-``"reference"`` the pure-jnp versions of :mod:`.reference` (gather pages + :mod:`m3jax.msa`).
+``implementation="pallas"`` runs the Mosaic GPU kernels of :mod:`.kernel` and the top-k kernel
+(GPU interpret mode off-GPU); ``"reference"`` the pure-jnp versions of :mod:`.reference` (gather
+pages + :mod:`m3jax.msa`).
 """
 
 from __future__ import annotations
 
 import jax
 
-from m3jax import msa
+from m3jax.pallas import topk as _topk
 from m3jax.pallas.decode import kernel as _kernel
 from m3jax.pallas.decode import reference as _reference
 from m3jax.pallas.decode.kernel import IndexScoreConfig, SparseDecodeConfig, union_pages  # noqa: F401
@@ -68,8 +69,9 @@ def msa_decode(
         iq, ik_pages, page_table, seq_lens, block_size=block_size, implementation=implementation
     )
     q_pos = query_positions(seq_lens, q.shape[1])
-    block_idx = msa.select_blocks(
-        scores, q_pos, block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks
+    block_idx = _topk.select_blocks(
+        scores, q_pos, block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+        implementation=implementation,
     )
     return sparse_decode_attention(
         q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size,

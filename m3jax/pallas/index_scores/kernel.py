@@ -59,9 +59,12 @@ class IndexScoreConfig:
     blocks per output TMA store; ``max_concurrent_steps``: key blocks in flight; ``fused_topk``: see
     ``index_select_blocks``."""
 
-    rows: int = 128
+    # 64 rows x 2 key buffers: two CTAs fit per SM, so one CTA's row-max epilogue overlaps the other's
+    # MMA (H200, benchmarks/msa_tune.py, 8K queries: 638 vs 557 TF/s for 128 rows x 3 buffers at a
+    # 128K context, 423 vs 345 at 8K; see benchmarks/NOTES_msa.md).
+    rows: int = 64
     group: int = 16
-    max_concurrent_steps: int = 3
+    max_concurrent_steps: int = 2
     # index_select_blocks: True = top-k fused into the score kernel; False (default, faster on H200:
     # 17.5 vs 29.8 ms at 8K x 1M) = score kernel (block-major scores) + the m3jax.pallas.topk kernel.
     fused_topk: bool = False

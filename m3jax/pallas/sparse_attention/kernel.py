@@ -36,14 +36,20 @@ pairs CTAs on a 256-row tile with the K/V block multicast to both; ``tma_gather`
 ``tq`` per-token Q copies by one indexed TMA (``plgpu.Layout.TMA_INDICES``). The CSR, work list,
 staging layout and combine are unchanged.
 
-Measured (H200, M3 shapes, T=8192 queries at context 128K, bf16, random own+15 selections):
-KV-major 3.12 ms (forward kernel 2.25, XLA combine 0.57, CSR ~0.1) = 171 effective TFLOP/s,
-2.11x the query-major kernel (6.58 ms) and 18.5x cuDNN dense over the same chunk (57.7 ms).
-The causal mask runs only on tiles holding a query of the block (``pl.when`` on the tile's limits).
+Measured (H200, M3 shapes, T=8192 queries at context 128K, bf16, random own+15 selections; history
+and diagnostics in benchmarks/NOTES_msa.md): forward kernel 1.38 ms (was 2.27 ms before the item
+metadata moved to SMEM and the O staging moved into the Q ring, which let two CTAs share an SM),
+XLA combine 0.56 ms, CSR and glue ~0.3 ms: 2.24 ms = 238 effective TFLOP/s, 0.38x cuDNN's dense
+TFLOP/s. The design is memory-bound, not MMA-bound: per (query, KV head, slot) it re-reads the
+query's G x H tile and writes + re-reads a G x H bf16 partial: 7.2 GB at this shape with the K/V
+blocks and the output, ~1.7 ms at HBM rate, against 0.82 ms of MMA at cuDNN's rate, so ~0.48x
+cuDNN is its ceiling. The kernel alone moves 4.8 GB in 1.38 ms (3.5 TB/s).
 
-What remains (not done here): warp specialisation (a producer warp for TMA + 2 consumer
-warpgroups ping-ponging, FA3-style) and K/V prefetch across work items; skipping the combine when a
-query has one valid slot; the Mosaic combine kernel (the XLA one is used); FP8 paths.
+What remains (not done here): bf16 -> fp8 partials (halves the staging traffic), a combine fused
+into the kernel's epilogue through cluster/DSMEM for rows whose slots land on one cluster, warp
+specialisation (FA3-style producer + two ping-ponging consumers), skipping the combine when a
+query has one valid slot, and a query-major variant over the union of neighbouring queries'
+blocks for real (local) selection patterns, which needs no staging at all.
 """
 
 from __future__ import annotations
@@ -69,7 +75,10 @@ class SparseAttentionConfig:
 
     block_m: packed MMA rows per tile (query tokens x GQA heads); a multiple of 64 and of G.
     tiles_per_item: Q tiles per KV-major work item (the K/V block is loaded once per item).
-    ctas_per_sm: persistent CTAs per SM for the KV-major kernel (SMEM ~112 KiB per CTA at H=bs=128).
+    q_stages: depth of the KV-major kernel's Q-tile ring (>= 2; tiles in flight = q_stages - 1); each
+      stage is block_m x H of SMEM (16 KiB at M3 shapes) and also stages its tile's O for the store.
+    ctas_per_sm: persistent CTAs per SM for the KV-major kernel (default: as many as fit in SMEM, at
+      most 2; 101 KiB per CTA at H=bs=128 with 2 stages, so 2 fit on Hopper, 1 with 3 stages).
     num_ctas: override of the persistent grid (default: SMs x ctas_per_sm on GPU, 2 in interpret mode).
     p_via_smem: stage P through SMEM for the PV MMA (default: only in interpret mode, whose wgmma
       takes SMEM operands only; on GPU P stays in registers as the wgmma A operand).
@@ -77,7 +86,8 @@ class SparseAttentionConfig:
 
     block_m: int = 64
     tiles_per_item: int = 16
-    ctas_per_sm: int = 2
+    q_stages: int = 2
+    ctas_per_sm: int | None = None
     num_ctas: int | None = None
     p_via_smem: bool | None = None
 
@@ -85,10 +95,18 @@ class SparseAttentionConfig:
         """Feed P to the PV wgmma from SMEM (interpret mode only supports SMEM A operands)."""
         return (not on_gpu()) if self.p_via_smem is None else self.p_via_smem
 
-    def grid(self) -> int:
+    def grid(self, smem_per_cta: int) -> int:
+        """Persistent CTAs: as many per SM as fit in SMEM (at most 2: the kernel's registers allow two
+        128-thread CTAs with S and O accumulators live), unless ``ctas_per_sm``/``num_ctas`` say."""
         if self.num_ctas is not None:
             return self.num_ctas
-        return current_target().num_sms * self.ctas_per_sm if on_gpu() else 2
+        if not on_gpu():
+            return 2
+        tgt = current_target()
+        # smem_bytes is the per-CTA maximum (227 KiB); the SM has 1 KiB more, and reserves 1 KiB per CTA.
+        fit = (tgt.smem_bytes + 1024) // (smem_per_cta + 1024)
+        per_sm = self.ctas_per_sm or max(1, min(2, fit))
+        return tgt.num_sms * per_sm
 
 
 def _check(q, k, block_size, cfg):
@@ -103,6 +121,8 @@ def _check(q, k, block_size, cfg):
         raise ValueError(f"block_m {cfg.block_m} must be a multiple of 64 and of G={g}; G must be a multiple of 8")
     if block_size > 256:
         raise ValueError("block_size must be <= 256 (one wgmma N)")
+    if cfg.q_stages < 2:
+        raise ValueError(f"q_stages {cfg.q_stages} must be >= 2 (a tile's O is staged in its Q slot while the next loads)")
 
 
 def _smem(shape, dtype):
@@ -129,6 +149,14 @@ def _row_limits(lims, m, bs, g):
 # --------------------------------------------------------------------------------------------
 
 
+def _tile_meta(x, tq: int, tiles_per_item: int):
+    """[K, E_pad] per-edge int32 -> [K, n_tiles + tiles_per_item, round_up(tq, 4)]: one row per tile,
+    rows 16-byte wide (TMA), and a tail so an item's fixed-size copy never reads past the end."""
+    kh, e_pad = x.shape
+    x = x.reshape(kh, e_pad // tq, tq)
+    return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, -tq % 4)])
+
+
 def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: int, cfg: SparseAttentionConfig):
     """Partial outputs per padded edge: (o_stage [K, E_pad*G, H] q.dtype, lse_stage [K, E_pad*G] f32)."""
     b, t, n, h = q.shape
@@ -137,13 +165,17 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
     m = cfg.block_m
     tq = m // g
     bs = block_size
+    tpi = cfg.tiles_per_item
+    stages = cfg.q_stages
     dtype = q.dtype
     scale = (h**-0.5) * LOG2E
 
     stage_p = cfg.stage_p()
+    qtok = _tile_meta(plan.qtok, tq, tpi)
+    qlim = _tile_meta(plan.qlim, tq, tpi)
 
     def body(items_ref, nitems_ref, qtok_ref, qlim_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             q_smem, k_smem, v_smem, o_smem, lse_smem, kv_bar, q_bar, *p_smem):
+             q_smem, k_smem, v_smem, lse_smem, tok_smem, lim_smem, kv_bar, meta_bar, q_bar, *p_smem):
         n_items = nitems_ref[0]
 
         @plgpu.nd_loop((n_items,), collective_axes="sm")
@@ -154,30 +186,37 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
             blk = items_ref[w, 2]
             t0 = items_ref[w, 3]
             nt = items_ref[w, 4]
+            # The item's per-tile query tokens and mask limits come into SMEM with one copy each
+            # (read from global memory one scalar at a time, they sat on every tile's critical path).
+            plgpu.commit_smem()  # the previous item's SMEM reads precede this item's TMA writes
+            plgpu.copy_gmem_to_smem(qtok_ref.at[hh, pl.ds(t0, tpi)], tok_smem, meta_bar)
+            plgpu.copy_gmem_to_smem(qlim_ref.at[hh, pl.ds(t0, tpi)], lim_smem, meta_bar)
             kv_at = (bb, pl.ds(blk * bs, bs), hh)
             plgpu.copy_gmem_to_smem(k_ref.at[kv_at], k_smem, kv_bar)
             plgpu.copy_gmem_to_smem(v_ref.at[kv_at], v_smem, kv_bar)
 
             def load_q(tile, slot):
                 for i in range(tq):
-                    tok = qtok_ref[hh, (t0 + tile) * tq + i]
+                    tok = tok_smem[tile, i]
                     plgpu.copy_gmem_to_smem(
                         q_ref.at[bb, tok, pl.ds(hh * g, g)], q_smem.at[slot, pl.ds(i * g, g)], q_bar.at[slot]
                     )
 
-            load_q(0, 0)
+            plgpu.barrier_wait(meta_bar)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O left its ring slot
+            for s in range(stages - 1):  # prologue: the ring's first stages-1 tiles in flight
+                @pl.when(s < nt)
+                def _():
+                    load_q(s, s)
+
             plgpu.barrier_wait(kv_bar)
 
             @pl.loop(0, nt)
             def _tile(j):
-                slot = lax.rem(j, 2)
-
-                @pl.when(j + 1 < nt)
-                def _():
-                    load_q(j + 1, 1 - slot)
-
+                slot = lax.rem(j, stages)
+                ahead = j + stages - 1
                 e0 = (t0 + j) * tq
-                lims = [qlim_ref[hh, e0 + i] for i in range(tq)]
+                lims = [lim_smem[j, i] for i in range(tq)]
                 need_mask = lims[0] < bs - 1
                 for i in range(1, tq):
                     need_mask = need_mask | (lims[i] < bs - 1)
@@ -189,6 +228,14 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
                         return acc_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((m, bs), jnp.float32)) * scale
+                    # This tile's Q is consumed: its slot will stage this tile's O. The tile `ahead`
+                    # reuses the slot of tile j-1, whose O store must have left SMEM first.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                    @pl.when(ahead < nt)
+                    def _():
+                        load_q(ahead, lax.rem(ahead, stages))
+
                     if masked:  # only tiles holding a query whose own block this is
                         col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
                         s = jnp.where(col <= _row_limits(lims, m, bs, g), s, -jnp.inf)
@@ -208,11 +255,10 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
                     acc = pl.run_scoped(pv, plgpu.ACC((m, h), jnp.float32))
                     o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
                     lse = (mx + jnp.log2(l)) * LN2
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's stores left SMEM
-                    o_smem[...] = o.astype(dtype)
+                    q_smem.at[slot][...] = o.astype(dtype)
                     lse_smem[...] = lse
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[hh, pl.ds(e0 * g, m)])
+                    plgpu.copy_smem_to_gmem(q_smem.at[slot], o_ref.at[hh, pl.ds(e0 * g, m)])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[hh, pl.ds(e0 * g, m)])
 
                 pl.when(need_mask)(lambda: tile(True))
@@ -220,14 +266,17 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
 
         plgpu.wait_smem_to_gmem(0)
 
+    meta_w = qtok.shape[-1]
     scratch = [
-        _smem((2, m, h), dtype),
+        _smem((stages, m, h), dtype),
         _smem((bs, h), dtype),
         _smem((bs, h), dtype),
-        _smem((m, h), dtype),
         plgpu.SMEM((m,), jnp.float32),
+        plgpu.SMEM((tpi, meta_w), jnp.int32),
+        plgpu.SMEM((tpi, meta_w), jnp.int32),
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=tq, num_barriers=2),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=tq, num_barriers=stages),
     ] + ([_smem((m, bs), dtype)] if stage_p else [])
     out_type = (
         jax.ShapeDtypeStruct((kh, e_pad * g, h), dtype),
@@ -237,11 +286,19 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(cfg.grid(),),
+        grid=(cfg.grid(_kv_major_smem_bytes(m, h, bs, tpi, meta_w, stages, jnp.dtype(dtype).itemsize, stage_p)),),
         grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return call(plan.items, plan.n_items, plan.qtok, plan.qlim, q, k, v)
+    return call(plan.items, plan.n_items, qtok, qlim, q, k, v)
+
+
+def _kv_major_smem_bytes(m, h, bs, tpi, meta_w, stages, itemsize, stage_p) -> int:
+    """SMEM of one KV-major CTA as Mosaic allocates it: Q ring (which also stages O), K, V (+P), then
+    the LSE staging and the two metadata tiles, each rounded up to 1 KiB."""
+    kib = lambda n: -(-n // 1024) * 1024
+    tiles = (stages * m * h + 2 * bs * h + (m * bs if stage_p else 0)) * itemsize
+    return tiles + kib(4 * m) + 2 * kib(4 * tpi * meta_w) + 1024  # + barriers
 
 
 def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bool = False):

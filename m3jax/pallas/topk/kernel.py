@@ -8,7 +8,8 @@ one element per thread (``WG_STRIDED`` layout: thread i owns row i) and inserted
 per-row top-k list held in registers (``topk`` values + ``topk`` ids per thread; the branch-free
 compare-and-swap insertion of ``_select.insert``). Chunks past the tile's causal limit (all
 ``-inf``) are never loaded. Rows up to 8,192 blocks (1M tokens at block 128) are a longer
-pipeline, not a different kernel.
+pipeline, not a different kernel. Few rows (decode: ``B * Hi * Q``, 4 at batch 1) leave most SMs
+idle here; :mod:`.rowsplit` splits each row over a warpgroup instead.
 
 Output order: forced blocks first (own, own-1, ..., init sinks), then descending score, ties to the
 lower block id, ``-1`` right padding, i.e. exactly the order of ``m3jax.msa.select_blocks``.

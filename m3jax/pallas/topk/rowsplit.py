@@ -1,0 +1,212 @@
+"""Mosaic GPU kernel: MSA top-k block selection for few, long rows (decode), one CTA per row.
+
+Why a second kernel. The block-major kernel (:mod:`.kernel`) gives each row to one thread, which
+inserts all ``nb`` blocks one after the other: right for prefill (thousands of rows fill the GPU),
+but a decode step has ``B * Hi * Q`` rows (4 at batch 1), so one warpgroup of one SM would walk
+an 8,192-long chain. Here the work of one row is split across the 128 threads of a warpgroup.
+
+Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index head, query)).
+
+* Load. The row's scores, padded with ``-inf`` to ``nb_pad`` (a multiple of 128) outside the
+  kernel, are viewed as ``[nb_pad / 128, 128]`` and copied to SMEM by one TMA (32 KiB at 8,192
+  blocks = 1M tokens; box dims are limited to 256, hence ``nb <= 32,768``).
+* Per-thread top-k. Thread ``i`` loads column ``i`` of each SMEM row (``WG_STRIDED`` layout), i.e.
+  it owns blocks ``{c * 128 + i}``, and inserts them in increasing id into a sorted list held in
+  registers (``topk`` values + ``topk`` ids; ``_select.forced_candidate`` and ``_select.insert``, so
+  ties go to the lower id and forced blocks get the reference priorities). SMEM rows wholly past
+  the row's causal limit (all ``-inf`` by the score contract) are not visited.
+* Tree merge, 7 rounds (``log2 128``). In the round of stride ``s`` every thread writes its list
+  to SMEM (``[kp, 192]`` values and ids, double buffered so that a round's writes never overtake
+  the previous round's reads), the warpgroup synchronises, and thread ``i`` reads the list of
+  thread ``i + s`` with a shifted contiguous load. Two descending lists are merged into their top
+  ``kp`` by a bitonic step: ``C_j = better(A_j, B_{kp-1-j})`` (a bitonic sequence holding the top
+  ``kp``) then ``log2 kp`` half-cleaner levels. ``better`` is the total order of the selection
+  (value descending, then id ascending), so ties still go to the lower id; ``kp`` = ``topk``
+  rounded up to a power of two (extra ``(-inf, -1)`` slots). Only the threads with
+  ``i % 2s == 0`` hold meaningful lists after a round; the others compute garbage (reading
+  columns 128..191 or stale lists) that no meaningful thread ever reads.
+* Synchronisation. A generic SMEM store read back by other threads of the warpgroup needs a
+  ``bar.sync`` of the warpgroup's named barrier between the two; ``plgpu.commit_smem`` is that
+  barrier (after a ``fence.proxy.async``, which the final TMA store needs anyway). The kernel runs
+  with ``unsafe_no_auto_barriers``: Pallas would otherwise wrap every vector store in two more
+  barriers. GPU interpret mode simulates a warpgroup as one thread, so its race detector cannot
+  see a missing barrier here (the kernel still passes with none); ``benchmarks/msa_decode.py``
+  checks the ids on the device.
+* Output. Thread 0 ends with the row's answer; its ids go through SMEM (scalar reads of its
+  column) to one int32 row of ``topk`` rounded up to 4 (a TMA row is a multiple of 16 bytes) per
+  CTA.
+
+Output order: forced blocks first (own, own-1, ..., init sinks), then descending score, ties to the
+lower block id (``-0.0`` ties ``+0.0``), ``-1`` right padding, i.e. exactly the order of
+``m3jax.msa.select_blocks``.
+
+Cost per row, in instructions per warp (the 4 warps run on the 4 SM sub-partitions, ~1 issue per
+cycle each; the insertions and the compare-exchanges of one level are independent, so issue, not
+latency, bounds them): ``nb / 128`` insertions of ``~5 topk + 15`` ops, then 7 merge rounds of
+``4 kp`` SMEM accesses, ``7 kp + 9 (kp / 2) log2 kp`` ops and one barrier. At top-16: ~95 per
+insertion and ~470 per round, so nb = 1,024 (128K tokens) is ~0.8K + 3.3K and nb = 8,192 (1M)
+~6.1K + 3.3K, i.e. ~2.5 and ~5.5 us at 1.7 GHz, plus ~1 us for the TMA of the row (4 / 32 KiB)
+and the output store. Rows run on separate SMs: up to 132 rows cost the same as one.
+
+Blackwell: nothing here uses the MMA, TMEM or clusters, so the kernel runs unchanged (148 SMs, the
+same SMEM budget). If it matters there, a 1M-token row can be split over the CTAs of a cluster
+(partial lists merged through distributed SMEM) to shorten the insertion chain.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas.topk import _select
+
+NEG_INF = float("-inf")
+LANES = 128  # one warpgroup; thread i owns blocks {c * 128 + i}
+MERGE_ROUNDS = 7  # log2(LANES)
+# Columns of a merge buffer: the shifted read of the widest stride (64) ends at column 64 + 127.
+MERGE_COLS = LANES + LANES // 2
+MAX_SMEM_ROWS = 256  # TMA box dims are <= 256: nb <= 256 * 128 blocks
+SMEM_RESERVED = 8 * 1024  # Pallas' own SMEM (reduction scratch, barriers, alignment)
+
+
+def unsupported_reason(nb: int, topk: int) -> str | None:
+    """Why one CTA cannot take a row of ``nb`` blocks at this ``topk`` (None when it can)."""
+    if not 1 <= topk <= LANES:
+        return f"topk {topk} must be in [1, {LANES}]"
+    n_rows = -(-nb // LANES)
+    if n_rows > MAX_SMEM_ROWS:
+        return f"nb {nb} > {MAX_SMEM_ROWS * LANES} blocks: one TMA box per row cannot hold it"
+    kp = 1 << (topk - 1).bit_length()
+    smem = n_rows * LANES * 4 + 2 * 2 * kp * MERGE_COLS * 4 + LANES * 4  # scores, merge lists, output
+    if smem > current_target().smem_bytes - SMEM_RESERVED:
+        return f"nb {nb} and topk {topk} need {smem} bytes of SMEM per CTA"
+    return None
+
+
+def _layout():
+    return plgpu.Layout.WG_STRIDED((LANES,), 1)
+
+
+def _better(av, ai, bv, bi):
+    """The selection's total order: higher value first, equal values (-0.0 == +0.0) to the lower id."""
+    return (av > bv) | ((av == bv) & (ai < bi))
+
+
+def _merge(a_vals, a_ids, b_vals, b_ids):
+    """Top ``kp`` of two descending lists of ``kp`` (a power of two) entries, descending (bitonic merge)."""
+    kp = len(a_vals)
+    vals, ids = [], []
+    for j in range(kp):
+        g = _better(a_vals[j], a_ids[j], b_vals[kp - 1 - j], b_ids[kp - 1 - j])
+        vals.append(jnp.where(g, a_vals[j], b_vals[kp - 1 - j]))
+        ids.append(jnp.where(g, a_ids[j], b_ids[kp - 1 - j]))
+    d = kp // 2
+    while d:
+        for j in range(kp):
+            if j & d:
+                continue
+            g = _better(vals[j], ids[j], vals[j + d], ids[j + d])
+            vals[j], vals[j + d] = jnp.where(g, vals[j], vals[j + d]), jnp.where(g, vals[j + d], vals[j])
+            ids[j], ids[j + d] = jnp.where(g, ids[j], ids[j + d]), jnp.where(g, ids[j + d], ids[j])
+        d //= 2
+    return tuple(vals), tuple(ids)
+
+
+def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks, interpret=None):
+    """int32 [R, topk rounded up to 4] (first ``topk`` columns valid) from fp32 scores [R, nb_pad / 128, 128]
+    and rowpos [R]."""
+    r, n_rows, _ = scores.shape
+    kp = 1 << (topk - 1).bit_length()
+    out_cols = -(-topk // 4) * 4  # a TMA row is a multiple of 16 bytes
+
+    def body(s_ref, rowpos_ref, out_ref, s_smem, v_buf, i_buf, o_smem, bar):
+        row = jax.lax.axis_index("row")
+        plgpu.copy_gmem_to_smem(s_ref.at[row], s_smem, bar.at[0])
+        pos = rowpos_ref[row]
+        nvis = jnp.clip(jnp.floor_divide(pos, block_size) + 1, 0, n_rows * LANES)
+        lane = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=_layout())
+        empty_v = plgpu.layout_cast(jnp.full((LANES,), NEG_INF, jnp.float32), _layout())
+        empty_i = plgpu.layout_cast(jnp.full((LANES,), -1, jnp.int32), _layout())
+        plgpu.barrier_wait(bar.at[0])
+
+        def one(c, carry):
+            j = c * LANES + lane
+            x = plgpu.load(s_smem.at[c], layout=_layout())
+            x = _select.forced_candidate(x, pos, j, block_size=block_size, local_blocks=local_blocks,
+                                         init_blocks=init_blocks)
+            return _select.insert(*carry, x, j)
+
+        vals, ids = jax.lax.fori_loop(0, -(-nvis // LANES), one, ((empty_v,) * topk, (empty_i,) * topk))
+        vals, ids = vals + (empty_v,) * (kp - topk), ids + (empty_i,) * (kp - topk)
+
+        def store(slot, vals, ids):
+            for t in range(kp):
+                v_buf[slot, t, pl.ds(0, LANES)] = vals[t]
+                i_buf[slot, t, pl.ds(0, LANES)] = ids[t]
+            # fence + warpgroup bar.sync: the stores are visible to the other threads' loads after it.
+            plgpu.commit_smem()
+
+        def merge_round(rnd, carry):
+            # Round rnd writes slot rnd % 2, last read in round rnd - 2: every thread finished those
+            # reads before the barrier of round rnd - 1.
+            slot, stride = rnd % 2, jnp.left_shift(1, rnd)
+            store(slot, *carry)
+            partner = ([plgpu.load(v_buf.at[slot, t, pl.ds(stride, LANES)]) for t in range(kp)],
+                       [plgpu.load(i_buf.at[slot, t, pl.ds(stride, LANES)]) for t in range(kp)])
+            return _merge(*carry, *partner)
+
+        # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
+        # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
+        # layouts follow from the merge instead of one search step each.
+        vals, ids = jax.lax.fori_loop(0, MERGE_ROUNDS, merge_round, (vals, ids))
+        store(MERGE_ROUNDS % 2, vals, ids)
+        out = empty_i
+        for t in range(topk):
+            out = jnp.where(lane == t, i_buf[MERGE_ROUNDS % 2, t, 0], out)  # thread 0's list
+        o_smem[...] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_cols)], out_ref.at[row])
+        plgpu.wait_smem_to_gmem(0)
+
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=jax.ShapeDtypeStruct((r, out_cols), jnp.int32),
+        grid=(r,),
+        grid_names=("row",),
+        scratch_types=[
+            plgpu.SMEM((n_rows, LANES), jnp.float32),
+            plgpu.SMEM((2, kp, MERGE_COLS), jnp.float32),
+            plgpu.SMEM((2, kp, MERGE_COLS), jnp.int32),
+            plgpu.SMEM((LANES,), jnp.int32),
+            plgpu.Barrier(num_barriers=1),
+        ],
+        # Pallas would wrap every vector SMEM store in two warpgroup barriers (64 per merge round at
+        # top-16); the kernel orders its cross-thread SMEM traffic itself with commit_smem.
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+    )
+    return kern(scores, rowpos)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "interpret"))
+def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, interpret=None):
+    """int32 [B, Hi, Q, topk] from fp32 scores [B, Hi, Q, nb] and positions q_pos [B, Q].
+
+    Scores of blocks past a row's causal limit must be ``-inf`` (``msa.block_scores``' contract):
+    the kernel does not visit them.
+    """
+    b, hi, q, nb = scores.shape
+    if reason := unsupported_reason(nb, topk):
+        raise ValueError(reason)
+    n_rows = -(-nb // LANES)
+    rows = b * hi * q
+    # Padding blocks lie after every own block: -inf, never forced.
+    s = jnp.pad(scores.astype(jnp.float32).reshape(rows, nb), [(0, 0), (0, n_rows * LANES - nb)],
+                constant_values=NEG_INF)
+    rowpos = jnp.broadcast_to(q_pos.astype(jnp.int32)[:, None, :], (b, hi, q)).reshape(rows)
+    ids = _kernel_call(s.reshape(rows, n_rows, LANES), rowpos, block_size=block_size, topk=topk,
+                       local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
+    return ids[:, :topk].reshape(b, hi, q, topk)
