@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,12 +26,24 @@ def test_model_forward_pallas_matches_reference():
     ref_model = m3jax.init_random(cfg, seed=4, dtype="float32")
     pal_model = m3jax.M3Model(ref_model.config.replace(attention_impl="pallas"), ref_model.params)
     ids = np.random.default_rng(1).integers(0, 80, (1, 200))  # 4 blocks > top-2: selection matters
-    ref = m3jax.forward(ref_model, ids, return_block_indices=True)
+    # The index kernel's fp32 path keeps ~16 mantissa bits per product (bf16x3); on the GPU the fp32
+    # reference would be TF32 by default, and near-tied blocks would then swap places.
+    with jax.default_matmul_precision("highest"):
+        ref = m3jax.forward(ref_model, ids, return_block_indices=True)
     got = m3jax.forward(pal_model, ids, return_block_indices=True)
     assert not interpret_races_found()
-    assert same_sets(got.block_indices[1], ref.block_indices[1]) == 0
+    # Off-GPU every layer but the MSA kernels runs the reference, so the selections are equal. On the
+    # GPU the full-attention layer 0 of the kernels path is cuDNN in bf16: layer 1's inputs differ by
+    # bf16 rounding and near-tied blocks may swap (2 of 400 rows on the H200, 2026-11-29); 2% allowed.
+    g, r = np.asarray(got.block_indices[1]), np.asarray(ref.block_indices[1])  # [B, K, T, topk]
+    allowed = 0 if jax.default_backend() == "cpu" else g[..., 0].size // 50
+    assert same_sets(g, r) <= allowed
+    # Layer 1 is the last: a token's logits depend on its own selections only, so the logits are
+    # compared on the tokens whose selections agree in every KV group (all of them off-GPU).
+    as_sets = lambda x: np.sort(np.where(x >= 0, x, np.iinfo(np.int32).max), axis=-1)  # noqa: E731
+    agree = (as_sets(g) == as_sets(r)).all(axis=(1, 3))  # [B, T]
     # The attention kernel multiplies in bf16 (fp32 accumulate): bf16 tolerance.
-    assert_close(got.logits, ref.logits, "bfloat16", "pallas vs reference logits")
+    assert_close(np.asarray(got.logits)[agree], np.asarray(ref.logits)[agree], "bfloat16", "pallas vs reference logits")
 
 
 def test_pallas_refuses_configs_the_kernels_cannot_run():
