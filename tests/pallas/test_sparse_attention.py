@@ -120,11 +120,10 @@ def test_rejects_unsupported_shapes():
         sparse_attention(q, k, v, block_idx, q_pos, block_size=BS, config=SparseAttentionConfig(block_m=96))
 
 
-@pytest.mark.parametrize("q_stages", [2, 3])
-def test_kv_major_q_ring_depths(q_stages):
-    # Rows of several tiles (24 queries of one block, tq = 8) and items of 2 tiles: the ring's
-    # prologue, wrap-around and items shorter than the ring all run.
-    cfg = SparseAttentionConfig(q_stages=q_stages, tiles_per_item=2)
+def test_kv_major_deeper_q_ring_short_items():
+    # Rows of several tiles (24 queries of one block, tq = 8), items of 2 tiles and a 3-deep ring (the
+    # other tests run the default 2): the prologue, wrap-around and items shorter than the ring run.
+    cfg = SparseAttentionConfig(q_stages=3, tiles_per_item=2)
     q, k, v, block_idx, q_pos = make_inputs(1, 24, (64,), 2, jnp.bfloat16, seed=5)
     _backend.reset_interpret_state()
     out = sparse_attention(q, k, v, block_idx, q_pos, block_size=BS, config=cfg)
