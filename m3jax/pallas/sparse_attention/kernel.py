@@ -9,12 +9,14 @@ KV-block-major (``kv_major_forward``)
        loads the item's ``block_size x H`` K and V block ONCE by TMA, then streams its Q tiles past
        it: a tile is ``tq`` query tokens x ``G`` heads of one GQA group = ``block_m`` packed rows
        (M3: 4 tokens x 16 heads = 64 rows per warpgroup MMA), gathered row-group by row-group with
-       TMA into a double buffer so the next tile's Q load overlaps this tile's math. One full-tile
-       softmax per (tile, block) — each (query, block) pair is met exactly once, so there is no
-       online rescaling; the causal mask (own block only) comes from a per-edge limit
-       ``q_pos - block * block_size``. The tile writes its normalised partial O (q.dtype) and its
-       natural-log LSE (fp32) with two contiguous TMA stores into staging buffers indexed by the
-       padded edge.
+       TMA into a ``q_stages``-deep ring (the item's tokens and mask limits are in SMEM, copied once
+       per item), so the next tiles' Q loads overlap this tile's math. One full-tile softmax per
+       (tile, block) — each (query, block) pair is met exactly once, so there is no online
+       rescaling; the causal mask (own block only) comes from a per-edge limit
+       ``q_pos - block * block_size``. The tile writes its normalised partial O (q.dtype), staged in
+       its own consumed Q slot, and its natural-log LSE (fp32) with two contiguous TMA stores into
+       staging buffers indexed by the padded edge. At 101 KiB of SMEM per CTA two CTAs share an
+       SM, so one's softmax overlaps the other's MMAs and copies.
     3. The combine (MSA.md §1.5) merges, per (query, head), the <= topk partials of its valid slots:
        ``O = Σ_j exp(LSE_j - M) O_j / Σ_j exp(LSE_j - M)``. It is an XLA-fused gather + reduce
        (bandwidth-bound; the measured XLA gather+reduce runs at HBM rate, JAX_GPU.md §1.3).
