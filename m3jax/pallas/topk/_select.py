@@ -1,7 +1,8 @@
-"""Register-level top-k helpers shared by the top-k kernel and the fused index-score + top-k kernel.
+"""Register-level top-k helpers shared by the two top-k kernels and the fused index-score + top-k kernel.
 
-Both kernels see a row tile of R rows (one (batch, query token, index head) each) as a set of 1-D
-register vectors of length R, one vector per block id ``j`` in increasing ``j``. A running
+The block-major and fused kernels see a row tile of R rows (one (batch, query token, index head)
+each) as a set of 1-D register vectors of length R, one vector per block id ``j`` in increasing
+``j`` (the row-split kernel: one row's 128 lanes, lane i holding block ``c * 128 + i``). A running
 top-k list per row is kept as ``k`` value vectors and ``k`` id vectors, sorted by descending value;
 each new candidate ``(x, j)`` is inserted by one compare per slot and a shift of the entries
 below the insertion point (``5 k`` element-wise ops per candidate, no data-dependent control flow).
@@ -20,6 +21,8 @@ sinks), then descending score, ties to the lower id, then ``-1``.
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+from m3jax.pallas._backend import plgpu
 
 NEG_INF = float("-inf")
 
@@ -56,3 +59,11 @@ def insert(vals, ids, x, j):
         new_ids.append(ni)
         prev_g, prev_v, prev_i = g, v, i
     return tuple(new_vals), tuple(new_ids)
+
+
+def insert_smem_row(carry, row_ref, rowpos, j, *, layout, block_size: int, local_blocks: int, init_blocks: int):
+    """Load one SMEM row of scores (one element per thread in ``layout``) for block id(s) ``j``, give
+    forced blocks their priorities and insert it into the ``(vals, ids)`` lists of ``carry``."""
+    x = plgpu.load(row_ref, layout=layout)
+    x = forced_candidate(x, rowpos, j, block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks)
+    return insert(*carry, x, j)

@@ -77,11 +77,9 @@ def _kernel_call(scores_bm, rowpos, tile_max, *, block_size, topk, local_blocks,
             c = idx[0]
 
             def one(cc, carry):
-                j = c * chunk + cc
-                x = plgpu.load(s_smem.at[cc], layout=_layout())
-                x = _select.forced_candidate(x, rowpos, j, block_size=block_size, local_blocks=local_blocks,
-                                             init_blocks=init_blocks)
-                return _select.insert(*carry, x, j)
+                return _select.insert_smem_row(carry, s_smem.at[cc], rowpos, c * chunk + cc, layout=_layout(),
+                                               block_size=block_size, local_blocks=local_blocks,
+                                               init_blocks=init_blocks)
 
             carry = jax.lax.fori_loop(0, chunk, one, carry)
             # Generic SMEM reads must be ordered before the pipeline's next TMA into this slot.

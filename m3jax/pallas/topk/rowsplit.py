@@ -133,11 +133,9 @@ def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks,
         plgpu.barrier_wait(bar.at[0])
 
         def one(c, carry):
-            j = c * LANES + lane
-            x = plgpu.load(s_smem.at[c], layout=_layout())
-            x = _select.forced_candidate(x, pos, j, block_size=block_size, local_blocks=local_blocks,
-                                         init_blocks=init_blocks)
-            return _select.insert(*carry, x, j)
+            return _select.insert_smem_row(carry, s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
+                                           block_size=block_size, local_blocks=local_blocks,
+                                           init_blocks=init_blocks)
 
         vals, ids = jax.lax.fori_loop(0, -(-nvis // LANES), one, ((empty_v,) * topk, (empty_i,) * topk))
         vals, ids = vals + (empty_v,) * (kp - topk), ids + (empty_i,) * (kp - topk)
