@@ -151,12 +151,14 @@ def _row_limits(lims, m, bs, g):
 # --------------------------------------------------------------------------------------------
 
 
-def _tile_meta(x, tq: int, tiles_per_item: int):
-    """[K, E_pad] per-edge int32 -> [K, n_tiles + tiles_per_item, round_up(tq, 4)]: one row per tile,
-    rows 16-byte wide (TMA), and a tail so an item's fixed-size copy never reads past the end."""
-    kh, e_pad = x.shape
-    x = x.reshape(kh, e_pad // tq, tq)
-    return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, -tq % 4)])
+def _tile_meta(qtok, qlim, tq: int, tiles_per_item: int):
+    """Per-edge query tokens and mask limits [K, E_pad] -> one int32 array
+    [K, n_tiles + tiles_per_item, 2, round_up(tq, 4)] (tile, {token, limit}, edge of the tile): an
+    item's metadata is one TMA box, rows 16-byte wide, and the tail keeps the fixed-size copy of the
+    last item in bounds."""
+    kh, e_pad = qtok.shape
+    x = jnp.stack([qtok.reshape(kh, e_pad // tq, tq), qlim.reshape(kh, e_pad // tq, tq)], axis=2)
+    return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, 0), (0, -tq % 4)])
 
 
 def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: int, cfg: SparseAttentionConfig):
@@ -173,11 +175,10 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
     scale = (h**-0.5) * LOG2E
 
     stage_p = cfg.stage_p()
-    qtok = _tile_meta(plan.qtok, tq, tpi)
-    qlim = _tile_meta(plan.qlim, tq, tpi)
+    meta = _tile_meta(plan.qtok, plan.qlim, tq, tpi)
 
-    def body(items_ref, nitems_ref, qtok_ref, qlim_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             q_smem, k_smem, v_smem, lse_smem, tok_smem, lim_smem, kv_bar, meta_bar, q_bar, *p_smem):
+    def body(items_ref, nitems_ref, meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+             q_smem, k_smem, v_smem, lse_smem, meta_smem, kv_bar, meta_bar, q_bar, *p_smem):
         n_items = nitems_ref[0]
 
         @plgpu.nd_loop((n_items,), collective_axes="sm")
@@ -188,18 +189,17 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
             blk = items_ref[w, 2]
             t0 = items_ref[w, 3]
             nt = items_ref[w, 4]
-            # The item's per-tile query tokens and mask limits come into SMEM with one copy each
-            # (read from global memory one scalar at a time, they sat on every tile's critical path).
+            # The item's per-tile query tokens and mask limits come into SMEM with one copy (read
+            # from global memory one scalar at a time, they sat on every tile's critical path).
             plgpu.commit_smem()  # the previous item's SMEM reads precede this item's TMA writes
-            plgpu.copy_gmem_to_smem(qtok_ref.at[hh, pl.ds(t0, tpi)], tok_smem, meta_bar)
-            plgpu.copy_gmem_to_smem(qlim_ref.at[hh, pl.ds(t0, tpi)], lim_smem, meta_bar)
+            plgpu.copy_gmem_to_smem(meta_ref.at[hh, pl.ds(t0, tpi)], meta_smem, meta_bar)
             kv_at = (bb, pl.ds(blk * bs, bs), hh)
             plgpu.copy_gmem_to_smem(k_ref.at[kv_at], k_smem, kv_bar)
             plgpu.copy_gmem_to_smem(v_ref.at[kv_at], v_smem, kv_bar)
 
             def load_q(tile, slot):
                 for i in range(tq):
-                    tok = tok_smem[tile, i]
+                    tok = meta_smem[tile, 0, i]
                     plgpu.copy_gmem_to_smem(
                         q_ref.at[bb, tok, pl.ds(hh * g, g)], q_smem.at[slot, pl.ds(i * g, g)], q_bar.at[slot]
                     )
@@ -218,7 +218,7 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
                 slot = lax.rem(j, stages)
                 ahead = j + stages - 1
                 e0 = (t0 + j) * tq
-                lims = [lim_smem[j, i] for i in range(tq)]
+                lims = [meta_smem[j, 1, i] for i in range(tq)]
                 need_mask = lims[0] < bs - 1
                 for i in range(1, tq):
                     need_mask = need_mask | (lims[i] < bs - 1)
@@ -268,16 +268,15 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
 
         plgpu.wait_smem_to_gmem(0)
 
-    meta_w = qtok.shape[-1]
+    meta_w = meta.shape[-1]
     scratch = [
         _smem((stages, m, h), dtype),
         _smem((bs, h), dtype),
         _smem((bs, h), dtype),
         plgpu.SMEM((m,), jnp.float32),
-        plgpu.SMEM((tpi, meta_w), jnp.int32),
-        plgpu.SMEM((tpi, meta_w), jnp.int32),
+        plgpu.SMEM((tpi, 2, meta_w), jnp.int32),
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=tq, num_barriers=stages),
     ] + ([_smem((m, bs), dtype)] if stage_p else [])
     out_type = (
@@ -292,15 +291,15 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return call(plan.items, plan.n_items, qtok, qlim, q, k, v)
+    return call(plan.items, plan.n_items, meta, q, k, v)
 
 
 def _kv_major_smem_bytes(m, h, bs, tpi, meta_w, stages, itemsize, stage_p) -> int:
     """SMEM of one KV-major CTA as Mosaic allocates it: Q ring (which also stages O), K, V (+P), then
-    the LSE staging and the two metadata tiles, each rounded up to 1 KiB."""
+    the LSE staging and the metadata tile, each rounded up to 1 KiB."""
     kib = lambda n: -(-n // 1024) * 1024
     tiles = (stages * m * h + 2 * bs * h + (m * bs if stage_p else 0)) * itemsize
-    return tiles + kib(4 * m) + 2 * kib(4 * tpi * meta_w) + 1024  # + barriers
+    return tiles + kib(4 * m) + kib(4 * tpi * 2 * meta_w) + 1024  # + barriers
 
 
 def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bool = False):
