@@ -446,9 +446,9 @@ def config_to_hf(cfg: M3Config) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Presets (configs/*.json at the repository root)
+# Presets (m3jax/configs/*.json, shipped as package data so a non-editable install has them)
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def preset_names() -> list[str]:
@@ -456,7 +456,7 @@ def preset_names() -> list[str]:
 
 
 def preset(name: str, **overrides) -> M3Config:
-    """Load a named preset from ``configs/<name>.json`` (HF config.json format)."""
+    """Load a named preset from ``m3jax/configs/<name>.json`` (HF config.json format)."""
     path = CONFIGS_DIR / f"{name}.json"
     if not path.exists():
         raise UnsupportedConfigError(f"unknown preset {name!r}; available: {preset_names()} (in {CONFIGS_DIR})")
