@@ -1,7 +1,7 @@
 """Generation at MiniMax-M3's real widths on one GPU: the 1M-token run of ``python -m m3jax.generate``,
 per-layer prefill / decode times, and an extrapolation to the 60-layer model on 8 GPUs.
 
-``configs/m3_width.json`` is M3 with 3 of its 60 decoder layers (layer 0 full attention + dense MLP,
+``m3jax/configs/m3_width.json`` is M3 with 3 of its 60 decoder layers (layer 0 full attention + dense MLP,
 layers 1-2 MSA + MoE, no vision tower), random bf16 weights. The script
 
 1. runs the generate CLI path (``m3jax.generate.main``) with the kernels attention path (Mosaic GPU

@@ -1,7 +1,7 @@
 """The built-in end-to-end job: build a random M3 from a preset, save it as an HF checkpoint (official
 tensor names), load it back, run a forward pass with MSA, and print timings.
 
-    python -m m3jax.demo                      # configs/m3_tiny.json, 512 tokens, CPU-friendly
+    python -m m3jax.demo                      # m3jax/configs/m3_tiny.json, 512 tokens, CPU-friendly
     python -m m3jax.demo --config m3_tiny --seq-len 2048 --batch 2 --dtype bfloat16
 """
 

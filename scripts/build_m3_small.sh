@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild the built-in default model, m3-small, from scratch: train a byte-level BPE tokenizer and the
-# 17.8M-parameter M3 of configs/m3_small.json on this Python's own standard-library sources, then save
+# 17.8M-parameter M3 of m3jax/configs/m3_small.json on this Python's own standard-library sources, then save
 # it in the HF layout (MXFP8 like MiniMax-M3-MXFP8) with its tokenizer into m3jax/assets/m3-small.
 #
 #   bash scripts/build_m3_small.sh                 # one H200: ~8 min (the shipped model: BUDGET=380)
