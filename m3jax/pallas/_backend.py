@@ -5,12 +5,14 @@ Pallas through here: ``plgpu``/``pl`` aliases, the launch wrapper (``mosaic_kern
 GPU interpret mode off-GPU, and the target description. Porting to a new JAX release means editing
 this file first.
 
-Targets. ``Target.HOPPER`` (sm_90a: wgmma, TMA, 227 KiB SMEM per block) is what we test on (H200).
-``Target.BLACKWELL`` (sm_100: tcgen05 MMA with TMEM accumulators, 2-CTA clusters, TMA gather) is what
-the model is served on; kernels read their tile shapes and MMA choice from the target so the B200
-path is a configuration: ``mma="tcgen05"`` accumulates in TMEM (``plgpu.TMEM``) instead of
-registers, ``cluster=2`` pairs CTAs on one 256-row tile, ``tma_gather`` loads the 16 selected KV
-blocks in one indexed TMA instead of 16 copies.
+Targets. The kernels here are Hopper kernels (sm_90a: TMA, 232,448 B of SMEM per block, and wgmma
+with register accumulators in all but top-k), tested on the H200 and in interpret mode. What the
+kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline stages fit) and
+``num_sms`` (grid sizes); on an sm_100 GPU it returns ``BLACKWELL`` for those two numbers only. The
+other fields (``name``, ``mma``, ``cluster``, ``tma_gather``) are read by no code: they record what
+a Blackwell port changes (tcgen05 MMA into TMEM, 2-CTA clusters, TMA gather; each kernel's docstring
+says where), and wgmma itself is a Hopper-only instruction, so the MMA kernels do not run on sm_100
+as they are.
 """
 
 from __future__ import annotations
