@@ -1,4 +1,4 @@
-"""GPU correctness check of the MSA sparse-attention kernels against the jnp reference (MSA.md §4.3).
+"""GPU correctness check of the MSA sparse-attention kernels against the jnp reference (docs/MSA.md §4.3).
 
 Run on the device machine: ``PYTHONPATH=. python benchmarks/check_attention_gpu.py``. Prints one JSON line
 per case (max abs / rel errors of out and LSE, pass/fail, bitwise determinism of reruns).

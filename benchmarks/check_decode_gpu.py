@@ -7,10 +7,9 @@ M3's (N=64, K=4, H=128, Hi=4, Hx=128, page 128, top-k 16), Q=1 and Q=4, batch 2 
 ~128K lengths (not multiples of the page), one unused page-table column, shuffled page table, bf16
 and fp32. A few other block sizes / top-k follow at the end.
 
-Tolerances (MSA.md §4.3): index scores atol=rtol=2e-4; bf16 attention atol=rtol=3e-2; fp32
-attention 1e-4 (§4.3 has no fp32 row; the kernels run fp32 as three bf16 wgmmas, ~2^-16 relative
-per product). ``err`` = max |got - ref| / (atol + rtol |ref|) (<= 1 passes); ``maxabs`` the raw
-max abs difference.
+Tolerances (docs/MSA.md §4.3): index scores atol=rtol=2e-4; bf16 attention atol=rtol=3e-2; fp32
+attention 1e-4 (the kernels run fp32 as three bf16 wgmmas, ~2^-16 relative per product).
+``err`` = max |got - ref| / (atol + rtol |ref|) (<= 1 passes); ``maxabs`` the raw max abs difference.
 
 Run on the device: ``PYTHONPATH=. python benchmarks/check_decode_gpu.py``.
 """

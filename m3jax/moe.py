@@ -1,4 +1,4 @@
-"""MoE block of MiniMax-M3 (spec §1.5): sigmoid router with a selection-only correction bias,
+"""MoE block of MiniMax-M3 (docs/ARCHITECTURE.md §1.5): sigmoid router with a selection-only correction bias,
 top-k renormalised weights, SwiGLU-OAI experts, routed scaling, one shared expert.
 
 Two equal implementations: :func:`moe_sorted` (tokens sorted by expert + grouped matmul, the

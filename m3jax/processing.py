@@ -1,4 +1,4 @@
-"""Media preprocessing and prompt expansion for MiniMax-M3 (spec ARCHITECTURE.md §3.6, §3.7).
+"""Media preprocessing and prompt expansion for MiniMax-M3 (docs/ARCHITECTURE.md §3.6, §3.7).
 
 Images and video frames become the flat patch matrices the vision tower takes, laid out exactly as
 transformers' ``MiniMaxM3VLImageProcessor`` / ``MiniMaxM3VLVideoProcessor`` lay them out, and the
@@ -395,7 +395,8 @@ def preprocess_video(videos, *, min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: 
 
 def sample_frame_indices(total_frames: int, video_fps: float | None, *, fps: float = VIDEO_FPS,
                          min_frames: int = VIDEO_MIN_FRAMES, max_frames: int = VIDEO_MAX_FRAMES) -> np.ndarray:
-    """Source frame indices to keep (the rule is ours; the official sampler is not published, spec O4).
+    """Source frame indices to keep (the rule is ours; the official sampler is not published:
+    docs/ARCHITECTURE.md §8, O4).
 
     n = floor(duration * fps) with duration = total_frames / video_fps, clamped to
     [min_frames, max_frames], and never more than the video has (a clip shorter than min_frames keeps

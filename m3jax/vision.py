@@ -1,4 +1,4 @@
-"""Vision tower, projector and 2x2 patch merger of MiniMax-M3 (spec §3).
+"""Vision tower, projector and 2x2 patch merger of MiniMax-M3 (docs/ARCHITECTURE.md §3).
 
 ViT: Conv3d patch embed as a matmul on flat [N, C*Tp*P*P] patches, pre-LN, 32 CLIP pre-LN encoder
 layers with bidirectional attention inside each segment and 3-D axial RoPE, no post-LN.

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from m3jax.pallas import _backend
 from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
 
-TOL = dict(atol=2e-4, rtol=2e-4)  # MSA.md §4.3 (index scores)
+TOL = dict(atol=2e-4, rtol=2e-4)  # docs/MSA.md §4.3 (index scores)
 CFG = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2, fused_topk=True)
 CFG_UNFUSED = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2)
 

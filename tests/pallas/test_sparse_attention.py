@@ -1,7 +1,7 @@
 """MSA block-sparse prefill attention kernels vs the jnp reference, in GPU interpret mode on CPU.
 
 Interpret mode simulates every TMA, barrier and warpgroup op in Python (with the race detector on), so
-shapes are tiny: N=16 heads, K=2 KV heads (G=8), H=64, block 64. Tolerances: MSA.md §4.3 (bf16 out
+shapes are tiny: N=16 heads, K=2 KV heads (G=8), H=64, block 64. Tolerances: docs/MSA.md §4.3 (bf16 out
 3e-2, LSE 1e-3). fp32 inputs are rounded to bf16 before the tensor-core MMAs (bf16 kernels), so they
 are checked at the bf16 output tolerance, and their LSE against the reference on bf16-rounded q/k.
 """

@@ -1,4 +1,4 @@
-"""MSA index block scoring (MSA.md §1.2, §2.1): Mosaic GPU kernel + pure-jnp reference.
+"""MSA index block scoring (docs/MSA.md §1.2, docs/KERNELS.md §2.1): Mosaic GPU kernel + pure-jnp reference.
 
 ``index_block_scores(iq, ik, q_pos, *, block_size, implementation="pallas", config=None)`` returns
 fp32 ``[B, Hi, T, nb]`` with the semantics of ``m3jax.msa.block_scores``.

@@ -1,4 +1,4 @@
-"""On-device inversion {query -> selected KV blocks} => {KV block -> queries} (MSA.md §2.5).
+"""On-device inversion {query -> selected KV blocks} => {KV block -> queries} (docs/KERNELS.md §2.5).
 
 Everything here is jnp with static shapes (no host sync): capacities are bounds computed from the
 input shapes, and the number of live entries travels as device scalars.

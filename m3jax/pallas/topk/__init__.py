@@ -1,4 +1,5 @@
-"""MSA top-k block selection (MSA.md §1.3, §2.3): two Mosaic GPU kernels + pure-jnp reference.
+"""MSA top-k block selection (docs/MSA.md §1.3, docs/KERNELS.md §2.3): two Mosaic GPU kernels and a
+pure-jnp reference.
 
 ``select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0,
 implementation="pallas", config=None)`` -> int32 ``[B, Hi, T, topk]`` from fp32 scores
