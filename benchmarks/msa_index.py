@@ -1,7 +1,7 @@
 """Benchmark: MSA index block scoring + top-k at M3 shapes (Hi=4, Hx=128, block 128, top-16).
 
 Chunked prefill: the queries are the last ``chunk`` tokens of a ``ctx``-token context (prefix =
-ctx - chunk). FLOPs follow MSA.md §1.7: indexer = 2 * Hx * Hi * causal_elements, causal_elements =
+ctx - chunk). FLOPs follow docs/MSA.md §1.7: indexer = 2 * Hx * Hi * causal_elements, causal_elements =
 sum_t (q_pos_t + 1). Baseline: a bf16 ``jnp.dot`` with the same FLOP count (8192 x 8192 x K) in the
 same process (the tensor-core ceiling as XLA/cuBLAS reaches it), and the XLA reference
 (``m3jax.msa.block_scores`` / ``select_blocks``) where its [T, S] scores fit in memory.

@@ -1,6 +1,6 @@
 """Hugging Face checkpoint <-> m3jax parameter tree.
 
-Official tensor names (spec ARCHITECTURE.md §4), e.g.::
+Official tensor names (docs/ARCHITECTURE.md §4), e.g.::
 
     language_model.model.layers.{i}.self_attn.q_proj.weight                 [N*H, D]  -> text.layers[i].attn.wq [D, N, H]
     language_model.model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight  [Fe, D]   -> stacked into moe.gate [E, D, Fe]

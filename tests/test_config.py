@@ -48,7 +48,7 @@ def test_eval_shape_parameter_count(m3):
     assert abstract["text"]["layers"][3]["moe"]["gate"].dtype == jnp.bfloat16
 
 
-# Spec ARCHITECTURE.md §4.2–4.3: name pattern -> torch-layout shape.
+# docs/ARCHITECTURE.md §4.2–4.3: name pattern -> torch-layout shape.
 SPEC_SHAPES = [
     (r"language_model\.model\.embed_tokens\.weight", (200064, 6144)),
     (r"language_model\.lm_head\.weight", (200064, 6144)),
@@ -91,7 +91,7 @@ def test_every_tensor_name_has_the_spec_shape(m3):
         shape = (1280, 3, 2, 14, 14) if e.kind == "patch" else e.hf_shape()
         for n in e.names:
             names[n] = shape
-    assert len(names) == 23416  # spec §4.4 tensor census of the BF16 repo
+    assert len(names) == 23416  # docs/ARCHITECTURE.md §4.4 tensor census of the BF16 repo
     for name, shape in names.items():
         pattern = next((s for p, s in SPEC_SHAPES if re.fullmatch(p, name)), None)
         assert pattern is not None, f"{name} matches no spec pattern"

@@ -6,7 +6,7 @@ Cache layout (one page = one MSA block of ``block_size`` tokens):
 ``page_table[b, j]``), ``seq_lens`` int32 [B] counting the Q new tokens; query i of Q sits at
 position ``seq_lens[b] - Q + i``.
 
-1. :func:`decode_index_scores_kernel` (MSA.md §2.2, "AB-swapped"): one CTA per (request, context
+1. :func:`decode_index_scores_kernel` (docs/KERNELS.md §2.2, "AB-swapped"): one CTA per (request, context
    split). The ``block_size`` index keys of a page are the wgmma **M** side (A operand straight from
    the TMA-loaded SMEM page), the few ``Hi * Q`` query rows are the **N** side (padded to the wgmma
    granularity of 8, B operand = the query tile, loaded once, K-major). Each CTA owns a contiguous
@@ -16,15 +16,15 @@ position ``seq_lens[b] - Q + i``.
    Per page: the ``[block_size, N]`` fp32 accumulator is masked causally (key position <= query
    position), max-reduced over the key axis, and the ``[N]`` row goes to an SMEM score tile that is
    written back with one TMA store per CTA (rows of pages without tokens are set to -inf in XLA). Memory-bound: the index-key scan is the only large read.
-2. :func:`sparse_decode_attention_kernel` (MSA.md §2.6): one CTA per (request, KV head, split of the
+2. :func:`sparse_decode_attention_kernel` (docs/KERNELS.md §2.6): one CTA per (request, KV head, split of the
    selected pages). The group's ``G`` query heads times the ``Q`` tokens are packed as wgmma rows
    (padded to 64). The Q tokens' selections are merged into a **union** of distinct pages with a
    per-page token bitmask (built in XLA from the tiny ``block_idx`` tensor), so a page selected by
-   several draft tokens is read once (the verify-as-decode fix, MSA.md §2.6 item 2). Pages are loaded
+   several draft tokens is read once (the verify-as-decode fix, docs/KERNELS.md §2.6 item 2). Pages are loaded
    by TMA through the page table (``emit_pipeline``), online softmax in fp32 (exp2, log2 e folded in
    the scale), masked by token bitmask and ``key pos <= query pos`` (which implies ``< seq_len``).
    Each split writes a normalised fp32 partial output and its natural-log LSE; the LSE merge of
-   MSA.md §1.5 runs in XLA (tiny: ``splits x rows x H``). Rows without any visible key give 0.
+   docs/MSA.md §1.5 runs in XLA (tiny: ``splits x rows x H``). Rows without any visible key give 0.
    The pipeline length is static (``ceil(Q * topk / splits)`` union entries per split): with a
    dynamic step count ``emit_pipeline`` puts the (acc, m, l) register carries in a while loop, which
    Mosaic GPU (jax 0.11.2) cannot lower. Padding entries (the union is shorter than ``Q * topk`` when
@@ -41,15 +41,17 @@ What changes on Blackwell (``Target.BLACKWELL``): the wgmma calls become ``plgpu
 the accumulators in TMEM (index scoring: the [block_size, N] score tile lives in TMEM and the block
 max is a TMEM load-with-reduce on SM103); the attention's P operand is written to TMEM instead of
 registers; ``tma_gather`` lets one indexed TMA fetch all selected pages of a split instead of one
-copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. Tile sizes, stage counts
-and the MMA choice come from :class:`DecodeConfig` + ``Target``; the algorithm is unchanged.
+copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. That is a port's work list,
+not a switch: the code issues wgmma only, tile sizes and stage counts come from
+:class:`IndexScoreConfig` / :class:`SparseDecodeConfig`, and ``Target`` supplies only ``num_sms``
+(split counts) and ``smem_bytes`` (stages that fit). The algorithm is unchanged.
 
 Remaining work (not needed for correctness): skip the padding entries of the union for Q > 1
 (dynamic step count with the accumulators kept outside the loop carry, or compacting the union
 across splits); warp specialisation (a TMA warp + 2 compute warpgroups,
 as in ``attention_mgpu``) so that the MMA/softmax of one page overlaps the next page's wait; a
 second compute warpgroup for Q*G = 128 rows (Q = 8) to halve register pressure; fusing the top-k
-into the scoring kernel (per-split partial top-k, MSA.md §6 item 3) so the score row is not
+into the scoring kernel (per-split partial top-k, docs/KERNELS.md §6 item 3) so the score row is not
 re-read; FP8 index keys (halves the scan).
 """
 
@@ -510,7 +512,7 @@ def sparse_decode_attention_kernel(
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array):
-    """LSE merge over axis 2 of normalised partials (MSA.md §1.5); all -inf rows give 0 / -inf."""
+    """LSE merge over axis 2 of normalised partials (docs/MSA.md §1.5); all -inf rows give 0 / -inf."""
     m = jnp.max(lse_part, axis=2, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_part - m_safe)  # -inf -> 0

@@ -17,12 +17,12 @@ Design (Hopper, ``Target.HOPPER``):
   key block, double buffered) and stored by TMA into a *block-major* score array
   ``[B, nb_pad, T_pad*Hi]``; the public ``[B, Hi, T, nb]`` layout is one XLA transpose of that
   (``m3jax.pallas.topk`` consumes the block-major layout directly, without the transpose).
-* Output (fused top-k, MSA.md §2.8). Instead of writing scores, each row-max vector goes through
+* Output (fused top-k, docs/KERNELS.md §2.8). Instead of writing scores, each row-max vector goes through
   the register insertion top-k of ``m3jax.pallas.topk._select`` (forced own/local/sink blocks,
   descending score, ties to the lower id). Only ``[B, topk, T_pad*Hi]`` int32 ids are written.
 * fp32 inputs. The MMA is bf16 only; fp32 ``iq``/``ik`` are split as ``x = hi + lo`` (both bf16),
   kept as separate SMEM tiles (hi, lo), and three wgmmas per key block accumulate ``lo.hi + hi.lo +
-  hi.hi`` ("bf16x3", ~16 mantissa bits per product, within the 2e-4 tolerance of MSA.md §4.3) at
+  hi.hi`` ("bf16x3", ~16 mantissa bits per product, within the 2e-4 tolerance of docs/MSA.md §4.3) at
   3x the MMA work and 2x the SMEM per stage (fewer pipeline stages). bf16 inputs run one K = Hx
   wgmma per block.
 
@@ -331,7 +331,7 @@ def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init
                         interpret=None):
     """Scores + top-k: int32 [B, Hi, T, topk].
 
-    ``config.fused_topk=True``: one kernel, the [T, nb] score matrix is never written (MSA.md §2.8).
+    ``config.fused_topk=True``: one kernel, the [T, nb] score matrix is never written (docs/KERNELS.md §2.8).
     Default: the score kernel writes block-major scores that the top-k kernel reads directly
     (measured faster on H200: the fused insertion serialises with the wgmma and forces 64-row
     tiles for registers; numbers in benchmarks/msa_index.py).

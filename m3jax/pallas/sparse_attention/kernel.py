@@ -1,5 +1,5 @@
 """MSA block-sparse attention for prefill in Mosaic GPU: KV-block-major kernel + LSE combine, and the
-query-major baseline (MSA.md §2.4, §2.5; semantics of :func:`m3jax.msa.sparse_attention`).
+query-major baseline (docs/KERNELS.md §2.4, §2.5; semantics of :func:`m3jax.msa.sparse_attention`).
 
 KV-block-major (``kv_major_forward``)
     1. :mod:`.csr` inverts ``block_idx`` [B, K, T, topk] into, per KV head, rows (batch, KV block) of
@@ -17,9 +17,9 @@ KV-block-major (``kv_major_forward``)
        its own consumed Q slot, and its natural-log LSE (fp32) with two contiguous TMA stores into
        staging buffers indexed by the padded edge. At 101 KiB of SMEM per CTA two CTAs share an
        SM, so one's softmax overlaps the other's MMAs and copies.
-    3. The combine (MSA.md §1.5) merges, per (query, head), the <= topk partials of its valid slots:
+    3. The combine (docs/MSA.md §1.5) merges, per (query, head), the <= topk partials of its valid slots:
        ``O = Σ_j exp(LSE_j - M) O_j / Σ_j exp(LSE_j - M)``. It is an XLA-fused gather + reduce
-       (bandwidth-bound; the measured XLA gather+reduce runs at HBM rate, JAX_GPU.md §1.3).
+       (bandwidth-bound; the measured XLA gather+reduce runs at HBM rate, docs/KERNELS.md §1.3).
 
 Query-major (``query_major_forward``), the baseline
     One CTA per (query token, KV head): the G heads of the token are the MMA rows (padded to
@@ -31,7 +31,7 @@ Numerics: bf16 tensor-core MMAs with fp32 accumulation and fp32 softmax (exp2 wi
 the scale). fp32 inputs are rounded to bf16 before the MMAs (the kernels are bf16 kernels); the
 output has q's dtype.
 
-Hopper -> Blackwell (``Target``): on ``mma="tcgen05"`` the S and O accumulators live in TMEM
+Hopper -> Blackwell (a port's work list; no code reads ``Target.mma`` yet): tcgen05 keeps S and O in TMEM
 (``plgpu.TMEM`` + ``plgpu.tcgen05_mma``) instead of registers, so one CTA holds a 128-row tile
 (8 tokens x 16 heads, MSA's M) and two softmax warpgroups ping-pong on two Q tiles; ``cluster=2``
 pairs CTAs on a 256-row tile with the K/V block multicast to both; ``tma_gather`` replaces the
@@ -303,7 +303,7 @@ def _kv_major_smem_bytes(m, h, bs, tpi, meta_w, stages, itemsize, stage_p) -> in
 
 
 def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bool = False):
-    """LSE-combine of the partials (MSA.md §1.5), XLA gather + reduce. Returns [B, T, N, H] (and LSE)."""
+    """LSE-combine of the partials (docs/MSA.md §1.5), XLA gather + reduce. Returns [B, T, N, H] (and LSE)."""
     kh, rows, h = o_stage.shape
     g = n_heads // kh
     b, _, t, topk = epos.shape
