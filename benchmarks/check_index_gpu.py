@@ -14,7 +14,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from m3jax import msa
 from m3jax.pallas import index_scores, topk as topk_mod
@@ -56,7 +55,7 @@ def main():
         t0 = time.time()
         try:
             r = check(*args)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             r = dict(args=str(args), error=traceback.format_exc()[-3000:])
         r["s"] = time.time() - t0
         emit(r)

@@ -88,7 +88,7 @@ def bench(report, contexts=(32768, 131072, 1048576), chunk=8192):
                                                                            config=fused_cfg))
         ms_f = _time_ms(f_fused, iq, ik, q_pos)
         report(dict(op="msa_index_topk_fused", shape=shape + f" topk={TOPK}", impl="pallas fused", ms=ms_f,
-                    tflops=flops / ms_f / 1e9, baseline=f"unfused scores+topk",
+                    tflops=flops / ms_f / 1e9, baseline="unfused scores+topk",
                     ratio=None, notes="score matrix never written"))
 
         scores_bm, rowpos = jax.jit(

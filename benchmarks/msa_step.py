@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.config import preset
-from m3jax.model import _msa_pallas
+from m3jax.msa.kernels import prefill as _msa_pallas
 
 N, K, H, HX, BS, TOPK = 64, 4, 128, 128, 128, 16
 

@@ -1,6 +1,6 @@
 """MiniMax-M3 forward pass: pure functions over the parameter tree of :mod:`m3jax.params`.
 
-Reads top to bottom as the architecture (spec ARCHITECTURE.md §1):
+Reads top to bottom as the architecture (docs/ARCHITECTURE.md §1):
 
     h = embed[input_ids]  (vision tokens scattered over the image / video placeholder rows)
     for each layer: h += attn(rms_norm(h)); h += mlp_or_moe(rms_norm(h))
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
-from m3jax import msa
+from m3jax import sharding
 from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config, TextConfig
 from m3jax.layers import apply_rope, rms_norm, rope_angles
 from m3jax.moe import dense_mlp, moe_sorted
+from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.vision import Grid, encode_media
 
 
@@ -47,21 +49,6 @@ def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, spar
     return q, k, v, iq, ik
 
 
-def msa_select(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
-    """Block selection of one query chunk with the config's MSA knobs (block, top-k, forced blocks,
-    and the per-layer force-in / force-out interventions). Returns int32 [B, K, C, topk]."""
-    return msa.select_blocks(
-        msa.block_scores(iq, ik, q_pos, cfg.index_block_size),
-        q_pos,
-        block_size=cfg.index_block_size,
-        topk=cfg.index_topk_blocks,
-        local_blocks=cfg.index_local_blocks,
-        init_blocks=cfg.index_init_blocks,
-        force_in=tuple(b for l, b in cfg.msa_force_in if l == layer),
-        force_out=tuple(b for l, b in cfg.msa_force_out if l == layer),
-    )
-
-
 def attention(
     x: jax.Array,
     lp: dict,
@@ -83,28 +70,15 @@ def attention(
     t = cfg.text
     sparse = t.is_sparse_attention(layer)
     q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse)
-    bs = t.index_block_size
     if kv is not None:
         kv = kv.write(page_table, q_pos, k, v, ik)
-        if sparse and cfg.attention_impl == "pallas" and q.shape[1] == 1:
-            o, block_idx = _msa_decode_pallas(q, iq, kv, page_table, q_pos, t)
+        if sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
+            o, block_idx = msa_layer.decode(q, iq, kv, page_table, q_pos, cfg)
             return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
         k, v, ik_all = kv.gather(page_table)
         ik = ik_all if sparse else None
-
-    if sparse and cfg.attention_impl == "pallas":
-        from m3jax.sharding import msa_pallas_sharded  # heads split in shard_map under a mesh, else a plain call
-
-        o, block_idx = msa_pallas_sharded(_msa_pallas, q, k, v, iq, ik, q_pos, t)
-    elif sparse:
-        attend = msa.dense_mask_attention if cfg.attention_impl == "dense_mask" else msa.sparse_attention
-
-        def chunk_fn(qp, qc, iqc):
-            sel = msa_select(iqc, ik, qp, t, layer)
-            return attend(qc, k, v, sel, qp, bs), sel
-
-        (o, sel), merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
-        o, block_idx = merge(o, 1), merge(sel, 2)
+    if sparse:
+        o, block_idx = msa_layer.attention(q, k, v, iq, ik, q_pos, cfg, layer)
     else:
         o, block_idx = _dense_layer_attention(q, k, v, q_pos, cfg), None
     return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
@@ -181,53 +155,6 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, c, n, h).astype(q.dtype)
 
 
-def _msa_pallas(q, k, v, iq, ik, q_pos, cfg: TextConfig):
-    """MSA through the Mosaic GPU kernels (m3jax/pallas): index scores, top-k, KV-block-major attention.
-
-    The kernels take the whole query range at once (they tile it themselves); forced-in/out
-    interventions are a reference-path feature (refused by ``pallas_unsupported_reason``).
-    """
-    from m3jax.pallas.index_scores import index_select_blocks
-    from m3jax.pallas.sparse_attention import sparse_attention
-
-    bs = cfg.index_block_size
-    # Fused scores + top-k entry: the kernel's block-major scores go straight into the top-k kernel,
-    # never transposed to [B, Hi, T, nb] (1 GiB per 8K-token chunk at 1M context).
-    sel = index_select_blocks(iq, ik, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
-                              local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
-    return sparse_attention(q, k, v, sel, q_pos, block_size=bs, implementation="kv_major"), sel
-
-
-def _msa_decode_pallas(q, iq, kv: LayerCache, page_table, q_pos, cfg: TextConfig):
-    """One decode token per sequence through the paged decode kernels (m3jax/pallas/decode): the
-    index keys and the selected K/V pages are read in place, the cache is never gathered."""
-    from m3jax.pallas.decode import decode_index_scores, sparse_decode_attention
-    from m3jax.pallas.topk import select_blocks
-
-    bs = cfg.index_block_size
-    seq_lens = q_pos[:, -1] + 1
-    scores = decode_index_scores(iq, kv.ik, page_table, seq_lens, block_size=bs)
-    # msa_force_in / msa_force_out never reach here (pallas_unsupported_reason refuses them).
-    sel = select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
-                        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
-                        implementation="pallas")
-    return sparse_decode_attention(q, kv.k, kv.v, page_table, sel, seq_lens, block_size=bs), sel
-
-
-def pallas_unsupported_reason(cfg: TextConfig) -> str | None:
-    """Why the MSA kernels cannot run this config (None when they can)."""
-    g = cfg.num_attention_heads // cfg.num_key_value_heads
-    if g % 8:
-        return f"query heads per KV head = {g} must be a multiple of 8 (GQA rows packed into wgmma tiles)"
-    if cfg.head_dim % 64 or cfg.index_head_dim % 64:
-        return f"head_dim {cfg.head_dim} and index_head_dim {cfg.index_head_dim} must be multiples of 64"
-    if cfg.index_block_size % 64 or cfg.index_block_size > 256:
-        return f"index_block_size {cfg.index_block_size} must be 64, 128, 192 or 256"
-    if cfg.msa_force_in or cfg.msa_force_out:
-        return "msa_force_in / msa_force_out interventions run on the reference path only"
-    return None
-
-
 def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int, moe_impl: str = "auto") -> jax.Array:
     """Dense SwiGLU-OAI MLP or the MoE block. y: [B, T, D] (already normed)."""
     if cfg.is_moe(layer):
@@ -236,11 +163,26 @@ def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int, moe_impl: str
     return dense_mlp(y, lp["mlp"], cfg)
 
 
-def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None):
+def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None, attend=None,
+                  observe_mlp_input=None):
+    """One decoder layer: h + attn(norm(h)), then + mlp_or_moe(norm(.)). h: [B, T, D].
+
+    ``attend(x, lp, angles, q_pos, cfg, layer) -> (out [B, T, D], aux)`` replaces the attention block
+    (training adds the indexer loss, the probe its metrics); by default it is :func:`attention` and
+    aux the MSA block ids (None on dense layers). ``observe_mlp_input(y)`` sees the MLP's normed input
+    (the probe routes it); its result is returned as ``(aux, observed)``. Returns (h, aux, kv).
+    """
     t = cfg.text
-    a, block_idx, kv = attention(rms_norm(h, lp["input_norm"], t.rms_norm_eps), lp, angles, q_pos, cfg, i, kv, page_table)
+    x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
+    if attend is None:
+        a, aux, kv = attention(x, lp, angles, q_pos, cfg, i, kv, page_table)
+    else:
+        a, aux = attend(x, lp, angles, q_pos, cfg, i)
     h = h + a
-    return h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i, cfg.moe_impl), block_idx, kv
+    y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
+    if observe_mlp_input is not None:
+        aux = (aux, observe_mlp_input(y))
+    return h + mlp_block(y, lp, t, i, cfg.moe_impl), aux, kv
 
 
 def text_hidden(
@@ -250,28 +192,30 @@ def text_hidden(
     cfg: M3Config,
     cache: PagedCache | None = None,
     page_table: jax.Array | None = None,
+    attend=None,
 ) -> tuple[jax.Array, dict[int, jax.Array], PagedCache | None]:
     """Decoder stack up to the final norm. inputs_embeds: [B, T, D]; positions: int [B, T].
 
-    ``cache`` (with the ``page_table`` rows of these B sequences) is read and updated.
-    Returns (hidden [B, T, D], {layer: int32 [B, K, T, topk]} for MSA layers, cache).
+    ``cache`` (with the ``page_table`` rows of these B sequences) is read and updated; ``attend`` is
+    :func:`decoder_layer`'s hook. Returns (hidden [B, T, D], {layer: aux} for the layers whose aux is
+    not None — by default the MSA layers' block ids int32 [B, K, T, topk] —, cache).
     """
     t = cfg.text
     p = params["text"]
     angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
     h = inputs_embeds
-    selections = {}
+    per_layer = {}
     new_layers = []
     for i, lp in enumerate(p["layers"]):
         kv = None if cache is None else cache.layers[i]
         with jax.named_scope(f"layer_{i}"):
-            h, block_idx, kv = decoder_layer(h, lp, angles, positions, cfg, i, kv, page_table)
+            h, aux, kv = decoder_layer(h, lp, angles, positions, cfg, i, kv, page_table, attend)
         new_layers.append(kv)
-        if block_idx is not None:
-            selections[i] = block_idx
+        if aux is not None:
+            per_layer[i] = aux
     if cache is not None:
         cache = PagedCache(new_layers, cache.page_table)
-    return rms_norm(h, p["final_norm"], t.rms_norm_eps), selections, cache
+    return rms_norm(h, p["final_norm"], t.rms_norm_eps), per_layer, cache
 
 
 def lm_head(params: dict, h: jax.Array) -> jax.Array:
@@ -322,3 +266,18 @@ def multimodal_forward(
 
 
 forward_jit = jax.jit(multimodal_forward, static_argnames=("cfg", "image_grid", "video_grid"))
+
+
+def sharded_forward(params: dict, input_ids, cfg: M3Config, mesh, rules=sharding.RULES):
+    """Text forward (logits [B, T, V] fp32) as one ``jax.jit`` with in/out shardings from the rules."""
+    ids = jnp.asarray(input_ids, jnp.int32)
+    batch = NamedSharding(mesh, sharding.spec_for(("batch", "seq"), ids.shape, mesh, rules))
+    logits = NamedSharding(mesh, sharding.spec_for(("batch", "seq", "act_vocab"), ids.shape + (cfg.text.vocab_size,),
+                                                   mesh, rules))
+    fn = jax.jit(
+        lambda p, i: multimodal_forward(p, i, None, None, cfg, None, None),
+        in_shardings=(sharding.param_shardings(cfg, mesh, rules), batch),
+        out_shardings=(logits, None),
+    )
+    with jax.set_mesh(mesh):
+        return fn(params, jax.device_put(ids, batch))

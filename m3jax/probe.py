@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3jax import msa
 from m3jax.config import FULL_ATTENTION, M3Config
 from m3jax.layers import rms_norm, rope_angles
-from m3jax.model import lm_head, mlp_block, msa_select, project_qkv
+from m3jax.model import decoder_layer, lm_head, project_qkv
 from m3jax.moe import route
+from m3jax.msa import layer as msa_layer, reference as msa
 
 
 @dataclasses.dataclass
@@ -134,56 +134,61 @@ def _margin(scores, sel, q_pos, t) -> jax.Array:
     return jnp.where(ok, in_score - out_score, jnp.nan)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer", "keep_scores"))
-def _probe_layer(lp, h, positions, cfg: M3Config, layer: int, keep_scores: bool):
+def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_scores: bool):
+    """The attention block with the probe's metrics: (out [B, T, D], metrics dict)."""
     t = cfg.text
-    angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
-    x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
     sparse = t.is_sparse_attention(layer)
     q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse)
     bs = t.index_block_size
-    metrics = {}
-    if sparse:
-        b, _, n, hd = q.shape
-        kh = k.shape[2]
-
-        def chunk_fn(qp, qc, iqc):
-            scores = msa.block_scores(iqc, ik, qp, bs)
-            sel = msa_select(iqc, ik, qp, t, layer)
-            o_sparse = msa.sparse_attention(qc, k, v, sel, qp, bs)
-            o_dense = msa.dense_mask_attention(qc, k, v, None, qp, bs)
-            # Dense softmax mass inside the selected blocks, per query head.
-            qg = qc.reshape(b, -1, kh, n // kh, hd).astype(jnp.float32)
-            logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * hd**-0.5
-            s_len = k.shape[1]
-            logits = jnp.where((jnp.arange(s_len)[None, :] <= qp[:, :, None])[:, None, None], logits, -jnp.inf)
-            p = jax.nn.softmax(logits, axis=-1)
-            nbk = scores.shape[-1]
-            hit = jax.nn.one_hot(sel, nbk + 1, dtype=jnp.bool_)[..., :nbk].any(-2)  # [B, K, C, nb]
-            mask = jnp.repeat(hit, bs, axis=-1)[..., :s_len]
-            recall = jnp.sum(jnp.where(mask[:, :, None], p, 0.0), -1).reshape(b, n, -1)
-            diff = (o_sparse - o_dense).astype(jnp.float32)
-            err = jnp.sqrt(jnp.sum(diff**2, (2, 3)) / jnp.maximum(jnp.sum(o_dense.astype(jnp.float32) ** 2, (2, 3)), 1e-30))
-            out = (o_sparse, sel, recall, err, _margin(scores, sel, qp, t))
-            return out + ((scores,) if keep_scores else ())
-
-        outs, merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, positions, q, iq)
-        o = merge(outs[0], 1)
-        metrics = {"block_indices": merge(outs[1], 2), "recall": merge(outs[2], 2), "output_error": merge(outs[3], 1),
-                   "margin": merge(outs[4], 2)}
-        if keep_scores:
-            metrics["block_scores"] = merge(outs[5], 2)
-    else:
-        outs, merge = msa.map_query_chunks(
+    if not sparse:
+        o, merge = msa.map_query_chunks(
             lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, positions, q
         )
-        o = merge(outs, 1)
-    h = h + jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"])
-    y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
-    if t.is_moe(layer):
-        ids, _ = route(y.reshape(-1, y.shape[-1]), lp["moe"], t)
-        metrics["experts"] = ids.reshape(*y.shape[:2], -1)
-    return h + mlp_block(y, lp, t, layer, cfg.moe_impl), metrics
+        return jnp.einsum("btnh,nhd->btd", merge(o, 1), lp["attn"]["wo"]), {}
+    b, _, n, hd = q.shape
+    kh = k.shape[2]
+
+    def chunk_fn(qp, qc, iqc):
+        scores = msa_layer.scores(iqc, ik, qp, t)
+        sel = msa_layer.select_from_scores(scores, qp, t, layer)
+        o_sparse = msa.sparse_attention(qc, k, v, sel, qp, bs)
+        o_dense = msa.dense_mask_attention(qc, k, v, None, qp, bs)
+        # Dense softmax mass inside the selected blocks, per query head.
+        qg = qc.reshape(b, -1, kh, n // kh, hd).astype(jnp.float32)
+        logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * hd**-0.5
+        s_len = k.shape[1]
+        logits = jnp.where((jnp.arange(s_len)[None, :] <= qp[:, :, None])[:, None, None], logits, -jnp.inf)
+        p = jax.nn.softmax(logits, axis=-1)
+        nbk = scores.shape[-1]
+        hit = jax.nn.one_hot(sel, nbk + 1, dtype=jnp.bool_)[..., :nbk].any(-2)  # [B, K, C, nb]
+        mask = jnp.repeat(hit, bs, axis=-1)[..., :s_len]
+        recall = jnp.sum(jnp.where(mask[:, :, None], p, 0.0), -1).reshape(b, n, -1)
+        diff = (o_sparse - o_dense).astype(jnp.float32)
+        err = jnp.sqrt(jnp.sum(diff**2, (2, 3)) / jnp.maximum(jnp.sum(o_dense.astype(jnp.float32) ** 2, (2, 3)), 1e-30))
+        out = (o_sparse, sel, recall, err, _margin(scores, sel, qp, t))
+        return out + ((scores,) if keep_scores else ())
+
+    outs, merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, positions, q, iq)
+    metrics = {"block_indices": merge(outs[1], 2), "recall": merge(outs[2], 2), "output_error": merge(outs[3], 1),
+               "margin": merge(outs[4], 2)}
+    if keep_scores:
+        metrics["block_scores"] = merge(outs[5], 2)
+    return jnp.einsum("btnh,nhd->btd", merge(outs[0], 1), lp["attn"]["wo"]), metrics
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layer", "keep_scores"))
+def _probe_layer(lp, h, positions, cfg: M3Config, layer: int, keep_scores: bool):
+    """One decoder layer of the model (its own function) with the probe's attention hook."""
+    t = cfg.text
+    angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
+    attend = functools.partial(_probe_attention, keep_scores=keep_scores)
+    observe = (lambda y: route(y.reshape(-1, y.shape[-1]), lp["moe"], t)[0].reshape(*y.shape[:2], -1)) \
+        if t.is_moe(layer) else None
+    h, aux, _ = decoder_layer(h, lp, angles, positions, cfg, layer, attend=attend, observe_mlp_input=observe)
+    metrics, experts = aux if observe is not None else (aux, None)
+    if experts is not None:
+        metrics = {**metrics, "experts": experts}
+    return h, metrics
 
 
 def _shared_layer_step(cfg: M3Config, layer: int) -> tuple[M3Config, int]:

@@ -54,7 +54,11 @@ Modes:
 CLI (text from the Python standard library's own sources, byte-level BPE from ``tokenizers``)::
 
     python -m m3jax.train --config m3_tiny --steps 300 --seq-len 256 --batch 4 --out /tmp/run \
-        [--resume] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR]
+        [--resume | --overwrite] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR]
+
+``--out`` must be new or empty unless ``--resume`` (continue the run saved there) or ``--overwrite``
+(remove that run's files, :data:`RUN_FILES`, and start again; other files are left alone). Bad
+arguments end in one ``error:`` line and exit status 2 (``--debug`` for the traceback).
 """
 
 from __future__ import annotations
@@ -62,7 +66,10 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import json
+import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -75,10 +82,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from m3jax import msa
+from m3jax import cli
 from m3jax.config import M3Config, load_config, preset
-from m3jax.layers import rms_norm, rope_angles
-from m3jax.model import index_branch, lm_head, mlp_block, msa_select, project_qkv
+from m3jax.model import index_branch, lm_head, project_qkv, text_hidden
+from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.params import ParamSpec, param_specs
 
 MODES = ("dense_warmup", "sparse", "indexer_only")
@@ -211,19 +218,30 @@ def indexer_kl(q, k, scores, support, q_pos, block_size: int, index_head_dim: in
     return jnp.where(valid, kl, 0.0), valid
 
 
-def _msa_layer_train(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str):
-    """Attention of one MSA layer in training: returns (out [B, T, D], kl_sum, kl_rows)."""
+def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str):
+    """:func:`m3jax.model.decoder_layer`'s attention hook in training: (out [B, T, D], aux) with aux
+    (kl_sum, kl_rows) on MSA layers and None on dense ones.
+
+    Both kinds attend through the chunked jnp reference (differentiable; the dense layers use the
+    dense-mask form, whose key loop has a static length). The index branch sees a detached input,
+    so the KL trains only the index weights.
+    """
     t = cfg.text
     bs = t.index_block_size
+    sparse = t.is_sparse_attention(layer)
     q, k, v, _, _ = project_qkv(x, lp, angles, t, sparse=False)
-    # The index branch sees a detached input: the KL trains only the index weights.
+    if not sparse:
+        o, merge = msa.map_query_chunks(
+            lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, q_pos, q
+        )
+        return jnp.einsum("btnh,nhd->btd", merge(o, 1), lp["attn"]["wo"]), None
     iq, ik = index_branch(jax.lax.stop_gradient(x), lp["index"], angles, t)
 
     def chunk_fn(qp, qc, iqc):
-        scores = msa.block_scores(iqc, ik, qp, bs)  # [B, K, C, nb]
+        scores = msa_layer.scores(iqc, ik, qp, t)  # [B, K, C, nb]
         nb = scores.shape[-1]
         if mode == "sparse":
-            sel = msa_select(jax.lax.stop_gradient(iqc), jax.lax.stop_gradient(ik), qp, t, layer)
+            sel = msa_layer.select_from_scores(jax.lax.stop_gradient(scores), qp, t, layer)
             o = msa.sparse_attention(qc, k, v, sel, qp, bs)
             support = jax.nn.one_hot(sel, nb + 1, dtype=jnp.bool_)[..., :nb].any(-2)  # -1 -> no column
         else:
@@ -234,38 +252,18 @@ def _msa_layer_train(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
 
     (o, kl, valid), merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
     o, kl, valid = merge(o, 1), merge(kl, 2), merge(valid, 2)
-    out = jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"])
-    return out, jnp.sum(kl), jnp.sum(valid)
-
-
-def _dense_layer(x, lp, angles, q_pos, cfg: M3Config):
-    t = cfg.text
-    q, k, v, _, _ = project_qkv(x, lp, angles, t, sparse=False)
-    o, merge = msa.map_query_chunks(
-        lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, t.index_block_size), cfg.attention_chunk, q_pos, q
-    )
-    return jnp.einsum("btnh,nhd->btd", merge(o, 1), lp["attn"]["wo"])
+    return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), (jnp.sum(kl), jnp.sum(valid))
 
 
 def train_forward(params: dict, input_ids: jax.Array, cfg: M3Config, mode: str):
-    """Text decoder for training. Returns (final hidden [B, T, D], {layer: (kl_sum, kl_rows)})."""
-    t = cfg.text
-    p = params["text"]
+    """Text decoder for training (the model's layer loop with the training attention hook).
+    Returns (final hidden [B, T, D], {MSA layer: (kl_sum, kl_rows)})."""
     b, n = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
-    h = p["embed"][input_ids]
-    kls = {}
-    for i, lp in enumerate(p["layers"]):
-        x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
-        if t.is_sparse_attention(i):
-            a, kl_sum, kl_rows = _msa_layer_train(x, lp, angles, positions, cfg, i, mode)
-            kls[i] = (kl_sum, kl_rows)
-        else:
-            a = _dense_layer(x, lp, angles, positions, cfg)
-        h = h + a
-        h = h + mlp_block(rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps), lp, t, i, cfg.moe_impl)
-    return rms_norm(h, p["final_norm"], t.rms_norm_eps), kls
+    h = params["text"]["embed"][input_ids]
+    attend = functools.partial(_train_attention, mode=mode)
+    h, kls, _ = text_hidden(params, h, positions, cfg, attend=attend)
+    return h, kls
 
 
 def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: float = 1.0):
@@ -501,6 +499,33 @@ def plot_curves(csv_path: Path, png_path: Path) -> None:
 
 
 CSV_FIELDS = ("step", "mode", "loss", "lm", "kl", "grad_norm", "seconds", "eval_lm", "eval_kl", "recall")
+# Everything a run writes under --out (--overwrite removes exactly these).
+RUN_FILES = ("ckpt", "model", "tokenizer.json", "data.npz", "time_budget_steps.json", "train_log.csv",
+             "loss_curve.png", "summary.json")
+
+
+def prepare_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Create ``out``, refusing one that holds anything unless resuming or overwriting: a new run would
+    write over the files there (an earlier run's log, checkpoint and model, or someone else's)."""
+    if out.exists() and not out.is_dir():
+        raise cli.UsageError(f"--out {out} is a file, not a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not (resume or overwrite):
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+        raise cli.UsageError(
+            f"--out {out} is not empty ({shown}); pass --resume to continue the run saved there, --overwrite to "
+            "replace a run's files in it, or choose a new folder"
+        )
+    if overwrite:
+        # The cached data and tokenizer go too: a new run with other --data-mb must not read the old ones.
+        old = [name for name in RUN_FILES if (out / name).exists()]
+        if old:
+            print(f"note: --overwrite: removing the earlier run's {old} from {out}", file=sys.stderr)
+        for name in old:
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK):
+        raise cli.UsageError(f"--out {out} is not writable")
 
 
 def _load_cfg(args) -> M3Config:
@@ -578,41 +603,60 @@ def _write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m m3jax.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None,
-                    help="preset name (configs/) or a config.json / checkpoint dir (default: --init-from's config, else m3_tiny)")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--resume", action="store_true", help="continue from the latest orbax checkpoint in OUT/ckpt")
+                    help="preset name (m3jax/configs/; m3 = minimax_m3) or a config.json / checkpoint dir "
+                         "(default: --init-from's config, else m3_tiny)")
+    ap.add_argument("--steps", type=cli.positive_int, default=300)
+    ap.add_argument("--seq-len", type=cli.positive_int, default=256)
+    ap.add_argument("--batch", type=cli.positive_int, default=4)
+    ap.add_argument("--out", type=Path, required=True, help="run folder: new or empty, unless --resume or --overwrite")
+    again = ap.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue from the latest orbax checkpoint in OUT/ckpt (none yet: a note, then step 0)")
+    again.add_argument("--overwrite", action="store_true",
+                       help=f"remove an earlier run's files from OUT ({', '.join(RUN_FILES)}) and start again")
     ap.add_argument("--mode", choices=MODES, default="sparse")
-    ap.add_argument("--dense-warmup-steps", type=int, default=0, help="first N steps in dense_warmup (mode sparse)")
-    ap.add_argument("--block-size", type=int, default=0)
-    ap.add_argument("--topk", type=int, default=0)
+    ap.add_argument("--dense-warmup-steps", type=cli.nonnegative_int, default=0,
+                    help="first N steps in dense_warmup (mode sparse)")
+    ap.add_argument("--block-size", type=cli.nonnegative_int, default=0, help="MSA block size (0 = the config's)")
+    ap.add_argument("--topk", type=cli.nonnegative_int, default=0, help="MSA top-k blocks (0 = the config's)")
     ap.add_argument("--init-from", default=None, help="start from an HF checkpoint dir (e.g. for indexer_only)")
     ap.add_argument("--tokenizer-from", default=None, help="reuse DIR/tokenizer.json instead of training one")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--index-lr", type=float, default=None)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--kl-weight", type=float, default=1.0)
-    ap.add_argument("--ckpt-every", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-batches", type=int, default=4)
-    ap.add_argument("--data-mb", type=float, default=0.0, help="read only the first N MB of train sources (0 = all)")
-    ap.add_argument("--tokenizer-mb", type=float, default=8.0)
-    ap.add_argument("--attention-chunk", type=int, default=0, help="query rows per attention chunk (0 = seq-len)")
-    ap.add_argument("--data-parallel", type=int, default=0, help="N > 0: run on a (N, 1) mesh, batch split N ways")
+    ap.add_argument("--lr", type=cli.positive_float, default=2e-3)
+    ap.add_argument("--index-lr", type=cli.positive_float, default=None)
+    ap.add_argument("--warmup", type=cli.nonnegative_int, default=20)
+    ap.add_argument("--kl-weight", type=cli.nonnegative_float, default=1.0)
+    ap.add_argument("--ckpt-every", type=cli.positive_int, default=100)
+    ap.add_argument("--eval-every", type=cli.positive_int, default=50)
+    ap.add_argument("--eval-batches", type=cli.positive_int, default=4)
+    ap.add_argument("--data-mb", type=cli.nonnegative_float, default=0.0,
+                    help="read only the first N MB of train sources (0 = all)")
+    ap.add_argument("--tokenizer-mb", type=cli.positive_float, default=8.0)
+    ap.add_argument("--attention-chunk", type=cli.nonnegative_int, default=0,
+                    help="query rows per attention chunk (0 = seq-len)")
+    ap.add_argument("--data-parallel", type=cli.nonnegative_int, default=0,
+                    help="N > 0: run on a (N, 1) mesh, batch split N ways")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-budget", type=float, default=0.0,
+    ap.add_argument("--time-budget", type=cli.nonnegative_float, default=0.0,
                     help="seconds: time a few steps first, then set --steps to what fits (recorded in summary.json)")
-    ap.add_argument("--dense-warmup-frac", type=float, default=0.0,
+    ap.add_argument("--dense-warmup-frac", type=cli.fraction, default=0.0,
                     help="with --time-budget: the dense warm-up's share of the chosen steps")
     ap.add_argument("--save-format", choices=["float32", "bfloat16", "mxfp8"], default="float32",
                     help="dtype of the saved HF checkpoint (mxfp8: the released MXFP8 layout, 1 byte per linear weight)")
+    cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
+    if not args.time_budget and args.dense_warmup_steps > args.steps:
+        ap.error(f"--dense-warmup-steps {args.dense_warmup_steps} exceeds --steps {args.steps}")
+    if args.data_parallel and args.batch % args.data_parallel:
+        ap.error(f"--batch {args.batch} does not split over --data-parallel {args.data_parallel} devices")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # Everything that can refuse the run does so before --out is touched.
     cfg = _load_cfg(args)
+    out = args.out
+    prepare_out_dir(out, args.resume, args.overwrite)
+    mngr = checkpoint_manager(out / "ckpt")
+    resuming = args.resume and mngr.latest_step() is not None
+    if args.resume and not resuming:
+        print(f"note: --resume: no checkpoint in {out / 'ckpt'} yet; starting at step 0", file=sys.stderr, flush=True)
     tok, train_stream, held_stream = _prepare_data(args, cfg, out)
 
     mesh = None
@@ -632,8 +676,6 @@ def main(argv=None) -> int:
 
         params = shard_params(params, cfg, mesh)
 
-    mngr = checkpoint_manager(out / "ckpt")
-    resuming = args.resume and mngr.latest_step() is not None
     if args.time_budget:
         # The chosen counts set the LR schedule and the phase boundary: a resumed run must reuse them.
         chosen = out / "time_budget_steps.json"
@@ -728,4 +770,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

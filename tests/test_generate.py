@@ -65,8 +65,8 @@ def test_sampling_rules():
     for s in range(20):
         t = np.asarray(sample(logits, jax.random.key(s), SamplingParams(1.0, 1.0, 5)))
         assert all(t[i] in top5[i] for i in range(4))
-    # top-p so small that only the argmax survives
-    t = sample(logits, key, SamplingParams(1.0, 1e-6, 0))
+    # top-p so small that only the argmax survives (top-k = the whole vocabulary of 50)
+    t = sample(logits, key, SamplingParams(1.0, 1e-6, 50))
     np.testing.assert_array_equal(t, np.argmax(logits, -1))
 
 
@@ -155,7 +155,7 @@ def test_paged_msa_decode_through_kernels_equals_reference():
     here) through a non-trivial page table; it equals gathering the pages and the jnp reference."""
     from m3jax import msa
     from m3jax.cache import LayerCache
-    from m3jax.model import _msa_decode_pallas
+    from m3jax.msa.kernels import decode as _msa_decode_pallas
 
     cfg = m3jax.preset("m3_width").replace_text(
         num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_n_heads=2, index_head_dim=64,
@@ -172,3 +172,61 @@ def test_paged_msa_decode_through_kernels_equals_reference():
     want_sel = msa.select_blocks(msa.block_scores(iq, ik, pos, bs), pos, block_size=bs, topk=2)
     np.testing.assert_array_equal(sel, want_sel)
     assert rel_l2(o, msa.sparse_attention(q, k, v, want_sel, pos, bs)) <= 1e-4
+
+
+def test_sampling_params_refuse_out_of_range_values():
+    """Issue #19: a negative temperature sampled the least likely tokens; top_k <= 0 meant no cut."""
+    for bad, needle in (((-1.0, 0.95, 40), "temperature"), ((float("inf"), 0.95, 40), "temperature"),
+                        ((1.0, 1.5, 40), "top_p"), ((1.0, 0.0, 40), "top_p"), ((1.0, 0.95, 0), "top_k"),
+                        ((1.0, 0.95, -3), "top_k"), ((1.0, 0.95, 2.5), "top_k")):
+        with pytest.raises(ValueError, match=needle):
+            SamplingParams(*bad)
+
+
+def test_engine_refuses_non_positive_sizes():
+    cfg = tiny_config()
+    params = m3jax.init_random(cfg).params
+    for kw, name in ((dict(batch=0, capacity=16), "batch"), (dict(batch=1, capacity=0), "capacity"),
+                     (dict(batch=1, capacity=16, prefill_chunk=-4), "prefill_chunk")):
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+            Engine(params, cfg, **kw)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        Engine(params, cfg, batch=1, capacity=16, prefill_chunk=8).generate([[1, 2]], max_new_tokens=-1)
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("saved, flag, expected", [
+    ("bfloat16", [], "bfloat16"), ("float32", [], "float32"), ("bfloat16", ["--dtype", "float32"], "float32"),
+])
+def test_cli_dtype_defaults_to_the_checkpoints(tmp_path, monkeypatch, saved, flag, expected):
+    """Issue #18: --dtype auto (the default) loads in the checkpoint's own dtype; an explicit one wins."""
+    d = m3jax.save_pretrained(m3jax.init_random(tiny_config(vocab_size=300)), tmp_path / "ckpt", dtype=saved)
+    seen = {}
+
+    def load(path, dtype, **kw):
+        seen["dtype"] = dtype
+        raise _Loaded
+
+    monkeypatch.setattr(generate.m3jax, "load_pretrained", load)
+    with pytest.raises(_Loaded):
+        generate.main(["--checkpoint", str(d), "--prompt-ids", "1,2", "--ctx", "64", "--quiet", *flag])
+    assert seen["dtype"] == expected
+
+
+def test_cli_presets_keep_bfloat16_and_m3_is_an_alias(monkeypatch):
+    seen = {}
+
+    def init(cfg, seed, dtype):
+        seen["dtype"] = dtype
+        raise _Loaded
+
+    monkeypatch.setattr(generate.m3jax, "init_random", init)
+    with pytest.raises(_Loaded):
+        generate.main(["--config", "m3_tiny", "--prompt-ids", "1,2", "--ctx", "64", "--quiet"])
+    assert seen["dtype"] == "bfloat16"
+    # The released width does not fit this machine: refused by the memory plan, not as an unknown preset.
+    with pytest.raises(SystemExit, match="refusing to run"):
+        generate.main(["--config", "m3", "--ctx", "64", "--quiet"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings, strategies as st

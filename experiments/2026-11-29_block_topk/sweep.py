@@ -352,7 +352,7 @@ def run_speed(args) -> list[dict]:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from benchmarks import msa_step
-    from m3jax.model import pallas_unsupported_reason
+    from m3jax.msa.kernels import unsupported_reason as pallas_unsupported_reason
 
     base = m3jax.preset("minimax_m3").text
     if args.dry:  # smallest shapes the kernels take (GQA group 8, head dims 64), interpret mode off-GPU

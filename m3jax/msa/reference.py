@@ -1,6 +1,6 @@
-"""MSA — MiniMax Sparse Attention, pure-jnp reference.
+"""MSA — MiniMax Sparse Attention, pure-jnp reference (the maths every other layer shares).
 
-Per query token t and KV group g (spec MSA.md §1):
+Per query token t and KV group g (docs/MSA.md §1):
 
 1. index branch: ``iq = RoPE(norm(x Wiq))`` [Hi heads], ``ik = RoPE(norm(x Wik))`` [one shared head];
 2. block scores ``B[g, t, j] = max_{s in block j, s <= t} iq[t, g] . ik[s]`` (fp32, no scale);
@@ -58,7 +58,7 @@ def map_query_chunks(fn: Callable, chunk: int, q_pos: jax.Array, *per_query: jax
 
 def _softmax_or_zero(logits: jax.Array) -> jax.Array:
     """Softmax over the last axis; a row with no visible key (e.g. a padded row at position < 0)
-    gets all-zero weights, hence a zero output (MSA.md §1.5), instead of NaN."""
+    gets all-zero weights, hence a zero output (docs/MSA.md §1.5), instead of NaN."""
     p = jax.nn.softmax(logits, axis=-1)
     return jnp.where(jnp.isfinite(logits).any(-1, keepdims=True), p, 0.0)
 
@@ -80,6 +80,66 @@ def block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, block_size: int
     s = jnp.where(future, NEG_INF, s)
     s = jnp.pad(s, [(0, 0), (0, 0), (0, 0), (0, nb * block_size - s_len)], constant_values=NEG_INF)
     return s.reshape(*s.shape[:3], nb, block_size).max(axis=-1)
+
+
+# Forced blocks outrank every score: real scores are dot products of RMS-normed vectors, far below 1e38.
+FORCED_BASE = 1e38
+FORCED_STEP = 1e36
+
+
+def forced_priority(dist, j, *, local_blocks: int, init_blocks: int, force_in: tuple[int, ...] = ()):
+    """Priority of block ``j`` at distance ``dist = own_block - j`` from the query's own block.
+
+    > 0 for forced blocks, ordered own (``1 + local_blocks``) > own-1 > ... > ``init_blocks`` sinks
+    (0.5) > ``force_in`` blocks (0.25); 0 for blocks that compete on their score. Blocks after the own
+    block (``dist < 0``) are never forced. Broadcasts over any shapes, and is written with
+    element-wise ops only so the top-k kernels run the same function on their register vectors.
+    """
+    past = dist >= 0
+    local = past & (dist < local_blocks)
+    prio = jnp.where(local, (1.0 + local_blocks) - dist.astype(jnp.float32), 0.0)
+    if init_blocks:
+        prio = jnp.where(local, prio, jnp.where(past & (j < init_blocks), 0.5, 0.0))
+    for b in force_in:
+        prio = jnp.where((prio == 0) & past & (j == b), 0.25, prio)
+    return prio
+
+
+def rank_scores(scores, prio):
+    """The value top-k ranks: forced blocks (``prio > 0``) get huge finite values in priority order,
+    the rest their score; -0.0 becomes +0.0 so that equal scores tie (and go to the lower id)."""
+    ranked = jnp.where(prio > 0, FORCED_BASE + prio * FORCED_STEP, scores)
+    return jnp.where(ranked == 0, 0.0, ranked)
+
+
+def lse_merge(o_parts, lse_parts, *, axis: int | None = None, axis_name: str | None = None):
+    """Merge softmax-normalised partial attention outputs by their log-sum-exps.
+
+    The parts lie along array axis ``axis`` of ``lse_parts`` [..., P, ...] and ``o_parts``
+    [..., P, ..., H] (same leading shape plus the head dim), or, with ``axis_name``, one part per
+    device of that ``shard_map`` axis (reduced by pmax / psum). A part with no key has LSE -inf.
+    Returns fp32 (o [..., H], lse) without the P axis; a row whose parts are all empty gives o = 0
+    and lse = -inf.
+    """
+    if axis_name is not None:
+        vmax, vsum = (lambda x: jax.lax.pmax(x, axis_name)), (lambda x: jax.lax.psum(x, axis_name))
+    else:
+        vmax = lambda x: jnp.max(x, axis=axis, keepdims=True)  # noqa: E731
+        vsum = lambda x: jnp.sum(x, axis=axis, keepdims=True)  # noqa: E731
+    m = vmax(lse_parts)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse_parts - m_safe)  # an empty part weighs 0
+    z = vsum(w)
+    o_parts = jnp.where((w > 0)[..., None], o_parts.astype(jnp.float32), 0.0)  # empty parts may be unwritten
+    if axis_name is not None:
+        num = vsum(w[..., None] * o_parts)
+    else:
+        num = jnp.sum(w[..., None] * o_parts, axis=axis if axis >= 0 else axis - 1, keepdims=True)
+    o = num / jnp.where(z > 0, z, 1.0)[..., None]
+    lse = jnp.where(z > 0, m_safe + jnp.log(jnp.where(z > 0, z, 1.0)), NEG_INF)
+    if axis_name is None:
+        o, lse = jnp.squeeze(o, axis if axis >= 0 else axis - 1), jnp.squeeze(lse, axis)
+    return o, lse
 
 
 def select_blocks(
@@ -108,18 +168,10 @@ def select_blocks(
     nb = scores.shape[-1]
     own = (q_pos // block_size)[:, None, :, None]
     j = jnp.arange(nb)[None, None, None, :]
-    # Forced blocks get huge finite scores ordered own > own-1 > ... > init sinks, so top_k puts them
-    # first in a fixed order; real scores are dot products of normalised vectors, far below 1e38.
-    local = (j <= own) & (j > own - local_blocks)
-    priority = jnp.where(local, 1.0 + local_blocks - (own - j), jnp.where((j < init_blocks) & (j <= own), 0.5, 0.0))
-    if force_in:
-        chosen = jnp.isin(j, jnp.asarray(force_in)) & (j <= own)
-        priority = jnp.where((priority == 0) & chosen, 0.25, priority)
+    prio = forced_priority(own - j, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in)
     if force_out:
         scores = jnp.where(jnp.isin(j, jnp.asarray(force_out)) & (j != own), NEG_INF, scores)
-    ranked = jnp.where(priority > 0, 1e38 + priority * 1e36, scores)
-    # top_k orders floats totally (-0.0 < +0.0); equal scores must tie and go to the lower id.
-    ranked = jnp.where(ranked == 0, 0.0, ranked)
+    ranked = rank_scores(scores, prio)
     k = min(topk, nb)
     vals, idx = jax.lax.top_k(ranked, k)
     idx = jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)
@@ -129,15 +181,17 @@ def select_blocks(
 
 
 def sparse_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Array, q_pos: jax.Array, block_size: int
-) -> jax.Array:
+    q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Array, q_pos: jax.Array, block_size: int,
+    return_lse: bool = False,
+):
     """Attention of each query over the tokens of its group's selected blocks (gathered, no mask over S).
 
     Args:
       q: [B, C, N, H]; k, v: [B, S, K, H] (key s at position s); block_idx: int32 [B, K, C, topk]
       (-1 = empty slot); q_pos: [B, C].
     Returns:
-      [B, C, N, H] in q.dtype; softmax in fp32, scale 1/sqrt(H).
+      [B, C, N, H] in q.dtype; softmax in fp32, scale 1/sqrt(H). With ``return_lse`` also the
+      natural-log LSE fp32 [B, C, N] of the scaled logits over the visible selected keys (-inf when none).
     """
     b, c, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
@@ -159,10 +213,14 @@ def sparse_attention(
     logits = logits * (h**-0.5)
     kpos = block_idx[..., None] * block_size + jnp.arange(block_size)  # [B, K, C, topk, bs]
     ok = (block_idx[..., None] >= 0) & (kpos <= q_pos[:, None, :, None, None])
-    logits = jnp.where(ok[:, :, None], logits, NEG_INF)
-    p = _softmax_or_zero(logits.reshape(*logits.shape[:4], -1)).reshape(logits.shape)
+    logits = jnp.where(ok[:, :, None], logits, NEG_INF).reshape(*logits.shape[:4], -1)  # [B, K, G, C, topk*bs]
+    p = _softmax_or_zero(logits).reshape(b, kh, g, c, -1, block_size)
     out = jnp.einsum("bkgcts,bkctsh->bckgh", p, vg.astype(jnp.float32), precision=HIGHEST)
-    return out.reshape(b, c, n, h).astype(q.dtype)
+    out = out.reshape(b, c, n, h).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, K, G, C]
+    return out, jnp.moveaxis(lse, 3, 1).reshape(b, c, n)
 
 
 def dense_mask_attention(

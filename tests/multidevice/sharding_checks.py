@@ -25,6 +25,8 @@ import numpy as np  # noqa: E402
 import m3jax  # noqa: E402
 from m3jax import msa  # noqa: E402
 from m3jax import sharding as sh  # noqa: E402
+from m3jax.model import sharded_forward  # noqa: E402
+from m3jax.msa import parallel  # noqa: E402
 from m3jax.engine import Engine, SamplingParams  # noqa: E402
 from tests.conftest import rel_l2, tiny_config  # noqa: E402
 
@@ -66,7 +68,7 @@ def check_forward(name, sizes, jit_shardings=True):
         got = m3jax.forward(sharded, ids).logits
         out[f"n{n}_api"] = rel_l2(got, ref)
         if jit_shardings:  # the same through one jax.jit with in/out shardings from the rules
-            got2, _ = sh.sharded_forward(sharded.params, ids, cfg, mesh)
+            got2, _ = sharded_forward(sharded.params, ids, cfg, mesh)
             out[f"n{n}_jit_shardings"] = rel_l2(got2, ref)
         out[f"n{n}_replicated_axes"] = sh.validate_rules(cfg, mesh)
     ok = all(v <= TOL for k, v in out.items() if not k.endswith("_axes"))
@@ -142,14 +144,14 @@ def check_context_parallel(n=8):
     ref_sel = msa.select_blocks(msa.block_scores(iq, ik, q_pos, bs), q_pos, block_size=bs, topk=topk)
     ref = msa.sparse_attention(q, k, v, ref_sel, q_pos, bs)
     mesh = sh.make_mesh(n)
-    split = lambda x: sh.split_context(x, n, bs)  # noqa: E731
-    out, sel = sh.context_parallel_msa(q, iq, split(k), split(v), split(ik), q_pos, mesh, block_size=bs, topk=topk)
+    split = lambda x: parallel.split_context(x, n, bs)  # noqa: E731
+    out, sel = parallel.context_parallel_msa(q, iq, split(k), split(v), split(ik), q_pos, mesh, block_size=bs, topk=topk)
     err = rel_l2(out, ref)
     same = bool(np.array_equal(np.asarray(sel), np.asarray(ref_sel)))
     # head-parallel wrapper around an unmodified attention kernel (the jnp reference here)
     kern = lambda q_, k_, v_, b_, p_: msa.sparse_attention(q_, k_, v_, b_, p_, bs)  # noqa: E731
-    hp = sh.head_parallel(kern, sh.make_mesh(2))(q, k, v, ref_sel, q_pos)  # 4 q / 2 KV heads over 2
-    hp4 = sh.head_parallel(kern, sh.make_mesh(4))(q, k, v, ref_sel, q_pos)  # KV replicated, 1 q head each
+    hp = parallel.head_parallel(kern, sh.make_mesh(2))(q, k, v, ref_sel, q_pos)  # 4 q / 2 KV heads over 2
+    hp4 = parallel.head_parallel(kern, sh.make_mesh(4))(q, k, v, ref_sel, q_pos)  # KV replicated, 1 q head each
     errs = {"cp_rel_l2": err, "cp_selection_equal": same, "head_parallel_2": rel_l2(hp, ref),
             "head_parallel_4": rel_l2(hp4, ref)}
     return err <= TOL and same and errs["head_parallel_2"] <= TOL and errs["head_parallel_4"] <= TOL, errs
@@ -192,12 +194,12 @@ def _pallas_config(**kw):
 
 def check_pallas_mesh(sizes=(1, 2, 4)):
     """attention_impl="pallas" under meshes of 1, 2, 4 devices (interpret mode): the MSA kernels in
-    shard_map with heads split (sh.msa_pallas_sharded) equal the single-device kernels."""
+    shard_map with heads split (parallel.msa_pallas_sharded) equal the single-device kernels."""
     import warnings
 
     import jax.numpy as jnp
 
-    from m3jax.model import _msa_pallas
+    from m3jax.msa.kernels import prefill as _msa_pallas
 
     out, ok = {}, True
     t_len = 130  # 3 blocks of 64 > top-2: the selection matters
@@ -215,10 +217,10 @@ def check_pallas_mesh(sizes=(1, 2, 4)):
                 mesh, t0 = sh.make_mesh(n), time.perf_counter()
                 with warnings.catch_warnings(record=True) as w:
                     warnings.simplefilter("always")
-                    fn = jax.jit(lambda *a, mesh=mesh, t=t: sh.msa_pallas_sharded(_msa_pallas, *a, t, mesh=mesh))
+                    fn = jax.jit(lambda *a, mesh=mesh, t=t: parallel.msa_pallas_sharded(_msa_pallas, *a, t, mesh=mesh))
                     o, s = fn(*x, qp)
                 r = {"rel_l2": rel_l2(o, o0), "selection_equal": bool(np.array_equal(s, s0)),
-                     "split_reason": sh.msa_pallas_split_reason(t, n),
+                     "split_reason": parallel.msa_pallas_split_reason(t, n),
                      "warned": any("replicated" in str(m.message) for m in w),
                      "seconds": round(time.perf_counter() - t0, 1)}
                 out[f"kernels_{name}_n{n}"] = r
@@ -231,7 +233,7 @@ def check_pallas_mesh(sizes=(1, 2, 4)):
         pcfg = cfg.replace(attention_impl="pallas")
         single = m3jax.forward(m3jax.init_random(pcfg, seed=4), ids, return_block_indices=True)
         out["single_vs_reference"] = rel_l2(single.logits, ref.logits)
-        out["model_n8_split_reason"] = sh.msa_pallas_split_reason(cfg, 8)
+        out["model_n8_split_reason"] = parallel.msa_pallas_split_reason(cfg, 8)
         for n in sizes:
             t0 = time.perf_counter()
             got = m3jax.forward(m3jax.init_random(pcfg, seed=4, mesh=sh.make_mesh(n)), ids, return_block_indices=True)
@@ -255,7 +257,8 @@ def check_pallas_cuda_lowering():
     from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
     from m3jax.config import preset
-    from m3jax.model import _msa_pallas, multimodal_forward
+    from m3jax.model import multimodal_forward
+    from m3jax.msa.kernels import prefill as _msa_pallas
     from m3jax.params import ParamSpec, param_specs
     from m3jax.pallas import _backend
     from m3jax.pallas.sparse_attention import kernel as sa_kernel
@@ -283,7 +286,7 @@ def check_pallas_cuda_lowering():
         for n in (1, 2, 4, 8):
             amesh = AbstractMesh((1, n), sh.MESH_AXES, axis_types=(AxisType.Auto,) * 2)
             with jax.sharding.use_abstract_mesh(amesh):
-                txt = jax.jit(lambda *a: sh.msa_pallas_sharded(_msa_pallas, *a, t)).trace(*args).lower(
+                txt = jax.jit(lambda *a: parallel.msa_pallas_sharded(_msa_pallas, *a, t)).trace(*args).lower(
                     lowering_platforms=("cuda",)).as_text()
             out[f"n{n}"] = {"mosaic_gpu_calls": txt.count("@mosaic_gpu_v2"),
                             "shard_map": "sdy.manual_computation" in txt,

@@ -65,6 +65,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from m3jax.msa.reference import lse_merge
+from m3jax.pallas._common import bf16_split_in_kernel, split_parts, swizzle_transforms
 from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
 
 LOG2E = math.log2(math.e)
@@ -108,34 +110,6 @@ class SparseDecodeConfig:
         if self.num_splits is not None:
             return max(1, min(self.num_splits, union_len))
         return max(1, min(union_len, -(-target.num_sms // (batch * kv_heads))))
-
-
-def _smem_transforms(dtype) -> tuple:
-    swizzle = 128
-    elems = swizzle // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def split_parts(x: jax.Array) -> tuple[jax.Array, ...]:
-    """16-bit arrays pass through; fp32 becomes bf16 (hi, lo) with hi + lo ~= x to 2^-16 (XLA side).
-
-    hi is rounded to nearest-even on the bits: with XLA's default ``xla_allow_excess_precision`` the
-    GPU compiler may drop an f32 -> bf16 -> f32 round trip, which would make ``x - f32(bf16(x))``
-    zero (seen on the H200 by the index-scores kernel: the fp32 path had bf16-level error).
-    """
-    if x.dtype in (jnp.bfloat16, jnp.float16):
-        return (x,)
-    x = x.astype(jnp.float32)
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
-    hi = lax.bitcast_convert_type(rounded, jnp.float32)
-    return (hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16))
-
-
-def _split_in_kernel(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """In-kernel fp32 -> bf16 (hi, lo) (Mosaic GPU lowers the casts as-is; XLA does not see them)."""
-    hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def _products(n_parts: int) -> tuple[tuple[int, int], ...]:
@@ -199,7 +173,7 @@ def decode_index_scores_kernel(
     n_parts = len(q_parts)
     prods = _products(n_parts)
     dtype = q_parts[0].dtype
-    transforms = _smem_transforms(dtype)
+    transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     # page buffers that fit next to the query tile and the score tile (fp32 = 2 bf16 parts per page)
     fixed = n_parts * n_pad * hx * 2 + chunk * n_pad * 4 + 4096
     stages = max(1, min(config.stages, chunk, (target.smem_bytes - fixed) // (n_parts * bs * hx * 2)))
@@ -371,7 +345,7 @@ def sparse_decode_attention_kernel(
     n_parts = len(q_parts)
     prods = _products(n_parts)
     dtype = q_parts[0].dtype
-    transforms = _smem_transforms(dtype)
+    transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     itemsize = jnp.dtype(dtype).itemsize
 
     def fitting_stages(tile):  # K/V tile pairs that fit next to the Q, P and output tiles
@@ -440,7 +414,7 @@ def sparse_decode_attention_kernel(
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
-            p_parts = _split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
+            p_parts = bf16_split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
             for a in range(n_parts):
                 p_smem[a] = p_parts[a]
             plgpu.commit_smem()
@@ -512,11 +486,5 @@ def sparse_decode_attention_kernel(
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array):
-    """LSE merge over axis 2 of normalised partials (docs/MSA.md §1.5); all -inf rows give 0 / -inf."""
-    m = jnp.max(lse_part, axis=2, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse_part - m_safe)  # -inf -> 0
-    z = jnp.sum(w, axis=2)
-    o = jnp.sum(w[..., None] * o_part, axis=2) / jnp.where(z > 0, z, 1.0)[..., None]
-    lse = jnp.where(z > 0, m_safe[:, :, 0] + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)
-    return o, lse
+    """LSE merge over axis 2 (the key-range splits) of normalised partials; all -inf rows give 0 / -inf."""
+    return lse_merge(o_part, lse_part, axis=2)

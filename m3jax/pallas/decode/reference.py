@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from m3jax import msa
+from m3jax.msa import reference as msa
 
 
 def query_positions(seq_lens: jax.Array, q: int) -> jax.Array:

@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import bf16_split, swizzle_transforms
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
@@ -127,11 +128,6 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
                      axis=1).astype(jnp.int32)
 
 
-def _swizzle_transforms(minor: int):
-    swizzle = plgpu.find_swizzle(minor * 16)  # bf16 rows of `minor` elements, in bits
-    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-
-
 def _pipeline_steps(k: int, config: GroupedMatmulConfig) -> int:
     stage = (config.block_m + config.block_n) * config.block_k * 2
     fit = (current_target().smem_bytes - 4096) // stage
@@ -195,17 +191,17 @@ def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, tra
                     plgpu.wgmma_wait(delay)
 
                 if transpose_rhs:
-                    rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=_swizzle_transforms(bk),
+                    rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=swizzle_transforms(bk),
                                                delay_release=delay)
                 else:
-                    rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=_swizzle_transforms(bn),
+                    rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=swizzle_transforms(bn),
                                                delay_release=delay)
 
                 plgpu.emit_pipeline(
                     step,
                     grid=(k // bk,),
                     in_specs=[
-                        plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=_swizzle_transforms(bk),
+                        plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=swizzle_transforms(bk),
                                         delay_release=delay),
                         rhs_spec,
                     ],
@@ -229,22 +225,13 @@ def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, tra
     return kern(sched, lhs, rhs)
 
 
-def _split_bf16(x):
-    """x = hi + lo, both bf16 (hi rounded to nearest even on the bits, so an XLA excess-precision
-    rewrite cannot turn x - f32(bf16(x)) into zero; see index_scores.kernel._split_bf16)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
-    hi = jax.lax.bitcast_convert_type(rounded, jnp.float32)
-    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
-
-
 def _forward(lhs, rhs, group_sizes, out_dtype, config, interpret, transpose_rhs=False):
     m = lhs.shape[0]
     bm = config.block_m
     if lhs.dtype == jnp.float32 or rhs.dtype == jnp.float32:
         # bf16x3 along K: [hi, lo, hi] . [hi; hi; lo] = hi.hi + lo.hi + hi.lo
-        lh, ll = _split_bf16(lhs.astype(jnp.float32))
-        rh, rl = _split_bf16(rhs.astype(jnp.float32))
+        lh, ll = bf16_split(lhs.astype(jnp.float32))
+        rh, rl = bf16_split(rhs.astype(jnp.float32))
         lhs = jnp.concatenate([lh, ll, lh], axis=1)
         rhs = jnp.concatenate([rh, rh, rl], axis=2 if transpose_rhs else 1)
     else:

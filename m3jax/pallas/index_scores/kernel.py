@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import bf16_split, swizzle_transforms
 from m3jax.pallas.topk import _select
 
 NEG_INF = float("-inf")
@@ -81,11 +82,6 @@ def _row_layout():
     return plgpu.Layout.WGMMA.reduce(1)
 
 
-def _swizzle_transforms(kx: int):
-    swizzle = plgpu.find_swizzle(kx * 16)  # bf16 rows of kx elements, in bits
-    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-
-
 def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, config, fused, topk, local_blocks,
                  init_blocks, interpret=None):
     """q_parts: 1 or 2 (hi, lo) bf16 [B, Rp, Hx]; k_parts likewise [B, Sp, Hx]; rowpos [B, Rp] i32;
@@ -98,7 +94,7 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
     bs = block_size
     n_tiles = r_pad // rows
     nb_pad = -(-nb // group) * group
-    transforms = _swizzle_transforms(hx)
+    transforms = swizzle_transforms(hx)
     steps = _pipeline_steps(rows, kx, bs, fused, topk, config)
     full_key_blocks = s_len // bs  # blocks wholly inside [0, S)
 
@@ -244,19 +240,6 @@ def _pipeline_steps(rows, kx, bs, fused, topk, config):
     return steps if steps >= 2 else 0
 
 
-def _split_bf16(x):
-    """x = hi + lo with hi = bf16(x) (round to nearest even) and lo = bf16(x - hi).
-
-    The rounding is done on the bits: with XLA's default ``xla_allow_excess_precision`` the GPU
-    compiler may drop an f32 -> bf16 -> f32 round trip, which made ``x - f32(bf16(x))`` zero on the
-    H200 (measured: the fp32 path then had bf16-level error).
-    """
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
-    hi = jax.lax.bitcast_convert_type(rounded, jnp.float32)
-    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
-
-
 def _prepare(iq, ik, q_pos, block_size, rows):
     b, t, hi, hx = iq.shape
     s_len = ik.shape[1]
@@ -267,8 +250,8 @@ def _prepare(iq, ik, q_pos, block_size, rows):
     t_pad = -(-t // tq) * tq
     if iq.dtype == jnp.float32 or ik.dtype == jnp.float32:
         # bf16x3: hi.hi + hi.lo + lo.hi along K.
-        qh, ql = _split_bf16(iq.astype(jnp.float32))
-        kh, kl = _split_bf16(ik.astype(jnp.float32))
+        qh, ql = bf16_split(iq.astype(jnp.float32))
+        kh, kl = bf16_split(ik.astype(jnp.float32))
         qs, ks = (qh, ql), (kh, kl)
     else:
         qs, ks = (iq.astype(jnp.bfloat16),), (ik.astype(jnp.bfloat16),)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from m3jax import msa
+from m3jax.msa import reference as msa
 
 
 def index_block_scores(iq, ik, q_pos, *, block_size: int, config=None) -> jax.Array:

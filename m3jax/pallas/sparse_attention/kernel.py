@@ -63,7 +63,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from m3jax.msa.reference import lse_merge
 from m3jax.pallas._backend import current_target, mosaic_kernel, on_gpu, pl, plgpu
+from m3jax.pallas._common import swizzle_transforms
 
 from . import csr
 
@@ -128,7 +130,7 @@ def _check(q, k, block_size, cfg):
 
 
 def _smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    return plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(shape[-1], jnp.dtype(dtype).itemsize))
 
 
 def _pad_kv(x, block_size):
@@ -312,18 +314,11 @@ def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bo
     hi = jnp.arange(kh)[None, :, None, None]
     safe = jnp.maximum(epos, 0)
     lse = jnp.where((epos >= 0)[..., None], l3[hi, safe], -jnp.inf)  # [B, K, T, topk, G]
-    mx = lse.max(axis=3, keepdims=True)
-    mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    wgt = jnp.exp(lse - mx_safe)  # 0 on empty slots
-    den = wgt.sum(axis=3)  # [B, K, T, G]
-    part = o4[hi, safe].astype(jnp.float32)  # [B, K, T, topk, G, H]
-    part = jnp.where((wgt > 0)[..., None], part, 0.0)  # staging rows of empty slots are never written
-    num = (wgt[..., None] * part).sum(axis=3)  # multiply + reduce (not a dot) so XLA fuses the gather
-    out = jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    part = o4[hi, safe]  # [B, K, T, topk, G, H]; rows of empty slots are masked inside the merge
+    out, lse_tot = lse_merge(part, lse, axis=3)  # [B, K, T, G, H], [B, K, T, G]
     out = jnp.moveaxis(out, 1, 2).reshape(b, t, n_heads, h).astype(out_dtype)
     if not return_lse:
         return out
-    lse_tot = jnp.where(den > 0, mx_safe[:, :, :, 0] + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
     return out, jnp.moveaxis(lse_tot, 1, 2).reshape(b, t, n_heads)
 
 

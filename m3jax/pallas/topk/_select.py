@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from m3jax.msa.reference import forced_priority, rank_scores
 from m3jax.pallas._backend import plgpu
-
-NEG_INF = float("-inf")
 
 
 def forced_candidate(score, rowpos, j, *, block_size: int, local_blocks: int, init_blocks: int):
-    """The value that enters the top-k list for block ``j`` (a traced int32 scalar) per row."""
-    own = jnp.floor_divide(rowpos, block_size)
-    dist = own - j  # >= 0 for blocks at or before the own block
-    local = (dist >= 0) & (dist < local_blocks)
-    prio = jnp.where(local, (1.0 + local_blocks) - dist.astype(jnp.float32), 0.0)
-    if init_blocks:
-        sink = (dist >= 0) & (j < init_blocks)
-        prio = jnp.where(local, prio, jnp.where(sink, 0.5, 0.0))
-    return jnp.where(prio > 0, 1e38 + prio * 1e36, score)
+    """The value that enters the top-k list for block ``j`` (a traced int32 scalar) per row: the
+    reference's own ranking (:func:`m3jax.msa.reference.rank_scores`) on the row's register vector."""
+    dist = jnp.floor_divide(rowpos, block_size) - j  # >= 0 for blocks at or before the own block
+    prio = forced_priority(dist, j, local_blocks=local_blocks, init_blocks=init_blocks)
+    return rank_scores(score, prio)
 
 
 def insert(vals, ids, x, j):

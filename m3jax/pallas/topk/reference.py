@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from m3jax import msa
+from m3jax.msa import reference as msa
 
 
 def select_blocks(scores, q_pos, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,

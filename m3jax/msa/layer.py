@@ -1,0 +1,69 @@
+"""One MSA attention layer as the model runs it: the choice between the reference and the kernels.
+
+``cfg.attention_impl`` picks the path: ``"reference"`` (pure jnp, query chunks of
+``cfg.attention_chunk``), ``"dense_mask"`` (the dense-mask formulation, for tiny tests) or
+``"pallas"`` (the Mosaic GPU kernels of :mod:`m3jax.msa.kernels`, heads split over the active mesh).
+The projections (q/k/v and the index branch) are the model's; this module takes them as arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from m3jax.cache import LayerCache
+from m3jax.config import M3Config, TextConfig
+from m3jax.msa import kernels, reference
+from m3jax.msa.parallel import msa_pallas_sharded
+
+
+def forced_blocks(cfg: TextConfig, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``msa_force_in`` / ``msa_force_out`` block ids of ``layer``."""
+    return (tuple(b for l, b in cfg.msa_force_in if l == layer), tuple(b for l, b in cfg.msa_force_out if l == layer))
+
+
+def scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
+    """Index block scores of one query chunk: fp32 [B, K, C, nb] (see :func:`reference.block_scores`)."""
+    return reference.block_scores(iq, ik, q_pos, cfg.index_block_size)
+
+
+def select_from_scores(block_scores: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
+    """Top-k selection with the config's MSA knobs and ``layer``'s interventions: int32 [B, K, C, topk]."""
+    force_in, force_out = forced_blocks(cfg, layer)
+    return reference.select_blocks(
+        block_scores, q_pos, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks,
+        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,
+    )
+
+
+def select(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
+    """Block selection of one query chunk (iq [B, C, K, Hx], ik [B, S, Hx]): int32 [B, K, C, topk]."""
+    return select_from_scores(scores(iq, ik, q_pos, cfg), q_pos, cfg, layer)
+
+
+def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
+    """MSA of queries q [B, T, N, H] (index queries iq [B, T, K, Hx]) at q_pos [B, T] over keys
+    k/v [B, S, K, H] and index keys ik [B, S, Hx] (key s at position s).
+
+    Returns (o [B, T, N, H] in q.dtype, block ids int32 [B, K, T, topk]).
+    """
+    t = cfg.text
+    if cfg.attention_impl == "pallas":
+        return msa_pallas_sharded(kernels.prefill, q, k, v, iq, ik, q_pos, t)
+    attend = reference.dense_mask_attention if cfg.attention_impl == "dense_mask" else reference.sparse_attention
+
+    def chunk_fn(qp, qc, iqc):
+        sel = select(iqc, ik, qp, t, layer)
+        return attend(qc, k, v, sel, qp, t.index_block_size), sel
+
+    (o, sel), merge = reference.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
+    return merge(o, 1), merge(sel, 2)
+
+
+def decode_in_place(cfg: M3Config, n_queries: int) -> bool:
+    """Whether this step reads the paged cache in place (the decode kernels) instead of gathering it."""
+    return cfg.attention_impl == "pallas" and n_queries == 1
+
+
+def decode(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config):
+    """One token per sequence against the paged cache, read in place: (o [B, 1, N, H], block ids)."""
+    return kernels.decode(q, iq, kv, page_table, q_pos, cfg.text)

@@ -1,0 +1,218 @@
+"""MSA over a device mesh: the kernels with query heads split, and context-parallel MSA.
+
+docs/SHARDING.md has the strategy for MiniMax-M3 on 8 GPUs. The mesh axes and the rule table are
+:mod:`m3jax.sharding`'s; everything here is an explicit ``jax.shard_map`` region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from m3jax.config import M3Config
+from m3jax.msa.kernels import unsupported_reason
+from m3jax.msa.reference import forced_priority, lse_merge, rank_scores
+from m3jax.sharding import DATA, MODEL, ShardingRuleError
+
+
+def head_parallel(kernel: Callable, mesh, *, q_axes: int = 2, kv_axes: int | None = 2, axis: str = MODEL) -> Callable:
+    """Run an attention kernel ``kernel(q, k, v, *rest)`` (q [B, T, N, H], k/v [B, S, K, H]) inside
+    ``jax.shard_map`` with heads split over ``axis``: each device runs the unmodified (e.g. Pallas)
+    kernel on its N / n query heads. KV heads are split with them when n divides K, else every device
+    keeps the KV heads of its query heads' groups (a slice of the replicated K/V).
+    Extra arguments (block ids [B, K, T, topk], positions) follow the KV heads or are replicated.
+    """
+    n = mesh.shape[axis]
+
+    def call(q, k, v, block_idx, *rest):
+        nh, kh = q.shape[q_axes], k.shape[2]
+        if nh % n:
+            raise ShardingRuleError(f"{nh} query heads do not split over {n} devices")
+        g = nh // kh
+        split_kv = kh % n == 0
+        qspec = P(*([None] * q_axes + [axis]))
+
+        def body(q_l, k_l, v_l, b_l, *r):
+            if not split_kv:  # the KV groups of this device's query heads (one group when n >= K)
+                me = jax.lax.axis_index(axis)
+                per = nh // n
+                g0 = me * per // g
+                ng = max(1, per // g)
+                k_l = jax.lax.dynamic_slice_in_dim(k_l, g0, ng, axis=2)
+                v_l = jax.lax.dynamic_slice_in_dim(v_l, g0, ng, axis=2)
+                b_l = jax.lax.dynamic_slice_in_dim(b_l, g0, ng, axis=1)
+            return kernel(q_l, k_l, v_l, b_l, *r)
+
+        kv_spec = P(None, None, axis) if split_kv else P()
+        b_spec = P(None, axis) if split_kv else P()
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(qspec, kv_spec, kv_spec, b_spec) + (P(),) * len(rest), out_specs=qspec,
+            check_vma=False,
+        )(q, k, v, block_idx, *rest)
+
+    return call
+
+
+def context_parallel_msa(
+    q: jax.Array, iq: jax.Array, k_local: jax.Array, v_local: jax.Array, ik_local: jax.Array, q_pos: jax.Array,
+    mesh, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0, axis: str = MODEL,
+) -> jax.Array:
+    """MSA over a context split block-striped over ``axis`` (logical block j on device j % n).
+
+    q [B, C, N, H] and iq [B, C, Hi, Hx] are replicated (the query chunk); ``k_local``/``v_local``
+    [n, B, S/n, K, H] and ``ik_local`` [n, B, S/n, Hx] hold each device's blocks (leading axis sharded).
+    Per device: block-max index scores of the local blocks -> local top-k candidates (forced blocks
+    ranked as :func:`m3jax.msa.reference.select_blocks` does) -> all-gather of n * topk candidates -> global
+    top-k (ties to the lower block id) -> attention over the selected blocks that are local, with its
+    log-sum-exp -> merge of the n partials by LSE (pmax, psum). Equals ``msa.sparse_attention`` with
+    ``msa.select_blocks`` on the unsplit context. Returns ([B, C, N, H] in q.dtype, block ids
+    int32 [B, Hi, C, topk] in select_blocks' order).
+    """
+    n = mesh.shape[axis]
+    neg = float("-inf")
+
+    def body(q, iq, k, v, ik, q_pos):
+        k, v, ik = k[0], v[0], ik[0]
+        me = jax.lax.axis_index(axis)
+        b, c, nh, h = q.shape
+        s_loc, kh = k.shape[1], k.shape[2]
+        nb_loc = s_loc // block_size
+        gid = jnp.arange(nb_loc) * n + me  # global block id of each local block
+        kpos = (gid[:, None] * block_size + jnp.arange(block_size)).reshape(-1)  # [S_loc]
+        # 1. local block-max index scores (fp32, -inf for future keys), as msa.block_scores
+        s = jnp.einsum("bchx,bsx->bhcs", iq.astype(jnp.float32), ik.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+        s = jnp.where(kpos[None, None, None, :] > q_pos[:, None, :, None], neg, s)
+        scores = s.reshape(*s.shape[:3], nb_loc, block_size).max(-1)  # [B, Hi, C, nb_loc]
+        # 2. rank as select_blocks: forced blocks get huge ordered priorities
+        own = (q_pos // block_size)[:, None, :, None]
+        j = gid[None, None, None, :]
+        prio = forced_priority(own - j, j, local_blocks=local_blocks, init_blocks=init_blocks)
+        ranked = rank_scores(scores, prio)
+        kk = min(topk, nb_loc)
+        vals, li = jax.lax.top_k(ranked, kk)
+        ids = gid[li]
+        # 3. global top-k over all devices' candidates, ties to the lower block id
+        all_vals = jnp.moveaxis(jax.lax.all_gather(vals, axis), 0, -2).reshape(*vals.shape[:3], n * kk)
+        all_ids = jnp.moveaxis(jax.lax.all_gather(ids, axis), 0, -2).reshape(*ids.shape[:3], n * kk)
+        order = jnp.argsort(all_ids, axis=-1)
+        all_vals = jnp.take_along_axis(all_vals, order, -1)
+        all_ids = jnp.take_along_axis(all_ids, order, -1)
+        gv, gi = jax.lax.top_k(all_vals, topk)
+        sel = jnp.where(gv == neg, -1, jnp.take_along_axis(all_ids, gi, -1)).astype(jnp.int32)  # [B, Hi, C, topk]
+        # 4. attention over the selected blocks this device holds, with the partial LSE
+        mine = (sel >= 0) & (sel % n == me)
+        lidx = jnp.where(mine, sel // n, 0)
+        kb = jnp.moveaxis(k.reshape(b, nb_loc, block_size, kh, h), 3, 1)  # [B, K, nb, bs, H]
+        vb = jnp.moveaxis(v.reshape(b, nb_loc, block_size, kh, h), 3, 1)
+        bi = jnp.arange(b)[:, None, None, None]
+        gi_ = jnp.arange(kh)[None, :, None, None]
+        kg, vg = kb[bi, gi_, lidx], vb[bi, gi_, lidx]  # [B, K, C, topk, bs, H]
+        g = nh // kh
+        qg = q.reshape(b, c, kh, g, h)
+        logits = jnp.einsum("bckgh,bkctsh->bkgcts", qg.astype(jnp.float32), kg.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST) * (h**-0.5)
+        pos = sel[..., None] * block_size + jnp.arange(block_size)
+        ok = mine[..., None] & (pos <= q_pos[:, None, :, None, None])
+        logits = jnp.where(ok[:, :, None], logits, neg).reshape(b, kh, g, c, -1)
+        m_loc = jnp.max(logits, -1, keepdims=True)
+        m_safe = jnp.where(jnp.isfinite(m_loc), m_loc, 0.0)
+        p = jnp.exp(logits - m_safe)
+        l_loc = p.sum(-1, keepdims=True)
+        o_loc = jnp.einsum("bkgcx,bkcxh->bkgch", p, vg.reshape(b, kh, c, -1, h).astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST) / jnp.where(l_loc > 0, l_loc, 1.0)
+        lse = jnp.where(l_loc > 0, m_safe + jnp.log(jnp.where(l_loc > 0, l_loc, 1.0)), neg)[..., 0]  # [B, K, G, C]
+        # 5. merge the devices' partials by LSE
+        out, _ = lse_merge(o_loc, lse, axis_name=axis)  # [B, K, G, C, H]
+        return jnp.moveaxis(out, 3, 1).reshape(b, c, nh, h).astype(q.dtype), sel
+
+    return jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(P(), P(), P(axis), P(axis), P(axis), P()),
+        out_specs=(P(), P()), check_vma=False,
+    )(q, iq, k_local, v_local, ik_local, q_pos)
+
+
+def split_context(x: jax.Array, n: int, block_size: int) -> jax.Array:
+    """[B, S, ...] -> [n, B, S/n, ...]: block j to device j % n (the layout of the striped cache)."""
+    b, s = x.shape[:2]
+    nb = s // block_size
+    x = x.reshape(b, nb // n, n, block_size, *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0).reshape(n, b, s // n, *x.shape[4:])
+
+
+def msa_pallas_split_reason(cfg: M3Config | object, n: int) -> str | None:
+    """Why the MSA kernels cannot run head-split over ``n`` devices (None when they can).
+
+    Each device gets N / n query heads: whole KV groups when n divides K (K / n groups each, KV and
+    index heads split with them), or N / n heads of one group when K divides n (that group's KV head
+    and index head only). The per-device head counts must pass :func:`m3jax.msa.kernels.unsupported_reason`
+    (G' = min(G, N / n) a multiple of 8 for the packed wgmma rows).
+    """
+    t = getattr(cfg, "text", cfg)
+    nh, kh, hi = t.num_attention_heads, t.num_key_value_heads, t.index_n_heads
+    if hi != kh:
+        return f"index heads {hi} != KV heads {kh} (the selection is per KV group)"
+    if nh % n:
+        return f"{nh} query heads do not split over {n} devices"
+    if kh % n and n % kh:
+        return f"{kh} KV groups do not split over {n} devices, nor {n} devices over them"
+    per = nh // n
+    groups = max(1, kh // n)
+    local = dataclasses.replace(t, num_attention_heads=per, num_key_value_heads=groups, index_n_heads=groups)
+    reason = unsupported_reason(local)
+    return None if reason is None else f"{per} query heads per device: {reason}"
+
+
+def msa_pallas_sharded(kernel: Callable, q, k, v, iq, ik, q_pos, cfg, *, mesh=None, axis: str = MODEL):
+    """Run the MSA Pallas path ``kernel(q, k, v, iq, ik, q_pos, cfg) -> (o, block_idx)``
+    (:func:`m3jax.msa.kernels.prefill`: index kernel + top-k + sparse attention) inside
+    ``jax.shard_map`` over ``axis``.
+
+    q [B, T, N, H], k/v [B, S, K, H], iq [B, T, K, Hx] (one index head per KV group), ik [B, S, Hx],
+    q_pos [B, T]. Query heads are split over ``axis`` (out: [B, T, N, H] head-split, the layout ``wo``
+    contracts). When n divides K, KV heads and index heads are split with them; when K divides n
+    (M3: 4 KV heads on 8), K/V and iq enter replicated and each device slices its own group's KV head
+    and index head, so the n / K devices of one group compute that group's selection redundantly
+    (the index kernel is per (token, index head) row: every device gets the single-device selection,
+    bit for bit). The shared index key ik and q_pos are replicated. The batch is split over ``data``
+    when that axis divides it. Returns (o, block_idx int32 [B, K, T, topk]).
+
+    No active mesh (and none given): ``kernel`` is called as is. When the per-device head counts do
+    not fit the kernels (:func:`msa_pallas_split_reason`), every device runs the whole kernel on all
+    heads (replicated, with a warning): correct, no memory or time saved.
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or axis not in mesh.axis_names:
+        return kernel(q, k, v, iq, ik, q_pos, cfg)
+    n = mesh.shape[axis]
+    nh, kh = q.shape[2], k.shape[2]
+    b = q.shape[0]
+    nd = mesh.shape.get(DATA, 1)
+    bax = DATA if nd > 1 and b % nd == 0 else None
+    rep = P(bax)
+    reason = msa_pallas_split_reason(cfg, n)
+    if reason is not None:
+        warnings.warn(f"MSA Pallas kernels replicated over the {n}-device {axis!r} axis: {reason}", stacklevel=2)
+        return jax.shard_map(lambda *a: kernel(*a, cfg), mesh=mesh, in_specs=(rep,) * 6, out_specs=(rep, rep),
+                             check_vma=False)(q, k, v, iq, ik, q_pos)
+    split_kv = kh % n == 0
+    g = nh // kh
+
+    def body(q_, k_, v_, iq_, ik_, qp_):
+        if not split_kv:  # n / K devices per group: this device's group (KV head + index head)
+            grp = jax.lax.axis_index(axis) * (nh // n) // g
+            k_, v_, iq_ = (jax.lax.dynamic_slice_in_dim(x, grp, 1, axis=2) for x in (k_, v_, iq_))
+        return kernel(q_, k_, v_, iq_, ik_, qp_, cfg)
+
+    heads = P(bax, None, axis)
+    kv = heads if split_kv else rep
+    o, sel = jax.shard_map(
+        body, mesh=mesh, in_specs=(heads, kv, kv, kv, rep, rep), out_specs=(heads, P(bax, axis)), check_vma=False,
+    )(q, k, v, iq, ik, q_pos)
+    return o, (sel if split_kv else sel[:, :: n // kh])  # one row per group (the n / K copies are equal)
