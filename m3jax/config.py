@@ -30,6 +30,25 @@ class UnsupportedConfigError(ValueError):
     """A config.json value that m3jax cannot run (or that contradicts itself)."""
 
 
+# Integer sizes that must be >= 1, in the order they are checked (the basic shape first).
+_TEXT_SIZES = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "dense_intermediate_size", "shared_intermediate_size", "num_local_experts",
+    "num_experts_per_tok", "max_position_embeddings",
+)
+_VISION_SIZES = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size",
+    "temporal_patch_size", "spatial_merge_size",
+)
+
+
+def _check_positive(cfg, where: str, names) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UnsupportedConfigError(f"{where}.{name}={value!r} must be a positive integer")
+
+
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
     """Decoder (language model) hyper-parameters; names follow transformers' MiniMaxM3VLTextConfig."""
@@ -70,6 +89,11 @@ class TextConfig:
     eos_token_id: int | tuple[int, ...] | None = 200020
 
     def __post_init__(self):
+        # Sizes first: a zero or negative one would surface later as a division by zero or a shape error.
+        _check_positive(self, "text_config", _TEXT_SIZES)
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise UnsupportedConfigError(f"text_config.{name}={getattr(self, name)} must be positive")
         n = self.num_hidden_layers
         for name in ("layer_types", "mlp_layer_types"):
             if len(getattr(self, name)) != n:
@@ -94,6 +118,10 @@ class TextConfig:
                 f"num_experts_per_tok={self.num_experts_per_tok} > num_local_experts={self.num_local_experts}"
             )
         if self.has_sparse_layers:
+            _check_positive(self, "text_config", ("index_n_heads", "index_head_dim", "index_block_size",
+                                                   "index_topk_blocks"))
+            if self.index_init_blocks < 0:
+                raise UnsupportedConfigError(f"text_config.index_init_blocks={self.index_init_blocks} must be >= 0")
             # One index head scores blocks for one KV (GQA) group; the selection is per group.
             if self.index_n_heads != self.num_key_value_heads:
                 raise UnsupportedConfigError(
@@ -105,8 +133,6 @@ class TextConfig:
                     f"index_head_dim={self.index_head_dim} < rotary_dim={self.rotary_dim}: the index branch "
                     "shares the main RoPE and needs at least rotary_dim channels"
                 )
-            if self.index_block_size < 1 or self.index_topk_blocks < 1:
-                raise UnsupportedConfigError("index_block_size and index_topk_blocks must be positive")
             if self.index_local_blocks < 1:
                 raise UnsupportedConfigError(
                     "index_local_blocks must be >= 1: the query's own block carries the causal diagonal"
@@ -149,6 +175,7 @@ class VisionConfig:
     rope_theta: float = 10_000.0
 
     def __post_init__(self):
+        _check_positive(self, "vision_config", _VISION_SIZES)
         if self.hidden_size % self.num_attention_heads:
             raise UnsupportedConfigError(
                 f"vision hidden_size={self.hidden_size} not divisible by num_attention_heads={self.num_attention_heads}"
@@ -188,6 +215,7 @@ class M3Config:
     attention_chunk: int = 256
 
     def __post_init__(self):
+        _check_positive(self, "config", ("projector_hidden_size", "attention_chunk"))
         if self.attention_impl not in ATTENTION_IMPLS:
             raise UnsupportedConfigError(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
         if self.moe_impl not in MOE_IMPLS:
@@ -205,26 +233,59 @@ class M3Config:
 # config.json -> M3Config
 
 
+_REQUIRED = object()
+
+
 def _require(d: dict, key: str, where: str):
     if key not in d:
         raise UnsupportedConfigError(f"{where} is missing required key {key!r}")
     return d[key]
 
 
+def _int(d: dict, key: str, where: str, default=_REQUIRED) -> int | None:
+    """``d[key]`` as an int (JSON 4 or 4.0; not 4.5, "4" or true); a null or absent key gives ``default``.
+    Ranges are checked by the config classes, the one place every config passes through."""
+    v = _require(d, key, where) if default is _REQUIRED else d.get(key)
+    if v is None and default is not _REQUIRED:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise UnsupportedConfigError(f"{where}.{key}={v!r} is not an integer")
+    return int(v)
+
+
+def _float(d: dict, key: str, where: str, default: float | None) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise UnsupportedConfigError(f"{where}.{key}={v!r} is not a number")
+    return float(v)
+
+
+def _dict(d: dict, key: str, where: str) -> dict:
+    v = d.get(key) or {}
+    if not isinstance(v, dict):
+        raise UnsupportedConfigError(f"{where}.{key} must be a JSON object, got {v!r}")
+    return v
+
+
 def _rope_params(t: dict, head_dim: int, where: str) -> tuple[float, int]:
     """Return (theta, rotary_dim) from either the legacy or the transformers-5 RoPE keys."""
-    rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    key = "rope_parameters" if t.get("rope_parameters") else "rope_scaling"
+    rope = _dict(t, key, where)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise UnsupportedConfigError(
             f"{where}.rope_parameters.rope_type={rope_type!r}: only plain RoPE ('default') is implemented"
         )
-    theta = float(rope.get("rope_theta", t.get("rope_theta", 5_000_000.0)))
-    factor = rope.get("partial_rotary_factor", t.get("partial_rotary_factor"))
-    rotary_dim = t.get("rotary_dim")
+    theta = _float(rope, "rope_theta", f"{where}.{key}", None)
+    theta = _float(t, "rope_theta", where, 5_000_000.0) if theta is None else theta
+    factor = _float(rope, "partial_rotary_factor", f"{where}.{key}", None)
+    factor = _float(t, "partial_rotary_factor", where, None) if factor is None else factor
+    rotary_dim = _int(t, "rotary_dim", where, None)
     if factor is not None:
-        from_factor = int(head_dim * float(factor))
-        if rotary_dim is not None and int(rotary_dim) != from_factor:
+        from_factor = int(head_dim * factor)
+        if rotary_dim is not None and rotary_dim != from_factor:
             raise UnsupportedConfigError(
                 f"{where}: rotary_dim={rotary_dim} contradicts partial_rotary_factor={factor} (head_dim {head_dim})"
             )
@@ -233,15 +294,23 @@ def _rope_params(t: dict, head_dim: int, where: str) -> tuple[float, int]:
         # The released file states partial RoPE only as `rotary_dim` (as MiniMax-M2 does); vLLM/SGLang
         # rotate that many channels. transformers 5.24's M3 config ignores `rotary_dim` and would rotate
         # all of head_dim; we follow the checkpoint's stated value.
-        return theta, int(rotary_dim)
+        return theta, rotary_dim
     return theta, head_dim
 
 
+def _layer_list(t: dict, key: str, where: str) -> list | None:
+    v = t.get(key)
+    if v is not None and not isinstance(v, list):
+        raise UnsupportedConfigError(f"{where}.{key} must be a list, got {v!r}")
+    return v
+
+
 def text_config_from_hf(t: dict, where: str = "text_config") -> TextConfig:
-    n_layers = int(_require(t, "num_hidden_layers", where))
-    hidden = int(_require(t, "hidden_size", where))
-    n_heads = int(_require(t, "num_attention_heads", where))
-    head_dim = int(t.get("head_dim") or hidden // n_heads)
+    n_layers = _int(t, "num_hidden_layers", where)
+    hidden = _int(t, "hidden_size", where)
+    n_heads = _int(t, "num_attention_heads", where)
+    # A non-positive head count is reported by TextConfig, before head_dim is used.
+    head_dim = _int(t, "head_dim", where, None) or (hidden // n_heads if n_heads > 0 else 0)
 
     if t.get("attention_output_gate"):
         raise UnsupportedConfigError(f"{where}.attention_output_gate=true is not part of M3 and is not implemented")
@@ -255,7 +324,7 @@ def text_config_from_hf(t: dict, where: str = "text_config") -> TextConfig:
     if act not in ("swigluoai", "silu"):  # transformers rewrites "swigluoai" to "silu" on save
         raise UnsupportedConfigError(f"{where}.hidden_act={act!r}: only swigluoai is implemented")
 
-    sparse = t.get("sparse_attention_config") or {}
+    sparse = _dict(t, "sparse_attention_config", where)
     if sparse.get("sparse_score_type", "max") != "max":
         raise UnsupportedConfigError(
             f"{where}.sparse_attention_config.sparse_score_type={sparse['sparse_score_type']!r}: only 'max'"
@@ -263,115 +332,125 @@ def text_config_from_hf(t: dict, where: str = "text_config") -> TextConfig:
     if not sparse.get("sparse_disable_index_value", 1) and sparse:
         raise UnsupportedConfigError(f"{where}: an index value/output projection (sparse_disable_index_value=0)")
 
-    layer_types = t.get("layer_types")
+    layer_types = _layer_list(t, "layer_types", where)
     if layer_types is None:
-        freq = sparse.get("sparse_attention_freq")
+        freq = _layer_list(sparse, "sparse_attention_freq", f"{where}.sparse_attention_config")
         layer_types = (
             [SPARSE_ATTENTION if f else FULL_ATTENTION for f in freq] if freq is not None else [FULL_ATTENTION] * n_layers
         )
-    mlp_types = t.get("mlp_layer_types")
+    mlp_types = _layer_list(t, "mlp_layer_types", where)
     if mlp_types is None:
-        freq = t.get("moe_layer_freq")
+        freq = _layer_list(t, "moe_layer_freq", where)
         mlp_types = ["sparse" if f else "dense" for f in freq] if freq is not None else ["sparse"] * n_layers
 
-    def pick(flat: str, legacy: str, default):
+    def pick(flat: str, legacy: str, default: int) -> int:
         if legacy in sparse:
-            return sparse[legacy]
-        return t.get(flat, default)
+            return _int(sparse, legacy, f"{where}.sparse_attention_config")
+        return _int(t, flat, where, default)
 
     theta, rotary_dim = _rope_params(t, head_dim, where)
     eos = t.get("eos_token_id", 200020)
     return TextConfig(
-        vocab_size=int(_require(t, "vocab_size", where)),
+        vocab_size=_int(t, "vocab_size", where),
         hidden_size=hidden,
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
-        num_key_value_heads=int(_require(t, "num_key_value_heads", where)),
+        num_key_value_heads=_int(t, "num_key_value_heads", where),
         head_dim=head_dim,
         layer_types=tuple(layer_types),
         mlp_layer_types=tuple(mlp_types),
-        intermediate_size=int(t.get("intermediate_size", 3072)),
-        dense_intermediate_size=int(t.get("dense_intermediate_size", 12288)),
-        shared_intermediate_size=int(t.get("shared_intermediate_size", 3072)),
-        num_local_experts=int(t.get("num_local_experts", t.get("num_experts", 128))),
-        num_experts_per_tok=int(t.get("num_experts_per_tok", 4)),
-        routed_scaling_factor=float(t.get("routed_scaling_factor", 2.0)),
-        swiglu_alpha=float(t.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(t.get("swiglu_limit", 7.0)),
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        intermediate_size=_int(t, "intermediate_size", where, 3072),
+        dense_intermediate_size=_int(t, "dense_intermediate_size", where, 12288),
+        shared_intermediate_size=_int(t, "shared_intermediate_size", where, 3072),
+        num_local_experts=_int(t, "num_local_experts", where, _int(t, "num_experts", where, 128)),
+        num_experts_per_tok=_int(t, "num_experts_per_tok", where, 4),
+        routed_scaling_factor=_float(t, "routed_scaling_factor", where, 2.0),
+        swiglu_alpha=_float(t, "swiglu_alpha", where, 1.702),
+        swiglu_limit=_float(t, "swiglu_limit", where, 7.0),
+        rms_norm_eps=_float(t, "rms_norm_eps", where, 1e-6),
         rope_theta=theta,
         rotary_dim=rotary_dim,
-        max_position_embeddings=int(t.get("max_position_embeddings", 524_288)),
-        index_n_heads=int(pick("index_n_heads", "sparse_num_index_heads", 4)),
-        index_head_dim=int(pick("index_head_dim", "sparse_index_dim", 128)),
-        index_block_size=int(pick("index_block_size", "sparse_block_size", 128)),
-        index_topk_blocks=int(pick("index_topk_blocks", "sparse_topk_blocks", 16)),
-        index_local_blocks=int(pick("index_local_blocks", "sparse_local_block", 1)),
-        index_init_blocks=int(pick("index_init_blocks", "sparse_init_block", 0)),
+        max_position_embeddings=_int(t, "max_position_embeddings", where, 524_288),
+        index_n_heads=pick("index_n_heads", "sparse_num_index_heads", 4),
+        index_head_dim=pick("index_head_dim", "sparse_index_dim", 128),
+        index_block_size=pick("index_block_size", "sparse_block_size", 128),
+        index_topk_blocks=pick("index_topk_blocks", "sparse_topk_blocks", 16),
+        index_local_blocks=pick("index_local_blocks", "sparse_local_block", 1),
+        index_init_blocks=pick("index_init_blocks", "sparse_init_block", 0),
         bos_token_id=t.get("bos_token_id", 200034),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
     )
 
 
 def vision_config_from_hf(v: dict, where: str = "vision_config") -> VisionConfig:
-    rope = v.get("rope_parameters") or {}
+    rope = _dict(v, "rope_parameters", where)
     rope_type = rope.get("rope_type", "axial")
     if rope_type != "axial" or v.get("rope_mode", "3d") != "3d":
         raise UnsupportedConfigError(f"{where}: only 3-D axial vision RoPE is implemented (got {rope_type!r})")
     if v.get("hidden_act", "gelu") != "gelu":
         raise UnsupportedConfigError(f"{where}.hidden_act={v['hidden_act']!r}: only exact GELU is implemented")
     defaults = VisionConfig()
+    ints = {name: _int(v, name, where, getattr(defaults, name)) for name in _VISION_SIZES}
+    theta = _float(rope, "rope_theta", f"{where}.rope_parameters", None)
     return VisionConfig(
-        hidden_size=int(v.get("hidden_size", defaults.hidden_size)),
-        intermediate_size=int(v.get("intermediate_size", defaults.intermediate_size)),
-        num_hidden_layers=int(v.get("num_hidden_layers", defaults.num_hidden_layers)),
-        num_attention_heads=int(v.get("num_attention_heads", defaults.num_attention_heads)),
-        num_channels=int(v.get("num_channels", defaults.num_channels)),
-        patch_size=int(v.get("patch_size", defaults.patch_size)),
-        temporal_patch_size=int(v.get("temporal_patch_size", defaults.temporal_patch_size)),
-        spatial_merge_size=int(v.get("spatial_merge_size", defaults.spatial_merge_size)),
-        layer_norm_eps=float(v.get("layer_norm_eps", defaults.layer_norm_eps)),
-        rope_theta=float(rope.get("rope_theta", v.get("rope_theta", defaults.rope_theta))),
+        **ints,
+        layer_norm_eps=_float(v, "layer_norm_eps", where, defaults.layer_norm_eps),
+        rope_theta=_float(v, "rope_theta", where, defaults.rope_theta) if theta is None else theta,
     )
 
 
 def config_from_hf(d: dict[str, Any], **overrides) -> M3Config:
     """Build an :class:`M3Config` from a parsed HF ``config.json`` dict."""
+    if not isinstance(d, dict):
+        raise UnsupportedConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
     if model_type not in ("minimax_m3_vl", None):
         raise UnsupportedConfigError(f"config.json model_type={model_type!r}; expected 'minimax_m3_vl'")
     if "text_config" not in d:
         raise UnsupportedConfigError("config.json has no 'text_config': not a MiniMax-M3 (minimax_m3_vl) config")
-    quant = d.get("quantization_config") or d["text_config"].get("quantization_config")
+    text_d = _dict(d, "text_config", "config.json")
+    quant = d.get("quantization_config") or text_d.get("quantization_config")
     quant_method = None
     if quant:
-        quant_method = quant.get("quant_method")
+        quant_method = quant.get("quant_method") if isinstance(quant, dict) else None
         if quant_method != "mxfp8" or list(quant.get("weight_block_size", [1, 32])) != [1, 32]:
             raise UnsupportedConfigError(
                 f"quantization_config={quant}: only mxfp8 with weight_block_size [1, 32] is supported"
             )
-    text = text_config_from_hf(d["text_config"])
-    vision = vision_config_from_hf(d["vision_config"]) if d.get("vision_config") is not None else None
+    text = text_config_from_hf(text_d)
+    vision = vision_config_from_hf(_dict(d, "vision_config", "config.json")) if d.get("vision_config") is not None else None
     return M3Config(
         text=text,
         vision=vision,
-        image_token_id=int(d.get("image_token_index", d.get("image_token_id", 200025))),
-        video_token_id=int(d.get("video_token_index", d.get("video_token_id", 200026))),
-        projector_hidden_size=int(d.get("projector_hidden_size", text.hidden_size)),
+        image_token_id=_int(d, "image_token_index", "config.json", _int(d, "image_token_id", "config.json", 200025)),
+        video_token_id=_int(d, "video_token_index", "config.json", _int(d, "video_token_id", "config.json", 200026)),
+        projector_hidden_size=_int(d, "projector_hidden_size", "config.json", text.hidden_size),
         quantization=quant_method,
         **overrides,
     )
 
 
-def load_config(path: str | Path, **overrides) -> M3Config:
-    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+def read_config_json(path: str | Path) -> tuple[Path, dict]:
+    """(path of config.json, its parsed contents) for a checkpoint directory or the file itself; a file
+    that is not JSON is named in the error."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        return config_from_hf(json.load(f), **overrides)
+    try:
+        return path, json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedConfigError(f"{path}: not a JSON file ({e})") from None
+
+
+def load_config(path: str | Path, **overrides) -> M3Config:
+    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+    path, d = read_config_json(path)
+    try:
+        return config_from_hf(d, **overrides)
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"{path}: {e}") from None
 
 
 def config_to_hf(cfg: M3Config) -> dict[str, Any]:
@@ -451,13 +530,23 @@ def config_to_hf(cfg: M3Config) -> dict[str, Any]:
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 
+# Short names users type for a preset: "m3" is the released model.
+PRESET_ALIASES = {"m3": "minimax_m3"}
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
 
 
+def describe_presets() -> str:
+    """The preset names and their aliases, for help texts and errors."""
+    return f"{', '.join(preset_names())} (aliases: {', '.join(f'{a} = {n}' for a, n in PRESET_ALIASES.items())})"
+
+
 def preset(name: str, **overrides) -> M3Config:
-    """Load a named preset from ``m3jax/configs/<name>.json`` (HF config.json format)."""
-    path = CONFIGS_DIR / f"{name}.json"
+    """Load a named preset from ``m3jax/configs/<name>.json`` (HF config.json format); ``name`` may be
+    an alias of :data:`PRESET_ALIASES` (``"m3"`` = ``"minimax_m3"``)."""
+    path = CONFIGS_DIR / f"{PRESET_ALIASES.get(name, name)}.json"
     if not path.exists():
-        raise UnsupportedConfigError(f"unknown preset {name!r}; available: {preset_names()} (in {CONFIGS_DIR})")
+        raise UnsupportedConfigError(f"unknown preset {name!r}; available: {describe_presets()}, in {CONFIGS_DIR}")
     return load_config(path, **overrides)

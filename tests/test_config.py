@@ -164,3 +164,53 @@ def test_forward_rejects_bad_inputs():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         small = m3jax.M3Model(cfg.replace_text(max_position_embeddings=4), model.params)
         m3jax.forward(small, np.ones((1, 5), np.int64))
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("num_attention_heads", -4, "text_config.num_attention_heads=-4 must be a positive integer"),
+    ("num_attention_heads", 0, "text_config.num_attention_heads=0 must be a positive integer"),
+    ("num_key_value_heads", 0, "text_config.num_key_value_heads=0 must be a positive integer"),
+    ("hidden_size", -64, "text_config.hidden_size=-64 must be a positive integer"),
+    ("num_hidden_layers", 0, "text_config.num_hidden_layers=0 must be a positive integer"),
+    ("vocab_size", 4.5, "text_config.vocab_size=4.5 is not an integer"),
+    ("num_local_experts", "8", "text_config.num_local_experts='8' is not an integer"),
+    ("index_block_size", 0, "text_config.index_block_size=0 must be a positive integer"),
+    ("rms_norm_eps", -1e-6, "text_config.rms_norm_eps=-1e-06 must be positive"),
+])
+def test_config_sizes_are_checked_by_name(tmp_path, key, value, needle):
+    """Issue #19: such values surfaced as a shape error or ZeroDivisionError deep in the model."""
+    d = _hf(preset("m3_tiny"))
+    d["text_config"][key] = value
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(m3jax.UnsupportedConfigError, match=re.escape(needle)) as ei:
+        m3jax.load_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(ei.value)
+
+
+def test_vision_sizes_are_checked_by_name():
+    d = _hf(preset("m3_tiny"))
+    d["vision_config"]["num_attention_heads"] = 0
+    with pytest.raises(m3jax.UnsupportedConfigError, match=re.escape("vision_config.num_attention_heads=0")):
+        config_from_hf(d)
+
+
+@pytest.mark.parametrize("text", ['{"model_type": ', "[1, 2]", "\udcff"])
+def test_config_file_that_is_not_a_json_object_is_named(tmp_path, text):
+    path = tmp_path / "config.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(m3jax.UnsupportedConfigError) as ei:
+        m3jax.load_config(tmp_path)
+    assert str(path) in str(ei.value)
+
+
+def test_m3_is_an_alias_of_the_released_preset(m3):
+    assert preset("m3") == m3
+    with pytest.raises(m3jax.UnsupportedConfigError, match="m3 = minimax_m3"):
+        preset("m3x")
+
+
+def test_forward_rejects_empty_input_ids():
+    model = m3jax.init_random(preset("m3_tiny"))
+    for shape in ((1, 0), (0, 3)):
+        with pytest.raises(ValueError, match="at least one sequence of at least one token"):
+            m3jax.forward(model, np.zeros(shape, np.int32))
