@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3jax.checkpoint import load_params, save_checkpoint
+from m3jax.checkpoint import checkpoint_dtype, load_params, save_checkpoint
 from m3jax.config import M3Config, UnsupportedConfigError, load_config
 from m3jax.model import forward_jit
 from m3jax.params import init_random as _init_params
@@ -51,10 +51,13 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
                     mesh=None) -> M3Model:
     """Load an HF-layout MiniMax-M3 checkpoint directory (config.json + safetensors, BF16 or MXFP8).
 
+    ``dtype="auto"`` runs in the checkpoint's own dtype (:func:`m3jax.checkpoint.checkpoint_dtype`).
     With ``mesh`` (``m3jax.sharding.make_mesh``) each device reads only its shard from the files."""
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"dtype={dtype!r}; choose 'bfloat16' or 'float32'")
+    if dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"dtype={dtype!r}; choose 'auto', 'bfloat16' or 'float32'")
     cfg = load_config(path)
+    if dtype == "auto":
+        dtype = checkpoint_dtype(path)
     cfg = cfg.replace(attention_impl=resolve_attention_impl(attention_impl, cfg))
     if mesh is not None:
         from m3jax.sharding import load_sharded
@@ -129,8 +132,10 @@ def forward(
         ids = ids[None]
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"input_ids must be an integer [B, T] array, got {ids.dtype} {ids.shape}")
+    if ids.size == 0:
+        raise ValueError(f"input_ids of shape {ids.shape}: need at least one sequence of at least one token")
     cfg = model.config
-    if ids.size and (ids.min() < 0 or ids.max() >= cfg.text.vocab_size):
+    if ids.min() < 0 or ids.max() >= cfg.text.vocab_size:
         raise ValueError(f"input_ids out of range [0, {cfg.text.vocab_size})")
     if ids.shape[1] > cfg.text.max_position_embeddings:
         raise ValueError(

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from m3jax.config import M3Config, config_to_hf
+from m3jax.config import M3Config, UnsupportedConfigError, config_to_hf, read_config_json
 from m3jax.params import ParamSpec, param_specs
 from m3jax.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
 
@@ -196,6 +197,12 @@ class CheckpointReader:
             with open(index) as f:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
             files = sorted(set(weight_map.values()))
+            if (self.directory / "model.safetensors").exists() and "model.safetensors" not in files:
+                # Two checkpoints in one folder (transformers would load the single file, we the index).
+                raise CheckpointError(
+                    f"{self.directory}: holds model.safetensors and a model.safetensors.index.json that does "
+                    "not list it: two checkpoints in one folder; remove the stale one"
+                )
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
             if not files:
@@ -226,21 +233,38 @@ class CheckpointReader:
             raise CheckpointError(f"{self.directory}: missing tensor {name!r}")
         return self.location[name].get(name)
 
-    def read_dequantized(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
-        """fp32 (or stored float) tensor with its shape checked; returns (array, names consumed)."""
+    def file_of(self, name: str) -> Path:
+        """The file holding tensor ``name``: every error about a tensor names it."""
+        return self.location[name].path
+
+    def read_checked(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The stored tensor (a memmap view) after checking its shape and that it is a float or MXFP8 one."""
         a = self.read(name)
         if tuple(a.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-        used = [name]
+            raise CheckpointError(
+                f"{self.file_of(name)}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+        if a.dtype == ml_dtypes.float8_e4m3fn:
+            if not self.has(name + "_scale_inv"):
+                raise CheckpointError(
+                    f"{self.file_of(name)}: tensor {name!r} is float8_e4m3fn but {name + '_scale_inv'!r} is missing")
+        elif not np.issubdtype(a.dtype, np.floating) and a.dtype != ml_dtypes.bfloat16:
+            raise CheckpointError(
+                f"{self.file_of(name)}: tensor {name!r} has dtype {a.dtype}, expected a floating-point dtype")
+        return a
+
+    def dequantize(self, name: str, w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+        try:
+            return dequantize_mxfp8(w, scale_inv, name)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.file_of(name + '_scale_inv')}: {e}") from None
+
+    def read_dequantized(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
+        """fp32 (or stored float) tensor with its shape checked; returns (array, names consumed)."""
+        a = self.read_checked(name, shape)
         if a.dtype == ml_dtypes.float8_e4m3fn:
             scale_name = name + "_scale_inv"
-            if not self.has(scale_name):
-                raise CheckpointError(f"tensor {name!r} is float8_e4m3fn but {scale_name!r} is missing")
-            a = dequantize_mxfp8(a, self.read(scale_name), name)
-            used.append(scale_name)
-        elif not np.issubdtype(a.dtype, np.floating) and a.dtype != ml_dtypes.bfloat16:
-            raise CheckpointError(f"tensor {name!r} has dtype {a.dtype}, expected a floating-point dtype")
-        return a, used
+            return self.dequantize(name, a, self.read(scale_name)), [name, scale_name]
+        return a, [name]
 
 
 def _convert(reader: CheckpointReader, e: Entry, out_dtype) -> tuple[np.ndarray, list[str]]:
@@ -310,8 +334,32 @@ def load_params(
     return tree
 
 
+EMBED = "language_model.model.embed_tokens.weight"
+# What m3jax computes in for a stored dtype: float16 values are all exact in float32.
+_RUN_DTYPE = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float32"}
+
+
+def checkpoint_dtype(directory: str | Path) -> str:
+    """The dtype to run a checkpoint in, as transformers' ``dtype="auto"`` picks it: config.json's
+    ``dtype`` (transformers >= 4.56) or ``torch_dtype``, at the top level or in ``text_config``; without
+    either, the stored dtype of the token embedding (MXFP8 checkpoints keep it in BF16). A float16
+    checkpoint runs in float32; m3jax computes in bfloat16 or float32."""
+    path, d = read_config_json(directory)
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    name = next((c[k] for c in (d, text) for k in ("dtype", "torch_dtype") if c.get(k)), None)
+    if name is None:
+        name = str(CheckpointReader(path.parent).read(EMBED).dtype)
+    if name not in _RUN_DTYPE:
+        raise UnsupportedConfigError(f"{path}: dtype={name!r}; m3jax runs checkpoints stored in {sorted(_RUN_DTYPE)}")
+    return _RUN_DTYPE[name]
+
+
 # --------------------------------------------------------------------------------------------------
 # Writing
+
+# The files a save writes (the tmp names are its shards before they are renamed).
+_SAVED_FILE = re.compile(r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json")
+_TMP_SHARD = re.compile(r"shard-\d{5}\.tmp")
 
 
 def checkpoint_tensors(params: dict, cfg: M3Config, dtype=None, quantize_mxfp8_weights: bool = False):
@@ -349,9 +397,26 @@ def save_checkpoint(
     """Write ``config.json`` + safetensors shards (+ index when several) in the official naming.
 
     ``quantize_mxfp8_weights`` writes the MXFP8 layout of the released MXFP8 repo.
+
+    Into a folder that holds an older checkpoint, the older files this save does not rewrite (an
+    index, shards of another count, a single file) are removed, with a warning naming them: left in
+    place they would be loaded instead of, or mixed with, the new weights. Other ``*.safetensors``
+    files are refused before anything is written: a folder without an index is read whole.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    entries = sorted(directory.iterdir())
+    foreign = [f.name for f in entries if f.name.endswith(".safetensors") and not _SAVED_FILE.fullmatch(f.name)]
+    if foreign:
+        raise CheckpointError(
+            f"{directory}: holds {foreign}, which a checkpoint save does not write; the loader reads every "
+            "*.safetensors file of a folder without an index, so they would be mixed with the new weights: "
+            "move them or save elsewhere"
+        )
+    for f in entries:
+        if _TMP_SHARD.fullmatch(f.name):  # left by an interrupted save: never part of a checkpoint
+            f.unlink()
+    old = [f for f in entries if _SAVED_FILE.fullmatch(f.name)]
     # Shards are flushed as they fill (host memory stays one shard); names get their final
     # "-of-N" once N is known.
     written: list[tuple[Path, list[str]]] = []
@@ -371,17 +436,29 @@ def save_checkpoint(
         size += a.nbytes
         total += a.nbytes
     flush()
+    names = (["model.safetensors"] if len(written) == 1 else
+             [f"model-{k + 1:05d}-of-{len(written):05d}.safetensors" for k in range(len(written))] +
+             ["model.safetensors.index.json"])
+    # The old files go before the new ones take their names: a save cut short here leaves a folder that
+    # fails to load, never one that silently loads the old weights.
+    stale = [f.name for f in old if f.name not in names]
+    for f in old:
+        f.unlink()
+    if stale:
+        warnings.warn(f"{directory}: removed {stale} of the checkpoint saved there before; left in place they "
+                      "would be loaded instead of, or mixed with, the new weights", stacklevel=2)
     if len(written) == 1:
         written[0][0].rename(directory / "model.safetensors")
     else:
         weight_map = {}
-        for k, (path, names) in enumerate(written):
-            fname = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+        for fname, (path, tensor_names) in zip(names, written):
             path.rename(directory / fname)
-            weight_map.update({n: fname for n in names})
+            weight_map.update({n: fname for n in tensor_names})
         with open(directory / "model.safetensors.index.json", "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     hf = config_to_hf(dataclasses.replace(cfg, quantization="mxfp8" if quantize_mxfp8_weights else cfg.quantization))
+    # The dtype the weights were saved in (for MXFP8, that of the unquantized ones), as transformers writes it.
+    hf["dtype"] = jnp.dtype(dtype if dtype is not None else _get(params, ("text", "embed")).dtype).name
     with open(directory / "config.json", "w") as f:
         json.dump(hf, f, indent=2)
     return directory
@@ -411,24 +488,18 @@ def _flat_range(index: tuple, dims: tuple[int, ...]) -> tuple[int, int, tuple]:
 def _read_rows_cols(reader: CheckpointReader, name: str, hf_shape, rows: tuple[int, int], cols: tuple[int, int]):
     """fp32/stored-float block ``tensor[r0:r1, c0:c1]`` of a 2-D checkpoint tensor (MXFP8 dequantised on
     just the 32-column groups that cover it). Returns (array, names consumed)."""
-    a = reader.read(name)
-    if tuple(a.shape) != tuple(hf_shape):
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(hf_shape)}")
+    a = reader.read_checked(name, hf_shape)
     (r0, r1), (c0, c1) = rows, cols
     if a.dtype == ml_dtypes.float8_e4m3fn:
         scale_name = name + "_scale_inv"
-        if not reader.has(scale_name):
-            raise CheckpointError(f"tensor {name!r} is float8_e4m3fn but {scale_name!r} is missing")
         g0, g1 = c0 // MXFP8_BLOCK, -(-c1 // MXFP8_BLOCK)
         scale = reader.read(scale_name)
         if scale.shape != (a.shape[0], -(-a.shape[1] // MXFP8_BLOCK)) or scale.dtype != np.uint8:
-            dequantize_mxfp8(np.asarray(a[:1]), np.asarray(scale[:1]), name)  # raises the detailed error
+            reader.dequantize(name, np.asarray(a[:1]), np.asarray(scale[:1]))  # raises the detailed error
         cb1 = min(a.shape[1], g1 * MXFP8_BLOCK)
         block = np.asarray(a[r0:r1, g0 * MXFP8_BLOCK : cb1])
-        deq = dequantize_mxfp8(block, np.asarray(scale[r0:r1, g0:g1]), name)
+        deq = reader.dequantize(name, block, np.asarray(scale[r0:r1, g0:g1]))
         return deq[:, c0 - g0 * MXFP8_BLOCK : c1 - g0 * MXFP8_BLOCK], [name, scale_name]
-    if not np.issubdtype(a.dtype, np.floating) and a.dtype != ml_dtypes.bfloat16:
-        raise CheckpointError(f"tensor {name!r} has dtype {a.dtype}, expected a floating-point dtype")
     return np.asarray(a[r0:r1, c0:c1]), [name]
 
 
@@ -459,10 +530,8 @@ def read_entry_shard(reader: CheckpointReader, e: Entry, index: tuple | None, ou
         a, used = _convert(reader, e, out_dtype)
         return np.ascontiguousarray(a[index]), used
     if e.kind == "copy":
-        a = reader.read(e.names[0])
-        if tuple(a.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {e.names[0]!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-        if a.dtype == ml_dtypes.float8_e4m3fn or (not np.issubdtype(a.dtype, np.floating) and a.dtype != ml_dtypes.bfloat16):
+        a = reader.read_checked(e.names[0], shape)
+        if a.dtype == ml_dtypes.float8_e4m3fn:
             full, used = reader.read_dequantized(e.names[0], shape)
             return np.asarray(full[index]).astype(out_dtype), used
         return np.asarray(a[index]).astype(out_dtype), [e.names[0]]

@@ -19,9 +19,12 @@ import pytest
 import m3jax
 from m3jax.checkpoint import (
     MXFP8_BLOCK,
+    CheckpointReader,
+    checkpoint_dtype,
     dequantize_mxfp8,
     is_mxfp8_quantized,
     quantize_mxfp8,
+    read_entry_shard,
     tensor_plan,
 )
 from m3jax.config import M3Config, TextConfig, VisionConfig
@@ -442,7 +445,7 @@ def test_wrong_shape(ckpt, name, shape):
     rewrite(ckpt / "model.safetensors", lambda t: {**t, name: np.zeros(shape, np.float32)})
     with pytest.raises(m3jax.CheckpointError, match="shape") as ei:
         load(ckpt)
-    assert name in str(ei.value)
+    assert name in str(ei.value) and str(ckpt / "model.safetensors") in str(ei.value)
 
 
 @pytest.mark.parametrize(
@@ -465,7 +468,7 @@ def test_integer_dtype_rejected(ckpt, name, dtype):
     rewrite(ckpt / "model.safetensors", edit)
     with pytest.raises(m3jax.CheckpointError, match="dtype") as ei:
         load(ckpt)
-    assert name in str(ei.value)
+    assert name in str(ei.value) and str(ckpt / "model.safetensors") in str(ei.value)
 
 
 def test_truncated_file(ckpt):
@@ -582,14 +585,14 @@ def test_fp8_without_scale_inv(ckpt8, name):
     rewrite(ckpt8 / "model.safetensors", lambda t: {k: v for k, v in t.items() if k != name + "_scale_inv"})
     with pytest.raises(m3jax.CheckpointError, match="scale_inv") as ei:
         load(ckpt8)
-    assert name + "_scale_inv" in str(ei.value)
+    assert name + "_scale_inv" in str(ei.value) and str(ckpt8 / "model.safetensors") in str(ei.value)
 
 
 def test_fp8_scale_inv_wrong_shape(ckpt8):
     rewrite(ckpt8 / "model.safetensors", lambda t: {**t, Q_PROJ + "_scale_inv": np.zeros((32, 2), np.uint8)})
     with pytest.raises(m3jax.CheckpointError, match="shape") as ei:
         load(ckpt8)
-    assert Q_PROJ + "_scale_inv" in str(ei.value)
+    assert Q_PROJ + "_scale_inv" in str(ei.value) and str(ckpt8 / "model.safetensors") in str(ei.value)
 
 
 def test_fp8_extra_scale_inv_is_unexpected(ckpt):
@@ -649,8 +652,99 @@ def test_config_fewer_layers_than_weights(ckpt):
     assert LM + "layers.1." in str(ei.value)
 
 
+def test_sharded_read_errors_name_the_file(ckpt, model):
+    """The per-device reader (sharded loading) reports a wrong shape with its file, as the whole-leaf one does."""
+    rewrite(ckpt / "model.safetensors", lambda t: {**t, Q_PROJ: np.zeros((32, 33), np.float32)})
+    entry = next(e for e in tensor_plan(model.config) if e.names == (Q_PROJ,))
+    with pytest.raises(m3jax.CheckpointError, match="shape") as ei:
+        read_entry_shard(CheckpointReader(ckpt), entry, None, np.float32)
+    assert str(ckpt / "model.safetensors") in str(ei.value)
+
+
 # --------------------------------------------------------------------------------------------------
-# 5. Laziness
+# 5. Saving into a folder that holds a checkpoint (issue #19)
+
+
+def test_single_file_save_over_a_sharded_checkpoint(model, tmp_path):
+    """The older index and shards are removed, by name: left in place the index was followed and the
+    old model came back."""
+    d = tmp_path / "ckpt"
+    m3jax.save_pretrained(model, d, max_shard_bytes=16 << 10)
+    shards = sorted(p.name for p in d.glob("model-*.safetensors"))
+    new = m3jax.init_random(tiny_config(), seed=2)
+    with pytest.warns(UserWarning, match="would be loaded instead of") as w:
+        m3jax.save_pretrained(new, d)
+    assert all(n in str(w[0].message) for n in ["model.safetensors.index.json", *shards])
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
+    assert_trees_equal(load(d).params, new.params)
+
+
+def test_sharded_save_over_other_checkpoints(model, tmp_path):
+    d = tmp_path / "ckpt"
+    m3jax.save_pretrained(model, d)
+    with pytest.warns(UserWarning, match=r"\['model.safetensors'\]"):
+        m3jax.save_pretrained(model, d, max_shard_bytes=8 << 10)  # many shards
+    with pytest.warns(UserWarning) as w:
+        m3jax.save_pretrained(model, d, max_shard_bytes=64 << 10)  # fewer: the extra old shards go
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    on_disk = {p.name for p in d.glob("*.safetensors")}
+    assert on_disk == set(index["weight_map"].values()) and not any(n in str(w[0].message) for n in on_disk)
+    assert_trees_equal(load(d).params, model.params)
+
+
+def test_resave_in_place_does_not_warn(model, ckpt):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m3jax.save_pretrained(model, ckpt)
+
+
+def test_save_refuses_other_safetensors_files(model, ckpt):
+    (ckpt / "adapter.safetensors").write_bytes(b"someone else's")
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    with pytest.raises(m3jax.CheckpointError, match="adapter.safetensors"):
+        m3jax.save_pretrained(model, ckpt)
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+
+
+def test_reader_refuses_two_checkpoints_in_one_folder(model, tmp_path):
+    d = m3jax.save_pretrained(model, tmp_path / "ckpt", max_shard_bytes=16 << 10)
+    shutil.copy(sorted(d.glob("model-*.safetensors"))[0], d / "model.safetensors")
+    with pytest.raises(m3jax.CheckpointError, match="two checkpoints in one folder"):
+        load(d)
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. The checkpoint's own dtype (dtype="auto", issue #18)
+
+
+@pytest.mark.parametrize("saved, key, stored, expected", [
+    (None, "dtype", None, "float32"),  # what save_pretrained writes
+    ("bfloat16", "dtype", None, "bfloat16"),
+    ("bfloat16", "torch_dtype", "bfloat16", "bfloat16"),  # transformers < 4.56 spelling
+    ("bfloat16", None, None, "bfloat16"),  # no key: the stored embedding's dtype
+    ("float32", "torch_dtype", "float16", "float32"),  # float16 runs in float32, exactly
+], ids=["fp32", "bf16", "torch_dtype", "no-key", "fp16"])
+def test_checkpoint_dtype(model, tmp_path, saved, key, stored, expected):
+    d = m3jax.save_pretrained(model, tmp_path / "ckpt", dtype=saved)
+    hf = json.loads((d / "config.json").read_text())
+    assert hf.pop("dtype") == (saved or "float32")
+    if key is not None:
+        hf[key] = stored or saved or "float32"
+    (d / "config.json").write_text(json.dumps(hf))
+    assert checkpoint_dtype(d) == expected
+    assert m3jax.load_pretrained(d, dtype="auto", progress=False).params["text"]["embed"].dtype == expected
+
+
+def test_checkpoint_dtype_unsupported(ckpt):
+    _edit_config(ckpt, lambda c: c.update(dtype="int8"))
+    with pytest.raises(m3jax.UnsupportedConfigError, match="dtype='int8'"):
+        checkpoint_dtype(ckpt)
+
+
+# --------------------------------------------------------------------------------------------------
+# 7. Laziness
 
 
 def test_reader_is_lazy(model, template):
