@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 import m3jax
-from m3jax.config import preset, preset_names
+from m3jax import cli
+from m3jax.config import describe_presets, preset
 from m3jax.params import count_params
 
 
@@ -26,12 +27,13 @@ def _dir_bytes(path: Path) -> int:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="m3_tiny", help=f"preset name, one of {preset_names()}")
+    ap.add_argument("--config", default="m3_tiny", help=f"preset name: {describe_presets()}")
     ap.add_argument("--out", type=Path, help="checkpoint directory to write (default: a temporary one)")
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=cli.positive_int, default=512)
+    ap.add_argument("--batch", type=cli.positive_int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
 
     cfg = preset(args.config)
@@ -83,4 +85,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Callable, Sequence
 
@@ -30,9 +31,21 @@ from m3jax.model import lm_head, text_hidden
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """temperature: 0 = greedy, else > 0 (finite); top_p in (0, 1]; top_k >= 1 (a k at or above the
+    vocabulary size keeps every token). Out-of-range values are refused here: a negative temperature
+    would sample the least likely tokens, and top_p > 1 or top_k <= 0 would quietly turn the cut off."""
+
     temperature: float = 1.0
     top_p: float = 0.95
     top_k: int = 40
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be an integer >= 1 (k >= vocabulary size keeps every token), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +58,7 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
     if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / params.temperature
-    k = min(params.top_k, logits.shape[-1]) if params.top_k > 0 else logits.shape[-1]
+    k = min(params.top_k, logits.shape[-1])
     vals, idx = jax.lax.top_k(logits, k)  # sorted descending
     probs = jax.nn.softmax(vals, axis=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
@@ -101,6 +114,9 @@ class Engine:
 
     def __init__(self, params: dict, cfg: M3Config, *, batch: int, capacity: int, prefill_chunk: int = 512,
                  cache_dtype=None, mesh=None):
+        for name, value in (("batch", batch), ("capacity", capacity), ("prefill_chunk", prefill_chunk)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
         if capacity > cfg.text.max_position_embeddings:
             raise ValueError(
                 f"context {capacity} exceeds max_position_embeddings={cfg.text.max_position_embeddings} of the config"
@@ -207,6 +223,8 @@ class Engine:
         on_prefill_progress: Callable[[int], None] | None = None,
     ) -> GenerationResult:
         """Generate for up to ``batch`` prompts (token ids, or precomputed embeddings [T, D] each)."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (0 = prefill only), got {max_new_tokens}")
         inputs = list(prompts) if prompt_embeds is None else list(prompt_embeds)
         n = len(inputs)
         if not 0 < n <= self.batch:

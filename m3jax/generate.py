@@ -19,6 +19,12 @@ text (images first). Preprocessing, frame sampling and the token layout are thos
 :mod:`m3jax.processing`; the vision tokens replace the placeholder rows of the prompt embeddings.
 Without a tokenizer (random presets) the start/end markers are spelled as bytes (a note is printed;
 see ``m3jax.processing.media_token_ids``).
+
+Weights run in the checkpoint's own dtype (``--dtype auto``: config.json's ``dtype`` / ``torch_dtype``,
+as transformers' ``dtype="auto"``); random ``--config`` presets run in bfloat16.
+
+Bad arguments, checkpoints and configs end in one ``error:`` line and exit status 2 (``--debug`` or
+``M3JAX_DEBUG=1`` for the traceback). Prompt and output paths are checked before anything is loaded.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
-from m3jax import processing
-from m3jax.config import load_config, preset, preset_names
+from m3jax import cli, processing
+from m3jax.checkpoint import checkpoint_dtype
+from m3jax.config import describe_presets, load_config, preset
 from m3jax.engine import Engine, SamplingParams
 from m3jax.memory import GiB, max_fitting_ctx, plan
 from m3jax.model import scatter_media
@@ -59,37 +66,49 @@ def parse_args(argv=None):
     src.add_argument("--checkpoint", type=Path,
                      help="HF checkpoint directory (config.json + safetensors); default: the built-in trained "
                           "m3-small (m3jax/assets/m3-small) unless --config is given")
-    src.add_argument("--config", help=f"preset with random weights instead of the default checkpoint: {preset_names()}")
-    ap.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (caches are sized for it)")
+    src.add_argument("--config", help=f"preset with random weights instead of the default checkpoint: {describe_presets()}")
+    ap.add_argument("--ctx", type=cli.positive_int, default=4096,
+                    help="context capacity in tokens (caches are sized for it)")
     prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None)
-    prompt.add_argument("--prompt-file", type=Path)
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids (no template, no tokenizer)")
+    # Read while parsing (into the same place as --prompt): a missing or non-UTF-8 file is named before any work.
+    prompt.add_argument("--prompt-file", dest="prompt", type=cli.utf8_file, metavar="FILE", help="UTF-8 text file")
+    prompt.add_argument("--prompt-ids", type=cli.token_ids, help="comma-separated token ids (no template, no tokenizer)")
     ap.add_argument("--raw", action="store_true", help="do not apply the checkpoint's chat template")
     ap.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
                     help="image file (repeatable); goes at a ']<]image[>[' in the prompt, else before the prompt")
     ap.add_argument("--video", action="append", type=Path, default=[], metavar="FILE",
                     help="video file decoded with PyAV (repeatable); goes at a ']<]video[>[' in the prompt, "
                          "else before the prompt")
-    ap.add_argument("--video-fps", type=float, default=None,
+    ap.add_argument("--video-fps", type=cli.positive_float, default=None,
                     help=f"frames sampled per second of video (default {processing.VIDEO_FPS}, "
                          f"{processing.VIDEO_MIN_FRAMES}-{processing.VIDEO_MAX_FRAMES} frames)")
     ap.add_argument("--fill", action="store_true", help="prepend a synthetic haystack up to the context")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=cli.nonnegative_int, default=32, help="0 = prefill only")
+    ap.add_argument("--temperature", type=float, default=1.0, help=">= 0; 0 = greedy")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = no cut")
+    ap.add_argument("--top-k", type=int, default=40,
+                    help=">= 1: sample among the k most likely tokens (k >= the vocabulary size: all of them)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--prefill-chunk", type=int, default=2048,
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto (default): the checkpoint's dtype from its config.json (dtype / torch_dtype; float16 "
+                         "runs as float32); bfloat16 for random --config presets")
+    ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "dense_mask", "pallas"])
-    ap.add_argument("--output-json", type=Path)
+    ap.add_argument("--output-json", type=cli.writable_file, metavar="FILE",
+                    help="write the report here (its folder must exist; checked before the run)")
     ap.add_argument("--allow-beyond-max-position", action="store_true",
                     help="run past the config's max_position_embeddings (RoPE extrapolation: quality unknown)")
     ap.add_argument("--quiet", action="store_true", help="no streaming text, no progress bars")
-    return ap.parse_args(argv)
+    cli.add_debug_flag(ap)
+    args = ap.parse_args(argv)
+    try:
+        args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+    except ValueError as e:  # SamplingParams checks the values once, naming its fields; the user typed flags
+        ap.error(str(e).replace("temperature", "--temperature").replace("top_p", "--top-p").replace("top_k", "--top-k"))
+    return args
 
 
 def _peak_memory() -> dict:
@@ -116,8 +135,6 @@ def _prepare_media(args, cfg, tok):
         raise SystemExit(f"cannot encode media prompts: {e}") from None
     if token_ids.fallback:
         print(f"note: {token_ids.describe()}", file=sys.stderr)
-    if args.video_fps is not None and not args.video_fps > 0:
-        raise SystemExit(f"--video-fps must be positive, got {args.video_fps}")
     try:
         image_kw, video_kw = processing.processor_settings(args.checkpoint)
     except ValueError as e:
@@ -178,34 +195,27 @@ def main(argv=None) -> dict:
             f"--ctx {args.ctx} exceeds the model's max_position_embeddings={cfg.text.max_position_embeddings}; "
             "pass --allow-beyond-max-position to run anyway"
         )
-    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    dtype = args.dtype
+    if dtype == "auto":  # the checkpoint's own dtype, as transformers' dtype="auto"; random presets bfloat16
+        dtype = checkpoint_dtype(args.checkpoint) if args.checkpoint else "bfloat16"
+    dtype_bytes = 2 if dtype == "bfloat16" else 4
     mem = plan(cfg, batch=1, capacity=args.ctx, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes)
     if not mem.fits:
         best = max_fitting_ctx(cfg, batch=1, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes, weights_loaded=False)
         hint = f"--ctx {best} fits" if best else "no --ctx fits; use a smaller --prefill-chunk or more devices"
         raise SystemExit(f"refusing to run: {mem.describe()}. {hint}"
-                         + ("" if args.dtype == "bfloat16" else "; --dtype bfloat16 halves weights and caches"))
+                         + ("" if dtype == "bfloat16" else "; --dtype bfloat16 halves weights and caches"))
 
-    tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size)
+    try:
+        tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size)
+    except ValueError as e:  # no tokenizer.json and a vocabulary too small for the byte fallback
+        raise SystemExit(f"no tokenizer for {args.checkpoint or args.config}: {e}") from None
     media = _prepare_media(args, cfg, tok) if (args.image or args.video) else None
-
-    t0 = time.perf_counter()
-    if args.checkpoint:
-        model = m3jax.load_pretrained(args.checkpoint, dtype=args.dtype, attention_impl=cfg.attention_impl,
-                                      progress=not args.quiet)
-        model = m3jax.M3Model(cfg, model.params)
-    elif mem.weights > GiB:
-        # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the device.
-        model = m3jax.M3Model(cfg, init_random_on_device(cfg, seed=args.seed, dtype=jnp.dtype(args.dtype)))
-    else:
-        model = m3jax.init_random(cfg, seed=args.seed, dtype=args.dtype)
-    jax.block_until_ready(model.params)
-    load_s = time.perf_counter() - t0
-
+    # The prompt is built before the weights load: its mistakes cost nothing.
     if args.prompt_ids:
-        ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        ids = list(args.prompt_ids)
     else:
-        text = args.prompt_file.read_text() if args.prompt_file else (args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         if media:
             text = processing.insert_placeholders(text, len(args.image), len(args.video))
         if not args.raw and getattr(tok, "chat_template", None):
@@ -226,11 +236,25 @@ def main(argv=None) -> dict:
         ids = (hay * (room // len(hay) + 1))[: max(room, 0)] + ids
     if not ids:
         raise SystemExit("empty prompt")
+    if len(ids) + args.max_new_tokens > args.ctx:
+        raise SystemExit(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed --ctx {args.ctx}")
+
+    t0 = time.perf_counter()
+    if args.checkpoint:
+        model = m3jax.load_pretrained(args.checkpoint, dtype=dtype, attention_impl=cfg.attention_impl,
+                                      progress=not args.quiet)
+        model = m3jax.M3Model(cfg, model.params)
+    elif mem.weights > GiB:
+        # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the device.
+        model = m3jax.M3Model(cfg, init_random_on_device(cfg, seed=args.seed, dtype=jnp.dtype(dtype)))
+    else:
+        model = m3jax.init_random(cfg, seed=args.seed, dtype=dtype)
+    jax.block_until_ready(model.params)
+    load_s = time.perf_counter() - t0
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
     engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk)
     compile_s = engine.warmup(len(ids))
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
 
@@ -254,7 +278,7 @@ def main(argv=None) -> dict:
             shown = text
 
     result = engine.generate(
-        [ids], prompt_embeds=prompt_embeds, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+        [ids], prompt_embeds=prompt_embeds, max_new_tokens=args.max_new_tokens, sampling=args.sampling, seed=args.seed,
         eos_ids=eos_ids,
         on_token=on_token, on_prefill_progress=(bar.update if bar is not None else None),
     )
@@ -270,6 +294,7 @@ def main(argv=None) -> dict:
         "tokenizer": tok.name,
         "config": args.checkpoint.as_posix() if args.checkpoint else args.config,
         "ctx": args.ctx,
+        "dtype": dtype,
         "attention_impl": cfg.attention_impl,
         "devices": [str(d) for d in jax.devices()],
         "timings": {
@@ -304,4 +329,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

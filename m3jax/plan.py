@@ -10,6 +10,9 @@ the 4 KV heads; the KV and index caches split by pages over the N devices (conte
 striped), each prefill chunk's index scoring and attention run on every device over its own pages
 and are merged by log-sum-exp. Weights are counted from the parameter declarations through the same
 rule table the loader uses; the caches with :func:`m3jax.cache.cache_bytes`. GB = 1e9 bytes.
+
+Exit status: 0 the plan fits, 1 it does not (the table says by how much and the largest context that
+fits), 2 bad arguments or config (one ``error:`` line; ``--debug`` for the traceback).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from __future__ import annotations
 import argparse
 import math
 
+from m3jax import cli
 from m3jax import sharding as sh
 from m3jax.cache import cache_bytes
 from m3jax.checkpoint import MXFP8_BLOCK, is_mxfp8_quantized, tensor_plan
-from m3jax.config import M3Config, load_config, preset, preset_names
+from m3jax.config import M3Config, describe_presets, load_config, preset
 from m3jax.memory import weight_bytes
 
 GB = 1e9
@@ -139,14 +143,15 @@ def describe(r: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--config", default="minimax_m3", help=f"preset: {preset_names()}")
+    src.add_argument("--config", default="minimax_m3", help=f"preset: {describe_presets()}")
     src.add_argument("--checkpoint", help="directory with a config.json")
-    ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--hbm-gb", type=float, default=141.0, help="memory per device in GB (1e9 bytes)")
-    ap.add_argument("--ctx", type=int, default=1_000_000)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
+    ap.add_argument("--devices", type=cli.positive_int, default=8)
+    ap.add_argument("--hbm-gb", type=cli.positive_float, default=141.0, help="memory per device in GB (1e9 bytes)")
+    ap.add_argument("--ctx", type=cli.positive_int, default=1_000_000)
+    ap.add_argument("--batch", type=cli.positive_int, default=1)
+    ap.add_argument("--chunk", type=cli.positive_int, default=8192, help="prefill chunk (tokens)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "mxfp8", "float32"])
+    cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
     r = plan(cfg, devices=args.devices, hbm_gb=args.hbm_gb, ctx=args.ctx, dtype=args.dtype, batch=args.batch,
@@ -166,4 +171,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, exit_code=lambda r: 0 if r["fits"] else 1)
