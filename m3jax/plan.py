@@ -170,5 +170,10 @@ def main(argv=None) -> dict:
     return r
 
 
+def exit_status(r: dict) -> int:
+    """0 when the plan fits, 1 when it does not: scripts can branch on the answer."""
+    return 0 if r["fits"] else 1
+
+
 if __name__ == "__main__":
-    cli.run(main, exit_code=lambda r: 0 if r["fits"] else 1)
+    cli.run(main, exit_code=exit_status)

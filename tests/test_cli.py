@@ -127,12 +127,12 @@ def test_plan_refuses_nonsense(capsys, argv, needle):
 
 
 def test_plan_exit_status_says_whether_it_fits(capsys):
-    fits = lambda r: 0 if r["fits"] else 1  # noqa: E731  (the one of plan's __main__)
-    code, _ = run_cli(plan.main, ["--config", "m3_tiny", "--devices", "1", "--ctx", "4096"], capsys, exit_code=fits)
+    argv = ["--config", "m3_tiny", "--devices", "1", "--ctx", "4096"]
+    code, _ = run_cli(plan.main, argv, capsys, exit_code=plan.exit_status)
     assert code == 0
     # 1 GB per device is below the fixed workspace alone: no context fits
     with pytest.raises(SystemExit) as ei:
-        cli.run(plan.main, ["--config", "m3_tiny", "--devices", "1", "--hbm-gb", "1"], exit_code=fits)
+        cli.run(plan.main, ["--config", "m3_tiny", "--devices", "1", "--hbm-gb", "1"], exit_code=plan.exit_status)
     assert ei.value.code == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
