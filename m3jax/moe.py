@@ -58,6 +58,10 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
 
     (m, k), (g, _, n) = xs.shape, w.shape
     reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, g))
+    if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.selfcheck)
+        from m3jax.selfcheck import kernel_failure
+
+        reason = kernel_failure("grouped_matmul")
     if impl == "pallas":
         if reason:
             raise ValueError(f"moe_impl='pallas' cannot run [{m}, {k}] x [{g}, {k}, {n}]: {reason}")

@@ -23,7 +23,9 @@ def unsupported_reason(cfg: TextConfig) -> str | None:
         return f"index_block_size {cfg.index_block_size} must be 64, 128, 192 or 256"
     if cfg.msa_force_in or cfg.msa_force_out:
         return "msa_force_in / msa_force_out interventions run on the reference path only"
-    return None
+    from m3jax import selfcheck  # a kernel that fails its canary on this GPU is not used
+
+    return selfcheck.kernel_failure(*selfcheck.MSA_KERNELS)
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig):
