@@ -17,6 +17,7 @@ as they are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -38,16 +39,46 @@ HOPPER = Target("sm_90a", mma="wgmma", smem_bytes=232_448, num_sms=132)
 BLACKWELL = Target("sm_100a", mma="tcgen05", smem_bytes=232_448, num_sms=148, cluster=2, tma_gather=True)
 
 
+_lowering_target: Target | None = None  # set by lowering_for: lower as on that GPU, on any machine
+
+
 def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+    return _lowering_target is not None or jax.default_backend() == "gpu"
 
 
 def current_target() -> Target:
     """The target of the default GPU (Hopper off-GPU: interpret mode simulates Hopper semantics)."""
+    if _lowering_target is not None:
+        return _lowering_target
     if on_gpu():
         major = int(getattr(jax.devices()[0], "compute_capability", "9.0").split(".")[0])
         return BLACKWELL if major >= 10 else HOPPER
     return HOPPER
+
+
+@contextlib.contextmanager
+def lowering_for(target: Target):
+    """Trace and lower the kernels as on a ``target`` GPU, on any machine (CPU lowering tests).
+
+    Nothing in jax 0.11.2 selects the arch Mosaic GPU lowers for (no option, no env var): it reads the
+    default device's compute capability in ``jax.experimental.mosaic.gpu.utils._infer_arch``, (9, 0)
+    when there is no GPU. So while this is active that private function answers ``target``'s arch,
+    and ``on_gpu`` / ``current_target`` answer as on that GPU (no interpret mode; its SMEM and SMs).
+    """
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    global _lowering_target
+    arch = {"sm_90a": (9, 0), "sm_100a": (10, 0)}[target.name]
+    saved = mgpu_utils._infer_arch, _lowering_target
+    # Jitted wrappers (sparse_attention's) keep traces made for another target (interpret mode, its
+    # SM count): traced again inside, and the ones made inside are not kept.
+    jax.clear_caches()
+    mgpu_utils._infer_arch, _lowering_target = (lambda: arch), target
+    try:
+        yield
+    finally:
+        mgpu_utils._infer_arch, _lowering_target = saved
+        jax.clear_caches()
 
 
 def interpret_params(detect_races: bool = True):

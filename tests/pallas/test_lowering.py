@@ -1,0 +1,128 @@
+"""Every Mosaic GPU kernel lowers for CUDA on a CPU machine, as for Hopper (sm_90a) and for Blackwell
+(sm_100a), at M3's shapes (Hi = K = 4 index / KV heads, G = 16, H = Hx = 128, block 128, top-16).
+
+``_backend.lowering_for`` makes Mosaic GPU lower for the target's arch (jax 0.11.2 has no option for
+it) and the kernels trace as on that GPU. Lowering builds and verifies the Mosaic module and emits
+its custom call; PTX and ptxas run only when XLA compiles on a GPU, so nothing here is compiled.
+
+What this shows for sm_100a: the kernels lower, and Mosaic does not refuse wgmma there. The MMA
+kernels' modules for sm_100a carry Hopper ``wgmma.mma_async`` as inline PTX, an sm_90a-only
+instruction, so on a B200 they can fail only later, at ptxas (not verifiable here: the self-check
+canary, ``python -m m3jax.selfcheck``, is where it shows); top-k has no MMA and carries none.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from m3jax.pallas import _backend
+
+S = jax.ShapeDtypeStruct
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+T, CTX, BS, TOPK, HI, G, H = 256, 8192, 128, 16, 4, 16, 128
+NB = CTX // BS
+
+
+def _index_scores():
+    from m3jax.pallas.index_scores import index_block_scores
+
+    return (lambda iq, ik, p: index_block_scores(iq, ik, p, block_size=BS),
+            (S((1, T, HI, H), BF16), S((1, CTX, H), BF16), S((1, T), I32)))
+
+
+def _index_topk_fused():
+    from m3jax.pallas.index_scores import IndexScoreConfig, index_select_blocks
+
+    cfg = IndexScoreConfig(fused_topk=True)
+    return (lambda iq, ik, p: index_select_blocks(iq, ik, p, block_size=BS, topk=TOPK, config=cfg),
+            (S((1, T, HI, H), BF16), S((1, CTX, H), BF16), S((1, T), I32)))
+
+
+def _topk(impl, rows_t):
+    from m3jax.pallas.topk import select_blocks
+
+    return (lambda s, p: select_blocks(s, p, block_size=BS, topk=TOPK, implementation=impl),
+            (S((1, HI, rows_t, NB), F32), S((1, rows_t), I32)))
+
+
+def _sparse_attention(impl):
+    from m3jax.pallas.sparse_attention import sparse_attention
+
+    return (lambda q, k, v, sel, p: sparse_attention(q, k, v, sel, p, block_size=BS, implementation=impl),
+            (S((1, T, HI * G, H), BF16), S((1, CTX, HI, H), BF16), S((1, CTX, HI, H), BF16),
+             S((1, HI, T, TOPK), I32), S((1, T), I32)))
+
+
+def _decode_index_scores():
+    from m3jax.pallas.decode import decode_index_scores
+
+    return (lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS),
+            (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), BF16), S((2, NB), I32), S((2,), I32)))
+
+
+def _sparse_decode_attention():
+    from m3jax.pallas.decode import sparse_decode_attention
+
+    return (lambda q, k, v, pt, sel, sl: sparse_decode_attention(q, k, v, pt, sel, sl, block_size=BS),
+            (S((2, 1, HI * G, H), BF16), S((2 * NB, BS, HI, H), BF16), S((2 * NB, BS, HI, H), BF16),
+             S((2, NB), I32), S((2, HI, 1, TOPK), I32), S((2,), I32)))
+
+
+def _grouped_matmul():
+    from m3jax.pallas.grouped_matmul import grouped_matmul
+
+    return grouped_matmul, (S((4096, 1024), BF16), S((16, 1024, 512), BF16), S((16,), I32))
+
+
+# kernel -> (function and abstract arguments, whether it multiplies on the tensor cores)
+KERNELS = {
+    "index_scores": (_index_scores, True),
+    "index_topk_fused": (_index_topk_fused, True),
+    "topk_blockmajor": (lambda: _topk("pallas_blockmajor", T), False),
+    "topk_rowsplit": (lambda: _topk("pallas_rowsplit", 1), False),
+    "sparse_attention_kv_major": (lambda: _sparse_attention("kv_major"), True),
+    "sparse_attention_query_major": (lambda: _sparse_attention("query_major"), True),
+    "decode_index_scores": (_decode_index_scores, True),
+    "sparse_decode_attention": (_sparse_decode_attention, True),
+    "grouped_matmul": (_grouped_matmul, True),
+}
+
+
+def test_every_selfcheck_kernel_is_lowered_here():
+    from m3jax import selfcheck
+
+    assert set(KERNELS) == set(selfcheck.CANARIES)
+
+
+@pytest.fixture
+def mosaic_modules(monkeypatch):
+    """The text of every Mosaic GPU module lowered, captured just before Mosaic serialises it."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    modules, serde = [], mgpu_core._run_serde_pass
+
+    def capture(module, *, serialize, **kw):
+        if serialize:
+            modules.append(str(module))
+        return serde(module, serialize=serialize, **kw)
+
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass", capture)
+    return modules
+
+
+@pytest.mark.parametrize("target", [_backend.HOPPER, _backend.BLACKWELL], ids=lambda t: t.name)
+def test_lowers_for_target(target, mosaic_modules):
+    major = {"sm_90a": 9, "sm_100a": 10}[target.name]
+    with _backend.lowering_for(target):
+        assert _backend.current_target() is target
+        for name, (make, mma) in KERNELS.items():
+            start = len(mosaic_modules)
+            f, args = make()
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("custom_call @mosaic_gpu") >= 1, name
+            mods = mosaic_modules[start:]
+            assert mods and all(f"mosaic_gpu.arch_major = {major} : i32" in m for m in mods), name
+            assert any("wgmma.mma_async" in m for m in mods) == mma, name
+    assert _backend.current_target() is _backend.HOPPER and not _backend.on_gpu()
