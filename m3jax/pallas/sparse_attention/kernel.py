@@ -27,9 +27,22 @@ Query-major (``query_major_forward``), the baseline
     and each block is fetched by TMA into a 2-deep ring, online softmax across blocks. Every query
     re-reads its 16 blocks (~16 FLOP/B, memory/L2-bound), which is what KV-block-major removes.
 
-Numerics: bf16 tensor-core MMAs with fp32 accumulation and fp32 softmax (exp2 with log2 e folded into
-the scale). fp32 inputs are rounded to bf16 before the MMAs (the kernels are bf16 kernels); the
-output has q's dtype.
+Numerics: bf16 (or fp16) tensor-core MMAs with fp32 accumulation and fp32 softmax (exp2 with log2 e
+folded into the scale). fp32 inputs run "bf16x3" as the decode kernel does (docs/KERNELS.md §1.5):
+Q, K and V are split into bf16 ``hi + lo`` parts in XLA (:func:`m3jax.pallas._common.split_parts`),
+P in the kernel (``bf16_split_in_kernel``), and each product is three wgmmas (hi.hi + hi.lo + lo.hi,
+~2^-16 relative), so fp32 matches the fp32 reference to ~1e-5; their partials are staged in fp32.
+The output has q's dtype.
+
+Shapes (:func:`plan_kv_major`, :func:`plan_query_major`; :func:`unsupported_reason` says what is
+refused). A token's G heads fill ``gp`` tile rows, G rounded up to a power of two >= 8: the per-token
+TMA copies write whole 8-row SMEM tiles, so for G = 1, 2, 4 (or 12, 24, ...) the wrapper pads Q with
+zero heads whose outputs are dropped. The kernels' key block ``kb`` divides the MSA block: the block
+itself when it is 16, 32 or a multiple of 64 up to 256 and its tiles fit in SMEM, else a smaller
+divisor (fp32 at H=128: 64, since hi and lo tiles double the SMEM); a selected block is then split in
+XLA into ``block_size // kb`` sub-blocks (those wholly after the query dropped) and the LSE merge
+treats them as separate slots. V's SMEM swizzle is ``kb * 2`` bytes when ``kb`` < 64: the PV wgmma
+contracts over the keys, and its K step is one swizzle width.
 
 Hopper -> Blackwell (a port's work list; no code reads ``Target.mma`` yet): tcgen05 keeps S and O in TMEM
 (``plgpu.TMEM`` + ``plgpu.tcgen05_mma``) instead of registers, so one CTA holds a 128-row tile
@@ -64,28 +77,34 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.msa.reference import lse_merge
-from m3jax.pallas._backend import current_target, mosaic_kernel, on_gpu, pl, plgpu
-from m3jax.pallas._common import swizzle_transforms
+from m3jax.pallas._backend import HOPPER, Target, current_target, mosaic_kernel, on_gpu, pl, plgpu
+from m3jax.pallas._common import bf16_split_in_kernel, split_parts, swizzle_transforms
 
 from . import csr
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+KEY_BLOCKS = (256, 192, 128, 64, 32, 16)  # kernel key blocks: a 128 B swizzle's K step (64) divides them, or 16 / 32
+MAX_GROUP_ROWS = 128  # padded G: one token's heads fit a 128-row tile
 
 
 @dataclasses.dataclass(frozen=True)
 class SparseAttentionConfig:
     """Tile configuration (defaults: H200, M3 shapes).
 
-    block_m: packed MMA rows per tile (query tokens x GQA heads); a multiple of 64 and of G.
+    block_m: packed MMA rows per tile (query tokens x padded GQA heads); a multiple of 64 (raised to
+      the padded G when that is larger).
     tiles_per_item: Q tiles per KV-major work item (the K/V block is loaded once per item).
     q_stages: depth of the KV-major kernel's Q-tile ring (>= 2; tiles in flight = q_stages - 1); each
-      stage is block_m x H of SMEM (16 KiB at M3 shapes) and also stages its tile's O for the store.
+      stage is block_m x H of SMEM per part (16 KiB at M3 shapes) and also stages its tile's O for
+      the store (16-bit inputs; fp32 partials have their own tile).
     ctas_per_sm: persistent CTAs per SM for the KV-major kernel (default: as many as fit in SMEM, at
-      most 2; 101 KiB per CTA at H=bs=128 with 2 stages, so 2 fit on Hopper, 1 with 3 stages).
+      most 2; 101 KiB per CTA at H=bs=128 with 2 stages, so 2 fit on Hopper, 1 with 3 stages or fp32).
     num_ctas: override of the persistent grid (default: SMs x ctas_per_sm on GPU, 2 in interpret mode).
     p_via_smem: stage P through SMEM for the PV MMA (default: only in interpret mode, whose wgmma
       takes SMEM operands only; on GPU P stays in registers as the wgmma A operand).
+    interpret: run in GPU interpret mode (default: when no GPU is present). False off-GPU lowers for
+      CUDA (what the lowering tests do).
     """
 
     block_m: int = 64
@@ -94,49 +113,267 @@ class SparseAttentionConfig:
     ctas_per_sm: int | None = None
     num_ctas: int | None = None
     p_via_smem: bool | None = None
+    interpret: bool | None = None
+
+    def run_interpreted(self) -> bool:
+        return (not on_gpu()) if self.interpret is None else self.interpret
 
     def stage_p(self) -> bool:
         """Feed P to the PV wgmma from SMEM (interpret mode only supports SMEM A operands)."""
-        return (not on_gpu()) if self.p_via_smem is None else self.p_via_smem
+        return self.run_interpreted() if self.p_via_smem is None else self.p_via_smem
 
-    def grid(self, smem_per_cta: int) -> int:
+    def grid(self, smem_per_cta: int, target: Target = HOPPER) -> int:
         """Persistent CTAs: as many per SM as fit in SMEM (at most 2: the kernel's registers allow two
         128-thread CTAs with S and O accumulators live), unless ``ctas_per_sm``/``num_ctas`` say."""
         if self.num_ctas is not None:
             return self.num_ctas
-        if not on_gpu():
+        if self.run_interpreted():
             return 2
-        tgt = current_target()
-        # smem_bytes is the per-CTA maximum (227 KiB); the SM has 1 KiB more, and reserves 1 KiB per CTA.
-        fit = (tgt.smem_bytes + 1024) // (smem_per_cta + 1024)
-        per_sm = self.ctas_per_sm or max(1, min(2, fit))
-        return tgt.num_sms * per_sm
+        return target.num_sms * (self.ctas_per_sm or max(1, min(2, ctas_fitting(smem_per_cta, target))))
 
 
-def _check(q, k, block_size, cfg):
-    b, t, n, h = q.shape
-    kh = k.shape[2]
+def ctas_fitting(smem_per_cta: int, target: Target) -> int:
+    """CTAs whose SMEM fits one SM: ``smem_bytes`` is the per-CTA maximum (227 KiB); the SM has 1 KiB
+    more and reserves 1 KiB per CTA."""
+    return (target.smem_bytes + 1024) // (smem_per_cta + 1024)
+
+
+# --------------------------------------------------------------------------------------------
+# Plans: tile and SMEM choices as plain Python (unit-tested without running a kernel)
+# --------------------------------------------------------------------------------------------
+
+
+def _kib(n: int) -> int:
+    return -(-n // 1024) * 1024
+
+
+def _parts(dtype) -> int:
+    """bf16 parts per operand: fp32 runs as bf16 hi + lo."""
+    return 2 if jnp.dtype(dtype) == jnp.float32 else 1
+
+
+def group_rows(g: int) -> int:
+    """Tile rows per query token: G rounded up to a power of two >= 8. Each token's Q rows are one TMA
+    copy into the tile, which must cover whole 8-row SMEM tiles; a power of two divides the tile."""
+    return max(8, 1 << (g - 1).bit_length())
+
+
+def key_blocks(block_size: int) -> tuple[int, ...]:
+    """Kernel key blocks that divide the MSA block, largest first."""
+    return tuple(kb for kb in KEY_BLOCKS if block_size % kb == 0)
+
+
+def v_swizzle_minor(kb: int) -> int:
+    """V's SMEM tiles get a ``min(kb, 64) * 2``-byte swizzle: the PV wgmma contracts over the kb keys
+    in steps of one swizzle width, and P and V must share the swizzle."""
+    return min(kb, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMajorPlan:
+    """What :func:`kv_major_forward` runs: G padded to ``gp`` rows per token, ``tq`` tokens per
+    ``m``-row tile, ``kb`` keys per kernel block, ``n_parts`` bf16 parts per operand (2 for fp32),
+    staged partials in ``stage_dtype``, ``smem`` bytes per CTA and ``ctas`` persistent CTAs."""
+
+    g: int
+    gp: int
+    m: int
+    tq: int
+    kb: int
+    h: int
+    n_parts: int
+    stages: int
+    tiles_per_item: int
+    stage_p: bool
+    interpret: bool
+    stage_dtype: str
+    smem: int
+    ctas: int
+
+    @property
+    def meta_w(self) -> int:
+        return self.tq + (-self.tq % 4)  # metadata rows of 16 bytes (TMA)
+
+
+def _tile_rows(g: int, cfg: SparseAttentionConfig) -> tuple[int, int]:
+    gp = group_rows(g)
+    m = max(cfg.block_m, gp)
+    return gp, m
+
+
+def kv_major_smem_bytes(*, m, h, kb, tpi, meta_w, stages, n_parts, stage_p, fp32_out) -> int:
+    """SMEM of one KV-major CTA as Mosaic allocates it: Q ring (per part; for 16-bit inputs it also
+    stages O), K, V (+P) per part, an fp32 O tile for fp32 partials, then the LSE staging and the
+    metadata tile, each rounded up to 1 KiB."""
+    tiles = n_parts * (stages * m * h + 2 * kb * h + (m * kb if stage_p else 0)) * 2
+    o32 = m * h * 4 if fp32_out else 0
+    return tiles + o32 + _kib(4 * m) + _kib(4 * tpi * 2 * meta_w) + 1024  # + barriers
+
+
+def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig,
+                  target: Target | None = None) -> KVMajorPlan:
+    """Tiles for the KV-major kernel; ValueError (the :func:`unsupported_reason`) if none fit."""
+    reason = _shape_reason(n, kh, h, block_size, dtype, cfg)
+    if reason:
+        raise ValueError(reason)
+    target = target or current_target()
     g = n // kh
+    gp, m = _tile_rows(g, cfg)
+    n_parts = _parts(dtype)
+    tpi, stages, stage_p = cfg.tiles_per_item, cfg.q_stages, cfg.stage_p()
+    tq = m // gp
+    meta_w = tq + (-tq % 4)
+    for kb in key_blocks(block_size):  # the largest key block whose tiles fit (16-bit: the block itself)
+        smem = kv_major_smem_bytes(m=m, h=h, kb=kb, tpi=tpi, meta_w=meta_w, stages=stages, n_parts=n_parts,
+                                   stage_p=stage_p, fp32_out=n_parts == 2)
+        # fp32 keeps 4 KiB spare: at H=128 its kb=128 plan is exactly the SMEM limit
+        if smem <= target.smem_bytes - (4096 if n_parts == 2 else 0):
+            stage_dtype = "float32" if n_parts == 2 else jnp.dtype(dtype).name
+            return KVMajorPlan(g=g, gp=gp, m=m, tq=tq, kb=kb, h=h, n_parts=n_parts, stages=stages,
+                               tiles_per_item=tpi, stage_p=stage_p, interpret=cfg.run_interpreted(),
+                               stage_dtype=stage_dtype, smem=smem, ctas=cfg.grid(smem, target))
+    raise ValueError(f"no KV-major tiles fit in {target.smem_bytes} B of SMEM (H={h}, block {block_size}, "
+                     f"{jnp.dtype(dtype).name}, block_m {m}, {stages} Q stages)")
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryMajorPlan:
+    """What :func:`query_major_forward` runs: ``gp`` rows per token repeated to ``m`` rows, ``kb`` keys
+    per step in a ``stages``-deep K/V ring, ``n_parts`` bf16 parts per operand."""
+
+    g: int
+    gp: int
+    m: int
+    kb: int
+    h: int
+    n_parts: int
+    stages: int
+    stage_p: bool
+    interpret: bool
+    smem: int
+
+
+def query_major_smem_bytes(*, m, h, kb, stages, n_parts) -> int:
+    """Q, the K/V ring and P per part, and the O tile (fp32 for fp32 inputs)."""
+    return n_parts * (m * h + 2 * stages * kb * h + m * kb) * 2 + m * h * 2 * n_parts + 1024 + 4 * m
+
+
+def plan_query_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig,
+                     target: Target | None = None) -> QueryMajorPlan:
+    """Tiles for the query-major kernel: the largest key block, with two K/V stages when they fit."""
+    reason = _shape_reason(n, kh, h, block_size, dtype, cfg)
+    if reason:
+        raise ValueError(reason)
+    target = target or current_target()
+    g = n // kh
+    gp, m = _tile_rows(g, cfg)
+    n_parts = _parts(dtype)
+    for kb in key_blocks(block_size):
+        for stages in (2, 1):  # prefetch block j+1 while computing j when two stages fit
+            smem = query_major_smem_bytes(m=m, h=h, kb=kb, stages=stages, n_parts=n_parts)
+            if smem <= target.smem_bytes - 8192:
+                return QueryMajorPlan(g=g, gp=gp, m=m, kb=kb, h=h, n_parts=n_parts, stages=stages,
+                                      stage_p=cfg.stage_p(), interpret=cfg.run_interpreted(), smem=smem)
+    raise ValueError(f"no query-major tiles fit in SMEM (H={h}, block {block_size}, {jnp.dtype(dtype).name})")
+
+
+def _shape_reason(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig) -> str | None:
     if n % kh:
-        raise ValueError(f"{n=} must be a multiple of the KV heads {kh}")
-    if h % 64 or block_size % 64:
-        raise ValueError(f"head_dim {h} and block_size {block_size} must be multiples of 64")
-    if cfg.block_m % 64 or cfg.block_m % g or g % 8:
-        raise ValueError(f"block_m {cfg.block_m} must be a multiple of 64 and of G={g}; G must be a multiple of 8")
-    if block_size > 256:
-        raise ValueError("block_size must be <= 256 (one wgmma N)")
+        return f"query heads {n} must be a multiple of the KV heads {kh}"
+    g = n // kh
+    if group_rows(g) > MAX_GROUP_ROWS:
+        return f"query heads per KV head G={g} > {MAX_GROUP_ROWS} (one token's heads fill one MMA tile)"
+    if h % 64 or h > 256:
+        return f"head_dim {h} must be a multiple of 64 (128-byte swizzled rows) and <= 256 (wgmma N)"
+    if not key_blocks(block_size):
+        return f"block_size {block_size} must be a multiple of 16 (no kernel key block in {KEY_BLOCKS} divides it)"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return f"dtype {jnp.dtype(dtype).name} is not bf16, fp16 or fp32"
+    gp = group_rows(g)
+    if cfg.block_m % 64 or max(cfg.block_m, gp) % gp:
+        return f"block_m {cfg.block_m} must be a multiple of 64 and of the padded G={gp}"
     if cfg.q_stages < 2:
-        raise ValueError(f"q_stages {cfg.q_stages} must be >= 2 (a tile's O is staged in its Q slot while the next loads)")
+        return f"q_stages {cfg.q_stages} must be >= 2 (a tile's O is staged in its Q slot while the next loads)"
+    return None
 
 
-def _smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(shape[-1], jnp.dtype(dtype).itemsize))
+def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       dtype="bfloat16", config: SparseAttentionConfig | None = None,
+                       target: Target = HOPPER) -> str | None:
+    """Why the sparse-attention kernels cannot run these shapes (None when both can). Plain Python."""
+    cfg = config or SparseAttentionConfig()
+    for plan in (plan_kv_major, plan_query_major):
+        try:
+            plan(n=num_heads, kh=num_kv_heads, h=head_dim, block_size=block_size, dtype=dtype, cfg=cfg,
+                 target=target)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# XLA-side preparation shared by both kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _smem(shape, dtype, minor: int | None = None):
+    """Swizzled SMEM tile; ``minor`` (default: the row) sets the swizzle width."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(minor or shape[-1], itemsize))
 
 
 def _pad_kv(x, block_size):
     s = x.shape[1]
     pad = -s % block_size
     return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
+
+
+def _pad_groups(q, kh: int, gp: int):
+    """[B, T, N, H] -> [B, T, K * gp, H]: each group's G heads padded with zero heads to ``gp``."""
+    b, t, n, h = q.shape
+    g = n // kh
+    if g == gp:
+        return q
+    q = jnp.pad(q.reshape(b, t, kh, g, h), [(0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)])
+    return q.reshape(b, t, kh * gp, h)
+
+
+def _unpad_groups(x, kh: int, g: int):
+    """[B, T, K * gp, ...] -> [B, T, K * G, ...] (drops the zero heads of :func:`_pad_groups`)."""
+    b, t, ngp = x.shape[:3]
+    gp = ngp // kh
+    if g == gp:
+        return x
+    x = x.reshape(b, t, kh, gp, *x.shape[3:])[:, :, :, :g]
+    return x.reshape(b, t, kh * g, *x.shape[4:])
+
+
+def split_blocks(block_idx, q_pos, block_size: int, kb: int):
+    """Selections in units of ``kb``-key sub-blocks: [B, K, T, topk] -> [B, K, T, topk * r], r =
+    block_size // kb. Sub-blocks that start after the query are dropped (-1), so every kept edge has a
+    visible key, as the kernels assume; the LSE merge over the sub-blocks is the attention."""
+    r = block_size // kb
+    if r == 1:
+        return block_idx
+    sub = block_idx[..., None] * r + jnp.arange(r, dtype=jnp.int32)
+    ok = (block_idx[..., None] >= 0) & (sub * kb <= q_pos[:, None, :, None, None])
+    return jnp.where(ok, sub, -1).reshape(*block_idx.shape[:-1], -1)
+
+
+def _prepare(q, k, v, block_idx, q_pos, kh: int, gp: int, block_size: int, kb: int):
+    """Kernel operands: Q with padded groups and K/V padded to whole blocks, each as bf16 parts (one
+    for 16-bit inputs), and selections in kernel key blocks."""
+    cdt = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    q_parts = split_parts(_pad_groups(q.astype(cdt), kh, gp))
+    k_parts = split_parts(_pad_kv(k, block_size).astype(cdt))
+    v_parts = split_parts(_pad_kv(v, block_size).astype(cdt))
+    q_pos = q_pos.astype(jnp.int32)
+    return q_parts, k_parts, v_parts, split_blocks(block_idx.astype(jnp.int32), q_pos, block_size, kb), q_pos
+
+
+def _products(n_parts: int) -> tuple[tuple[int, int], ...]:
+    """(A part, B part) products: hi.hi, or hi.hi + hi.lo + lo.hi for fp32's two parts."""
+    return ((0, 0),) if n_parts == 1 else ((0, 0), (0, 1), (1, 0))
 
 
 def _row_limits(lims, m, bs, g):
@@ -146,6 +383,34 @@ def _row_limits(lims, m, bs, g):
     for i in range(len(lims) - 2, -1, -1):
         out = jnp.where(row < (i + 1) * g, lims[i], out)
     return out
+
+
+def _scores(q_tiles, k_tiles, shape, n_parts):
+    """S = Q K^T over the parts' products into a fresh fp32 accumulator."""
+    def qk(acc_ref):
+        for a, c in _products(n_parts):
+            plgpu.wgmma(acc_ref, q_tiles[a], k_tiles[c].transpose((1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+
+
+def _pv(p, v_tiles, p_smem, shape, n_parts, dtype):
+    """P V over the parts' products (P split in the kernel for fp32); P goes through SMEM when
+    ``p_smem`` is given (interpret mode), else it is the register A operand."""
+    p_parts = bf16_split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
+    if p_smem is not None:
+        for a in range(n_parts):
+            p_smem.at[a][...] = p_parts[a]
+        plgpu.commit_smem()
+        p_parts = tuple(p_smem.at[a] for a in range(n_parts))
+
+    def pv(acc_ref):
+        for a, c in _products(n_parts):
+            plgpu.wgmma(acc_ref, p_parts[a], v_tiles[c])
+        return acc_ref[...]
+
+    return pl.run_scoped(pv, plgpu.ACC(shape, jnp.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,24 +428,20 @@ def _tile_meta(qtok, qlim, tq: int, tiles_per_item: int):
     return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, 0), (0, -tq % 4)])
 
 
-def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: int, cfg: SparseAttentionConfig):
-    """Partial outputs per padded edge: (o_stage [K, E_pad*G, H] q.dtype, lse_stage [K, E_pad*G] f32)."""
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    g = n // kh
-    m = cfg.block_m
-    tq = m // g
-    bs = block_size
-    tpi = cfg.tiles_per_item
-    stages = cfg.q_stages
-    dtype = q.dtype
-    scale = (h**-0.5) * LOG2E
+def _kv_major_body(plan: KVMajorPlan, dtype):
+    """The persistent kernel body (module docstring, step 2) for ``plan``."""
+    m, tq, gp, bs, tpi, stages, n_parts = plan.m, plan.tq, plan.gp, plan.kb, plan.tiles_per_item, plan.stages, plan.n_parts
+    scale = (plan.h**-0.5) * LOG2E
 
-    stage_p = cfg.stage_p()
-    meta = _tile_meta(plan.qtok, plan.qlim, tq, tpi)
-
-    def body(items_ref, nitems_ref, meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             q_smem, k_smem, v_smem, lse_smem, meta_smem, kv_bar, meta_bar, q_bar, *p_smem):
+    def body(*refs):
+        items_ref, nitems_ref, meta_ref = refs[:3]
+        q_refs = refs[3 : 3 + n_parts]
+        k_refs = refs[3 + n_parts : 3 + 2 * n_parts]
+        v_refs = refs[3 + 2 * n_parts : 3 + 3 * n_parts]
+        o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, meta_smem, kv_bar, meta_bar, q_bar, *extra = (
+            refs[3 + 3 * n_parts :])
+        o32_smem = extra.pop(0) if n_parts == 2 else None  # fp32 partials: their own tile
+        p_smem = extra.pop(0) if plan.stage_p else None
         n_items = nitems_ref[0]
 
         @plgpu.nd_loop((n_items,), collective_axes="sm")
@@ -196,15 +457,16 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
             plgpu.commit_smem()  # the previous item's SMEM reads precede this item's TMA writes
             plgpu.copy_gmem_to_smem(meta_ref.at[hh, pl.ds(t0, tpi)], meta_smem, meta_bar)
             kv_at = (bb, pl.ds(blk * bs, bs), hh)
-            plgpu.copy_gmem_to_smem(k_ref.at[kv_at], k_smem, kv_bar)
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_at], v_smem, kv_bar)
+            for c in range(n_parts):
+                plgpu.copy_gmem_to_smem(k_refs[c].at[kv_at], k_smem.at[c], kv_bar)
+                plgpu.copy_gmem_to_smem(v_refs[c].at[kv_at], v_smem.at[c], kv_bar)
 
             def load_q(tile, slot):
                 for i in range(tq):
                     tok = meta_smem[tile, 0, i]
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[bb, tok, pl.ds(hh * g, g)], q_smem.at[slot, pl.ds(i * g, g)], q_bar.at[slot]
-                    )
+                    for a in range(n_parts):
+                        plgpu.copy_gmem_to_smem(q_refs[a].at[bb, tok, pl.ds(hh * gp, gp)],
+                                                q_smem.at[a, slot, pl.ds(i * gp, gp)], q_bar.at[slot])
 
             plgpu.barrier_wait(meta_bar)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O left its ring slot
@@ -227,13 +489,11 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
                 plgpu.barrier_wait(q_bar.at[slot])
 
                 def tile(masked: bool):
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[slot], k_smem.transpose((1, 0)))
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC((m, bs), jnp.float32)) * scale
+                    s = _scores([q_smem.at[a, slot] for a in range(n_parts)], [k_smem.at[c] for c in range(n_parts)],
+                                (m, bs), n_parts) * scale
                     # This tile's Q is consumed: its slot will stage this tile's O. The tile `ahead`
-                    # reuses the slot of tile j-1, whose O store must have left SMEM first.
+                    # reuses the slot of tile j-1, whose O store must have left SMEM first (and so
+                    # must the fp32 O tile's).
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                     @pl.when(ahead < nt)
@@ -242,66 +502,64 @@ def kv_major_forward(q, k, v, plan: csr.KVMajorPlan, *, block_size: int, e_pad: 
 
                     if masked:  # only tiles holding a query whose own block this is
                         col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
-                        s = jnp.where(col <= _row_limits(lims, m, bs, g), s, -jnp.inf)
+                        s = jnp.where(col <= _row_limits(lims, m, bs, gp), s, -jnp.inf)
                     mx = s.max(axis=1)
                     p = jnp.exp2(s - lax.broadcast_in_dim(mx, s.shape, [0]))
                     l = p.sum(axis=1)
-                    p16 = p.astype(dtype)
-                    if stage_p:
-                        p_smem[0][...] = p16
-                        plgpu.commit_smem()
-                        p16 = p_smem[0]
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem)
-                        return acc_ref[...]
-
-                    acc = pl.run_scoped(pv, plgpu.ACC((m, h), jnp.float32))
+                    acc = _pv(p, [v_smem.at[c] for c in range(n_parts)], p_smem, (m, plan.h), n_parts, dtype)
                     o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
                     lse = (mx + jnp.log2(l)) * LN2
-                    q_smem.at[slot][...] = o.astype(dtype)
+                    o_smem = q_smem.at[0, slot] if o32_smem is None else o32_smem
+                    o_smem[...] = o.astype(dtype if o32_smem is None else jnp.float32)
                     lse_smem[...] = lse
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(q_smem.at[slot], o_ref.at[hh, pl.ds(e0 * g, m)])
-                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[hh, pl.ds(e0 * g, m)])
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[hh, pl.ds(e0 * gp, m)])
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[hh, pl.ds(e0 * gp, m)])
 
                 pl.when(need_mask)(lambda: tile(True))
                 pl.when(jnp.logical_not(need_mask))(lambda: tile(False))
 
         plgpu.wait_smem_to_gmem(0)
 
-    meta_w = meta.shape[-1]
+    return body
+
+
+def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorPlan, *, plan: KVMajorPlan, e_pad: int):
+    """Partial outputs per padded edge: (o_stage [K, E_pad*gp, H] in ``plan.stage_dtype``, lse_stage
+    [K, E_pad*gp] f32). q_parts: [B, T, K*gp, H] bf16 parts (one for 16-bit inputs), k/v_parts
+    [B, S_pad, K, H]."""
+    kh = k_parts[0].shape[2]
+    dtype = q_parts[0].dtype
+    m, h, kb, n_parts = plan.m, plan.h, plan.kb, plan.n_parts
+    meta = _tile_meta(work.qtok, work.qlim, plan.tq, plan.tiles_per_item)
     scratch = [
-        _smem((stages, m, h), dtype),
-        _smem((bs, h), dtype),
-        _smem((bs, h), dtype),
+        _smem((n_parts, plan.stages, m, h), dtype),
+        _smem((n_parts, kb, h), dtype),
+        _smem((n_parts, kb, h), dtype, minor=v_swizzle_minor(kb)),
         plgpu.SMEM((m,), jnp.float32),
-        plgpu.SMEM((tpi, 2, meta_w), jnp.int32),
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.SMEM((plan.tiles_per_item, 2, plan.meta_w), jnp.int32),
+        plgpu.Barrier(num_arrivals=2 * n_parts),
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=tq, num_barriers=stages),
-    ] + ([_smem((m, bs), dtype)] if stage_p else [])
+        plgpu.Barrier(num_arrivals=plan.tq * n_parts, num_barriers=plan.stages),
+    ]
+    if n_parts == 2:
+        scratch.append(plgpu.SMEM((m, h), jnp.float32))
+    if plan.stage_p:
+        scratch.append(_smem((n_parts, m, kb), dtype))
     out_type = (
-        jax.ShapeDtypeStruct((kh, e_pad * g, h), dtype),
-        jax.ShapeDtypeStruct((kh, e_pad * g), jnp.float32),
+        jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), jnp.dtype(plan.stage_dtype)),
+        jax.ShapeDtypeStruct((kh, e_pad * plan.gp), jnp.float32),
     )
     call = mosaic_kernel(
-        body,
+        _kv_major_body(plan, dtype),
+        interpret=plan.interpret,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(cfg.grid(_kv_major_smem_bytes(m, h, bs, tpi, meta_w, stages, jnp.dtype(dtype).itemsize, stage_p)),),
+        grid=(plan.ctas,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return call(plan.items, plan.n_items, meta, q, k, v)
-
-
-def _kv_major_smem_bytes(m, h, bs, tpi, meta_w, stages, itemsize, stage_p) -> int:
-    """SMEM of one KV-major CTA as Mosaic allocates it: Q ring (which also stages O), K, V (+P), then
-    the LSE staging and the metadata tile, each rounded up to 1 KiB."""
-    kib = lambda n: -(-n // 1024) * 1024
-    tiles = (stages * m * h + 2 * bs * h + (m * bs if stage_p else 0)) * itemsize
-    return tiles + kib(4 * m) + kib(4 * tpi * 2 * meta_w) + 1024  # + barriers
+    return call(work.items, work.n_items, meta, *q_parts, *k_parts, *v_parts)
 
 
 def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bool = False):
@@ -323,24 +581,19 @@ def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bo
 
 
 def kv_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: SparseAttentionConfig, return_lse=False):
-    out_dtype = q.dtype
-    _check(q, k, block_size, cfg)
     b, t, n, h = q.shape
     kh = k.shape[2]
-    g = n // kh
-    tq = cfg.block_m // g
-    cdt = jnp.bfloat16 if q.dtype == jnp.float32 else q.dtype
-    k = _pad_kv(k, block_size).astype(cdt)
-    v = _pad_kv(v, block_size).astype(cdt)
-    nb = k.shape[1] // block_size
-    topk = block_idx.shape[-1]
-    e_pad, _ = csr.capacities(b, t, kh, nb, topk, tq, cfg.tiles_per_item)
-    plan = csr.build_plan(
-        block_idx.astype(jnp.int32), q_pos.astype(jnp.int32), num_blocks=nb, block_size=block_size, tq=tq,
-        tiles_per_item=cfg.tiles_per_item,
-    )
-    o_stage, lse_stage = kv_major_forward(q.astype(cdt), k, v, plan, block_size=block_size, e_pad=e_pad, cfg=cfg)
-    return combine(o_stage, lse_stage, plan.epos, n_heads=n, out_dtype=out_dtype, return_lse=return_lse)
+    plan = plan_kv_major(n=n, kh=kh, h=h, block_size=block_size, dtype=jnp.promote_types(q.dtype, k.dtype),
+                         cfg=cfg)
+    q_parts, k_parts, v_parts, sel, q_pos = _prepare(q, k, v, block_idx, q_pos, kh, plan.gp, block_size, plan.kb)
+    nb = k_parts[0].shape[1] // plan.kb
+    e_pad, _ = csr.capacities(b, t, kh, nb, sel.shape[-1], plan.tq, plan.tiles_per_item)
+    work = csr.build_plan(sel, q_pos, num_blocks=nb, block_size=plan.kb, tq=plan.tq, tiles_per_item=plan.tiles_per_item)
+    o_stage, lse_stage = kv_major_forward(q_parts, k_parts, v_parts, work, plan=plan, e_pad=e_pad)
+    res = combine(o_stage, lse_stage, work.epos, n_heads=kh * plan.gp, out_dtype=q.dtype, return_lse=return_lse)
+    if not return_lse:
+        return _unpad_groups(res, kh, plan.g)
+    return _unpad_groups(res[0], kh, plan.g), _unpad_groups(res[1], kh, plan.g)
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,22 +601,17 @@ def kv_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: Spars
 # --------------------------------------------------------------------------------------------
 
 
-def query_major_forward(q, k, v, blocks, n_valid, q_pos, *, block_size: int, cfg: SparseAttentionConfig):
-    """blocks: int32 [B, K, T, topk] with the valid ids first; n_valid [B, K, T]. Returns (o, lse[B,K,T,G])."""
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    g = n // kh
-    m = cfg.block_m
-    bs = block_size
-    dtype = q.dtype
-    scale = (h**-0.5) * LOG2E
+def _query_major_body(plan: QueryMajorPlan, dtype):
+    m, gp, bs, stages, n_parts = plan.m, plan.gp, plan.kb, plan.stages, plan.n_parts
+    scale = (plan.h**-0.5) * LOG2E
 
-    stage_p = cfg.stage_p()
-    # Two K/V stages (prefetch block j+1 while computing j) when they fit in SMEM, else one.
-    stages = 2 if (4 * bs * h + 3 * m * h + m * bs) * jnp.dtype(dtype).itemsize < current_target().smem_bytes - 8192 else 1
-
-    def body(blk_ref, nv_ref, qpos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *p_smem):
+    def body(*refs):
+        blk_ref, nv_ref, qpos_ref = refs[:3]
+        q_refs = refs[3 : 3 + n_parts]
+        k_refs = refs[3 + n_parts : 3 + 2 * n_parts]
+        v_refs = refs[3 + 2 * n_parts : 3 + 3 * n_parts]
+        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *extra = refs[3 + 3 * n_parts :]
+        p_smem = extra[0] if plan.stage_p else None
         hh = lax.axis_index("h")
         tt = lax.axis_index("t")
         bb = lax.axis_index("b")
@@ -373,11 +621,15 @@ def query_major_forward(q, k, v, blocks, n_valid, q_pos, *, block_size: int, cfg
         def load_kv(j, slot):
             blk = blk_ref[bb, hh, tt, j]
             at = (bb, pl.ds(blk * bs, bs), hh)
-            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_bar.at[slot])
+            for c in range(n_parts):
+                plgpu.copy_gmem_to_smem(k_refs[c].at[at], k_smem.at[slot, c], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_refs[c].at[at], v_smem.at[slot, c], v_bar.at[slot])
 
-        for i in range(m // g):
-            plgpu.copy_gmem_to_smem(q_ref.at[bb, tt, pl.ds(hh * g, g)], q_smem.at[pl.ds(i * g, g)], q_bar)
+        # The token's gp rows repeated to fill the m-row tile (no uninitialised rows in the MMA).
+        for i in range(m // gp):
+            for a in range(n_parts):
+                plgpu.copy_gmem_to_smem(q_refs[a].at[bb, tt, pl.ds(hh * gp, gp)], q_smem.at[a, pl.ds(i * gp, gp)],
+                                        q_bar)
 
         @pl.when(nv > 0)
         def _():
@@ -396,12 +648,8 @@ def query_major_forward(q, k, v, blocks, n_valid, q_pos, *, block_size: int, cfg
 
             lim = qp - blk_ref[bb, hh, tt, j] * bs
             plgpu.barrier_wait(k_bar.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((m, bs), jnp.float32))
+            s = _scores([q_smem.at[a] for a in range(n_parts)], [k_smem.at[slot, c] for c in range(n_parts)],
+                        (m, bs), n_parts)
             col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
             s = jnp.where(col <= lim, s * scale, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -409,20 +657,10 @@ def query_major_forward(q, k, v, blocks, n_valid, q_pos, *, block_size: int, cfg
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dtype)
-            if stage_p:
-                p_smem[0][...] = p16
-                plgpu.commit_smem()
-                p16 = p_smem[0]
             plgpu.barrier_wait(v_bar.at[slot])
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                return acc_ref[...]
-
             # A fresh accumulator + add (rather than ``run_state(ACC.init(acc))``) keeps one code path
             # that GPU interpret mode can run.
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((m, h), jnp.float32))
+            acc = acc + _pv(p, [v_smem.at[slot, c] for c in range(n_parts)], p_smem, (m, plan.h), n_parts, dtype)
             if stages == 1:
                 @pl.when(j + 1 < nv)
                 def _():
@@ -431,60 +669,67 @@ def query_major_forward(q, k, v, blocks, n_valid, q_pos, *, block_size: int, cfg
 
         m0 = plgpu.layout_cast(jnp.full((m,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        a0 = plgpu.layout_cast(jnp.full((m, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        a0 = plgpu.layout_cast(jnp.full((m, plan.h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         acc, m_i, l_i = lax.fori_loop(0, nv, step, (a0, m0, l0))
         ok = l_i > 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
-        o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.float32 if n_parts == 2 else dtype)
         lse_smem[...] = jnp.where(ok, (m_i + jnp.log2(jnp.where(ok, l_i, 1.0))) * LN2, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, g)], o_ref.at[bb, tt, pl.ds(hh * g, g)])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, gp)], o_ref.at[bb, tt, pl.ds(hh * gp, gp)])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bb, hh, tt])
         plgpu.wait_smem_to_gmem(0)
 
+    return body
+
+
+def query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, *, plan: QueryMajorPlan):
+    """blocks: int32 [B, K, T, topk] with the valid ids first (in ``plan.kb`` units); n_valid [B, K, T].
+    Returns (o [B, T, K*gp, H], fp32 for fp32 inputs, lse [B, K, T, gp])."""
+    b, t, ngp, h = q_parts[0].shape
+    kh = k_parts[0].shape[2]
+    dtype = q_parts[0].dtype
+    m, kb, n_parts, stages = plan.m, plan.kb, plan.n_parts, plan.stages
+    o_dtype = jnp.float32 if n_parts == 2 else dtype
     scratch = [
-        _smem((m, h), dtype),
-        _smem((stages, bs, h), dtype),
-        _smem((stages, bs, h), dtype),
-        _smem((m, h), dtype),
+        _smem((n_parts, m, h), dtype),
+        _smem((stages, n_parts, kb, h), dtype),
+        _smem((stages, n_parts, kb, h), dtype, minor=v_swizzle_minor(kb)),
+        plgpu.SMEM((m, h), o_dtype) if n_parts == 2 else _smem((m, h), dtype),
         plgpu.SMEM((m,), jnp.float32),
-        plgpu.Barrier(num_arrivals=m // g),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-    ] + ([_smem((m, bs), dtype)] if stage_p else [])
+        plgpu.Barrier(num_arrivals=(m // plan.gp) * n_parts),
+        plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
+    ] + ([_smem((n_parts, m, kb), dtype)] if plan.stage_p else [])
     out_type = (
-        jax.ShapeDtypeStruct((b, t, n, h), dtype),
+        jax.ShapeDtypeStruct((b, t, ngp, h), o_dtype),
         jax.ShapeDtypeStruct((b, kh, t, m), jnp.float32),
     )
     call = mosaic_kernel(
-        body,
+        _query_major_body(plan, dtype),
+        interpret=plan.interpret,
         out_type=out_type,
         scratch_types=scratch,
         grid=(kh, t, b),
         grid_names=("h", "t", "b"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    o, lse = call(blocks, n_valid, q_pos, q, k, v)
-    return o, lse[..., :g]
+    o, lse = call(blocks, n_valid, q_pos, *q_parts, *k_parts, *v_parts)
+    return o, lse[..., : plan.gp]
 
 
 def query_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: SparseAttentionConfig, return_lse=False):
-    out_dtype = q.dtype
-    _check(q, k, block_size, cfg)
-    n = q.shape[2]
-    cdt = jnp.bfloat16 if q.dtype == jnp.float32 else q.dtype
-    k = _pad_kv(k, block_size).astype(cdt)
-    v = _pad_kv(v, block_size).astype(cdt)
-    bi = block_idx.astype(jnp.int32)
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    plan = plan_query_major(n=n, kh=kh, h=h, block_size=block_size, dtype=jnp.promote_types(q.dtype, k.dtype),
+                            cfg=cfg)
+    q_parts, k_parts, v_parts, bi, q_pos = _prepare(q, k, v, block_idx, q_pos, kh, plan.gp, block_size, plan.kb)
     big = jnp.iinfo(jnp.int32).max
     blocks = jnp.sort(jnp.where(bi < 0, big, bi), axis=-1)  # valid ids first (attention is order-free)
     n_valid = (bi >= 0).sum(-1).astype(jnp.int32)
     blocks = jnp.where(blocks == big, 0, blocks)
-    o, lse = query_major_forward(
-        q.astype(cdt), k, v, blocks, n_valid, q_pos.astype(jnp.int32), block_size=block_size, cfg=cfg
-    )
-    o = o.astype(out_dtype)
+    o, lse = query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, plan=plan)
+    o = _unpad_groups(o, kh, plan.g).astype(q.dtype)
     if not return_lse:
         return o
-    b, kh, t, g = lse.shape
-    return o, jnp.moveaxis(lse, 1, 2).reshape(b, t, n)
+    return o, _unpad_groups(jnp.moveaxis(lse, 1, 2).reshape(b, t, kh * plan.gp), kh, plan.g)
