@@ -40,6 +40,14 @@ USER_ERRORS = (
 )
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one ``error:`` line, like every other user error (the usage block
+    printed before it buried the line that matters; ``--help`` still prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+
 def add_debug_flag(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--debug", action="store_true",
                     help=f"show the Python traceback of an error, not just its message (also {DEBUG_ENV}=1)")

@@ -26,7 +26,7 @@ def _dir_bytes(path: Path) -> int:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="m3_tiny", help=f"preset name: {describe_presets()}")
     ap.add_argument("--out", type=Path, help="checkpoint directory to write (default: a temporary one)")
     ap.add_argument("--seq-len", type=cli.positive_int, default=512)

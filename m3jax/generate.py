@@ -61,7 +61,7 @@ HAYSTACK = (
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", type=Path,
                      help="HF checkpoint directory (config.json + safetensors); default: the built-in trained "

@@ -141,7 +141,7 @@ def describe(r: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", default="minimax_m3", help=f"preset: {describe_presets()}")
     src.add_argument("--checkpoint", help="directory with a config.json")

@@ -601,7 +601,7 @@ def _write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m m3jax.train", description=__doc__.split("\n")[0])
+    ap = cli.ArgumentParser(prog="python -m m3jax.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None,
                     help="preset name (m3jax/configs/; m3 = minimax_m3) or a config.json / checkpoint dir "
                          "(default: --init-from's config, else m3_tiny)")

@@ -34,9 +34,9 @@ def run_cli(main, argv, capsys, **kw) -> tuple[int, list[str]]:
 
 def _refused(main, argv, capsys, needle: str) -> str:
     code, err = run_cli(main, argv, capsys)
-    assert code == 2, err
-    assert needle in err[-1], err
-    return err[-1]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert needle in err[0], err
+    return err[0]
 
 
 # --------------------------------------------------------------------------------------------------
