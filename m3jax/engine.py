@@ -5,8 +5,11 @@
   end rounded up to a bucket (:func:`key_window_pages`). Keys past the chunk's end are in every
   query's future, so the window gives the full forward pass's maths while a chunk costs what it
   reads, not the whole capacity; buckets keep the compiled shapes to O(log capacity).
-* Decode runs all sequences together, one token each, with static shapes: the step is compiled
-  once and reused for every token (positions and tokens are traced values).
+* Decode runs all sequences together, one token each, with static shapes: one compiled step embeds,
+  runs the layers, samples, and advances positions and the PRNG key on the device (compiled once
+  per sampling mode, reused for every token). The host dispatches step n+1 before it reads step
+  n's tokens, so the device never waits for Python; streaming and stop tokens see each token one
+  step late, and the step dispatched after the last kept token is discarded.
 * Sampling follows the model card by default (temperature 1.0, top-p 0.95, top-k 40);
   temperature 0 is greedy.
 """
@@ -93,12 +96,17 @@ def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, cfg: M3Co
     return lm_head(params, h[0, last]), selections, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode_step(params, cache: PagedCache, tokens, positions, cfg: M3Config):
-    """One token for every sequence. tokens, positions: int32 [B] -> (fp32 logits [B, V], cache)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
+def decode_step(params, cache: PagedCache, tokens, positions, key, cfg: M3Config, sampling: SamplingParams):
+    """One token for every sequence, sampled on the device. tokens, positions: int32 [B]; key: the
+    PRNG key before this step. Returns (next tokens [B], positions + 1, next key, fp32 logits [B, V],
+    cache). The key is split as the host loop did before (key, sub = split(key); sample with sub),
+    so a seed gives the same tokens as sampling step by step on the host."""
     embeds = params["text"]["embed"][tokens][:, None]
     h, _, cache = text_hidden(params, embeds, positions[:, None], cfg, cache, cache.page_table)
-    return lm_head(params, h[:, 0]), cache
+    logits = lm_head(params, h[:, 0])
+    key, sub = jax.random.split(key)
+    return sample(logits, sub, sampling), positions + 1, key, logits, cache
 
 
 @dataclasses.dataclass
@@ -168,17 +176,18 @@ class Engine:
         return fn
 
     @_under_mesh
-    def warmup(self, max_prompt_len: int | None = None) -> float:
+    def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams()) -> float:
         """Compile the prefill chunk for every key window a prompt of up to ``max_prompt_len`` tokens
-        (default: the capacity) uses, and the decode step (one dummy call), so that timings after it
-        measure running, not compiling. The dummy decode writes position 0 of each row, which the
-        real prefill rewrites before anything reads it. Returns the seconds spent."""
+        (default: the capacity) uses, and the decode step for ``sampling`` (one dummy call), so that
+        timings after it measure running, not compiling. The dummy decode writes position 0 of each
+        row, which the real prefill rewrites before anything reads it. Returns the seconds spent."""
         t0 = time.perf_counter()
         for w in sorted(set(self._windows(min(max_prompt_len or self.capacity, self.capacity)))):
             self._prefill_step(w)
         zeros = jnp.zeros((self.batch,), jnp.int32)
-        logits, self.cache = decode_step(self.params, self.cache, zeros, zeros, self.cfg)
-        jax.block_until_ready(logits)
+        tokens, *_, self.cache = decode_step(self.params, self.cache, zeros, zeros, jax.random.key(0), self.cfg,
+                                             sampling)
+        jax.block_until_ready(tokens)
         return time.perf_counter() - t0
 
     @_under_mesh
@@ -248,30 +257,48 @@ class Engine:
         timings["ttft_s"] = time.perf_counter() - t0
         timings["prefill_tokens"] = sum(lens)
 
-        positions = np.array(lens + [0] * (self.batch - n), np.int32)
+        positions = jnp.asarray(np.array(lens + [0] * (self.batch - n), np.int32))
+        t1 = time.perf_counter()
+        generated, step_logits, steps = self._decode(
+            tokens, positions, key, logits, n, max_new_tokens, sampling, eos_ids, keep_logits, on_token
+        )
+        timings["decode_steps"] = steps
+        timings["decode_s"] = time.perf_counter() - t1
+        return GenerationResult(lens, generated, step_logits, timings)
+
+    def _decode(self, tokens, positions, key, logits, n, max_new_tokens, sampling, eos_ids, keep_logits, on_token):
+        """The decode loop: tokens [B] (sampled from the prefill's ``logits``), positions [B] and key
+        on the device. Step n+1 is dispatched before step n's tokens are read (``jax.device_get``, the
+        loop's only device-to-host transfer; nothing goes host-to-device), so the device runs step
+        after step while the host streams and checks stop tokens one step behind. Once every row
+        has stopped, the step already in flight is discarded; it never runs past the capacity
+        ``generate`` checked (at most max_new_tokens - 1 steps are dispatched). Returns (generated
+        ids per row, per-step logits or None, steps dispatched); returns after the last dispatched
+        step has finished, so the caller's wall time covers every step it counts."""
         generated = [[] for _ in range(n)]
         done = [False] * n
-        step_logits = [np.asarray(logits[:n])] if keep_logits else None
-        t1 = time.perf_counter()
+        step_logits = [jax.device_get(logits)[:n]] if keep_logits else None
         steps = 0
+        latest = tokens
         for step in range(max_new_tokens):
-            host_tokens = np.asarray(tokens)
+            last = step == max_new_tokens - 1
+            if not last:
+                next_tokens, positions, key, next_logits, self.cache = decode_step(
+                    self.params, self.cache, tokens, positions, key, self.cfg, sampling
+                )
+                latest = next_tokens
+                steps += 1
+            host_tokens = jax.device_get(tokens)
+            if keep_logits and step > 0:
+                step_logits.append(jax.device_get(logits)[:n])
             for b in range(n):
                 if not done[b]:
                     generated[b].append(int(host_tokens[b]))
                     if on_token:
                         on_token(b, int(host_tokens[b]))
                     done[b] = int(host_tokens[b]) in eos_ids
-            if all(done) or step == max_new_tokens - 1:
+            if all(done) or last:
                 break
-            logits, self.cache = decode_step(self.params, self.cache, tokens, jnp.asarray(positions), self.cfg)
-            positions = positions + 1
-            key, sub = jax.random.split(key)
-            tokens = sample(logits, sub, sampling)
-            steps += 1
-            if keep_logits:
-                step_logits.append(np.asarray(logits[:n]))
-        jax.block_until_ready(tokens)
-        timings["decode_steps"] = steps
-        timings["decode_s"] = time.perf_counter() - t1
-        return GenerationResult(lens, generated, step_logits, timings)
+            tokens, logits = next_tokens, next_logits
+        jax.block_until_ready(latest)
+        return generated, step_logits, steps

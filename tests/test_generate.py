@@ -51,8 +51,11 @@ def test_batch_of_different_lengths_and_static_decode():
         steps = np.stack([s[b] for s in res.step_logits])
         assert rel_l2(steps, full[len(p) - 1 : len(p) - 1 + 12]) <= 1e-5, f"sequence {b}"
     e2 = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)
-    e2.generate(prompts, max_new_tokens=20, sampling=SamplingParams(0.8, 0.9, 5), seed=3)
+    e2.generate(prompts, max_new_tokens=20, sampling=GREEDY, seed=3)
     assert eng.decode_step._cache_size() == compiled, "decode step recompiled for a new token or engine"
+    # Sampling runs inside the step: one more compile per sampling mode, none per token.
+    e2.generate(prompts, max_new_tokens=20, sampling=SamplingParams(0.8, 0.9, 5), seed=3)
+    assert eng.decode_step._cache_size() == compiled + 1
 
 
 def test_sampling_rules():
@@ -68,6 +71,79 @@ def test_sampling_rules():
     # top-p so small that only the argmax survives (top-k = the whole vocabulary of 50)
     t = sample(logits, key, SamplingParams(1.0, 1e-6, 50))
     np.testing.assert_array_equal(t, np.argmax(logits, -1))
+
+
+def _host_loop_tokens(e: Engine, prompts, n_new, sampling, seed):
+    """Issue #15's baseline: the decode loop as it was (forward step, then ``sample`` with a key split
+    on the host, tokens read back every step), for comparing the on-device loop token for token."""
+    from m3jax.model import lm_head, text_hidden
+
+    cfg = e.cfg
+
+    @jax.jit
+    def forward(params, cache, tokens, positions):
+        h, _, cache = text_hidden(params, params["text"]["embed"][tokens][:, None], positions[:, None], cfg, cache,
+                                  cache.page_table)
+        return lm_head(params, h[:, 0]), cache
+
+    logits = jax.numpy.stack([e.prefill(row, p) for row, p in enumerate(prompts)])
+    key, sub = jax.random.split(jax.random.key(seed))
+    tokens = sample(logits, sub, sampling)
+    positions = np.array([len(p) for p in prompts], np.int32)
+    out = [np.asarray(tokens)]
+    for _ in range(n_new - 1):
+        logits, e.cache = forward(e.params, e.cache, tokens, jax.numpy.asarray(positions))
+        positions = positions + 1
+        key, sub = jax.random.split(key)
+        tokens = sample(logits, sub, sampling)
+        out.append(np.asarray(tokens))
+    return np.stack(out, axis=1)
+
+
+def test_on_device_sampling_equals_host_loop_and_stops_one_step_late():
+    """The fused step (sampling, positions and key on the device) gives the old host loop's tokens for
+    a seed (temperature, top-p and top-k all active); a stop token ends its row there, and the step
+    already dispatched for it is discarded."""
+    # Shapes and sampling mode of test_batch_of_different_lengths_and_static_decode: compiles are shared.
+    cfg = tiny_config(index_block_size=4, index_topk_blocks=2)
+    model = m3jax.init_random(cfg, seed=2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 80, n).tolist() for n in (23, 9, 17)]
+    sampling = SamplingParams(0.8, 0.9, 5)
+    e = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)  # generate re-prefills the rows
+    want = _host_loop_tokens(e, prompts, 10, sampling, seed=5)
+    res = e.generate(prompts, max_new_tokens=10, sampling=sampling, seed=5)
+    np.testing.assert_array_equal(np.array(res.generated), want)
+    assert res.timings["decode_steps"] == 9
+    # Stop tokens: row 0 stops at the first token that does not occur before it; the other rows run
+    # on unless they meet that token too.
+    stop_at = next(i for i in range(1, 10) if want[0, i] not in want[0, :i])
+    eos = int(want[0, stop_at])
+    res = e.generate(prompts, max_new_tokens=10, sampling=sampling, seed=5, eos_ids=(eos,))
+    for b in range(3):
+        row = want[b].tolist()
+        assert res.generated[b] == row[: row.index(eos) + 1 if eos in row else 10], f"row {b}"
+
+
+def test_decode_loop_reads_each_token_once_and_sends_nothing(monkeypatch):
+    """Per token, the decode loop's only host transfer is the one-step-behind read of the tokens
+    (jax.device_get of [B] ids): nothing goes host-to-device (the transfer guard refuses implicit
+    transfers; on a GPU it also refuses implicit device-to-host reads such as np.asarray)."""
+    cfg = tiny_config(index_block_size=4, index_topk_blocks=2)
+    model = m3jax.init_random(cfg, seed=1)
+    e = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)
+    reads = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(np.shape(x)) or device_get(x))
+    decode = Engine._decode
+
+    def guarded(self, *args):
+        with jax.transfer_guard("disallow"):
+            return decode(self, *args)
+
+    monkeypatch.setattr(Engine, "_decode", guarded)
+    res = e.generate([[1, 2, 3], [4, 5]], max_new_tokens=8, sampling=SamplingParams(0.8, 0.9, 5))
+    assert len(res.generated[0]) == 8 and reads == [(3,)] * 8
 
 
 @pytest.mark.oracle
@@ -116,6 +192,16 @@ def test_key_window_buckets():
             assert need <= w <= min(max_pages, max(3 * need // 2, 2)), (need, w)
             windows.add(w)
         assert len(windows) <= 2 * max(max_pages - 1, 1).bit_length() + 1
+
+
+def test_key_window_count_for_a_1m_prefill():
+    """Distinct compiled prefill shapes (key windows) of a 1M-token prefill at m3_width's block of 128:
+    18 with the CLI's default chunk of 2048, 16 with the benchmark's 4096."""
+    bs = m3jax.preset("m3_width").text.index_block_size
+    max_pages = -(-10**6 // bs)
+    for chunk, count in ((2048, 18), (4096, 16)):
+        windows = {eng.key_window_pages(s + chunk, bs, max_pages) for s in range(0, 10**6, chunk)}
+        assert len(windows) == count, (chunk, sorted(windows))
 
 
 @pytest.mark.parametrize("s_len,q_start,key_block", [(300, 0, 64), (300, 200, 64), (300, 250, 1024), (64, 0, 64)])
