@@ -41,8 +41,9 @@ from m3jax.pallas import _backend
 _PKG = Path(__file__).resolve().parent
 _SHARED = (_PKG / "pallas" / "_backend.py", _PKG / "pallas" / "_common.py", _PKG / "msa" / "reference.py")
 
-# Canary tolerances: |got - ref| <= tol + tol * |ref| element-wise (docs/MSA.md §4.3); None = exact.
-# Attention canaries use bf16 inputs (the model's dtype) and the bf16 rows; the grouped GEMM's inputs
+# Canary tolerances: |got - ref| <= tol + tol * |ref| element-wise; None = exact. The bf16 and
+# index-score values of tests/pallas/tolerances.py (docs/MSA.md §4.3), kept here because the installed
+# package has no tests/. Attention canaries use bf16 inputs (the model's dtype); the grouped GEMM's inputs
 # are small integers, so its fp32 sums are exact and both sides round them to bf16 identically: any
 # difference is a kernel error, the 1e-2 only absorbs a different (valid) rounding of the output.
 TOLERANCES: dict[str, float | None] = {
@@ -50,10 +51,10 @@ TOLERANCES: dict[str, float | None] = {
     "index_topk_fused": None,
     "topk_blockmajor": None,
     "topk_rowsplit": None,
-    "sparse_attention_kv_major": 3e-2,
-    "sparse_attention_query_major": 3e-2,
+    "sparse_attention_kv_major": 2e-2,
+    "sparse_attention_query_major": 2e-2,
     "decode_index_scores": 2e-4,
-    "sparse_decode_attention": 3e-2,
+    "sparse_decode_attention": 2e-2,
     "grouped_matmul": 1e-2,
 }
 
