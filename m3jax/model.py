@@ -99,19 +99,66 @@ def _dense_layer_attention(q, k, v, q_pos, cfg: M3Config) -> jax.Array:
     return merge(o, 1)
 
 
-def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """cuDNN flash attention of queries at q_pos [B, C] over keys [B, S, K, H] (key s at position s).
+def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                           implementation: str | None = "cudnn") -> jax.Array:
+    """Flash attention (cuDNN) of a chunk of queries over its prefix and itself, without a mask.
 
-    cuDNN's causal mask is aligned top-left (query i sees keys <= i), which is wrong for a chunk
-    that starts at position > 0, so the causal rule goes in as a boolean mask [B, 1, C, S] that
-    jax turns into a bf16 bias (C * S * 2 bytes per sequence; the memory planner counts it).
-    cuDNN runs 16-bit inputs only: q, k, v are cast to bf16 (the output keeps q's dtype).
+    q [B, C, N, H] at consecutive positions q_pos[b] = start_b + 0..C-1; keys k, v [B, S, K, H]
+    (key s at position s, S >= C). cuDNN's causal rule is aligned top-left (query i sees keys <= i)
+    and a boolean mask becomes a dense [C, S] bias with no tile skipped, so the attention is split:
+    the prefix, keys [0, s0), unmasked (``key_value_seq_lengths`` = s0: cuDNN stops there), and the
+    diagonal, the C keys from s0, causally (C x C: top-left is the right alignment), merged by their
+    log-sum-exps (:func:`msa.lse_merge`). s0 = start, except where the chunk runs past the key window
+    (the last chunk, padded, at the capacity): there s0 = S - C, the queries are shifted down by
+    d = start - s0 rows for the diagonal (row i + d sees diagonal keys <= i + d, i.e. positions
+    <= start + i) and shifted back; the rows that wrap round are padding at positions >= S.
+
+    ``implementation``: "cudnn" (GPU; q, k, v run as bf16, the output keeps q's dtype) or
+    None / "xla" (any backend, inputs' dtype: the CPU tests check it against :func:`causal_attention`).
     """
-    mask = (jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])[:, None]
-    o = jax.nn.dot_product_attention(
-        q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), mask=mask, implementation="cudnn"
-    )
+    b, c, n, h = q.shape
+    s_len = k.shape[1]
+    if s_len < c:
+        raise ValueError(f"{s_len} keys for a chunk of {c} queries")
+    start = q_pos[:, 0].astype(jnp.int32)
+    s0 = jnp.minimum(start, s_len - c)
+    d = (start - s0)[:, None]
+    rows = jnp.arange(c)[None]
+
+    def take_rows(x, idx):  # x [B, C or S, ...] -> rows idx [B, C] of axis 1
+        return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+    key_rows = s0[:, None] + rows
+    o_diag, lse_diag = _attention_with_lse(take_rows(q, (rows - d) % c), take_rows(k, key_rows),
+                                           take_rows(v, key_rows), implementation, causal=True)
+    o_diag, lse_diag = take_rows(o_diag, (rows + d) % c), take_rows(lse_diag, (rows + d) % c)
+    # An empty prefix (s0 = 0) still gets one key, so no backend sees a zero length; its LSE is dropped.
+    o_pre, lse_pre = _attention_with_lse(q, k, v, implementation, causal=False, kv_len=jnp.maximum(s0, 1))
+    lse_pre = jnp.where((s0 > 0)[:, None, None], lse_pre, msa.NEG_INF)
+    o, _ = msa.lse_merge(jnp.stack([o_pre, o_diag], axis=-2), jnp.stack([lse_pre, lse_diag], axis=-1), axis=-1)
     return o.astype(q.dtype)
+
+
+def _attention_with_lse(q, k, v, implementation: str | None, *, causal: bool, kv_len=None):
+    """softmax(q k^T / sqrt(H)) v and its fp32 natural-log LSE [B, T, N] (GQA, keys unexpanded).
+
+    On cuDNN the LSE comes from the private ``fused_attention_stablehlo.dot_product_attention``:
+    ``jax.nn.dot_product_attention(return_residual=True)`` casts it to the output dtype (bf16 here),
+    whose 8-bit mantissa puts an error of ~1e-2 on each part's weight. The XLA path returns it in the
+    inputs' dtype (fp32 for fp32 inputs)."""
+    b, t, _, h = q.shape
+    lengths = None if kv_len is None else (jnp.full((b,), t, jnp.int32), kv_len.astype(jnp.int32))
+    if implementation == "cudnn":
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK if kv_len is None else fa.MaskType.PADDING
+        bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+        o, lse = fa.dot_product_attention(bf(q), bf(k), bf(v), None, None, *(lengths or (None, None)),
+                                          scale=h**-0.5, mask_type=mask, return_residual=True)
+        return o, jnp.swapaxes(lse, 1, 2)  # cuDNN's residual is [B, N, T]
+    o, lse = jax.nn.dot_product_attention(q, k, v, is_causal=causal, key_value_seq_lengths=None if kv_len is None
+                                          else lengths[1], implementation=implementation, return_residual=True)
+    return o, lse.astype(jnp.float32)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, key_block: int = 1024) -> jax.Array:

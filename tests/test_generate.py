@@ -316,3 +316,46 @@ def test_cli_presets_keep_bfloat16_and_m3_is_an_alias(monkeypatch):
     # The released width does not fit this machine: refused by the memory plan, not as an unknown preset.
     with pytest.raises(SystemExit, match="refusing to run"):
         generate.main(["--config", "m3", "--ctx", "64", "--quiet"])
+
+
+@pytest.mark.parametrize("s_len,starts", [(24, (0, 0)), (80, (0, 37)), (80, (70, 13)), (61, (37, 50))])
+def test_chunk_attention_without_mask_equals_reference(s_len, starts):
+    """The full-attention layers' split attention (prefix unmasked + diagonal causal, merged by LSE),
+    through XLA here (cuDNN on the GPU), equals the masked reference: chunks at 0 and mid-context,
+    prefixes of no special length, rows of one batch at different starts, and a chunk that runs past
+    the key window (only its rows below S are real tokens)."""
+    from m3jax.model import causal_attention, cudnn_causal_attention
+
+    ks = jax.random.split(jax.random.key(3), 3)
+    c = 24
+    q = jax.random.normal(ks[0], (2, c, 8, 16))
+    k = jax.random.normal(ks[1], (2, s_len, 2, 16))
+    v = jax.random.normal(ks[2], (2, s_len, 2, 16))
+    pos = np.array(starts)[:, None] + np.arange(c)
+    got = np.asarray(jax.jit(cudnn_causal_attention, static_argnames="implementation")(q, k, v, pos, "xla"))
+    want = np.asarray(jax.jit(causal_attention, static_argnames="key_block")(q, k, v, np.minimum(pos, s_len - 1), 16))
+    real = pos < s_len
+    assert rel_l2(got[real], want[real]) <= 1e-5
+
+
+def test_chunk_attention_lowers_to_two_unmasked_cudnn_calls():
+    """On CUDA the chunk attention is two cuDNN flash-attention calls, one CAUSAL (diagonal) and one
+    PADDING (prefix length), with no dense [C, S] mask operand (lowered here without a GPU; the
+    cuDNN version probe is stubbed)."""
+    import re
+    from unittest import mock
+
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from m3jax.model import cudnn_causal_attention
+
+    bf16 = jax.numpy.bfloat16
+    q = jax.ShapeDtypeStruct((1, 256, 16, 128), bf16)
+    k = jax.ShapeDtypeStruct((1, 1024, 2, 128), bf16)
+    pos = jax.ShapeDtypeStruct((1, 256), jax.numpy.int32)
+    with mock.patch.object(fa, "check_cudnn_version", lambda: 91000):
+        text = jax.jit(cudnn_causal_attention).trace(q, k, k, pos).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__cudnn$fmha" in line]
+    assert sorted(re.search(r"mask_type\\22: \\22(\w+)", c).group(1) for c in calls) == ["CAUSAL", "PADDING"]
+    assert "1024xbf16" not in "".join(c.split("->")[0] for c in calls if "CAUSAL" in c)  # diagonal: C keys only
+    assert not any("256x1024" in c for c in calls)  # no [C, S] bias
