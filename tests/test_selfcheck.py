@@ -38,7 +38,7 @@ def fake(tmp_path, monkeypatch):
         State.runs += 1
         if isinstance(State.out, Exception):
             raise State.out
-        return State.out, jnp.array([1.0, 2.0, 3.0])
+        return State.out + 0, jnp.array([1.0, 2.0, 3.0])  # binds a primitive: a tracer inside a trace
 
     monkeypatch.setitem(selfcheck.CANARIES, "fake", selfcheck.Canary("fake", run, (src,), 1e-3))
     return State
@@ -138,3 +138,16 @@ def test_cli_runs_a_real_canary_in_interpret_mode(tmp_path, monkeypatch, capsys)
     assert v["max_error"] <= 2e-4
     table = capsys.readouterr().out
     assert "decode_index_scores" in table and "pass" in table
+
+
+def test_canary_runs_eagerly_when_asked_inside_a_jit_trace(fake):
+    # The model asks while tracing (moe.resolve_moe_impl runs inside the jitted forward): the canary
+    # runs in its own thread, outside the trace, on concrete arrays.
+    seen = []
+
+    def f(x):
+        seen.append(selfcheck.kernel_failure("fake"))
+        return x + 1
+
+    jax.jit(f).trace(jnp.zeros(3))
+    assert seen == [None] and fake.runs == 1
