@@ -3,7 +3,7 @@
 Every kernel of :mod:`m3jax.pallas` has a canary here: a tiny case run through the kernel and through
 the jnp reference beside it (``m3jax/pallas/<op>/reference.py``), compared at the kernel's tolerance
 (docs/MSA.md §4.3). A verdict is keyed by (kernel, device kind and compute capability, JAX version,
-hash of the kernel's source files): the first time the model asks for a kernel on a key with no
+hash of the kernel's source files and of its canary): the first time the model asks for a kernel on a key with no
 verdict (:func:`kernel_failure`, called where the model chooses kernels: ``m3jax.msa.kernels.
 unsupported_reason`` and ``m3jax.moe.resolve_moe_impl``), the canary runs; a kernel that fails is not
 used, with a warning naming it and the error. Verdicts are kept as JSON in
@@ -39,7 +39,10 @@ import numpy as np
 from m3jax.pallas import _backend
 
 _PKG = Path(__file__).resolve().parent
-_SHARED = (_PKG / "pallas" / "_backend.py", _PKG / "pallas" / "_common.py", _PKG / "msa" / "reference.py")
+# Hashed into every verdict's key with the kernel's own files: the backend layer, the shared kernel
+# helpers, the maths the references compute, and this file (the canary cases and tolerances).
+_SHARED = (_PKG / "pallas" / "_backend.py", _PKG / "pallas" / "_common.py", _PKG / "msa" / "reference.py",
+           Path(__file__).resolve())
 
 # Canary tolerances: |got - ref| <= tol + tol * |ref| element-wise; None = exact. The bf16 and
 # index-score values of tests/pallas/tolerances.py (docs/MSA.md §4.3), kept here because the installed
