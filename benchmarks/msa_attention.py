@@ -122,15 +122,15 @@ def bench(report, cases=CASES, cfg: SparseAttentionConfig | None = None):
 
 
 if __name__ == "__main__":
-    out = os.environ.get("OUT")
+    out = os.environ.get("OUT", "benchmarks/out")
+    os.makedirs(out, exist_ok=True)
     rows = []
 
     def report(row):
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if out:
-            with open(os.path.join(out, "msa_attention.jsonl"), "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+        with open(os.path.join(out, "msa_attention.jsonl"), "a") as fh:
+            fh.write(json.dumps(row) + "\n")
 
     cases = CASES
     if len(sys.argv) > 1:  # e.g. "8192:131072,4096:32768"

@@ -103,8 +103,6 @@ class SparseAttentionConfig:
     num_ctas: override of the persistent grid (default: SMs x ctas_per_sm on GPU, 2 in interpret mode).
     p_via_smem: stage P through SMEM for the PV MMA (default: only in interpret mode, whose wgmma
       takes SMEM operands only; on GPU P stays in registers as the wgmma A operand).
-    interpret: run in GPU interpret mode (default: when no GPU is present). False off-GPU lowers for
-      CUDA (what the lowering tests do).
     """
 
     block_m: int = 64
@@ -113,21 +111,17 @@ class SparseAttentionConfig:
     ctas_per_sm: int | None = None
     num_ctas: int | None = None
     p_via_smem: bool | None = None
-    interpret: bool | None = None
-
-    def run_interpreted(self) -> bool:
-        return (not on_gpu()) if self.interpret is None else self.interpret
 
     def stage_p(self) -> bool:
         """Feed P to the PV wgmma from SMEM (interpret mode only supports SMEM A operands)."""
-        return self.run_interpreted() if self.p_via_smem is None else self.p_via_smem
+        return (not on_gpu()) if self.p_via_smem is None else self.p_via_smem
 
     def grid(self, smem_per_cta: int, target: Target = HOPPER) -> int:
         """Persistent CTAs: as many per SM as fit in SMEM (at most 2: the kernel's registers allow two
         128-thread CTAs with S and O accumulators live), unless ``ctas_per_sm``/``num_ctas`` say."""
         if self.num_ctas is not None:
             return self.num_ctas
-        if self.run_interpreted():
+        if not on_gpu():
             return 2
         return target.num_sms * (self.ctas_per_sm or max(1, min(2, ctas_fitting(smem_per_cta, target))))
 
@@ -230,7 +224,7 @@ def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
         if smem <= target.smem_bytes - (4096 if n_parts == 2 else 0):
             stage_dtype = "float32" if n_parts == 2 else jnp.dtype(dtype).name
             return KVMajorPlan(g=g, gp=gp, m=m, tq=tq, kb=kb, h=h, n_parts=n_parts, stages=stages,
-                               tiles_per_item=tpi, stage_p=stage_p, interpret=cfg.run_interpreted(),
+                               tiles_per_item=tpi, stage_p=stage_p, interpret=not on_gpu(),
                                stage_dtype=stage_dtype, smem=smem, ctas=cfg.grid(smem, target))
     raise ValueError(f"no KV-major tiles fit in {target.smem_bytes} B of SMEM (H={h}, block {block_size}, "
                      f"{jnp.dtype(dtype).name}, block_m {m}, {stages} Q stages)")
@@ -273,7 +267,7 @@ def plan_query_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Sp
             smem = query_major_smem_bytes(m=m, h=h, kb=kb, stages=stages, n_parts=n_parts)
             if smem <= target.smem_bytes - 8192:
                 return QueryMajorPlan(g=g, gp=gp, m=m, kb=kb, h=h, n_parts=n_parts, stages=stages,
-                                      stage_p=cfg.stage_p(), interpret=cfg.run_interpreted(), smem=smem)
+                                      stage_p=cfg.stage_p(), interpret=not on_gpu(), smem=smem)
     raise ValueError(f"no query-major tiles fit in SMEM (H={h}, block {block_size}, {jnp.dtype(dtype).name})")
 
 
