@@ -23,6 +23,10 @@ see ``m3jax.processing.media_token_ids``).
 Weights run in the checkpoint's own dtype (``--dtype auto``: config.json's ``dtype`` / ``torch_dtype``,
 as transformers' ``dtype="auto"``); random ``--config`` presets run in bfloat16.
 
+Compiled executables go to JAX's persistent compilation cache in ``$M3JAX_CACHE_DIR`` or
+``~/.cache/m3jax/jax_cache`` (``--no-compile-cache``: off), so a second run of the same command skips
+XLA's compile (tracing and lowering still run); the report's ``compile_cache`` counts the hits.
+
 Bad arguments, checkpoints and configs end in one ``error:`` line and exit status 2 (``--debug`` or
 ``M3JAX_DEBUG=1`` for the traceback). Prompt and output paths are checked before anything is loaded.
 """
@@ -30,7 +34,9 @@ Bad arguments, checkpoints and configs end in one ``error:`` line and exit statu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import resource
 import sys
 import time
@@ -102,6 +108,9 @@ def parse_args(argv=None):
     ap.add_argument("--allow-beyond-max-position", action="store_true",
                     help="run past the config's max_position_embeddings (RoPE extrapolation: quality unknown)")
     ap.add_argument("--quiet", action="store_true", help="no streaming text, no progress bars")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not use JAX's persistent compilation cache (default: on, in $M3JAX_CACHE_DIR or "
+                         "~/.cache/m3jax/jax_cache)")
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     try:
@@ -182,8 +191,72 @@ def _media_prompt_embeds(params, cfg, ids, images, videos):
     return embeds
 
 
+def compile_cache_dir() -> Path:
+    """Where the CLI keeps compiled executables: $M3JAX_CACHE_DIR, else ~/.cache/m3jax/jax_cache
+    (under $XDG_CACHE_HOME when that is set)."""
+    if os.environ.get("M3JAX_CACHE_DIR"):
+        return Path(os.environ["M3JAX_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "m3jax" / "jax_cache"
+
+
+_CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
+                 "/jax/compilation_cache/cache_hits": "hits"}
+
+
+@contextlib.contextmanager
+def persistent_compile_cache(path: Path | None):
+    """JAX's persistent compilation cache in ``path`` while the block runs (None: left as it is), and
+    the previous settings back afterwards (``main`` is also called in-process, by tests and
+    benchmarks). Every executable is written, however small or fast to compile: the 1 s default
+    would skip the decode step and the small windows. A hit skips XLA's compile only; tracing and
+    lowering still run. cuDNN attention is a ``custom_partitioning`` op that puts a Python pointer
+    in the key when lowered for several devices; it is left out of the key so that a sharded run
+    hits too (the op's partitioning depends only on what the key keeps). Yields {"dir", "hits",
+    "misses"}, counted from JAX's monitoring events while the block runs."""
+    stats = {"dir": None if path is None else str(path), "hits": 0, "misses": 0}
+    if path is None:
+        yield stats
+        return
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    settings = {"jax_compilation_cache_dir": str(path), "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_persistent_cache_min_entry_size_bytes": -1,
+                "jax_remove_custom_partitioning_ptr_from_cache_key": True}
+    before = {name: getattr(jax.config, name) for name in settings}
+    counts = {"requests": 0, "hits": 0}
+
+    def count(event, **_):
+        if event in _CACHE_EVENTS:
+            counts[_CACHE_EVENTS[event]] += 1
+
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    cc.reset_cache()  # a cache JAX already found off in this process would stay off
+    jax.monitoring.register_event_listener(count)
+    try:
+        yield stats
+    finally:
+        jax.monitoring.unregister_event_listener(count)
+        stats.update(hits=counts["hits"], misses=counts["requests"] - counts["hits"])
+        for name, value in before.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    with persistent_compile_cache(None if args.no_compile_cache else compile_cache_dir()) as cache_stats:
+        report = _generate(args)
+    report["compile_cache"] = cache_stats
+    if not args.quiet and cache_stats["dir"]:
+        print(f"compile cache {cache_stats['dir']}: {cache_stats['hits']} hits, {cache_stats['misses']} compiled "
+              f"and written", file=sys.stderr)
+    if args.output_json:
+        args.output_json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _generate(args) -> dict:
     if args.checkpoint is None and args.config is None:
         args.checkpoint = DEFAULT_CHECKPOINT
     cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
@@ -254,7 +327,7 @@ def main(argv=None) -> dict:
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
     engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk)
-    compile_s = engine.warmup(len(ids))
+    compile_s = engine.warmup(len(ids), args.sampling)
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
 
@@ -323,8 +396,6 @@ def main(argv=None) -> dict:
               f"({tm['prefill_tok_per_s']:.0f} tok/s prefill; compile {tm['compile_s']:.1f}s before), decode "
               f"{tm['decode_ms_per_token']:.1f} ms/token; peak memory {report['peak_device_memory_bytes'] / 2**30:.2f} GiB "
               f"({report['memory_kind']})", file=sys.stderr)
-    if args.output_json:
-        args.output_json.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -359,3 +359,21 @@ def test_chunk_attention_lowers_to_two_unmasked_cudnn_calls():
     assert sorted(re.search(r"mask_type\\22: \\22(\w+)", c).group(1) for c in calls) == ["CAUSAL", "PADDING"]
     assert "1024xbf16" not in "".join(c.split("->")[0] for c in calls if "CAUSAL" in c)  # diagonal: C keys only
     assert not any("256x1024" in c for c in calls)  # no [C, S] bias
+
+
+def test_cli_compile_cache_second_run_hits(tmp_path, monkeypatch):
+    """The CLI writes every executable to the persistent cache (M3JAX_CACHE_DIR here); a second run,
+    with JAX's in-memory caches cleared as in a new process, compiles nothing. The previous JAX
+    settings come back after each run; --no-compile-cache leaves them alone."""
+    monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["--config", "m3_tiny", "--prompt-ids", "1,2,3", "--ctx", "64", "--max-new-tokens", "3",
+            "--temperature", "0", "--quiet"]
+    jax.clear_caches()
+    first = generate.main(argv)["compile_cache"]
+    assert first["dir"] == str(tmp_path / "cache") and first["misses"] > 0 and any((tmp_path / "cache").iterdir())
+    assert jax.config.jax_compilation_cache_dir is None
+    jax.clear_caches()
+    second = generate.main(argv)["compile_cache"]
+    assert second["hits"] >= first["misses"] and second["misses"] == 0, second
+    off = generate.main([*argv, "--no-compile-cache"])["compile_cache"]
+    assert off == {"dir": None, "hits": 0, "misses": 0}
