@@ -13,10 +13,16 @@ T=1 query over the full context) measured in the same process; ``ratio`` = basel
 Run: ``PYTHONPATH=. python benchmarks/msa_decode.py`` (prints one JSON row per result).
 ``MSA_BENCH_BUDGET_S=<seconds>``: stop starting new measurements after that long (the remaining ones
 are reported as skipped), so a time-limited device run still writes its table.
+``MSA_BENCH_CTX=131072,1048576`` / ``MSA_BENCH_BATCH=1,8``: the contexts / batches to run (default both).
+
+``model_decode_step`` rows time the model's own decode path (``m3jax.msa.kernels.decode``) with the
+index-key pages in bf16 and in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, same keys rounded);
+``ratio`` there = bf16 ms / fp8 ms (> 1: fp8 index keys make the step faster).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -53,14 +59,22 @@ def _inputs(b: int, ctx: int, q_len: int = 1, seed: int = 0):
 
 
 def bench(report) -> None:
+    import m3jax
     from m3jax import msa
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
     from m3jax.pallas import decode as D
     from m3jax.pallas import topk as T
 
+    M3_TEXT = dataclasses.replace(m3jax.preset("minimax_m3").text, num_attention_heads=N, num_key_value_heads=K,
+                                  head_dim=H, index_n_heads=HI, index_head_dim=HX, index_block_size=BS,
+                                  index_topk_blocks=TOPK)
     deadline = time.time() + float(os.environ.get("MSA_BENCH_BUDGET_S", "inf"))
+    ctxs = [int(x) for x in os.environ.get("MSA_BENCH_CTX", f"{128 * 1024},{1024 * 1024}").split(",")]
+    batches = [int(x) for x in os.environ.get("MSA_BENCH_BATCH", "1,8").split(",")]
 
-    for ctx in (128 * 1024, 1024 * 1024):
-        for b in (1, 8):
+    for ctx in ctxs:
+        for b in batches:
             shape = f"B={b} ctx={ctx // 1024}K Q=1 N={N} K={K} H={H} Hx={HX} Hi={HI} bs={BS} topk={TOPK}"
             if time.time() > deadline:
                 report({"op": "msa_decode", "shape": shape, "impl": "-", "ms": None, "notes": "skipped: time budget"})
@@ -107,6 +121,15 @@ def bench(report) -> None:
                   q, iq, kp, vp, ikp, pt, sl)
             timed("decode_step", "xla_reference", idx_bytes + kv_bytes,
                   jax.jit(functools.partial(step, "reference")), q, iq, kp, vp, ikp, pt, sl)
+            model_ms = {}
+            for name, pages, nbytes in (("bfloat16", ikp, idx_bytes), ("float8_e4m3fn", ikp.astype(jnp.float8_e4m3fn),
+                                                                        idx_bytes // 2)):
+                cfg = dataclasses.replace(M3_TEXT, index_cache_dtype=name)
+                timed(f"model_decode_step[index {name}]", "pallas", nbytes + kv_bytes,
+                      jax.jit(lambda q, iq, kp, vp, ik, pt, cfg=cfg: kernels.decode(q, iq, LayerCache(kp, vp, ik), pt, q_pos,
+                                                                                    cfg)[0]),
+                      q, iq, kp, vp, pages, pt)
+                model_ms[name] = rows[-1][2]
 
             # cuDNN dense decode baseline: the same context as contiguous K/V.
             kd = kp[pt].reshape(b, ctx, K, H)
@@ -127,8 +150,10 @@ def bench(report) -> None:
                 report({
                     "op": f"msa_decode/{op}", "shape": shape, "impl": impl, "ms": t,
                     "gbps": nbytes / t / 1e6, "baseline": f"cudnn dense decode {t_dense:.4f} ms",
-                    "ratio": t_dense / t if op == "decode_step" else None,
-                    "notes": ("ratio = cudnn_ms / ms; " if op == "decode_step" else "") + note,
+                    "ratio": (t_dense / t if op == "decode_step" else
+                              model_ms["bfloat16"] / t if op.startswith("model_decode_step") else None),
+                    "notes": ("ratio = cudnn_ms / ms; " if op == "decode_step" else
+                              "ratio = bf16-index ms / ms; " if op.startswith("model_decode_step") else "") + note,
                 })
             del q, iq, kp, vp, ikp, pt, sl
 

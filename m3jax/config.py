@@ -22,6 +22,10 @@ ATTENTION_IMPLS = ("auto", "reference", "dense_mask", "pallas")
 MoeImpl = Literal["auto", "ragged_dot", "pallas"]
 MOE_IMPLS = ("auto", "ragged_dot", "pallas")
 
+# Storage of the MSA index-key cache: "bfloat16" keeps the index keys at the cache's dtype (bf16 when
+# serving), "float8_e4m3fn" rounds them to fp8 e4m3 (half the bytes of the decode index scan).
+INDEX_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
+
 FULL_ATTENTION = "full_attention"
 SPARSE_ATTENTION = "minimax_m3_sparse"
 
@@ -85,6 +89,10 @@ class TextConfig:
     # every selection of that layer. Empty = the model exactly as released.
     msa_force_in: tuple[tuple[int, int], ...] = ()
     msa_force_out: tuple[tuple[int, int], ...] = ()
+    # Research knob (not in any checkpoint): index keys as the cache stores them, one of INDEX_CACHE_DTYPES.
+    # "float8_e4m3fn" applies everywhere the index keys are read (reference, kernels, cache), so a
+    # forward pass and a cached decode select from the same rounded keys.
+    index_cache_dtype: str = "bfloat16"
     bos_token_id: int | None = 200034
     eos_token_id: int | tuple[int, ...] | None = 200020
 
@@ -103,6 +111,9 @@ class TextConfig:
         bad = set(self.layer_types) - {FULL_ATTENTION, SPARSE_ATTENTION}
         if bad:
             raise UnsupportedConfigError(f"text_config.layer_types has unknown entries {sorted(bad)}")
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise UnsupportedConfigError(
+                f"index_cache_dtype={self.index_cache_dtype!r}; choose one of {INDEX_CACHE_DTYPES}")
         bad = set(self.mlp_layer_types) - {"dense", "sparse"}
         if bad:
             raise UnsupportedConfigError(f"text_config.mlp_layer_types has unknown entries {sorted(bad)}")

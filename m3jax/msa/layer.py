@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from m3jax.cache import LayerCache
+from m3jax.cache import LayerCache, cached_index_keys
 from m3jax.config import M3Config, TextConfig
 from m3jax.msa import kernels, reference
 from m3jax.msa.parallel import msa_pallas_sharded
@@ -22,8 +22,9 @@ def forced_blocks(cfg: TextConfig, layer: int) -> tuple[tuple[int, ...], tuple[i
 
 
 def scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
-    """Index block scores of one query chunk: fp32 [B, K, C, nb] (see :func:`reference.block_scores`)."""
-    return reference.block_scores(iq, ik, q_pos, cfg.index_block_size)
+    """Index block scores of one query chunk: fp32 [B, K, C, nb] (see :func:`reference.block_scores`), from
+    the index keys as the cache holds them (``cfg.index_cache_dtype``)."""
+    return reference.block_scores(iq, cached_index_keys(ik, cfg), q_pos, cfg.index_block_size)
 
 
 def select_from_scores(block_scores: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
@@ -48,7 +49,7 @@ def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
     """
     t = cfg.text
     if cfg.attention_impl == "pallas":
-        return msa_pallas_sharded(kernels.prefill, q, k, v, iq, ik, q_pos, t)
+        return msa_pallas_sharded(kernels.prefill, q, k, v, iq, cached_index_keys(ik, t, iq.dtype), q_pos, t)
     attend = reference.dense_mask_attention if cfg.attention_impl == "dense_mask" else reference.sparse_attention
 
     def chunk_fn(qp, qc, iqc):
