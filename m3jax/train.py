@@ -56,6 +56,10 @@ CLI (text from the Python standard library's own sources, byte-level BPE from ``
     python -m m3jax.train --config m3_tiny --steps 300 --seq-len 256 --batch 4 --out /tmp/run \
         [--resume | --overwrite] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR]
 
+``--data retrieval`` plants key/value lines in the text and repeats some later in the row, with the
+loss weighted onto the repeated values (see "Data: key/value retrieval tasks" below); the long rows
+can take a shorter dense warm-up (``--dense-warmup-seq-len``, ``--dense-warmup-batch``).
+
 ``--out`` must be new or empty unless ``--resume`` (continue the run saved there) or ``--overwrite``
 (remove that run's files, :data:`RUN_FILES`, and start again; other files are left alone). Bad
 arguments end in one ``error:`` line and exit status 2 (``--debug`` for the traceback).
@@ -89,6 +93,7 @@ from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.params import ParamSpec, param_specs
 
 MODES = ("dense_warmup", "sparse", "indexer_only")
+DATA_KINDS = ("stdlib", "retrieval")
 _BIG_NEG = -1e30
 
 
@@ -451,6 +456,116 @@ def heldout_batches(stream: np.ndarray, n: int, batch: int, seq_len: int) -> lis
 
 
 # --------------------------------------------------------------------------------------------------
+# Data: key/value retrieval tasks planted in the text (``--data retrieval``)
+#
+# A row is ordinary text with lines ``\nKEY 48213 = 90517\n`` planted at random places; later in the
+# row some of those lines appear again (the query), and the value tokens of the repeat are the
+# answers. Keys and values are random per row, so an answer is predictable only by finding the
+# definition: the loss on the answers is a pure retrieval signal at the definition's distance.
+
+KEY_RANGE = (10000, 100000)  # 5-digit keys and values
+
+
+def text_encoder(tok, vocab_size: int):
+    """``encode(str) -> int32 ids``: the tokenizer's, or without one UTF-8 bytes as ids (the byte-level
+    fallback of ``m3jax.generate``; needs vocab_size >= 256)."""
+    if tok is not None:
+        return lambda s: np.asarray(tok.encode(s, add_special_tokens=False).ids, np.int32)
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size {vocab_size} < 256: no tokenizer and too small for UTF-8 bytes as ids")
+    return lambda s: np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+def kv_line(encode, key: int, value: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prefix ``\\nKEY <key> =``, value `` <value>``, close ``\\n``) token ids, encoded piece by piece
+    so the value's tokens are the same at the definition and at the query (the byte-level
+    pre-tokenizer splits at ``=`` and before a space anyway: this is the running-text tokenisation)."""
+    return encode(f"\nKEY {key} ="), encode(f" {value}"), encode("\n")
+
+
+@dataclasses.dataclass
+class RetrievalRow:
+    tokens: np.ndarray  # int32 [n]
+    answer: np.ndarray  # bool [n]: the token is a value token of a query line
+    value_at: list[int]  # row position of each definition's first value token, per pair
+    query_value_at: list[int]  # row position of each query's first value token (-1: pair not queried)
+
+
+def plant(filler: np.ndarray, events: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Insert token runs into ``filler``: events (offset into filler, ids, answer mask), applied in the
+    given order (an earlier event at the same offset comes first). Returns (tokens, answer, start of
+    each event's run in the result)."""
+    order = sorted(range(len(events)), key=lambda i: (events[i][0], i))
+    toks, ans, starts, prev, pos = [], [], [0] * len(events), 0, 0
+    for i in order:
+        off, ids, a = events[i]
+        toks += [filler[prev:off], ids]
+        ans += [np.zeros(off - prev, bool), a]
+        pos += off - prev
+        starts[i] = pos
+        pos += len(ids)
+        prev = off
+    toks.append(filler[prev:])
+    ans.append(np.zeros(len(filler) - prev, bool))
+    return np.concatenate(toks).astype(np.int32), np.concatenate(ans), starts
+
+
+def retrieval_row(stream: np.ndarray, n: int, rng, encode, n_pairs: int, query_frac: float = 1.0) -> RetrievalRow:
+    """One training row of ``n`` tokens: ``n_pairs`` key/value lines at random places in a random
+    window of ``stream``, and for ``round(query_frac * n_pairs)`` of them a query (the same line again)
+    later in the row. A query sits uniformly in the last 7/8 of the row and its definition uniformly
+    before it, so definition-to-query distances cover the whole row."""
+    keys = rng.choice(np.arange(*KEY_RANGE), n_pairs, replace=False)
+    values = rng.integers(*KEY_RANGE, n_pairs)
+    lines = [kv_line(encode, int(k), int(v)) for k, v in zip(keys, values)]
+    queried = sorted(rng.choice(n_pairs, int(round(query_frac * n_pairs)), replace=False).tolist())
+    line_len = [sum(len(x) for x in ln) for ln in lines]
+    m = n - sum(line_len) - sum(line_len[i] for i in queried)
+    if m < 8:
+        raise ValueError(f"a row of {n} tokens cannot hold {n_pairs} key/value lines and their queries")
+    start = int(rng.integers(0, len(stream) - m))
+    filler = stream[start : start + m]
+    q_off = rng.integers(m // 8, m + 1, n_pairs)
+    d_off = (rng.random(n_pairs) * np.where(np.isin(np.arange(n_pairs), queried), q_off, m)).astype(np.int64)
+    events = []
+    for i, (p, v, c) in enumerate(lines):  # definitions first: one at the same offset as a query precedes it
+        events.append((int(d_off[i]), np.concatenate([p, v, c]), np.zeros(line_len[i], bool)))
+    for i in queried:
+        p, v, c = lines[i]
+        mask = np.concatenate([np.zeros(len(p), bool), np.ones(len(v), bool), np.zeros(len(c), bool)])
+        events.append((int(q_off[i]), np.concatenate([p, v, c]), mask))
+    tokens, answer, starts = plant(filler, events)
+    value_at = [starts[i] + len(lines[i][0]) for i in range(n_pairs)]
+    query_value_at = [-1] * n_pairs
+    for j, i in enumerate(queried):
+        query_value_at[i] = starts[n_pairs + j] + len(lines[i][0])
+    return RetrievalRow(tokens, answer, value_at, query_value_at)
+
+
+def answer_weights(answer: np.ndarray, task_share: float) -> np.ndarray:
+    """``loss_fn``'s ``mask`` for a row's labels (tokens[1:]): 1 on text, and on the answer tokens the
+    weight that gives them ``task_share`` of the row's loss (a few dozen answer tokens among 16K text
+    tokens would otherwise carry no signal)."""
+    labels = answer[1:]
+    n_ans = int(labels.sum())
+    w = np.ones(len(labels), np.float32)
+    if n_ans and task_share > 0:
+        w[labels] = task_share / (1.0 - task_share) * (len(labels) - n_ans) / n_ans
+    return w
+
+
+def retrieval_batch(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int, encode,
+                    pairs_per_1k: float = 1.0, task_share: float = 0.5) -> dict:
+    """Deterministic batch of retrieval rows for ``step`` (seeded like :func:`sample_batch`):
+    ``{"tokens": int32 [B, seq_len + 1], "mask": fp32 [B, seq_len]}``."""
+    rng = np.random.default_rng([seed, step, 1])
+    n_pairs = max(1, int(round(pairs_per_1k * seq_len / 1024)))
+    rows = [retrieval_row(stream, seq_len + 1, rng, encode, n_pairs) for _ in range(batch)]
+    return {"tokens": np.stack([r.tokens for r in rows]),
+            "mask": np.stack([answer_weights(r.answer, task_share) for r in rows])}
+
+
+# --------------------------------------------------------------------------------------------------
 # Recall (m3jax.probe) and plots
 
 
@@ -574,16 +689,17 @@ def _prepare_data(args, cfg: M3Config, out: Path):
     return tok, train, held
 
 
-def _steps_for_budget(cfg: M3Config, params: dict, args, stream: np.ndarray, mesh) -> int:
+def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int:
     """Steps that fit in ``args.time_budget`` seconds: compile and time a few steps of ``args.mode``
-    on a throw-away state, keep a margin for the evaluations and the final save."""
+    on a throw-away state, keep a margin for the evaluations and the final save. (A shorter dense
+    warm-up, ``--dense-warmup-seq-len``, is cheaper per step: the estimate errs on the safe side.)"""
     tx = make_optimizer(args.mode, 100, args.lr, args.index_lr, args.warmup)
     state = init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates its state
     step = make_train_step(cfg, tx, args.mode, args.kl_weight, mesh)
     times = []
     for s in range(6):
         t0 = time.time()
-        state, m = step(state, sample_batch(stream, s, args.batch, args.seq_len, args.seed))
+        state, m = step(state, batch_for(s, args.mode))
         jax.block_until_ready(m)
         times.append(time.time() - t0)
     per_step = float(np.median(times[2:]))
@@ -640,6 +756,18 @@ def main(argv=None) -> int:
                     help="seconds: time a few steps first, then set --steps to what fits (recorded in summary.json)")
     ap.add_argument("--dense-warmup-frac", type=cli.fraction, default=0.0,
                     help="with --time-budget: the dense warm-up's share of the chosen steps")
+    ap.add_argument("--data", choices=DATA_KINDS, default="stdlib",
+                    help="stdlib: windows of standard-library source; retrieval: the same text with key/value "
+                         "lines planted and queried later in the row, loss weighted onto the answers")
+    ap.add_argument("--kv-per-1k", type=cli.positive_float, default=1.0,
+                    help="--data retrieval: key/value pairs per 1024 tokens of a row (each queried once)")
+    ap.add_argument("--task-share", type=cli.fraction, default=0.5,
+                    help="--data retrieval: share of each row's loss carried by the answer tokens, in [0, 1)")
+    ap.add_argument("--dense-warmup-seq-len", type=cli.nonnegative_int, default=0,
+                    help="sequence length of the dense warm-up steps (0 = --seq-len): dense attention in every "
+                         "layer keeps T x T softmax residuals, so a long --seq-len may need a shorter warm-up")
+    ap.add_argument("--dense-warmup-batch", type=cli.nonnegative_int, default=0,
+                    help="batch of the dense warm-up steps (0 = --batch)")
     ap.add_argument("--save-format", choices=["float32", "bfloat16", "mxfp8"], default="float32",
                     help="dtype of the saved HF checkpoint (mxfp8: the released MXFP8 layout, 1 byte per linear weight)")
     cli.add_debug_flag(ap)
@@ -648,6 +776,11 @@ def main(argv=None) -> int:
         ap.error(f"--dense-warmup-steps {args.dense_warmup_steps} exceeds --steps {args.steps}")
     if args.data_parallel and args.batch % args.data_parallel:
         ap.error(f"--batch {args.batch} does not split over --data-parallel {args.data_parallel} devices")
+    args.dense_warmup_seq_len = args.dense_warmup_seq_len or args.seq_len
+    args.dense_warmup_batch = args.dense_warmup_batch or args.batch
+    if args.data_parallel and args.dense_warmup_batch % args.data_parallel:
+        ap.error(f"--dense-warmup-batch {args.dense_warmup_batch} does not split over --data-parallel "
+                 f"{args.data_parallel} devices")
 
     # Everything that can refuse the run does so before --out is touched.
     cfg = _load_cfg(args)
@@ -658,6 +791,15 @@ def main(argv=None) -> int:
     if args.resume and not resuming:
         print(f"note: --resume: no checkpoint in {out / 'ckpt'} yet; starting at step 0", file=sys.stderr, flush=True)
     tok, train_stream, held_stream = _prepare_data(args, cfg, out)
+
+    encode = text_encoder(tok, cfg.text.vocab_size)
+
+    def batch_for(step: int, mode: str) -> dict:
+        """The training batch of ``step`` (deterministic: a resumed run sees the same data)."""
+        seq, b = (args.dense_warmup_seq_len, args.dense_warmup_batch) if mode == "dense_warmup" else (args.seq_len, args.batch)
+        if args.data == "retrieval":
+            return retrieval_batch(train_stream, step, b, seq, args.seed, encode, args.kv_per_1k, args.task_share)
+        return sample_batch(train_stream, step, b, seq, args.seed)
 
     mesh = None
     if args.data_parallel:
@@ -682,7 +824,7 @@ def main(argv=None) -> int:
         if resuming and chosen.exists():
             args.steps, args.dense_warmup_steps = json.loads(chosen.read_text())
         else:
-            args.steps = _steps_for_budget(cfg, params, args, train_stream, mesh)
+            args.steps = _steps_for_budget(cfg, params, args, batch_for, mesh)
             if args.dense_warmup_frac:
                 args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
             chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
@@ -729,7 +871,7 @@ def main(argv=None) -> int:
         s = int(state.step)
         mode = phases[0][0] if s < boundary else phases[-1][0]
         t0 = time.time()
-        state, m = steps[mode](state, sample_batch(train_stream, s, args.batch, args.seq_len, args.seed))
+        state, m = steps[mode](state, batch_for(s, mode))
         m = jax.device_get(m)
         row = {"step": s + 1, "mode": mode, "loss": f"{m['loss']:.5f}", "lm": f"{m['lm']:.5f}", "kl": f"{m['kl']:.5f}",
                "grad_norm": f"{m['grad_norm']:.4f}", "seconds": f"{time.time() - t0:.3f}"}
@@ -756,7 +898,7 @@ def main(argv=None) -> int:
     _write_tokenizer_files(tok, cfg, final)
     summary = {"steps": int(state.step), "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
                "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
-               "batch": args.batch, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
+               "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if cfg.text.has_sparse_layers:
         untrained = with_index_branch(params, index_init)
@@ -764,6 +906,9 @@ def main(argv=None) -> int:
         summary["recall_initial_index"] = mean_recall(untrained, cfg, probe_tokens)
     lm, kl, _ = evaluate(params)
     summary.update(heldout_lm=lm, heldout_kl=kl)
+    if args.data == "retrieval":
+        summary.update(kv_per_1k=args.kv_per_1k, task_share=args.task_share,
+                       dense_warmup_seq_len=args.dense_warmup_seq_len, dense_warmup_batch=args.dense_warmup_batch)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
     return 0

@@ -1,0 +1,142 @@
+"""MSA block size x top-k on the retrieval-trained m3-small at 16K: needle accuracy, recall of the dense
+attention mass and log-likelihood against dense, per cell. See README.md beside this file.
+
+    python experiments/2026-12-01_block_topk_retrieval/sweep.py                 # GPU: quality grid at 16K
+    python experiments/2026-12-01_block_topk_retrieval/sweep.py --speed         # GPU: MSA-step speed, 128K
+    python experiments/2026-12-01_block_topk_retrieval/sweep.py --plot          # heatmaps + summary.md
+    python experiments/2026-12-01_block_topk_retrieval/sweep.py --quick --out /tmp/btr   # CPU smoke run
+
+Everything but the data comes from the 2026-11-29 sweep (``experiments/2026-11-29_block_topk/sweep.py``,
+imported): the cells, the per-cell model, the metrics (one ``m3jax.probe`` pass per row batch), the
+resumable JSONL records, the speed runner and the plots. What is new is the needle: the
+``KEY <k> = <v>`` line of ``m3jax.train --data retrieval`` (the format the model was trained on),
+built by :func:`m3jax.needle.needle_row` at several depths, in held-out text, with a control row
+(same haystack and query, no needle). Each finished cell is one JSON line in ``<out>/quality.jsonl``
+keyed by (setup id, cell): rerunning the same command skips finished cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import m3jax
+from m3jax.needle import DEFAULT_CHECKPOINT, heldout_stream, needle_row
+from m3jax.train import text_encoder
+
+HERE = Path(__file__).resolve().parent
+OLD_SWEEP = HERE.parent / "2026-11-29_block_topk" / "sweep.py"
+BLOCKS, TOPKS, BUDGET = (32, 64, 128, 256), (2, 4, 8, 16, 32, 64), 512
+QUICK_BLOCKS, QUICK_TOPKS, QUICK_BUDGET = (16, 32), (2, 4), 64
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def _load_old_sweep():
+    spec = importlib.util.spec_from_file_location("block_topk_sweep", OLD_SWEEP)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bt = _load_old_sweep()
+
+
+def make_needles(stream: np.ndarray, ctx: int, n: int, depths, seed: int, encode) -> list:
+    """``n`` needle trials (trial i at depths[i % len(depths)]) as the old sweep's ``Needle`` rows."""
+    rng = np.random.default_rng([seed, ctx])
+    rows = [needle_row(stream, ctx, depths[i % len(depths)], rng, encode) for i in range(n)]
+    return [bt.Needle(r.tokens, r.control, r.value, r.value_at) for r in rows]
+
+
+def run_quality(args) -> list[dict]:
+    ckpt = Path(args.checkpoint).resolve() if args.checkpoint else None
+    if ckpt is not None:
+        model = m3jax.load_pretrained(ckpt, dtype=args.dtype, progress=False)
+    else:  # CPU smoke run: a tiny random model, UTF-8 bytes as token ids
+        cfg = m3jax.preset("m3_tiny")
+        model = m3jax.init_random(cfg, seed=args.seed, dtype=args.dtype)
+    t = model.config.text
+    tok = bt._load_tokenizer(ckpt)
+    encode = text_encoder(tok, t.vocab_size)
+    eos = t.eos_token_id[0] if isinstance(t.eos_token_id, tuple) else (t.eos_token_id or 2)
+    ctx = args.ctx
+    stream = heldout_stream(encode, max((args.n_docs + 2) * ctx, 150_000), eos)
+    docs = np.stack([stream[i * ctx : (i + 1) * ctx] for i in range(args.n_docs)])
+    needles = make_needles(stream[args.n_docs * ctx :], ctx, args.n_needles, args.depths, args.seed, encode)
+    tail_start = int(ctx * args.tail_start)
+    setup = {**bt._checkpoint_fingerprint(ckpt, "m3_tiny", args.seed), "ctx": ctx, "n_docs": args.n_docs,
+             "n_needles": args.n_needles, "needle": "kv-retrieval", "depths": list(args.depths),
+             "tail_start": tail_start, "dtype": args.dtype, "seed": args.seed}
+    setup_id = bt._setup_id(setup)
+    out = Path(args.out) / "quality.jsonl"
+    done = bt.finished(out, setup_id)
+    cells = bt.grid_cells(args.blocks, args.topks, args.budget)
+    todo = [c for c in cells if c.name not in done]
+    print(f"quality: setup {setup_id} ({setup}), {len(cells) - len(todo)} of {len(cells)} cells done", flush=True)
+    rows = []
+    for c in todo:
+        t0 = time.time()
+        m = bt.cell_model(model, c, ctx)
+        row = {"cell": c.name, "setup_id": setup_id, "setup": setup, "block_size": m.config.text.index_block_size,
+               "topk": c.topk, "budget": c.budget, "native_block_size": t.index_block_size,
+               "native_topk": t.index_topk_blocks, "time": datetime.datetime.now().isoformat(timespec="seconds")}
+        try:
+            row.update(bt.evaluate_cell(m, docs, needles, tail_start=tail_start, batch=args.batch,
+                                        query_chunk=args.query_chunk))
+        except Exception as e:  # noqa: BLE001 - one failing cell must not stop the sweep; rerun retries it
+            row["error"] = f"{type(e).__name__}: {e}"
+        bt._record(out, rows, row, t0)
+    return rows
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="HF checkpoint (default: the built-in m3-small)")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--plots", default=str(HERE / "plots"))
+    ap.add_argument("--ctx", type=int, default=None, help="tokens per row (default 16384; --quick 256)")
+    ap.add_argument("--n-docs", type=int, default=2, help="held-out document rows (log-likelihood, recall)")
+    ap.add_argument("--n-needles", type=int, default=None, help="needle trials (default 10; --quick 2)")
+    ap.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
+    ap.add_argument("--tail-start", type=float, default=0.5, help="doc metrics over positions >= this share of ctx")
+    ap.add_argument("--batch", type=int, default=None, help="rows per probe pass (default 2; --quick all)")
+    ap.add_argument("--query-chunk", type=int, default=256)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny random model, ctx 256, a 2 x 2 grid (CPU)")
+    ap.add_argument("--speed", action="store_true", help="MSA-step speed per cell vs cuDNN dense, 128K (old sweep's runner)")
+    ap.add_argument("--plot", action="store_true", help="plots + summary.md from --out into --plots")
+    args = ap.parse_args(argv)
+    q = args.quick
+    if q:
+        args.checkpoint = None
+    args.ctx = args.ctx or (256 if q else 16384)
+    args.n_needles = args.n_needles if args.n_needles is not None else (2 if q else 10)
+    args.batch = args.batch or (args.n_docs + 2 * args.n_needles if q else 2)
+    args.blocks, args.topks, args.budget = (QUICK_BLOCKS, QUICK_TOPKS, QUICK_BUDGET) if q else (BLOCKS, TOPKS, BUDGET)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot:
+        for p in bt.plot(Path(args.out), Path(args.plots)):
+            print("wrote", p)
+        return 0
+    if args.speed:
+        grid = ["--blocks", *map(str, args.blocks), "--topks", *map(str, args.topks), "--budget", str(args.budget)]
+        rows = bt.run_speed(bt.parse_args(["--speed", "--out", args.out, *grid]))
+    else:
+        rows = run_quality(args)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Retrieval data (``m3jax.train --data retrieval``) and ``python -m m3jax.needle``: answer positions and
+loss weights, determinism by seed, held-out text for the needle, and the CLI on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import m3jax
+from m3jax import needle
+from m3jax import train as tr
+from tests.conftest import tiny_config
+
+# Filler ids far above the UTF-8 byte ids of the planted lines: a token >= FILLER is text, below is planted.
+FILLER = 1000
+BYTES = tr.text_encoder(None, 256)
+
+
+def _stream(n=20_000):
+    return np.arange(n, dtype=np.int32) + FILLER
+
+
+def test_retrieval_row_answers_and_filler():
+    row = tr.retrieval_row(_stream(), 1025, np.random.default_rng(3), BYTES, n_pairs=4)
+    tok, ans = row.tokens, row.answer
+    assert tok.shape == ans.shape == (1025,)
+    # The text is one contiguous window of the stream, in order, around the planted lines.
+    text = tok[tok >= FILLER]
+    assert np.array_equal(np.diff(text), np.ones(len(text) - 1))
+    assert row.query_value_at.count(-1) == 0  # every pair is queried once by default
+    for d, q in zip(row.value_at, row.query_value_at):
+        assert q > d  # the query comes after its definition
+        n_val = 6  # " 90517": a space and five digits, one byte each
+        assert np.array_equal(tok[q : q + n_val], tok[d : d + n_val])
+        assert ans[q : q + n_val].all() and not ans[d : d + n_val].any()
+        assert bytes(tok[d - 12 : d].astype(np.uint8)).startswith(b"\nKEY ") and tok[d - 1] == ord("=")
+    assert ans.sum() == 4 * 6
+    # Loss weights over the labels (tokens[1:]): the answers carry task_share of the row's loss.
+    w = tr.answer_weights(ans, 0.25)
+    assert w.shape == (1024,)
+    assert np.isclose(w[ans[1:]].sum() / w.sum(), 0.25) and np.all(w[~ans[1:]] == 1)
+
+
+def test_retrieval_batch_deterministic_by_seed_and_step():
+    s = _stream()
+    a = tr.retrieval_batch(s, 5, 2, 512, 0, BYTES)
+    assert a["tokens"].shape == (2, 513) and a["mask"].shape == (2, 512) and a["tokens"].dtype == np.int32
+    assert all(np.array_equal(a[k], tr.retrieval_batch(s, 5, 2, 512, 0, BYTES)[k]) for k in a)
+    assert not np.array_equal(a["tokens"], tr.retrieval_batch(s, 6, 2, 512, 0, BYTES)["tokens"])
+    assert not np.array_equal(a["tokens"], tr.retrieval_batch(s, 5, 2, 512, 1, BYTES)["tokens"])
+    with pytest.raises(ValueError, match="cannot hold"):
+        tr.retrieval_row(s, 40, np.random.default_rng(0), BYTES, n_pairs=4)
+
+
+def test_needle_text_is_held_out():
+    train, held, _ = tr.stdlib_files()
+    seen = []
+    needle.heldout_stream(lambda text: seen.append(text) or BYTES(text[:10]), 10**5, 2)
+    assert len(seen) == len(held)  # the stream asked for more than there is: every held-out file, no other
+    held_texts = {f.read_text(encoding="utf-8") for f in held}
+    assert set(seen) <= held_texts
+    assert not set(seen) & {f.read_text(encoding="utf-8") for f in train[:200]}
+
+
+def test_needle_row():
+    row = needle.needle_row(_stream(), 300, 0.5, np.random.default_rng(0), BYTES)
+    v = len(row.value)
+    assert row.tokens.shape == (300,) and np.array_equal(row.tokens[-v:], row.value)
+    assert np.array_equal(row.tokens[row.value_at : row.value_at + v], row.value)
+    assert abs(row.value_at - 150) < 25  # at the requested depth (a line is ~20 bytes)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    # vocab >= 256 so the byte fallback encodes the text; media placeholders outside the byte range.
+    cfg = tiny_config(vocab_size=300, index_block_size=16, index_topk_blocks=2).replace(image_token_id=298,
+                                                                                        video_token_id=299)
+    path = tmp_path_factory.mktemp("needle") / "tiny"
+    m3jax.save_pretrained(m3jax.init_random(cfg, seed=0), path)
+    return path
+
+
+def test_needle_cli(tiny_ckpt, tmp_path):
+    argv = ["--checkpoint", str(tiny_ckpt), "--ctx", "192", "--trials", "4", "--seed", "1", "--depths", "0.2", "0.8"]
+    out = tmp_path / "n.json"
+    res = needle.main(argv + ["--output-json", str(out)])
+    saved = json.loads(out.read_text())
+    assert 0.0 <= saved["accuracy"] <= 1.0 and set(saved["per_depth"]) == {"0.2", "0.8"}
+    assert all(r["trials"] == 2 for r in saved["per_depth"].values())
+    assert set(saved["needle_block_selected"]) == {"1", "2"}  # the MSA layers
+    assert all(0.0 <= v <= 1.0 for v in saved["needle_block_selected"].values())
+    # Depths respected: the needle's value sits at ~depth of the row.
+    for t in saved["trials_detail"]:
+        assert abs(t["value_at"] - t["depth"] * 192) < 30
+    again = needle.main(argv)
+    drop = lambda r: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+    assert drop(again) == drop(res)
+    other = needle.main(argv[:-5] + ["--seed", "2", "--config-override", "topk=3", "--dense"])
+    assert [t["value"] for t in other["trials_detail"]] != [t["value"] for t in res["trials_detail"]]
+    assert other["needle_block_selected"] is None and other["topk"] == 3
