@@ -7,12 +7,13 @@ this file first.
 
 Targets. The kernels here are Hopper kernels (sm_90a: TMA, 232,448 B of SMEM per block, and wgmma
 with register accumulators in all but top-k), tested on the H200 and in interpret mode. What the
-kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline stages fit) and
-``num_sms`` (grid sizes); on an sm_100 GPU it returns ``BLACKWELL`` for those two numbers only. The
-other fields (``name``, ``mma``, ``cluster``, ``tma_gather``) are read by no code: they record what
-a Blackwell port changes (tcgen05 MMA into TMEM, 2-CTA clusters, TMA gather; each kernel's docstring
-says where), and wgmma itself is a Hopper-only instruction, so the MMA kernels do not run on sm_100
-as they are.
+kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline stages fit),
+``num_sms`` (grid sizes) and ``mma``: the grouped GEMM takes its Blackwell path (tcgen05 into
+TMEM) when it is ``"tcgen05"``; the other MMA kernels issue wgmma, a Hopper-only instruction,
+and do not run on sm_100 as they are (``m3jax.selfcheck`` keeps them off a GPU where they fail).
+``cluster`` and ``tma_gather`` are read by no code: they record what the rest of the port changes
+(2-CTA MMA, TMA gather; each kernel's docstring says where). :func:`lowering_for` and
+:func:`interpret_as` build the kernels for another target on a CPU (lowering tests, interpret tests).
 """
 
 from __future__ import annotations
@@ -39,17 +40,20 @@ HOPPER = Target("sm_90a", mma="wgmma", smem_bytes=232_448, num_sms=132)
 BLACKWELL = Target("sm_100a", mma="tcgen05", smem_bytes=232_448, num_sms=148, cluster=2, tma_gather=True)
 
 
-_lowering_target: Target | None = None  # set by lowering_for: lower as on that GPU, on any machine
+# Set by lowering_for / interpret_as: the target the kernels are built for, and whether they lower
+# for it as on that GPU (True) or run in interpret mode (False), whatever the machine.
+_target_override: Target | None = None
+_on_gpu_override: bool | None = None
 
 
 def on_gpu() -> bool:
-    return _lowering_target is not None or jax.default_backend() == "gpu"
+    return _on_gpu_override if _on_gpu_override is not None else jax.default_backend() == "gpu"
 
 
 def current_target() -> Target:
     """The target of the default GPU (Hopper off-GPU: interpret mode simulates Hopper semantics)."""
-    if _lowering_target is not None:
-        return _lowering_target
+    if _target_override is not None:
+        return _target_override
     if on_gpu():
         major = int(getattr(jax.devices()[0], "compute_capability", "9.0").split(".")[0])
         return BLACKWELL if major >= 10 else HOPPER
@@ -57,6 +61,23 @@ def current_target() -> Target:
 
 
 @contextlib.contextmanager
+def _override(target: Target, lowering: bool):
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    global _target_override, _on_gpu_override
+    arch = {"sm_90a": (9, 0), "sm_100a": (10, 0)}[target.name]
+    saved = mgpu_utils._infer_arch, _target_override, _on_gpu_override
+    # Jitted wrappers keep traces made for another target (interpret mode, its SM count, its MMA):
+    # traced again inside, and the ones made inside are not kept.
+    jax.clear_caches()
+    mgpu_utils._infer_arch, _target_override, _on_gpu_override = (lambda: arch), target, lowering
+    try:
+        yield
+    finally:
+        mgpu_utils._infer_arch, _target_override, _on_gpu_override = saved
+        jax.clear_caches()
+
+
 def lowering_for(target: Target):
     """Trace and lower the kernels as on a ``target`` GPU, on any machine (CPU lowering tests).
 
@@ -65,20 +86,13 @@ def lowering_for(target: Target):
     when there is no GPU. So while this is active that private function answers ``target``'s arch,
     and ``on_gpu`` / ``current_target`` answer as on that GPU (no interpret mode; its SMEM and SMs).
     """
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    return _override(target, lowering=True)
 
-    global _lowering_target
-    arch = {"sm_90a": (9, 0), "sm_100a": (10, 0)}[target.name]
-    saved = mgpu_utils._infer_arch, _lowering_target
-    # Jitted wrappers (sparse_attention's) keep traces made for another target (interpret mode, its
-    # SM count): traced again inside, and the ones made inside are not kept.
-    jax.clear_caches()
-    mgpu_utils._infer_arch, _lowering_target = (lambda: arch), target
-    try:
-        yield
-    finally:
-        mgpu_utils._infer_arch, _lowering_target = saved
-        jax.clear_caches()
+
+def interpret_as(target: Target):
+    """Run the kernels in interpret mode (also on a GPU) as built for ``target``: its MMA path (the
+    Blackwell variants' tests; interpret mode models tcgen05 and TMEM), its SMEM and SMs."""
+    return _override(target, lowering=False)
 
 
 def interpret_params(detect_races: bool = True):

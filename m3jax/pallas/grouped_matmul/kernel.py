@@ -45,12 +45,15 @@ specialisation (a TMA producer warpgroup and two consumer warpgroups, so one til
 overlaps the next tile's loads and ``block_m=128, block_n=256`` fits in registers), and sorting
 visits so that the few straddling tiles do not sit at the end of the launch.
 
-Blackwell (``Target.BLACKWELL``): the schedule, the pipeline and the masked store stay; the MMA
-becomes ``plgpu.tcgen05_mma`` with the accumulator in TMEM (``plgpu.TMEM``, read back with
-``async_load_tmem`` in the epilogue, so no register limit on ``block_n``), ``block_m=256`` rows on a
-2-CTA cluster (``cluster=2``, each CTA loading half of the RHS tile, ``collective_axes`` on the
-copies), and two TMEM accumulator stages so the MMA warp starts the next visit while the epilogue
-warps store this one.
+Blackwell (``current_target().mma == "tcgen05"``): the schedule, the pipeline and the masked store
+stay; the MMA is ``plgpu.tcgen05_mma`` into a TMEM accumulator, each step's MMA committed to one of
+two barriers and waited one step later (so the pipeline refills a buffer only after the MMA that read
+it), the accumulator read back with ``async_load_tmem`` for the store. Tested in interpret mode and
+lowered for sm_100a on a CPU; never run on a B200 (``m3jax.selfcheck``'s canary decides there). Not
+done: ``block_m=256`` on a 2-CTA cluster (``cluster=2``, each CTA loading half of the RHS tile,
+``collective_axes`` on the copies), two TMEM accumulator stages so an MMA warp starts the next visit
+while the epilogue warps store this one, and ``block_n`` beyond the register limit above (the
+epilogue would load TMEM in column chunks).
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
         return f"block_n={c.block_n} must be a multiple of 64 in [64, 256]"
     if c.block_k != 64:
         return f"block_k={c.block_k} must be 64 (one 128-byte swizzled bf16 row)"
+    if current_target().mma == "tcgen05" and c.block_m == 64 and c.block_n < 128:
+        # a 64-row tcgen05 MMA splits N over two lane groups, each at least one 128-byte swizzle wide
+        return f"block_n={c.block_n} must be >= 128 with block_m=64 on tcgen05"
     if c.block_m * c.block_n > 128 * 128:
         return (f"block_m * block_n = {c.block_m * c.block_n} > 16384: the fp32 accumulator would need more "
                 "than 128 registers per thread of one warpgroup")
@@ -167,6 +173,7 @@ def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, tra
     n_visits = sched.shape[0]
     steps = _pipeline_steps(k, config)
     delay = 1 if steps > 1 else 0
+    tcgen05 = current_target().mma == "tcgen05"
 
     def body(sched_ref, lhs_ref, rhs_ref, out_ref):
         pid = jax.lax.axis_index("t")
@@ -183,33 +190,51 @@ def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, tra
 
             pl.run_scoped(scope, plgpu.SMEM((bm, bn), out_dtype))
 
+        if transpose_rhs:
+            rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=swizzle_transforms(bk),
+                                       delay_release=delay)
+        else:
+            rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=swizzle_transforms(bn),
+                                       delay_release=delay)
+        in_specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=swizzle_transforms(bk),
+                                    delay_release=delay), rhs_spec]
+
+        def mma_tcgen05(acc_tmem, mma_bar):
+            # Blackwell: tcgen05 MMAs into TMEM, asynchronous. Step kk's MMA is committed to barrier
+            # kk % 2 and step kk waits for step kk - delay's, whose buffers the pipeline refills after
+            # it (two barriers: one may not be arrived on twice without a wait between).
+            def step(idx, a_smem, b_smem):
+                (kk,) = idx
+                plgpu.tcgen05_mma(acc_tmem, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem,
+                                  accumulate=kk > 0)
+                plgpu.tcgen05_commit_arrive(mma_bar.at[kk % 2])
+                pl.when(kk >= delay)(lambda: plgpu.barrier_wait(mma_bar.at[(kk - delay) % 2]))
+
+            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs,
+                                max_concurrent_steps=steps)(lhs_ref, rhs_ref.at[grp])
+            if delay:
+                plgpu.barrier_wait(mma_bar.at[(k // bk - 1) % 2])  # the last step's MMA
+            acc = plgpu.async_load_tmem(acc_tmem)
+            plgpu.wait_load_tmem()  # before the scope frees the TMEM
+            return acc
+
+        def mma_wgmma(acc_ref):
+            def step(_, a_smem, b_smem):
+                plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
+                plgpu.wgmma_wait(delay)
+
+            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs,
+                                max_concurrent_steps=steps)(lhs_ref, rhs_ref.at[grp])
+            return acc_ref[...]
+
         @pl.when((hi > lo) & (grp < g))
         def _():
-            def mma(acc_ref):
-                def step(_, a_smem, b_smem):
-                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
-                    plgpu.wgmma_wait(delay)
-
-                if transpose_rhs:
-                    rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=swizzle_transforms(bk),
-                                               delay_release=delay)
-                else:
-                    rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=swizzle_transforms(bn),
-                                               delay_release=delay)
-
-                plgpu.emit_pipeline(
-                    step,
-                    grid=(k // bk,),
-                    in_specs=[
-                        plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=swizzle_transforms(bk),
-                                        delay_release=delay),
-                        rhs_spec,
-                    ],
-                    max_concurrent_steps=steps,
-                )(lhs_ref, rhs_ref.at[grp])
-                return acc_ref[...]
-
-            store(pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32)).astype(out_dtype))
+            if tcgen05:
+                acc = pl.run_scoped(mma_tcgen05, plgpu.TMEM((bm, bn), jnp.float32),
+                                    plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True))
+            else:
+                acc = pl.run_scoped(mma_wgmma, plgpu.ACC((bm, bn), jnp.float32))
+            store(acc.astype(out_dtype))
 
         @pl.when((hi > lo) & (grp == g))
         def _():
