@@ -141,7 +141,7 @@ def _kib(n: int) -> int:
     return -(-n // 1024) * 1024
 
 
-def _parts(dtype) -> int:
+def _n_parts(dtype) -> int:
     """bf16 parts per operand: fp32 runs as bf16 hi + lo."""
     return 2 if jnp.dtype(dtype) == jnp.float32 else 1
 
@@ -186,7 +186,12 @@ class KVMajorPlan:
 
     @property
     def meta_w(self) -> int:
-        return self.tq + (-self.tq % 4)  # metadata rows of 16 bytes (TMA)
+        return _meta_width(self.tq)
+
+
+def _meta_width(tq: int) -> int:
+    """Int32 metadata entries per tile row: ``tq`` rounded up to 4 (TMA rows are 16-byte multiples)."""
+    return tq + (-tq % 4)
 
 
 def _tile_rows(g: int, cfg: SparseAttentionConfig) -> tuple[int, int]:
@@ -213,10 +218,10 @@ def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
     target = target or current_target()
     g = n // kh
     gp, m = _tile_rows(g, cfg)
-    n_parts = _parts(dtype)
+    n_parts = _n_parts(dtype)
     tpi, stages, stage_p = cfg.tiles_per_item, cfg.q_stages, cfg.stage_p()
     tq = m // gp
-    meta_w = tq + (-tq % 4)
+    meta_w = _meta_width(tq)
     for kb in key_blocks(block_size):  # the largest key block whose tiles fit (16-bit: the block itself)
         smem = kv_major_smem_bytes(m=m, h=h, kb=kb, tpi=tpi, meta_w=meta_w, stages=stages, n_parts=n_parts,
                                    stage_p=stage_p, fp32_out=n_parts == 2)
@@ -261,7 +266,7 @@ def plan_query_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Sp
     target = target or current_target()
     g = n // kh
     gp, m = _tile_rows(g, cfg)
-    n_parts = _parts(dtype)
+    n_parts = _n_parts(dtype)
     for kb in key_blocks(block_size):
         for stages in (2, 1):  # prefetch block j+1 while computing j when two stages fit
             smem = query_major_smem_bytes(m=m, h=h, kb=kb, stages=stages, n_parts=n_parts)
@@ -354,10 +359,14 @@ def split_blocks(block_idx, q_pos, block_size: int, kb: int):
     return jnp.where(ok, sub, -1).reshape(*block_idx.shape[:-1], -1)
 
 
+def _compute_dtype(q, k, v):
+    return jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+
+
 def _prepare(q, k, v, block_idx, q_pos, kh: int, gp: int, block_size: int, kb: int):
     """Kernel operands: Q with padded groups and K/V padded to whole blocks, each as bf16 parts (one
     for 16-bit inputs), and selections in kernel key blocks."""
-    cdt = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    cdt = _compute_dtype(q, k, v)
     q_parts = split_parts(_pad_groups(q.astype(cdt), kh, gp))
     k_parts = split_parts(_pad_kv(k, block_size).astype(cdt))
     v_parts = split_parts(_pad_kv(v, block_size).astype(cdt))
@@ -368,6 +377,17 @@ def _prepare(q, k, v, block_idx, q_pos, kh: int, gp: int, block_size: int, kb: i
 def _products(n_parts: int) -> tuple[tuple[int, int], ...]:
     """(A part, B part) products: hi.hi, or hi.hi + hi.lo + lo.hi for fp32's two parts."""
     return ((0, 0),) if n_parts == 1 else ((0, 0), (0, 1), (1, 0))
+
+
+def _parts_shape(n_parts: int, shape: tuple) -> tuple:
+    """SMEM shape of a tile held as ``n_parts`` bf16 parts: a leading parts axis for fp32 only, so the
+    16-bit kernels are the same Mosaic modules as before fp32 support (no size-1 axis to slice)."""
+    return shape if n_parts == 1 else (n_parts, *shape)
+
+
+def _parts(ref, n_parts: int) -> list:
+    """The per-part views of a :func:`_parts_shape` SMEM ref."""
+    return [ref] if n_parts == 1 else [ref.at[a] for a in range(n_parts)]
 
 
 def _row_limits(lims, m, bs, g):
@@ -389,16 +409,21 @@ def _scores(q_tiles, k_tiles, shape, n_parts):
     return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
 
 
-def _pv(p, v_tiles, p_smem, shape, n_parts, dtype):
-    """P V over the parts' products (P split in the kernel for fp32); P goes through SMEM when
-    ``p_smem`` is given (interpret mode), else it is the register A operand."""
+def _p_operands(p, p_smem, n_parts, dtype):
+    """P as the PV wgmma's A operand(s): bf16 parts of the fp32 probabilities (split in the kernel for
+    fp32), through SMEM when ``p_smem`` is given (interpret mode), else registers."""
     p_parts = bf16_split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
-    if p_smem is not None:
-        for a in range(n_parts):
-            p_smem.at[a][...] = p_parts[a]
-        plgpu.commit_smem()
-        p_parts = tuple(p_smem.at[a] for a in range(n_parts))
+    if p_smem is None:
+        return p_parts
+    p_refs = _parts(p_smem, n_parts)
+    for a in range(n_parts):
+        p_refs[a][...] = p_parts[a]
+    plgpu.commit_smem()
+    return p_refs
 
+
+def _pv(p_parts, v_tiles, shape, n_parts):
+    """P V over the parts' products into a fresh fp32 accumulator."""
     def pv(acc_ref):
         for a, c in _products(n_parts):
             plgpu.wgmma(acc_ref, p_parts[a], v_tiles[c])
@@ -419,7 +444,7 @@ def _tile_meta(qtok, qlim, tq: int, tiles_per_item: int):
     last item in bounds."""
     kh, e_pad = qtok.shape
     x = jnp.stack([qtok.reshape(kh, e_pad // tq, tq), qlim.reshape(kh, e_pad // tq, tq)], axis=2)
-    return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, 0), (0, -tq % 4)])
+    return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, 0), (0, _meta_width(tq) - tq)])
 
 
 def _kv_major_body(plan: KVMajorPlan, dtype):
@@ -436,6 +461,7 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
             refs[3 + 3 * n_parts :])
         o32_smem = extra.pop(0) if n_parts == 2 else None  # fp32 partials: their own tile
         p_smem = extra.pop(0) if plan.stage_p else None
+        q_rings, k_tiles, v_tiles = _parts(q_smem, n_parts), _parts(k_smem, n_parts), _parts(v_smem, n_parts)
         n_items = nitems_ref[0]
 
         @plgpu.nd_loop((n_items,), collective_axes="sm")
@@ -452,15 +478,15 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
             plgpu.copy_gmem_to_smem(meta_ref.at[hh, pl.ds(t0, tpi)], meta_smem, meta_bar)
             kv_at = (bb, pl.ds(blk * bs, bs), hh)
             for c in range(n_parts):
-                plgpu.copy_gmem_to_smem(k_refs[c].at[kv_at], k_smem.at[c], kv_bar)
-                plgpu.copy_gmem_to_smem(v_refs[c].at[kv_at], v_smem.at[c], kv_bar)
+                plgpu.copy_gmem_to_smem(k_refs[c].at[kv_at], k_tiles[c], kv_bar)
+                plgpu.copy_gmem_to_smem(v_refs[c].at[kv_at], v_tiles[c], kv_bar)
 
             def load_q(tile, slot):
                 for i in range(tq):
                     tok = meta_smem[tile, 0, i]
                     for a in range(n_parts):
                         plgpu.copy_gmem_to_smem(q_refs[a].at[bb, tok, pl.ds(hh * gp, gp)],
-                                                q_smem.at[a, slot, pl.ds(i * gp, gp)], q_bar.at[slot])
+                                                q_rings[a].at[slot, pl.ds(i * gp, gp)], q_bar.at[slot])
 
             plgpu.barrier_wait(meta_bar)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's O left its ring slot
@@ -483,8 +509,7 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
                 plgpu.barrier_wait(q_bar.at[slot])
 
                 def tile(masked: bool):
-                    s = _scores([q_smem.at[a, slot] for a in range(n_parts)], [k_smem.at[c] for c in range(n_parts)],
-                                (m, bs), n_parts) * scale
+                    s = _scores([r.at[slot] for r in q_rings], k_tiles, (m, bs), n_parts) * scale
                     # This tile's Q is consumed: its slot will stage this tile's O. The tile `ahead`
                     # reuses the slot of tile j-1, whose O store must have left SMEM first (and so
                     # must the fp32 O tile's).
@@ -500,10 +525,10 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
                     mx = s.max(axis=1)
                     p = jnp.exp2(s - lax.broadcast_in_dim(mx, s.shape, [0]))
                     l = p.sum(axis=1)
-                    acc = _pv(p, [v_smem.at[c] for c in range(n_parts)], p_smem, (m, plan.h), n_parts, dtype)
+                    acc = _pv(_p_operands(p, p_smem, n_parts, dtype), v_tiles, (m, plan.h), n_parts)
                     o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
                     lse = (mx + jnp.log2(l)) * LN2
-                    o_smem = q_smem.at[0, slot] if o32_smem is None else o32_smem
+                    o_smem = q_rings[0].at[slot] if o32_smem is None else o32_smem
                     o_smem[...] = o.astype(dtype if o32_smem is None else jnp.float32)
                     lse_smem[...] = lse
                     plgpu.commit_smem()
@@ -527,9 +552,9 @@ def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorPlan, *, plan: 
     m, h, kb, n_parts = plan.m, plan.h, plan.kb, plan.n_parts
     meta = _tile_meta(work.qtok, work.qlim, plan.tq, plan.tiles_per_item)
     scratch = [
-        _smem((n_parts, plan.stages, m, h), dtype),
-        _smem((n_parts, kb, h), dtype),
-        _smem((n_parts, kb, h), dtype, minor=v_swizzle_minor(kb)),
+        _smem(_parts_shape(n_parts, (plan.stages, m, h)), dtype),
+        _smem(_parts_shape(n_parts, (kb, h)), dtype),
+        _smem(_parts_shape(n_parts, (kb, h)), dtype, minor=v_swizzle_minor(kb)),
         plgpu.SMEM((m,), jnp.float32),
         plgpu.SMEM((plan.tiles_per_item, 2, plan.meta_w), jnp.int32),
         plgpu.Barrier(num_arrivals=2 * n_parts),
@@ -539,7 +564,7 @@ def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorPlan, *, plan: 
     if n_parts == 2:
         scratch.append(plgpu.SMEM((m, h), jnp.float32))
     if plan.stage_p:
-        scratch.append(_smem((n_parts, m, kb), dtype))
+        scratch.append(_smem(_parts_shape(n_parts, (m, kb)), dtype))
     out_type = (
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), jnp.dtype(plan.stage_dtype)),
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp), jnp.float32),
@@ -577,7 +602,7 @@ def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bo
 def kv_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: SparseAttentionConfig, return_lse=False):
     b, t, n, h = q.shape
     kh = k.shape[2]
-    plan = plan_kv_major(n=n, kh=kh, h=h, block_size=block_size, dtype=jnp.promote_types(q.dtype, k.dtype),
+    plan = plan_kv_major(n=n, kh=kh, h=h, block_size=block_size, dtype=_compute_dtype(q, k, v),
                          cfg=cfg)
     q_parts, k_parts, v_parts, sel, q_pos = _prepare(q, k, v, block_idx, q_pos, kh, plan.gp, block_size, plan.kb)
     nb = k_parts[0].shape[1] // plan.kb
@@ -615,14 +640,16 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
         def load_kv(j, slot):
             blk = blk_ref[bb, hh, tt, j]
             at = (bb, pl.ds(blk * bs, bs), hh)
+            k_tiles, v_tiles = _parts(k_smem.at[slot], n_parts), _parts(v_smem.at[slot], n_parts)
             for c in range(n_parts):
-                plgpu.copy_gmem_to_smem(k_refs[c].at[at], k_smem.at[slot, c], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_refs[c].at[at], v_smem.at[slot, c], v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(k_refs[c].at[at], k_tiles[c], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_refs[c].at[at], v_tiles[c], v_bar.at[slot])
 
         # The token's gp rows repeated to fill the m-row tile (no uninitialised rows in the MMA).
+        q_tiles = _parts(q_smem, n_parts)
         for i in range(m // gp):
             for a in range(n_parts):
-                plgpu.copy_gmem_to_smem(q_refs[a].at[bb, tt, pl.ds(hh * gp, gp)], q_smem.at[a, pl.ds(i * gp, gp)],
+                plgpu.copy_gmem_to_smem(q_refs[a].at[bb, tt, pl.ds(hh * gp, gp)], q_tiles[a].at[pl.ds(i * gp, gp)],
                                         q_bar)
 
         @pl.when(nv > 0)
@@ -642,8 +669,7 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
 
             lim = qp - blk_ref[bb, hh, tt, j] * bs
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _scores([q_smem.at[a] for a in range(n_parts)], [k_smem.at[slot, c] for c in range(n_parts)],
-                        (m, bs), n_parts)
+            s = _scores(q_tiles, _parts(k_smem.at[slot], n_parts), (m, bs), n_parts)
             col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
             s = jnp.where(col <= lim, s * scale, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -651,10 +677,11 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p_ops = _p_operands(p, p_smem, n_parts, dtype)
             plgpu.barrier_wait(v_bar.at[slot])
             # A fresh accumulator + add (rather than ``run_state(ACC.init(acc))``) keeps one code path
             # that GPU interpret mode can run.
-            acc = acc + _pv(p, [v_smem.at[slot, c] for c in range(n_parts)], p_smem, (m, plan.h), n_parts, dtype)
+            acc = acc + _pv(p_ops, _parts(v_smem.at[slot], n_parts), (m, plan.h), n_parts)
             if stages == 1:
                 @pl.when(j + 1 < nv)
                 def _():
@@ -686,15 +713,15 @@ def query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, *, pl
     m, kb, n_parts, stages = plan.m, plan.kb, plan.n_parts, plan.stages
     o_dtype = jnp.float32 if n_parts == 2 else dtype
     scratch = [
-        _smem((n_parts, m, h), dtype),
-        _smem((stages, n_parts, kb, h), dtype),
-        _smem((stages, n_parts, kb, h), dtype, minor=v_swizzle_minor(kb)),
+        _smem(_parts_shape(n_parts, (m, h)), dtype),
+        _smem((stages, *_parts_shape(n_parts, (kb, h))), dtype),
+        _smem((stages, *_parts_shape(n_parts, (kb, h))), dtype, minor=v_swizzle_minor(kb)),
         plgpu.SMEM((m, h), o_dtype) if n_parts == 2 else _smem((m, h), dtype),
         plgpu.SMEM((m,), jnp.float32),
         plgpu.Barrier(num_arrivals=(m // plan.gp) * n_parts),
         plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
-    ] + ([_smem((n_parts, m, kb), dtype)] if plan.stage_p else [])
+    ] + ([_smem(_parts_shape(n_parts, (m, kb)), dtype)] if plan.stage_p else [])
     out_type = (
         jax.ShapeDtypeStruct((b, t, ngp, h), o_dtype),
         jax.ShapeDtypeStruct((b, kh, t, m), jnp.float32),
@@ -715,7 +742,7 @@ def query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, *, pl
 def query_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: SparseAttentionConfig, return_lse=False):
     b, t, n, h = q.shape
     kh = k.shape[2]
-    plan = plan_query_major(n=n, kh=kh, h=h, block_size=block_size, dtype=jnp.promote_types(q.dtype, k.dtype),
+    plan = plan_query_major(n=n, kh=kh, h=h, block_size=block_size, dtype=_compute_dtype(q, k, v),
                             cfg=cfg)
     q_parts, k_parts, v_parts, bi, q_pos = _prepare(q, k, v, block_idx, q_pos, kh, plan.gp, block_size, plan.kb)
     big = jnp.iinfo(jnp.int32).max
