@@ -294,7 +294,7 @@ def extrapolate(runs: list[dict], rows: list[dict], decode_rows: list[dict], ctx
     msa = next(r for r in rows if r["kind"].startswith("MSA"))
     full_dec, msa_dec = best(full["decode"]), best(msa["decode"])
     slice_dec = full_dec + 2 * msa_dec  # m3_width: layer 0 full attention, layers 1-2 MSA
-    b1 = next((d for d in decode_rows if d["batch"] == 1), None)
+    b1 = next((d for d in decode_rows if d["batch"] == 1 and "error" not in d), None)
     step = None if b1 is None else (b1["device_ms_per_step"] or b1["wall_ms_per_token"])
     other_decode = 0.0 if step is None else max(step - slice_dec, 0.0)
     other_prefill = max(runs[0]["ttft_s"] - full["prefill_s"] - 2 * msa["prefill_s"], 0.0) if runs else 0.0
@@ -355,6 +355,9 @@ def markdown(res: dict) -> str:
                    f"**{a['ratio']:.2f}**."), "",
               "| decode batch | wall ms/token | device ms/step | wall / device | kernels/step |", "|---|---|---|---|---|"]
     for d in res["decode"]:
+        if "error" in d:
+            lines.append(f"| {d['batch']} | {d['error']} | | | |")
+            continue
         dev = "n/a" if d["device_ms_per_step"] is None else f"{d['device_ms_per_step']:.3f}"
         ratio = "n/a" if d["wall_over_device"] is None else f"**{d['wall_over_device']:.2f}**"
         kern = "n/a" if d["kernels_per_step"] is None else f"{d['kernels_per_step']:.0f}"
@@ -475,7 +478,13 @@ def main(argv=None):
         res["attention"] = full_attention_vs_cudnn(cfg, ctx, chunk, args.iters)
         res["decode"] = []
         for b in args.decode_batches.split(","):
-            res["decode"].append(engine_decode(cfg, params, ctx, chunk, int(b), args.decode_tokens))
+            try:
+                res["decode"].append(engine_decode(cfg, params, ctx, chunk, int(b), args.decode_tokens))
+            except jax.errors.JaxRuntimeError as e:  # B=8 at 1M: 55 GB of cache + the decode transients
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                res["decode"].append({"batch": int(b), "error": "out of device memory"})
+                print(f"decode B={b}: out of device memory", flush=True)
             gc.collect()  # the engine's cache
         del params
         res["extrapolation"] = extrapolate(res["generate"], res["layers"], res["decode"], ctx, chunk)

@@ -115,11 +115,13 @@ def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
 
     ``implementation``: "cudnn" (GPU; q, k, v run as bf16, the output keeps q's dtype) or
     None / "xla" (any backend, inputs' dtype: the CPU tests check it against :func:`causal_attention`).
+    Forward only (:func:`_forward_only`).
     """
     b, c, n, h = q.shape
     s_len = k.shape[1]
     if s_len < c:
         raise ValueError(f"{s_len} keys for a chunk of {c} queries")
+    q, k, v = _forward_only(q, k, v)
     start = q_pos[:, 0].astype(jnp.int32)
     s0 = jnp.minimum(start, s_len - c)
     d = (start - s0)[:, None]
@@ -159,6 +161,23 @@ def _attention_with_lse(q, k, v, implementation: str | None, *, causal: bool, kv
     o, lse = jax.nn.dot_product_attention(q, k, v, is_causal=causal, key_value_seq_lengths=None if kv_len is None
                                           else lengths[1], implementation=implementation, return_residual=True)
     return o, lse.astype(jnp.float32)
+
+
+@jax.custom_vjp
+def _forward_only(q, k, v):
+    """The identity on :func:`cudnn_causal_attention`'s inputs, with its gradient refused: both
+    backends drop the LSE's cotangent (cuDNN's VJP ignores it, XLA's path stops it), so a gradient
+    through the LSE merge would be silently wrong. Nothing differentiates the full-attention layers
+    through this path (training attends through its own hook, m3jax.train)."""
+    return q, k, v
+
+
+def _forward_only_bwd(_, g):
+    raise NotImplementedError("cudnn_causal_attention is forward only (its parts' LSEs carry no gradient); "
+                              "differentiate through causal_attention or msa.dense_mask_attention instead")
+
+
+_forward_only.defvjp(lambda q, k, v: ((q, k, v), None), _forward_only_bwd)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, key_block: int = 1024) -> jax.Array:

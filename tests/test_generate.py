@@ -377,3 +377,13 @@ def test_cli_compile_cache_second_run_hits(tmp_path, monkeypatch):
     assert second["hits"] >= first["misses"] and second["misses"] == 0, second
     off = generate.main([*argv, "--no-compile-cache"])["compile_cache"]
     assert off == {"dir": None, "hits": 0, "misses": 0}
+
+
+def test_chunk_attention_refuses_gradients():
+    """The parts' LSEs carry no gradient on either backend, so differentiating the merge is refused."""
+    from m3jax.model import cudnn_causal_attention
+
+    q = k = v = jax.numpy.ones((1, 8, 2, 8))
+    pos = jax.numpy.arange(8)[None]
+    with pytest.raises(NotImplementedError, match="forward only"):
+        jax.grad(lambda q: cudnn_causal_attention(q, k, v, pos, implementation="xla").sum())(q)
