@@ -3,7 +3,7 @@
 On CPU the kernels run in GPU interpret mode (every TMA, barrier and warpgroup op simulated, race
 detector on), so shapes are tiny; on the H200 the same tests run the compiled kernels unchanged. One
 parametrized body per kernel covers G (query heads per KV head) in {1, 2, 4, 8, 16}, blocks 16 / 32 /
-64 (and 128 in fp32, which the KV-major kernel splits into 64-key sub-blocks), head dims 64 / 128,
+64 (and 128 in fp32, which the KV-major kernel splits into 64-key sub-blocks), head dims 32 / 64 / 128,
 fp32 (bf16x3) and bf16, at the tolerances of tests/pallas/tolerances.py. Unwritten output or staging
 rows show as NaN: interpret mode fills every output and SMEM buffer with NaN before the kernel runs
 (checked below), and the combine reads staging rows only at the edges the plan says were written.
@@ -64,7 +64,7 @@ def test_interpret_mode_poisons_outputs():
 # (G, KV heads, head dim, block, dtype, batch, shuffled slots): a small cross-product; shapes repeat
 # across dtypes where they can, so the interpreted kernels are traced once per shape.
 KV_MAJOR_CASES = [
-    (1, 2, 64, 16, F32, 1, False),
+    (1, 2, 32, 16, F32, 1, False),  # m3-tiny's head dim
     (2, 2, 128, 32, BF16, 1, True),
     (4, 2, 64, 64, F32, 1, False),  # m3-small's G and block
     (8, 1, 128, 16, BF16, 1, True),
@@ -81,7 +81,7 @@ def test_kv_major_matches_reference(g, kh, h, bs, dtype, b, shuffle):
 
 QUERY_MAJOR_CASES = [
     (1, 2, 128, 32, F32, 1, False),
-    (2, 2, 64, 16, BF16, 1, True),
+    (2, 2, 32, 16, BF16, 1, True),
     (8, 1, 128, 64, F32, 1, True),
     (16, 1, 64, 32, BF16, 1, False),
 ]
@@ -130,13 +130,13 @@ def test_plan_packs_groups(g, gp, tq):
 @pytest.mark.parametrize("bs,kb", [(16, 16), (32, 32), (48, 16), (64, 64), (192, 192), (256, 256), (512, 256)])
 def test_plan_key_block_divides_block(bs, kb):
     plan = kernel.plan_kv_major(n=16, kh=1, h=64, block_size=bs, dtype=BF16, cfg=CFG, target=_backend.HOPPER)
-    assert plan.kb == kb and kernel.v_swizzle_minor(kb) == min(kb, 64)
+    assert plan.kb == kb and kernel.pv_swizzle_minor(kb, 64) == min(kb, 64)
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_heads=12, num_kv_heads=8), "multiple of the KV heads"),
     (dict(num_heads=512, num_kv_heads=2), "G=256"),
-    (dict(head_dim=32), "head_dim"),
+    (dict(head_dim=48), "head_dim"),
     (dict(block_size=8), "block_size"),
     (dict(dtype="float64"), "dtype"),
 ])
@@ -149,8 +149,11 @@ def test_unsupported_reason(kwargs, match):
     assert reason and match in reason
     q = jnp.ones((1, 4, args["num_heads"], args["head_dim"]), BF16)
     with pytest.raises(ValueError, match="head_dim"):
-        sparse_attention(q[..., :32], q[:, :, :4, :32], q[:, :, :4, :32], jnp.zeros((1, 4, 4, 2), jnp.int32),
+        sparse_attention(q[..., :48], q[:, :, :4, :48], q[:, :, :4, :48], jnp.zeros((1, 4, 4, 2), jnp.int32),
                          jnp.zeros((1, 4), jnp.int32), block_size=64)
+    with pytest.raises(ValueError, match="implementation"):
+        sparse_attention(q, q[:, :, :4], q[:, :, :4], jnp.zeros((1, 4, 4, 2), jnp.int32), jnp.zeros((1, 4), jnp.int32),
+                         block_size=64, implementation="nope")
 
 
 def test_split_blocks_into_sub_blocks():
@@ -192,13 +195,13 @@ def test_csr_plan_covers_every_edge_once():
         assert qlim[hh, e] == q_pos[bb, tt] - bi[bb, hh, tt, ss] * bs
 
 
-@pytest.mark.parametrize("impl,g,bs,dtype", [("kv_major", 16, 128, BF16), ("kv_major", 4, 16, F32),
-                                              ("query_major", 1, 32, BF16), ("query_major", 16, 128, F32)])
-def test_lowers_for_hopper(impl, g, bs, dtype):
+@pytest.mark.parametrize("impl,g,h,bs,dtype", [("kv_major", 16, 128, 128, BF16), ("kv_major", 4, 32, 16, F32),
+                                                ("query_major", 1, 64, 32, BF16), ("query_major", 16, 128, 128, F32)])
+def test_lowers_for_hopper(impl, g, h, bs, dtype):
     # The real Mosaic GPU lowering checks what interpret mode does not (wgmma K steps against the
     # swizzle, register-A P, N granularity), here for CUDA on the CPU; nothing is compiled.
     S = jax.ShapeDtypeStruct
-    kh, h, t, ctx, topk = 2, 128, 64, 1024, 4
+    kh, t, ctx, topk = 2, 64, 1024, 4
     args = (S((1, t, kh * g, h), dtype), S((1, ctx, kh, h), dtype), S((1, ctx, kh, h), dtype),
             S((1, kh, t, topk), jnp.int32), S((1, t), jnp.int32))
     f = lambda *a: sparse_attention(*a, block_size=bs, implementation=impl)

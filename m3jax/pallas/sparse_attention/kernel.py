@@ -41,8 +41,9 @@ zero heads whose outputs are dropped. The kernels' key block ``kb`` divides the 
 itself when it is 16, 32 or a multiple of 64 up to 256 and its tiles fit in SMEM, else a smaller
 divisor (fp32 at H=128: 64, since hi and lo tiles double the SMEM); a selected block is then split in
 XLA into ``block_size // kb`` sub-blocks (those wholly after the query dropped) and the LSE merge
-treats them as separate slots. V's SMEM swizzle is ``kb * 2`` bytes when ``kb`` < 64: the PV wgmma
-contracts over the keys, and its K step is one swizzle width.
+treats them as separate slots. V's SMEM swizzle is ``min(kb, H, 64) * 2`` bytes: the PV wgmma
+contracts over the keys and its K step is one swizzle width. Head dims: 16, 32, or multiples of 64 up
+to 256.
 
 Hopper -> Blackwell (a port's work list; no code reads ``Target.mma`` yet): tcgen05 keeps S and O in TMEM
 (``plgpu.TMEM`` + ``plgpu.tcgen05_mma``) instead of registers, so one CTA holds a 128-row tile
@@ -157,10 +158,11 @@ def key_blocks(block_size: int) -> tuple[int, ...]:
     return tuple(kb for kb in KEY_BLOCKS if block_size % kb == 0)
 
 
-def v_swizzle_minor(kb: int) -> int:
-    """V's SMEM tiles get a ``min(kb, 64) * 2``-byte swizzle: the PV wgmma contracts over the kb keys
-    in steps of one swizzle width, and P and V must share the swizzle."""
-    return min(kb, 64)
+def pv_swizzle_minor(kb: int, h: int) -> int:
+    """V's (and staged P's) SMEM tiles get a ``min(kb, h, 64) * 2``-byte swizzle: the PV wgmma
+    contracts over the kb keys in steps of one swizzle width, P and V must share the swizzle, and a
+    swizzle is at most one V row (H) wide."""
+    return min(kb, h, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +284,9 @@ def _shape_reason(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig) -> st
     g = n // kh
     if group_rows(g) > MAX_GROUP_ROWS:
         return f"query heads per KV head G={g} > {MAX_GROUP_ROWS} (one token's heads fill one MMA tile)"
-    if h % 64 or h > 256:
-        return f"head_dim {h} must be a multiple of 64 (128-byte swizzled rows) and <= 256 (wgmma N)"
+    if (h % 64 and h not in (16, 32)) or h > 256:
+        return (f"head_dim {h} must be 16, 32 or a multiple of 64 up to 256 (swizzled rows: a wgmma K step "
+                "is one swizzle width; wgmma N <= 256)")
     if not key_blocks(block_size):
         return f"block_size {block_size} must be a multiple of 16 (no kernel key block in {KEY_BLOCKS} divides it)"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
@@ -554,7 +557,7 @@ def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorPlan, *, plan: 
     scratch = [
         _smem(_parts_shape(n_parts, (plan.stages, m, h)), dtype),
         _smem(_parts_shape(n_parts, (kb, h)), dtype),
-        _smem(_parts_shape(n_parts, (kb, h)), dtype, minor=v_swizzle_minor(kb)),
+        _smem(_parts_shape(n_parts, (kb, h)), dtype, minor=pv_swizzle_minor(kb, h)),
         plgpu.SMEM((m,), jnp.float32),
         plgpu.SMEM((plan.tiles_per_item, 2, plan.meta_w), jnp.int32),
         plgpu.Barrier(num_arrivals=2 * n_parts),
@@ -564,7 +567,7 @@ def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorPlan, *, plan: 
     if n_parts == 2:
         scratch.append(plgpu.SMEM((m, h), jnp.float32))
     if plan.stage_p:
-        scratch.append(_smem(_parts_shape(n_parts, (m, kb)), dtype))
+        scratch.append(_smem(_parts_shape(n_parts, (m, kb)), dtype, minor=pv_swizzle_minor(kb, h)))
     out_type = (
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), jnp.dtype(plan.stage_dtype)),
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp), jnp.float32),
@@ -715,13 +718,13 @@ def query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, *, pl
     scratch = [
         _smem(_parts_shape(n_parts, (m, h)), dtype),
         _smem((stages, *_parts_shape(n_parts, (kb, h))), dtype),
-        _smem((stages, *_parts_shape(n_parts, (kb, h))), dtype, minor=v_swizzle_minor(kb)),
+        _smem((stages, *_parts_shape(n_parts, (kb, h))), dtype, minor=pv_swizzle_minor(kb, h)),
         plgpu.SMEM((m, h), o_dtype) if n_parts == 2 else _smem((m, h), dtype),
         plgpu.SMEM((m,), jnp.float32),
         plgpu.Barrier(num_arrivals=(m // plan.gp) * n_parts),
         plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
-    ] + ([_smem(_parts_shape(n_parts, (m, kb)), dtype)] if plan.stage_p else [])
+    ] + ([_smem(_parts_shape(n_parts, (m, kb)), dtype, minor=pv_swizzle_minor(kb, h))] if plan.stage_p else [])
     out_type = (
         jax.ShapeDtypeStruct((b, t, ngp, h), o_dtype),
         jax.ShapeDtypeStruct((b, kh, t, m), jnp.float32),
