@@ -19,18 +19,16 @@ verdicts are reused unless ``--force``) and prints kernel, target, verdict, max 
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +116,7 @@ def _index_topk_fused():
     from m3jax.pallas import index_scores as I
 
     iq, ik, q_pos, bs = _index_inputs(np.random.default_rng(1), integer=True)
-    kw = dict(block_size=bs, topk=3, local_blocks=1, init_blocks=1)
+    kw = {"block_size": bs, "topk": 3, "local_blocks": 1, "init_blocks": 1}
     return (I.index_select_blocks(iq, ik, q_pos, config=I.IndexScoreConfig(fused_topk=True), **kw),
             I.index_select_blocks(iq, ik, q_pos, implementation="reference", **kw))
 
@@ -134,7 +132,7 @@ def _topk(implementation, b, t, nb, bs, q_pos, topk):
     from m3jax.pallas import topk as K
 
     scores = _topk_scores(np.random.default_rng(2), b, 2, t, nb, bs, q_pos)
-    kw = dict(block_size=bs, topk=topk, local_blocks=2, init_blocks=1)
+    kw = {"block_size": bs, "topk": topk, "local_blocks": 2, "init_blocks": 1}
     return (K.select_blocks(scores, q_pos, implementation=implementation, **kw),
             K.select_blocks(scores, q_pos, implementation="reference", **kw))
 
@@ -174,9 +172,9 @@ def _decode_case(rng, seq_lens, bs=64, kh=2, n=16, h=64, hx=64, q_len=1):
     max_pages = int(-(-seq_lens.max() // bs))
     num_pages = b * max_pages + 2
     pt = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
-    return dict(q=_normal(rng, (b, q_len, n, h)), iq=_normal(rng, (b, q_len, kh, hx)),
-                k=_normal(rng, (num_pages, bs, kh, h)), v=_normal(rng, (num_pages, bs, kh, h)),
-                ik=_normal(rng, (num_pages, bs, hx)), pt=jnp.asarray(pt), sl=jnp.asarray(seq_lens), bs=bs)
+    return {"q": _normal(rng, (b, q_len, n, h)), "iq": _normal(rng, (b, q_len, kh, hx)),
+            "k": _normal(rng, (num_pages, bs, kh, h)), "v": _normal(rng, (num_pages, bs, kh, h)),
+            "ik": _normal(rng, (num_pages, bs, hx)), "pt": jnp.asarray(pt), "sl": jnp.asarray(seq_lens), "bs": bs}
 
 
 def _decode_index_scores():
@@ -330,7 +328,7 @@ def run_canary(canary: Canary, dev: dict) -> Verdict:
         passed, err, why = compare(got, ref, canary.tol)
         if interpret and _backend.interpret_races_found():
             passed, why = False, "the interpret-mode race detector fired"
-    except Exception as e:  # a kernel that does not compile or launch here fails its canary
+    except Exception as e:  # noqa: BLE001  (a kernel that does not compile or launch here fails its canary)
         passed, err, why = False, None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         if interpret:
             _backend.reset_interpret_state()
@@ -400,8 +398,10 @@ def _table(verdicts: list[Verdict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m m3jax.selfcheck", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="also write the verdicts to this JSON file")
+    from m3jax import cli
+
+    ap = cli.ArgumentParser(prog="python -m m3jax.selfcheck", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=cli.writable_file, help="also write the verdicts to this JSON file")
     ap.add_argument("--force", action="store_true", help="rerun every canary, ignoring cached verdicts")
     ap.add_argument("--kernels", help=f"comma-separated subset of: {', '.join(CANARIES)}")
     args = ap.parse_args(argv)
@@ -416,10 +416,11 @@ def main(argv=None) -> int:
     if args.json:
         out = {"device": dev["device"], "jax": jax.__version__,
                "verdicts": [dataclasses.asdict(v) for v in verdicts]}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))
     return 0 if all(v.passed for v in verdicts) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from m3jax import cli
+
+    cli.run(main)
