@@ -14,7 +14,8 @@ Off the GPU the model's kernels run only in interpret mode, for tests, so :func:
 asks nothing there; ``python -m m3jax.selfcheck`` on a CPU runs the canaries in interpret mode.
 
 ``python -m m3jax.selfcheck [--json FILE] [--force] [--kernels a,b]`` runs every canary (cached
-verdicts are reused unless ``--force``) and prints kernel, target, verdict, max error and time.
+verdicts are reused unless ``--force``) and prints kernel, target, verdict, max error and time; it
+exits with 1 when a kernel fails (2: a bad argument).
 """
 
 from __future__ import annotations
