@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +36,41 @@ class ForwardOutput:
     block_indices: dict[int, jax.Array] | None = None
 
 
-def resolve_attention_impl(impl: str, cfg=None) -> str:
-    """"auto" -> "reference" (the exact jnp path; kernels are opt-in until their fp32 path is proven on
-    the GPU); "pallas" is checked against what the kernels support and refused with the reason."""
-    if impl == "pallas" and cfg is not None and cfg.text.has_sparse_layers:
-        from m3jax.model import pallas_unsupported_reason
+_FALLBACK_WARNED: set[str] = set()
 
-        reason = pallas_unsupported_reason(cfg.text)
+
+def resolve_attention_impl(impl: str, cfg=None, dtype="bfloat16") -> str:
+    """The attention path a model of ``cfg`` in ``dtype`` runs.
+
+    "auto" -> "pallas" on a GPU when the MSA kernels take the config (:func:`m3jax.msa.kernels.unsupported_reason`:
+    shapes, and a kernel that failed its self-check there), else "reference" with one warning per reason;
+    off the GPU always "reference" (the kernels' interpret mode is a test tool, not a fast path). Both
+    paths compute the same model: exact in fp32 (the kernels split fp32 into bf16 pieces, XLA runs fp32
+    dots at full precision, :func:`m3jax.model.matmul_precision`), and in bf16 they differ only by
+    accumulation order (:mod:`m3jax.msa.compare`). "pallas" is checked the same way and refused with
+    the reason."""
+    if impl not in ("auto", "pallas"):
+        return impl
+    from m3jax.pallas._backend import on_gpu
+
+    reason = None
+    if cfg is not None and cfg.text.has_sparse_layers:
+        from m3jax.msa.kernels import unsupported_reason
+
+        reason = unsupported_reason(cfg.text, dtype)
+    if impl == "pallas":
         if reason:
             raise UnsupportedConfigError(f"attention_impl='pallas' cannot run this config: {reason}")
-    return "reference" if impl == "auto" else impl
+        return impl
+    if not on_gpu():
+        return "reference"
+    if reason:
+        if reason not in _FALLBACK_WARNED:
+            _FALLBACK_WARNED.add(reason)
+            warnings.warn(f"attention_impl='auto': the MSA kernels cannot run this config ({reason}); "
+                          "running the jnp reference path", RuntimeWarning, stacklevel=3)
+        return "reference"
+    return "pallas"
 
 
 def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True,
@@ -58,7 +84,7 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
     cfg = load_config(path)
     if dtype == "auto":
         dtype = checkpoint_dtype(path)
-    cfg = cfg.replace(attention_impl=resolve_attention_impl(attention_impl, cfg))
+    cfg = cfg.replace(attention_impl=resolve_attention_impl(attention_impl, cfg, dtype))
     if mesh is not None:
         from m3jax.sharding import load_sharded
 
@@ -70,7 +96,7 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
 def init_random(config: M3Config, seed: int = 0, dtype: str = "float32", mesh=None) -> M3Model:
     """Random weights for any config (tests, benchmarks, the tiny default); placed by the sharding
     rules on ``mesh`` when one is given."""
-    cfg = dataclasses.replace(config, attention_impl=resolve_attention_impl(config.attention_impl, config))
+    cfg = dataclasses.replace(config, attention_impl=resolve_attention_impl(config.attention_impl, config, dtype))
     if mesh is not None:
         from m3jax.sharding import shard_params
 

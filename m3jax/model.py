@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from m3jax import sharding
 from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config, TextConfig
-from m3jax.layers import apply_rope, rms_norm, rope_angles
+from m3jax.layers import apply_rope, matmul_precision, rms_norm, rope_angles
 from m3jax.moe import dense_mlp, moe_sorted
 from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.vision import Grid, encode_media
@@ -73,7 +73,7 @@ def attention(
     if kv is not None:
         kv = kv.write(page_table, q_pos, k, v, ik)
         if sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
-            o, block_idx = msa_layer.decode(q, iq, kv, page_table, q_pos, cfg)
+            o, block_idx = msa_layer.decode(q, iq, kv, page_table, q_pos, cfg, layer)
             return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
         k, v, ik_all = kv.gather(page_table)
         ik = ik_all if sparse else None
@@ -86,9 +86,11 @@ def attention(
 
 def _dense_layer_attention(q, k, v, q_pos, cfg: M3Config) -> jax.Array:
     """Causal attention of a full-attention layer. Prefill: cuDNN flash attention on the kernels path
-    on the GPU, else the key-blocked jnp reference. One query per row (decode) and ``dense_mask``:
-    the dense-mask formulation, a single fused pass over the keys."""
-    if cfg.attention_impl == "pallas" and jax.default_backend() == "gpu" and q.shape[1] > 1:
+    on the GPU for 16-bit models, else the key-blocked jnp reference. One query per row (decode) and
+    ``dense_mask``: the dense-mask formulation, a single fused pass over the keys."""
+    # cuDNN runs 16-bit inputs only: an fp32 model keeps the exact jnp path (layers.matmul_precision)
+    fast = cfg.attention_impl == "pallas" and jax.default_backend() == "gpu" and q.dtype != jnp.float32
+    if fast and q.shape[1] > 1:
         return cudnn_causal_attention(q, k, v, q_pos)
     if cfg.attention_impl == "dense_mask" or q.shape[1] == 1:
         bs = cfg.text.index_block_size
@@ -239,16 +241,17 @@ def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_tab
     (the probe routes it); its result is returned as ``(aux, observed)``. Returns (h, aux, kv).
     """
     t = cfg.text
-    x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
-    if attend is None:
-        a, aux, kv = attention(x, lp, angles, q_pos, cfg, i, kv, page_table)
-    else:
-        a, aux = attend(x, lp, angles, q_pos, cfg, i)
-    h = h + a
-    y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
-    if observe_mlp_input is not None:
-        aux = (aux, observe_mlp_input(y))
-    return h + mlp_block(y, lp, t, i, cfg.moe_impl), aux, kv
+    with matmul_precision(lp["attn"]["wo"].dtype):  # fp32 weights: fp32 matmuls on the GPU too
+        x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
+        if attend is None:
+            a, aux, kv = attention(x, lp, angles, q_pos, cfg, i, kv, page_table)
+        else:
+            a, aux = attend(x, lp, angles, q_pos, cfg, i)
+        h = h + a
+        y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
+        if observe_mlp_input is not None:
+            aux = (aux, observe_mlp_input(y))
+        return h + mlp_block(y, lp, t, i, cfg.moe_impl), aux, kv
 
 
 def text_hidden(
@@ -286,7 +289,9 @@ def text_hidden(
 
 def lm_head(params: dict, h: jax.Array) -> jax.Array:
     """[..., D] -> fp32 logits [..., V]."""
-    return jnp.einsum("...d,dv->...v", h, params["text"]["lm_head"]).astype(jnp.float32)
+    w = params["text"]["lm_head"]
+    with matmul_precision(w.dtype):
+        return jnp.einsum("...d,dv->...v", h, w).astype(jnp.float32)
 
 
 def text_forward(

@@ -34,6 +34,7 @@ from m3jax.layers import rms_norm, rope_angles
 from m3jax.model import decoder_layer, lm_head, project_qkv
 from m3jax.moe import route
 from m3jax.msa import layer as msa_layer, reference as msa
+from m3jax.msa.compare import selection_margin
 
 
 @dataclasses.dataclass
@@ -120,20 +121,6 @@ def with_dense_layers(cfg: M3Config, layers) -> M3Config:
     return cfg.replace_text(layer_types=tuple(types))
 
 
-def _margin(scores, sel, q_pos, t) -> jax.Array:
-    """Last selected ranked score minus best unselected visible score, per (b, group, query)."""
-    nb = scores.shape[-1]
-    j = jnp.arange(nb)
-    chosen = jnp.any(sel[..., None] == j, axis=-2)  # [B, K, C, nb]
-    visible = jnp.isfinite(scores)
-    own = (q_pos // t.index_block_size)[:, None, :, None]
-    ranked = visible & (j[None, None, None, :] < own)  # history blocks compete; own block is forced
-    in_score = jnp.where(chosen & ranked, scores, jnp.inf).min(-1)
-    out_score = jnp.where(~chosen & ranked, scores, -jnp.inf).max(-1)
-    ok = jnp.isfinite(in_score) & jnp.isfinite(out_score)
-    return jnp.where(ok, in_score - out_score, jnp.nan)
-
-
 def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_scores: bool):
     """The attention block with the probe's metrics: (out [B, T, D], metrics dict)."""
     t = cfg.text
@@ -165,7 +152,7 @@ def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_s
         recall = jnp.sum(jnp.where(mask[:, :, None], p, 0.0), -1).reshape(b, n, -1)
         diff = (o_sparse - o_dense).astype(jnp.float32)
         err = jnp.sqrt(jnp.sum(diff**2, (2, 3)) / jnp.maximum(jnp.sum(o_dense.astype(jnp.float32) ** 2, (2, 3)), 1e-30))
-        out = (o_sparse, sel, recall, err, _margin(scores, sel, qp, t))
+        out = (o_sparse, sel, recall, err, selection_margin(scores, sel, qp, bs))
         return out + ((scores,) if keep_scores else ())
 
     outs, merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, positions, q, iq)

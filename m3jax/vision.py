@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.config import M3Config, VisionConfig
-from m3jax.layers import apply_rope, gelu, layer_norm
+from m3jax.layers import apply_rope, gelu, layer_norm, matmul_precision
 from m3jax.msa import HIGHEST
 
 Grid = tuple[tuple[int, int, int], ...]
@@ -116,5 +116,6 @@ def project_and_merge(features: jax.Array, projector: dict, merger: dict, cfg: M
 
 def encode_media(pixel_values: jax.Array, grid_thw: Grid, params: dict, cfg: M3Config) -> tuple[jax.Array, jax.Array]:
     """Vision tower + projector + merger: returns (tower hidden [N, Dv], tokens [N/4, D])."""
-    hidden = vision_tower(pixel_values, grid_thw, params["vision"], cfg.vision)
-    return hidden, project_and_merge(hidden, params["projector"], params["merger"], cfg)
+    with matmul_precision(params["projector"]["w1"].dtype):  # fp32 weights: fp32 matmuls on the GPU too
+        hidden = vision_tower(pixel_values, grid_thw, params["vision"], cfg.vision)
+        return hidden, project_and_merge(hidden, params["projector"], params["merger"], cfg)

@@ -11,7 +11,7 @@ import pytest
 from m3jax.config import M3Config, TextConfig, VisionConfig
 
 FIXTURES = Path(os.environ.get("M3JAX_FIXTURES", Path(__file__).parent / "fixtures"))
-ORACLE_CONFIGS = ("text_mixed", "text_wide_block", "image", "video", "mxfp8")
+ORACLE_CONFIGS = ("text_mixed", "text_wide_block", "image", "video", "mxfp8", "kernel_g8", "kernel_g2")
 
 # Tolerances: the single written table. Relative L2 error unless marked atol.
 TOL = {

@@ -8,6 +8,8 @@ The projections (q/k/v and the index branch) are the model's; this module takes 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from m3jax.cache import LayerCache, cached_index_keys
@@ -49,7 +51,9 @@ def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
     """
     t = cfg.text
     if cfg.attention_impl == "pallas":
-        return msa_pallas_sharded(kernels.prefill, q, k, v, iq, cached_index_keys(ik, t, iq.dtype), q_pos, t)
+        force_in, force_out = forced_blocks(t, layer)
+        kernel = functools.partial(kernels.prefill, force_in=force_in, force_out=force_out)
+        return msa_pallas_sharded(kernel, q, k, v, iq, cached_index_keys(ik, t, iq.dtype), q_pos, t)
     attend = reference.dense_mask_attention if cfg.attention_impl == "dense_mask" else reference.sparse_attention
 
     def chunk_fn(qp, qc, iqc):
@@ -61,10 +65,12 @@ def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
 
 
 def decode_in_place(cfg: M3Config, n_queries: int) -> bool:
-    """Whether this step reads the paged cache in place (the decode kernels) instead of gathering it."""
-    return cfg.attention_impl == "pallas" and n_queries == 1
+    """Whether this step reads the paged cache in place (the decode kernels) instead of gathering it
+    (then the prefill kernels run on the gathered cache: block sizes the decode kernels cannot take)."""
+    return cfg.attention_impl == "pallas" and n_queries == 1 and kernels.decode_unsupported_reason(cfg.text) is None
 
 
-def decode(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config):
+def decode(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config, layer: int):
     """One token per sequence against the paged cache, read in place: (o [B, 1, N, H], block ids)."""
-    return kernels.decode(q, iq, kv, page_table, q_pos, cfg.text)
+    force_in, force_out = forced_blocks(cfg.text, layer)
+    return kernels.decode(q, iq, kv, page_table, q_pos, cfg.text, force_in=force_in, force_out=force_out)

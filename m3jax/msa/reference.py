@@ -105,6 +105,14 @@ def forced_priority(dist, j, *, local_blocks: int, init_blocks: int, force_in: t
     return prio
 
 
+def forced_out(scores, dist, j, force_out: tuple[int, ...] = ()):
+    """``scores`` with the ``force_out`` blocks at -inf (never selected) unless a block is the query's
+    own (``dist == 0``); element-wise ops only, like :func:`forced_priority`."""
+    for b in force_out:
+        scores = jnp.where((j == b) & (dist != 0), NEG_INF, scores)
+    return scores
+
+
 def rank_scores(scores, prio):
     """The value top-k ranks: forced blocks (``prio > 0``) get huge finite values in priority order,
     the rest their score; -0.0 becomes +0.0 so that equal scores tie (and go to the lower id)."""
@@ -169,9 +177,7 @@ def select_blocks(
     own = (q_pos // block_size)[:, None, :, None]
     j = jnp.arange(nb)[None, None, None, :]
     prio = forced_priority(own - j, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in)
-    if force_out:
-        scores = jnp.where(jnp.isin(j, jnp.asarray(force_out)) & (j != own), NEG_INF, scores)
-    ranked = rank_scores(scores, prio)
+    ranked = rank_scores(forced_out(scores, own - j, j, force_out), prio)
     k = min(topk, nb)
     vals, idx = jax.lax.top_k(ranked, k)
     idx = jnp.where(vals == NEG_INF, -1, idx).astype(jnp.int32)

@@ -91,6 +91,7 @@ def text_config(
     index_block_size,
     index_topk_blocks,
     rope_theta,
+    head_dim=HEAD_DIM,
     intermediate_size=32,
     dense_intermediate_size=96,
     shared_intermediate_size=32,
@@ -105,7 +106,7 @@ def text_config(
         mlp_layer_types=mlp_layer_types,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         intermediate_size=intermediate_size,
         dense_intermediate_size=dense_intermediate_size,
         shared_intermediate_size=shared_intermediate_size,
@@ -118,7 +119,7 @@ def text_config(
         index_local_blocks=1,
         # transformers takes the rotated width from partial_rotary_factor and ignores rotary_dim.
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.5},
-        rotary_dim=HEAD_DIM // 2,
+        rotary_dim=head_dim // 2,
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
         bos_token_id=1,
@@ -189,6 +190,20 @@ SMALL_VL_TEXT = dict(
     index_head_dim=16,
     index_block_size=8,
     index_topk_blocks=2,
+)
+
+# The smallest shapes of the Mosaic GPU MSA kernels' fast path (head dims 64, block 64), two MSA
+# layers so that a selection error would feed the next layer; 200 tokens = 4 blocks > top-2. G = 8
+# and G = 2 query heads per KV head (tests/pallas/test_model_pallas.py, interpret mode in CI).
+KERNEL_TEXT = dict(
+    layer_types=[SPARSE, FULL, SPARSE],
+    mlp_layer_types=[DENSE, MOE, DENSE],
+    num_local_experts=4,
+    head_dim=64,
+    index_head_dim=64,
+    index_block_size=64,
+    index_topk_blocks=2,
+    rope_theta=1e4,
 )
 
 SPECS = [
@@ -266,6 +281,18 @@ SPECS = [
         ),
         make_inputs=text_inputs(batch=1, length=130),
         mxfp8=True,
+    ),
+    FixtureSpec(
+        name="kernel_g8",
+        seed=1,
+        text=text_config(**KERNEL_TEXT, num_attention_heads=16, num_key_value_heads=2),
+        make_inputs=text_inputs(batch=1, length=200),
+    ),
+    FixtureSpec(
+        name="kernel_g2",
+        seed=1,
+        text=text_config(**KERNEL_TEXT, num_attention_heads=4, num_key_value_heads=2),
+        make_inputs=text_inputs(batch=1, length=200),
     ),
 ]
 

@@ -18,11 +18,9 @@ from hypothesis import given, settings, strategies as st
 from m3jax import msa
 from m3jax.pallas import _backend
 from m3jax.pallas import decode as D
+from tests.pallas.tolerances import TOL
 
 BS, TOPK, N, KH, H, HX = 64, 3, 4, 2, 64, 64
-# docs/MSA.md §4.3: index scores atol=rtol=2e-4; bf16 attention 3e-2; fp32 attention 2e-5.
-SCORE_TOL = 2e-4
-ATTN_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 
 def make_case(seq_lens, q_len, dtype, seed, spare_pages=2, max_pages=None, bs=BS):
@@ -56,7 +54,7 @@ def check_scores(iq, ikp, pt, sl, splits=None):
     assert got.shape == ref.shape
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
     fin = np.isfinite(ref)
-    np.testing.assert_allclose(got[fin], ref[fin], atol=SCORE_TOL, rtol=SCORE_TOL)
+    np.testing.assert_allclose(got[fin], ref[fin], **TOL[("index_scores", jnp.dtype(iq.dtype).name)])
     return ref
 
 
@@ -66,8 +64,8 @@ def check_attention(q, kp, vp, pt, bidx, sl, dtype, splits=None):
         q, kp, vp, pt, bidx, sl, block_size=BS, config=D.SparseDecodeConfig(num_splits=splits)
     )
     assert got.shape == ref.shape and got.dtype == q.dtype
-    tol = ATTN_TOL[dtype]
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               **TOL[("decode_attention", jnp.dtype(dtype).name)])
 
 
 @pytest.fixture(autouse=True)
@@ -105,8 +103,7 @@ def test_attention_sub_page_tiles():
     got = D.sparse_decode_attention(
         q, kp, vp, pt, bidx, sl, block_size=bs, config=D.SparseDecodeConfig(num_splits=1, kv_tile=64)
     )
-    tol = ATTN_TOL[jnp.float32]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[("decode_attention", "float32")])
 
 
 @settings(max_examples=3, deadline=None)

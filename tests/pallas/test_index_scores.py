@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 
 from m3jax.pallas import _backend
 from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
-
-TOL = dict(atol=2e-4, rtol=2e-4)  # docs/MSA.md §4.3 (index scores)
+from tests.pallas.tolerances import TOL
 CFG = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2, fused_topk=True)
 CFG_UNFUSED = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2)
 
@@ -35,7 +34,7 @@ def _run_scores(iq, ik, q_pos, bs, cfg=CFG):
     got, ref = np.asarray(got), np.asarray(ref)
     assert got.shape == ref.shape and got.dtype == np.float32
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
-    np.testing.assert_allclose(got, ref, **TOL)
+    np.testing.assert_allclose(got, ref, **TOL[("index_scores", jnp.dtype(iq.dtype).name)])
     return ref
 
 
@@ -59,17 +58,19 @@ def _check_topk(got, ref, q_pos, bs):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunked_prefill_batch_heads(dtype):
     # chunked prefill: block-aligned prefix, T not a multiple of the block, batch of 2 with a shorter
-    # second sequence, 4 index heads.
+    # second sequence, 4 index heads; the msa_force_in / msa_force_out interventions (block 1 forced
+    # in, block 2 out; block 4 out is the own block of the first sequence's later queries: kept).
     b, t, hi, hx, bs, prefix = 2, 21, 4, 64, 16, 48
     s = prefix + t
     iq, ik = _inputs(b, t, hi, hx, s, dtype)
     q_pos = jnp.stack([prefix + jnp.arange(t), jnp.maximum(prefix - 32 + jnp.arange(t), 0)]).astype(jnp.int32)
     ref = _run_scores(iq, ik, q_pos, bs)
-    got = index_select_blocks(iq, ik, q_pos, block_size=bs, topk=3, config=CFG)
+    force = dict(force_in=(1,), force_out=(2, 4))
+    got = index_select_blocks(iq, ik, q_pos, block_size=bs, topk=3, config=CFG, **force)
     assert not _backend.interpret_races_found()
     from m3jax import msa
 
-    _check_topk(got, msa.select_blocks(jnp.asarray(ref), q_pos, block_size=bs, topk=3), q_pos, bs)
+    _check_topk(got, msa.select_blocks(jnp.asarray(ref), q_pos, block_size=bs, topk=3, **force), q_pos, bs)
 
 
 def test_prefill_from_zero_fewer_blocks_than_topk_local_init():

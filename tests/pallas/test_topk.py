@@ -69,6 +69,23 @@ def test_fuzz(valid, prefix_blocks, seed):
     _check(scores, q_pos, bs, k)
 
 
+# Row-split at top-64 runs on the GPU only: its 64-wide bitonic merge takes ~12 min in interpret mode
+# (top-8 runs the same code in CI).
+@pytest.mark.parametrize("implementation,k", [
+    ("pallas_blockmajor", 1), ("pallas_blockmajor", 64), ("pallas_rowsplit", 1), ("pallas_rowsplit", 8),
+    pytest.param("pallas_rowsplit", 64, marks=pytest.mark.skipif(jax.default_backend() != "gpu",
+                                                                 reason="~12 min in interpret mode")),
+])
+def test_topk_range_and_interventions(implementation, k):
+    # top-k 1 and 64 (the range research uses) with msa_force_in / msa_force_out: blocks 3 and 70 in
+    # (70 is after the second row's own block 50: never forced), 5 and 79 out (79 is the first row's
+    # own block: kept), one sink.
+    bs, nb = 4, 80
+    q_pos = jnp.array([[319, 200]], jnp.int32)
+    scores = _scores(1, 2, 2, nb * bs, bs, q_pos, seed=k)
+    _check(scores, q_pos, bs, k, implementation=implementation, init_blocks=1, force_in=(3, 70), force_out=(5, 79))
+
+
 def _tie_scores(b, hi, q, nb, bs, q_pos, seed):
     """fp32 [b, hi, q, nb] integers in [-2, 2] with zeros of both signs (ties everywhere, -0.0 vs +0.0);
     blocks past each query's own block are -inf, as in ``msa.block_scores``."""

@@ -8,7 +8,15 @@ precision on the same (possibly bf16) inputs. Why these values:
   docs/KERNELS.md §1.5), so fp32 attention lands within ~1e-5 of the fp32 reference.
 - bf16 inputs: P is rounded to bf16 for the PV MMA and the output is bf16 (2^-8 relative each), so
   bf16 attention is held to 2e-2; its LSE (fp32 accumulation of exact bf16 products) to 1e-3.
-- index block scores: fp32 accumulation over the index head dim, 2e-4 for bf16 and fp32 (bf16x3).
+- index block scores (prefill and decode kernels): bf16 inputs are exact products with fp32
+  accumulation in another order, 2e-4; fp32 inputs are split into three bf16 pieces (six products,
+  ~24 mantissa bits, pallas/_common.bf16_split) because the scores decide selections: 1e-5.
+- decode attention: as attention (fp32 bf16x3, 2e-5: the decode kernel's split-K LSE merge adds a
+  rounding; bf16 3e-2: P and the output in bf16, partial outputs merged in fp32).
+- model logits (relative L2 error): fp32 1e-5 against the oracle (its bound, tests.conftest.TOL).
+  bf16 has no fixed bound: random weights make bf16 noise large (7e-2 from the fp32 oracle for the
+  reference path on kernel_g8). The kernels path in bf16 is held to be as close to the fp32 oracle
+  as the bf16 reference path: its error at most 1.25x the reference's.
 """
 
 from __future__ import annotations
@@ -18,6 +26,10 @@ TOL = {
     ("attention", "bfloat16"): dict(atol=2e-2, rtol=2e-2),
     ("lse", "float32"): dict(atol=1e-5, rtol=1e-5),
     ("lse", "bfloat16"): dict(atol=1e-3, rtol=1e-3),
-    ("index_scores", "float32"): dict(atol=2e-4, rtol=2e-4),
+    ("index_scores", "float32"): dict(atol=1e-5, rtol=1e-5),
     ("index_scores", "bfloat16"): dict(atol=2e-4, rtol=2e-4),
+    ("decode_attention", "float32"): dict(atol=2e-5, rtol=2e-5),
+    ("decode_attention", "bfloat16"): dict(atol=3e-2, rtol=3e-2),
+    ("model_logits", "float32"): 1e-5,
+    ("model_logits_vs_reference_error", "bfloat16"): 1.25,
 }

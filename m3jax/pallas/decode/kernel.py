@@ -32,9 +32,10 @@ position ``seq_lens[b] - Q + i``.
    load + MMAs each; for Q = 1 the union is full and nothing is wasted.
 
 fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
-reference accuracy the wrappers split fp32 operands into bf16 ``hi + lo`` parts and the kernels
-issue three bf16 wgmmas (hi*hi + hi*lo + lo*hi, ~2^-16 relative error); 16-bit inputs use one
-wgmma. (The split costs one extra XLA pass over the fp32 cache: fp32 is a test path, the serving
+reference accuracy the wrappers split fp32 operands into bf16 pieces (``_common.bf16_split``): the
+attention kernel issues three bf16 wgmmas per product (hi*hi + hi*lo + lo*hi, ~2^-16 relative error),
+the index-score kernel six over three pieces (fp32 accuracy: its scores decide the selection); 16-bit
+inputs use one wgmma. (The split costs one extra XLA pass over the fp32 cache: fp32 is a test path, the serving
 cache is bf16.)
 
 What changes on Blackwell (``Target.BLACKWELL``): the wgmma calls become ``plgpu.tcgen05_mma`` with
@@ -66,7 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.msa.reference import lse_merge
-from m3jax.pallas._common import bf16_split_in_kernel, split_parts, swizzle_transforms
+from m3jax.pallas._common import bf16_split_in_kernel, split_parts, split_products, swizzle_transforms
 from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
 
 LOG2E = math.log2(math.e)
@@ -110,10 +111,6 @@ class SparseDecodeConfig:
         if self.num_splits is not None:
             return max(1, min(self.num_splits, union_len))
         return max(1, min(union_len, -(-target.num_sms // (batch * kv_heads))))
-
-
-def _products(n_parts: int) -> tuple[tuple[int, int], ...]:
-    return ((0, 0),) if n_parts == 1 else ((0, 0), (0, 1), (1, 0))
 
 
 def _round_up(x: int, m: int) -> int:
@@ -167,14 +164,15 @@ def decode_index_scores_kernel(
     # rows n = h * Q + q (so the output reshapes to [Hi, Q] for free), padded with zeros.
     rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, n_rows, hx)
     rows = jnp.pad(rows, [(0, 0), (0, n_pad - n_rows), (0, 0)])
-    q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)))
-    k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32))
+    # fp32: three bf16 pieces (fp32 accuracy: these scores decide the selection, see _common.bf16_split)
+    q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
+    k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
     k_parts = tuple(kp.reshape(num_pages * bs, hx) for kp in k_parts)
     n_parts = len(q_parts)
-    prods = _products(n_parts)
+    prods = split_products(n_parts)
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-    # page buffers that fit next to the query tile and the score tile (fp32 = 2 bf16 parts per page)
+    # page buffers that fit next to the query tile and the score tile (fp32 = 3 bf16 parts per page)
     fixed = n_parts * n_pad * hx * 2 + chunk * n_pad * 4 + 4096
     stages = max(1, min(config.stages, chunk, (target.smem_bytes - fixed) // (n_parts * bs * hx * 2)))
 
@@ -343,7 +341,7 @@ def sparse_decode_attention_kernel(
     k_parts = tuple(x.reshape(num_pages * bs, kh, h) for x in k_parts)
     v_parts = tuple(x.reshape(num_pages * bs, kh, h) for x in v_parts)
     n_parts = len(q_parts)
-    prods = _products(n_parts)
+    prods = split_products(n_parts)
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     itemsize = jnp.dtype(dtype).itemsize

@@ -3,7 +3,8 @@
 ``index_block_scores(iq, ik, q_pos, *, block_size, implementation="pallas", config=None)`` returns
 fp32 ``[B, Hi, T, nb]`` with the semantics of ``m3jax.msa.block_scores``.
 ``index_select_blocks(...)`` is the fused scores + top-k kernel (the score matrix is never
-written); it returns ``m3jax.msa.select_blocks``'s int32 ``[B, Hi, T, topk]`` in the same order.
+written); it returns ``m3jax.msa.select_blocks``'s int32 ``[B, Hi, T, topk]`` in the same order, with the same
+``force_in`` / ``force_out`` interventions (static tuples of block ids).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def index_block_scores(iq, ik, q_pos, *, block_size: int, implementation: str = 
 
 
 def index_select_blocks(iq, ik, q_pos, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
-                        implementation: str = "pallas", config=None):
-    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, config=config)
+                        force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (), implementation: str = "pallas",
+                        config=None):
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+              force_in=tuple(force_in), force_out=tuple(force_out), config=config)
     if implementation == "pallas":
         return _kernel.index_select_blocks(iq, ik, q_pos, **kw)
     if implementation == "reference":

@@ -20,11 +20,12 @@ Design (Hopper, ``Target.HOPPER``):
 * Output (fused top-k, docs/KERNELS.md §2.8). Instead of writing scores, each row-max vector goes through
   the register insertion top-k of ``m3jax.pallas.topk._select`` (forced own/local/sink blocks,
   descending score, ties to the lower id). Only ``[B, topk, T_pad*Hi]`` int32 ids are written.
-* fp32 inputs. The MMA is bf16 only; fp32 ``iq``/``ik`` are split as ``x = hi + lo`` (both bf16),
-  kept as separate SMEM tiles (hi, lo), and three wgmmas per key block accumulate ``lo.hi + hi.lo +
-  hi.hi`` ("bf16x3", ~16 mantissa bits per product, within the 2e-4 tolerance of docs/MSA.md §4.3) at
-  3x the MMA work and 2x the SMEM per stage (fewer pipeline stages). bf16 inputs run one K = Hx
-  wgmma per block.
+* fp32 inputs. The MMA is bf16 only; fp32 ``iq``/``ik`` are split into three bf16 pieces
+  (``pallas._common.bf16_split(x, 3)``), kept as separate SMEM tiles, and six wgmmas per key block
+  accumulate the products of ``split_products(3)`` (~24 mantissa bits: fp32 accuracy, because the
+  scores decide selections and a bf16x3 error of ~2^-16 flips blocks that fp32 keeps apart) at 6x the
+  MMA work and 3x the SMEM per stage (fewer stages; block 256 runs as two half blocks). bf16 inputs
+  run one K = Hx wgmma per block.
 
 What remains for peak (measured numbers in benchmarks/msa_index.py): a warp-specialised version
 (one TMA producer warpgroup + two consumer warpgroups ping-ponging so that one warpgroup's epilogue
@@ -48,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import bf16_split, swizzle_transforms
+from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
 from m3jax.pallas.topk import _select
 
 NEG_INF = float("-inf")
@@ -83,11 +84,10 @@ def _row_layout():
 
 
 def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, config, fused, topk, local_blocks,
-                 init_blocks, interpret=None):
-    """q_parts: 1 or 2 (hi, lo) bf16 [B, Rp, Hx]; k_parts likewise [B, Sp, Hx]; rowpos [B, Rp] i32;
-    tile_info [B, ntiles, 2] i32 (min, max position of the tile's valid rows)."""
+                 init_blocks, force_in=(), force_out=(), interpret=None):
+    """q_parts: 1 or 3 bf16 pieces [B, Rp, Hx] (:func:`_prepare`); k_parts likewise [B, Sp, Hx]; rowpos
+    [B, Rp] i32; tile_info [B, ntiles, 2] i32 (min, max position of the tile's valid rows)."""
     n_parts = len(q_parts)
-    split = n_parts == 2
     b, r_pad, hx = q_parts[0].shape
     kx = hx * n_parts
     rows, group = config.rows, config.group
@@ -125,13 +125,9 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
 
         def row_max(k_smems, j, masked):
             def mma(acc_ref):
-                if split:  # bf16x3: lo.hi + hi.lo + hi.hi (hi and lo in separate SMEM tiles)
-                    (q_hi, q_lo), (k_hi, k_lo) = q_smems, k_smems
-                    plgpu.wgmma(acc_ref, q_lo, k_hi.transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, q_hi, k_lo.transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, q_hi, k_hi.transpose((1, 0)))
-                else:
-                    plgpu.wgmma(acc_ref, q_smems[0], k_smems[0].transpose((1, 0)))
+                # Smallest products first: they are summed before the large ones round the accumulator.
+                for i, jp in reversed(split_products(n_parts)):
+                    plgpu.wgmma(acc_ref, q_smems[i], k_smems[jp].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
@@ -157,7 +153,8 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
                     k_smems, carry = args[:-1], args[-1]
                     j = idx[0] + offset
                     x = _select.forced_candidate(row_max(k_smems, j, masked), rowpos, j, block_size=bs,
-                                                 local_blocks=local_blocks, init_blocks=init_blocks)
+                                                 local_blocks=local_blocks, init_blocks=init_blocks,
+                                                 force_in=force_in, force_out=force_out)
                     return _select.insert(*carry, x, j)
 
                 return fn
@@ -231,6 +228,7 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
 
 
 SMEM_BYTES = 232_448  # Target.HOPPER.smem_bytes
+FP32_PARTS = 3  # bf16 pieces of an fp32 operand (see the module docstring)
 
 
 def _pipeline_steps(rows, kx, bs, fused, topk, config):
@@ -249,10 +247,7 @@ def _prepare(iq, ik, q_pos, block_size, rows):
     tq = rows // hi
     t_pad = -(-t // tq) * tq
     if iq.dtype == jnp.float32 or ik.dtype == jnp.float32:
-        # bf16x3: hi.hi + hi.lo + lo.hi along K.
-        qh, ql = bf16_split(iq.astype(jnp.float32))
-        kh, kl = bf16_split(ik.astype(jnp.float32))
-        qs, ks = (qh, ql), (kh, kl)
+        qs, ks = bf16_split(iq, FP32_PARTS), bf16_split(ik, FP32_PARTS)
     else:
         qs, ks = (iq.astype(jnp.bfloat16),), (ik.astype(jnp.bfloat16),)
     qs = tuple(jnp.pad(q, [(0, 0), (0, t_pad - t), (0, 0), (0, 0)]).reshape(b, t_pad * hi, hx) for q in qs)
@@ -270,7 +265,7 @@ def _prepare(iq, ik, q_pos, block_size, rows):
 
 def _kx(iq, ik):
     split = iq.dtype == jnp.float32 or ik.dtype == jnp.float32
-    return iq.shape[-1] * (2 if split else 1)
+    return iq.shape[-1] * (FP32_PARTS if split else 1)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
@@ -307,11 +302,10 @@ def index_block_scores(iq, ik, q_pos, *, block_size, config=None, interpret=None
     return jnp.transpose(out, (0, 3, 2, 1))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "config", "interpret")
-)
-def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, config=None,
-                        interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
+                                             "force_out", "config", "interpret"))
+def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(), force_out=(),
+                        config=None, interpret=None):
     """Scores + top-k: int32 [B, Hi, T, topk].
 
     ``config.fused_topk=True``: one kernel, the [T, nb] score matrix is never written (docs/KERNELS.md §2.8).
@@ -333,12 +327,13 @@ def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init
                                                        config=dataclasses.replace(config, fused_topk=False),
                                                        interpret=interpret)
         ids = select_blocks_blockmajor(scores, rowpos, block_size=block_size, topk=topk, local_blocks=local_blocks,
-                                       init_blocks=init_blocks, interpret=interpret)
+                                       init_blocks=init_blocks, force_in=force_in, force_out=force_out,
+                                       interpret=interpret)
         ids = ids[:, :, : t * hi].reshape(b, topk, t, hi)
         return jnp.transpose(ids, (0, 3, 2, 1))
     qs, ks, rowpos, info, nb, _ = _prepare(iq, ik, q_pos, block_size, config.rows)
     ids = _kernel_call(qs, ks, rowpos, info, s_len=ik.shape[1], block_size=block_size, nb=nb, config=config,
                        fused=True, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
-                       interpret=interpret)
+                       force_in=force_in, force_out=force_out, interpret=interpret)
     ids = ids[:, :, : t * hi].reshape(b, topk, t, hi)
     return jnp.transpose(ids, (0, 3, 2, 1))

@@ -14,9 +14,9 @@ def index_block_scores(iq, ik, q_pos, *, block_size: int, config=None) -> jax.Ar
 
 
 def index_select_blocks(iq, ik, q_pos, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
-                        config=None) -> jax.Array:
+                        force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (), config=None) -> jax.Array:
     """Scores then top-k: int32 [B, Hi, T, topk] (``msa.select_blocks`` order)."""
     del config
     scores = msa.block_scores(iq, ik, q_pos, block_size)
     return msa.select_blocks(scores, q_pos, block_size=block_size, topk=topk, local_blocks=local_blocks,
-                             init_blocks=init_blocks)
+                             init_blocks=init_blocks, force_in=force_in, force_out=force_out)

@@ -1,10 +1,12 @@
 """MSA top-k block selection (docs/MSA.md §1.3, docs/KERNELS.md §2.3): two Mosaic GPU kernels and a
 pure-jnp reference.
 
-``select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0,
-implementation="pallas", config=None)`` -> int32 ``[B, Hi, T, topk]`` from fp32 scores
+``select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(),
+force_out=(), implementation="pallas", config=None)`` -> int32 ``[B, Hi, T, topk]`` from fp32 scores
 ``[B, Hi, T, nb]``. Every implementation emits the reference order (forced own/local/sink blocks
-first, then descending score with ties to the lower block id, then ``-1``).
+first, then the ``force_in`` blocks, then descending score with ties to the lower block id, then
+``-1``; ``force_out`` blocks never, unless forced: the interventions of ``m3jax.msa.select_blocks``,
+static tuples of block ids).
 
 Implementations: ``"pallas_blockmajor"`` (:mod:`.kernel`: one thread per row, 128 rows per CTA,
 for prefill; ``config`` is its ``TopkConfig``), ``"pallas_rowsplit"`` (:mod:`.rowsplit`: one CTA
@@ -30,8 +32,10 @@ ROWSPLIT_MAX_ROWS = 512
 
 
 def select_blocks(scores, q_pos, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
-                  implementation: str = "pallas", config=None):
-    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+                  force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (), implementation: str = "pallas",
+                  config=None):
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+              force_in=tuple(force_in), force_out=tuple(force_out))
     if implementation == "pallas":
         b, hi, t, nb = scores.shape
         few = b * hi * t <= ROWSPLIT_MAX_ROWS and _rowsplit.unsupported_reason(nb, topk) is None

@@ -10,9 +10,10 @@ Because candidates arrive in increasing block id and the comparison is strict (`
 score never displaces an earlier (lower) id: ties go to the lower block id, as in
 ``m3jax.msa.select_blocks``. ``-0.0`` and ``+0.0`` compare equal, so they tie too.
 
-Forced blocks (the own block, ``local_blocks - 1`` before it, ``init_blocks`` sinks) get the same
-huge finite priorities as the reference (``1e38 + p * 1e36`` with own > own-1 > ... > sinks), so
-they take the first slots in the reference order. Empty slots hold ``(-inf, -1)``; a ``-inf``
+Forced blocks (the own block, ``local_blocks - 1`` before it, ``init_blocks`` sinks, then the
+``force_in`` intervention) get the same huge finite priorities as the reference (``1e38 + p * 1e36``
+with own > own-1 > ... > sinks > force_in), so they take the first slots in the reference order;
+``force_out`` blocks score -inf as in the reference. Empty slots hold ``(-inf, -1)``; a ``-inf``
 candidate (a block wholly in the future) never enters, which yields the ``-1`` right padding.
 The emitted order is therefore exactly the reference order: forced blocks first (own, own-1, ...,
 sinks), then descending score, ties to the lower id, then ``-1``.
@@ -22,16 +23,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from m3jax.msa.reference import forced_priority, rank_scores
+from m3jax.msa.reference import forced_out, forced_priority, rank_scores
 from m3jax.pallas._backend import plgpu
 
 
-def forced_candidate(score, rowpos, j, *, block_size: int, local_blocks: int, init_blocks: int):
+def forced_candidate(score, rowpos, j, *, block_size: int, local_blocks: int, init_blocks: int,
+                     force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
     """The value that enters the top-k list for block ``j`` (a traced int32 scalar) per row: the
-    reference's own ranking (:func:`m3jax.msa.reference.rank_scores`) on the row's register vector."""
+    reference's own ranking (:func:`m3jax.msa.reference.rank_scores` after the ``force_out`` and with
+    the ``force_in`` interventions, static block ids) on the row's register vector."""
     dist = jnp.floor_divide(rowpos, block_size) - j  # >= 0 for blocks at or before the own block
-    prio = forced_priority(dist, j, local_blocks=local_blocks, init_blocks=init_blocks)
-    return rank_scores(score, prio)
+    prio = forced_priority(dist, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in)
+    return rank_scores(forced_out(score, dist, j, force_out), prio)
 
 
 def insert(vals, ids, x, j):
@@ -56,9 +59,11 @@ def insert(vals, ids, x, j):
     return tuple(new_vals), tuple(new_ids)
 
 
-def insert_smem_row(carry, row_ref, rowpos, j, *, layout, block_size: int, local_blocks: int, init_blocks: int):
+def insert_smem_row(carry, row_ref, rowpos, j, *, layout, block_size: int, local_blocks: int, init_blocks: int,
+                    force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
     """Load one SMEM row of scores (one element per thread in ``layout``) for block id(s) ``j``, give
     forced blocks their priorities and insert it into the ``(vals, ids)`` lists of ``carry``."""
     x = plgpu.load(row_ref, layout=layout)
-    x = forced_candidate(x, rowpos, j, block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks)
+    x = forced_candidate(x, rowpos, j, block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks,
+                         force_in=force_in, force_out=force_out)
     return insert(*carry, x, j)

@@ -51,8 +51,8 @@ def _layout():
     return plgpu.Layout.WG_STRIDED((ROWS,), 1)
 
 
-def _kernel_call(scores_bm, rowpos, tile_max, *, block_size, topk, local_blocks, init_blocks, config,
-                 interpret=None):
+def _kernel_call(scores_bm, rowpos, tile_max, *, block_size, topk, local_blocks, init_blocks, force_in, force_out,
+                 config, interpret=None):
     b, nb_pad, r_pad = scores_bm.shape
     chunk = config.chunk
     n_tiles = r_pad // ROWS
@@ -79,7 +79,7 @@ def _kernel_call(scores_bm, rowpos, tile_max, *, block_size, topk, local_blocks,
             def one(cc, carry):
                 return _select.insert_smem_row(carry, s_smem.at[cc], rowpos, c * chunk + cc, layout=_layout(),
                                                block_size=block_size, local_blocks=local_blocks,
-                                               init_blocks=init_blocks)
+                                               init_blocks=init_blocks, force_in=force_in, force_out=force_out)
 
             carry = jax.lax.fori_loop(0, chunk, one, carry)
             # Generic SMEM reads must be ordered before the pipeline's next TMA into this slot.
@@ -114,11 +114,10 @@ def _kernel_call(scores_bm, rowpos, tile_max, *, block_size, topk, local_blocks,
     return kern(scores_bm, rowpos, tile_max)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "config", "interpret")
-)
-def select_blocks_blockmajor(scores_bm, rowpos, *, block_size, topk, local_blocks=1, init_blocks=0, config=None,
-                             interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
+                                             "force_out", "config", "interpret"))
+def select_blocks_blockmajor(scores_bm, rowpos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(),
+                             force_out=(), config=None, interpret=None):
     """Top-k over block-major scores ``[B, nb', R]`` (row r's positions in ``rowpos [B, R]``; -1 = padding).
 
     Returns int32 ``[B, topk, R_pad]`` (R_pad = R rounded up to 128).
@@ -134,18 +133,20 @@ def select_blocks_blockmajor(scores_bm, rowpos, *, block_size, topk, local_block
     tile_max = jnp.max(rowpos.reshape(b, r_pad // ROWS, ROWS), axis=-1)
     # Blocks past the real nb are padding (-inf): never forced since they lie after every own block.
     return _kernel_call(scores_bm, rowpos, tile_max, block_size=block_size, topk=topk, local_blocks=local_blocks,
-                        init_blocks=init_blocks, config=config, interpret=interpret)
+                        init_blocks=init_blocks, force_in=force_in, force_out=force_out, config=config,
+                        interpret=interpret)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "config", "interpret")
-)
-def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, config=None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
+                                             "force_out", "config", "interpret"))
+def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(), force_out=(),
+                  config=None, interpret=None):
     """int32 [B, Hi, T, topk] from fp32 scores [B, Hi, T, nb] (one XLA transpose to block-major first)."""
     b, hi, t, nb = scores.shape
     scores_bm = jnp.transpose(scores, (0, 3, 2, 1)).reshape(b, nb, t * hi)
     rowpos = jnp.repeat(q_pos.astype(jnp.int32), hi, axis=1)
     ids = select_blocks_blockmajor(scores_bm, rowpos, block_size=block_size, topk=topk, local_blocks=local_blocks,
-                                   init_blocks=init_blocks, config=config, interpret=interpret)
+                                   init_blocks=init_blocks, force_in=force_in, force_out=force_out, config=config,
+                                   interpret=interpret)
     ids = ids[:, :, : t * hi].reshape(b, topk, t, hi)
     return jnp.transpose(ids, (0, 3, 2, 1))

@@ -115,7 +115,7 @@ def _merge(a_vals, a_ids, b_vals, b_ids):
     return tuple(vals), tuple(ids)
 
 
-def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks, interpret=None):
+def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks, force_in, force_out, interpret=None):
     """int32 [R, topk rounded up to 4] (first ``topk`` columns valid) from fp32 scores [R, nb_pad / 128, 128]
     and rowpos [R]."""
     r, n_rows, _ = scores.shape
@@ -135,7 +135,7 @@ def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks,
         def one(c, carry):
             return _select.insert_smem_row(carry, s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
                                            block_size=block_size, local_blocks=local_blocks,
-                                           init_blocks=init_blocks)
+                                           init_blocks=init_blocks, force_in=force_in, force_out=force_out)
 
         vals, ids = jax.lax.fori_loop(0, -(-nvis // LANES), one, ((empty_v,) * topk, (empty_i,) * topk))
         vals, ids = vals + (empty_v,) * (kp - topk), ids + (empty_i,) * (kp - topk)
@@ -189,8 +189,10 @@ def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks,
     return kern(scores, rowpos)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "interpret"))
-def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
+                                             "force_out", "interpret"))
+def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(), force_out=(),
+                  interpret=None):
     """int32 [B, Hi, Q, topk] from fp32 scores [B, Hi, Q, nb] and positions q_pos [B, Q].
 
     Scores of blocks past a row's causal limit must be ``-inf`` (``msa.block_scores``' contract):
@@ -206,5 +208,6 @@ def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_block
                 constant_values=NEG_INF)
     rowpos = jnp.broadcast_to(q_pos.astype(jnp.int32)[:, None, :], (b, hi, q)).reshape(rows)
     ids = _kernel_call(s.reshape(rows, n_rows, LANES), rowpos, block_size=block_size, topk=topk,
-                       local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
+                       local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in, force_out=force_out,
+                       interpret=interpret)
     return ids[:, :topk].reshape(b, hi, q, topk)
