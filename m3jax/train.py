@@ -555,14 +555,15 @@ def answer_weights(answer: np.ndarray, task_share: float) -> np.ndarray:
 
 
 def retrieval_batch(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int, encode,
-                    pairs_per_1k: float = 1.0, task_share: float = 0.5) -> dict:
+                    pairs_per_1k: float = 1.0, task_share: float = 0.5, answers_only: bool = False) -> dict:
     """Deterministic batch of retrieval rows for ``step`` (seeded like :func:`sample_batch`):
-    ``{"tokens": int32 [B, seq_len + 1], "mask": fp32 [B, seq_len]}``."""
+    ``{"tokens": int32 [B, seq_len + 1], "mask": fp32 [B, seq_len]}``; ``answers_only``: the mask is 1 on
+    the answer labels and 0 elsewhere (the loss is then the answers' cross-entropy)."""
     rng = np.random.default_rng([seed, step, 1])
     n_pairs = max(1, int(round(pairs_per_1k * seq_len / 1024)))
     rows = [retrieval_row(stream, seq_len + 1, rng, encode, n_pairs) for _ in range(batch)]
-    return {"tokens": np.stack([r.tokens for r in rows]),
-            "mask": np.stack([answer_weights(r.answer, task_share) for r in rows])}
+    mask = [r.answer[1:].astype(np.float32) if answers_only else answer_weights(r.answer, task_share) for r in rows]
+    return {"tokens": np.stack([r.tokens for r in rows]), "mask": np.stack(mask)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -595,6 +596,9 @@ def plot_curves(csv_path: Path, png_path: Path) -> None:
     ev = [(int(r["step"]), float(r["eval_lm"])) for r in every if r.get("eval_lm")]
     if ev:
         axes[0].plot(*zip(*ev), "o-", label="held-out lm")
+    ans = [(int(r["step"]), float(r["eval_answer_ce"])) for r in every if r.get("eval_answer_ce") not in (None, "", "nan")]
+    if ans:
+        axes[0].plot(*zip(*ans), "^-", label="held-out answer CE (retrieval)")
     axes[0].set_xlabel("step"), axes[0].set_ylabel("nats/token"), axes[0].legend()
     axes[1].plot(step, [float(r["kl"]) for r in rows], lw=1, label="indexer KL (train)")
     rec = [(int(r["step"]), float(r["recall"])) for r in every if r.get("recall")]
@@ -613,7 +617,8 @@ def plot_curves(csv_path: Path, png_path: Path) -> None:
 # CLI
 
 
-CSV_FIELDS = ("step", "mode", "loss", "lm", "kl", "grad_norm", "seconds", "eval_lm", "eval_kl", "recall")
+CSV_FIELDS = ("step", "mode", "loss", "lm", "kl", "grad_norm", "seconds", "eval_lm", "eval_kl", "recall",
+              "eval_answer_ce")
 # Everything a run writes under --out (--overwrite removes exactly these).
 RUN_FILES = ("ckpt", "model", "tokenizer.json", "data.npz", "time_budget_steps.json", "train_log.csv",
              "loss_curve.png", "summary.json")
@@ -849,13 +854,22 @@ def main(argv=None) -> int:
     evals = heldout_batches(held_stream, args.eval_batches, args.batch, args.seq_len)
     probe_tokens = evals[0]["tokens"][:, :-1]
     boundary = phases[0][1] if len(phases) == 2 else 0
+    task_evals = []
+    if args.data == "retrieval":
+        # Held-out rows with the tasks, loss on the answers only: the retrieval learning curve. The text
+        # batches get an all-ones mask so both kinds share one compiled eval step.
+        evals = [{**b, "mask": np.ones(b["tokens"][:, 1:].shape, np.float32)} for b in evals]
+        task_evals = [retrieval_batch(held_stream, i, args.batch, args.seq_len, args.seed, encode, args.kv_per_1k,
+                                      answers_only=True) for i in range(args.eval_batches)]
 
     def evaluate(params):
+        """(held-out text lm, kl, recall, answer CE of the held-out retrieval rows or NaN)."""
         ms = [eval_step(params, b) for b in evals]
         lm = float(np.mean([m["lm"] for m in ms]))
         kl = float(np.mean([m["kl"] for m in ms]))
         rec = mean_recall(params, cfg, probe_tokens) if cfg.text.has_sparse_layers else {}
-        return lm, kl, float(np.mean(list(rec.values()))) if rec else float("nan")
+        ans = float(np.mean([eval_step(params, b)["lm"] for b in task_evals])) if task_evals else float("nan")
+        return lm, kl, float(np.mean(list(rec.values()))) if rec else float("nan"), ans
 
     # The CSV is rewritten with the rows up to the (restored) step, then appended to every step.
     csv_file = open(csv_path, "w", newline="")
@@ -863,9 +877,10 @@ def main(argv=None) -> int:
     log.writeheader()
     log.writerows(rows)
     if int(state.step) == 0:
-        lm0, kl0, rec0 = evaluate(state.params)
-        log.writerow({"step": 0, "mode": "init", "eval_lm": f"{lm0:.5f}", "eval_kl": f"{kl0:.5f}", "recall": f"{rec0:.5f}"})
-        print(f"step 0: held-out lm {lm0:.4f} kl {kl0:.4f} recall {rec0:.4f}", flush=True)
+        lm0, kl0, rec0, ans0 = evaluate(state.params)
+        log.writerow({"step": 0, "mode": "init", "eval_lm": f"{lm0:.5f}", "eval_kl": f"{kl0:.5f}", "recall": f"{rec0:.5f}",
+                      "eval_answer_ce": f"{ans0:.5f}"})
+        print(f"step 0: held-out lm {lm0:.4f} kl {kl0:.4f} recall {rec0:.4f} answer ce {ans0:.4f}", flush=True)
     t_start = time.time()
     while int(state.step) < args.steps:
         s = int(state.step)
@@ -877,10 +892,10 @@ def main(argv=None) -> int:
                "grad_norm": f"{m['grad_norm']:.4f}", "seconds": f"{time.time() - t0:.3f}"}
         done = int(state.step)
         if done % args.eval_every == 0 or done == args.steps:
-            lm, kl, rec = evaluate(state.params)
-            row.update(eval_lm=f"{lm:.5f}", eval_kl=f"{kl:.5f}", recall=f"{rec:.5f}")
+            lm, kl, rec, ans = evaluate(state.params)
+            row.update(eval_lm=f"{lm:.5f}", eval_kl=f"{kl:.5f}", recall=f"{rec:.5f}", eval_answer_ce=f"{ans:.5f}")
             print(f"step {done} [{mode}]: train lm {m['lm']:.4f} kl {m['kl']:.4f} | held-out lm {lm:.4f} "
-                  f"kl {kl:.4f} recall {rec:.4f} ({time.time() - t_start:.0f}s)", flush=True)
+                  f"kl {kl:.4f} recall {rec:.4f} answer ce {ans:.4f} ({time.time() - t_start:.0f}s)", flush=True)
         log.writerow(row)
         csv_file.flush()
         if done % args.ckpt_every == 0 or done == args.steps:
@@ -904,10 +919,10 @@ def main(argv=None) -> int:
         untrained = with_index_branch(params, index_init)
         summary["recall_trained_index"] = mean_recall(params, cfg, probe_tokens)
         summary["recall_initial_index"] = mean_recall(untrained, cfg, probe_tokens)
-    lm, kl, _ = evaluate(params)
+    lm, kl, _, ans = evaluate(params)
     summary.update(heldout_lm=lm, heldout_kl=kl)
     if args.data == "retrieval":
-        summary.update(kv_per_1k=args.kv_per_1k, task_share=args.task_share,
+        summary.update(heldout_answer_ce=ans, kv_per_1k=args.kv_per_1k, task_share=args.task_share,
                        dense_warmup_seq_len=args.dense_warmup_seq_len, dense_warmup_batch=args.dense_warmup_batch)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)

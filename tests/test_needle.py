@@ -48,6 +48,9 @@ def test_retrieval_batch_deterministic_by_seed_and_step():
     a = tr.retrieval_batch(s, 5, 2, 512, 0, BYTES)
     assert a["tokens"].shape == (2, 513) and a["mask"].shape == (2, 512) and a["tokens"].dtype == np.int32
     assert all(np.array_equal(a[k], tr.retrieval_batch(s, 5, 2, 512, 0, BYTES)[k]) for k in a)
+    answers = tr.retrieval_batch(s, 5, 2, 512, 0, BYTES, answers_only=True)  # held-out eval: answers' CE only
+    assert np.array_equal(answers["tokens"], a["tokens"]) and np.array_equal(answers["mask"] == 1, a["mask"] > 1)
+    assert answers["mask"].sum() == 2 * 6  # one pair per 512 tokens, a 6-byte value
     assert not np.array_equal(a["tokens"], tr.retrieval_batch(s, 6, 2, 512, 0, BYTES)["tokens"])
     assert not np.array_equal(a["tokens"], tr.retrieval_batch(s, 5, 2, 512, 1, BYTES)["tokens"])
     with pytest.raises(ValueError, match="cannot hold"):
