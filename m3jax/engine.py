@@ -4,7 +4,8 @@
   into the sequence's pages, then attends over a key window of the first W pages, W = the chunk's
   end rounded up to a bucket (:func:`key_window_pages`). Keys past the chunk's end are in every
   query's future, so the window gives the full forward pass's maths while a chunk costs what it
-  reads, not the whole capacity; buckets keep the compiled shapes to O(log capacity).
+  reads, not the whole capacity; buckets (of at least ``MIN_KEY_WINDOW`` tokens) keep the compiled
+  shapes to O(log capacity).
 * Decode runs all sequences together, one token each, with static shapes: one compiled step embeds,
   runs the layers, samples, and advances positions and the PRNG key on the device (compiled once
   per sampling mode, reused for every token). The host dispatches step n+1 before it reads step
@@ -71,11 +72,18 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
     return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+# Smallest key window (tokens) of a prefill chunk. Below it a wider window costs next to nothing
+# (the full-attention layers stop at the chunk's own keys, the MSA index scores of C queries over
+# 64K keys are a fraction of a millisecond) while every bucket is one more compile: a 1M prefill in
+# chunks of 2048 compiles 9 windows instead of 18, and a context up to 64K one.
+MIN_KEY_WINDOW = 65536
+
+
 def key_window_pages(end: int, block_size: int, max_pages: int) -> int:
     """Pages a prefill chunk ending (exclusive) at token ``end`` attends over: ceil(end / block)
     rounded up to the next 2^k or 3 * 2^(k-1) (at most 1.5x the keys needed, about 2 log2(max_pages)
-    distinct shapes), capped at the sequence's ``max_pages``."""
-    need = -(-end // block_size)
+    distinct shapes), at least ``MIN_KEY_WINDOW`` tokens, capped at the sequence's ``max_pages``."""
+    need = max(-(-end // block_size), -(-MIN_KEY_WINDOW // block_size))
     w = 1
     while w < need:
         w *= 2
