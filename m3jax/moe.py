@@ -8,6 +8,8 @@ and only viable for tiny configs).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -41,12 +43,16 @@ def _grouped_matmul_config(m: int, g: int):
     return GroupedMatmulConfig(block_m=64 if m <= 64 * g else 128)
 
 
+_FALLBACK_WARNED: set[str] = set()
+
+
 def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
     """"ragged_dot" or "pallas" for ``xs [M, K] x w [E, K, N]``.
 
-    "auto" takes the Mosaic GPU grouped-matmul kernel on GPU for bf16 operands whose shapes it
-    supports (``jax.lax.ragged_dot`` is dense-emulated on the device image's cuDNN), else
-    ``jax.lax.ragged_dot``; an explicit "pallas" raises on shapes the kernel cannot take (off-GPU it
+    "auto" takes the Mosaic GPU grouped-matmul kernel on GPU for shapes it supports, bf16 or fp32
+    (fp32 split into three bf16 pieces: fp32-exact; ``jax.lax.ragged_dot`` is dense-emulated on the
+    device image's cuDNN), else ``jax.lax.ragged_dot`` with one warning per reason; off the GPU
+    ``jax.lax.ragged_dot``. An explicit "pallas" raises on shapes the kernel cannot take (off-GPU it
     runs in interpret mode: tests only).
     """
     if impl == "ragged_dot":
@@ -57,8 +63,8 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
     from m3jax.pallas.grouped_matmul import unsupported_reason
 
     (m, k), (g, _, n) = xs.shape, w.shape
-    reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, g))
-    if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.selfcheck)
+    reason = shape_reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, g))
+    if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.selfcheck, which warns)
         from m3jax.selfcheck import kernel_failure
 
         reason = kernel_failure("grouped_matmul")
@@ -66,8 +72,13 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
         if reason:
             raise ValueError(f"moe_impl='pallas' cannot run [{m}, {k}] x [{g}, {k}, {n}]: {reason}")
         return impl
-    bf16 = xs.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
-    return "pallas" if on_gpu() and bf16 and reason is None else "ragged_dot"
+    if not on_gpu():
+        return "ragged_dot"
+    if shape_reason is not None and shape_reason not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(shape_reason)
+        warnings.warn(f"moe_impl='auto': the grouped-matmul kernel cannot run [{m}, {k}] x [{g}, {k}, {n}] "
+                      f"({shape_reason}); using jax.lax.ragged_dot", RuntimeWarning, stacklevel=3)
+    return "pallas" if reason is None else "ragged_dot"
 
 
 def grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "auto") -> jax.Array:
