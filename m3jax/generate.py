@@ -260,7 +260,6 @@ def _generate(args) -> dict:
     if args.checkpoint is None and args.config is None:
         args.checkpoint = DEFAULT_CHECKPOINT
     cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
-    cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg))
     if args.allow_beyond_max_position:
         cfg = cfg.replace_text(max_position_embeddings=max(args.ctx, cfg.text.max_position_embeddings))
     elif args.ctx > cfg.text.max_position_embeddings:
@@ -271,6 +270,7 @@ def _generate(args) -> dict:
     dtype = args.dtype
     if dtype == "auto":  # the checkpoint's own dtype, as transformers' dtype="auto"; random presets bfloat16
         dtype = checkpoint_dtype(args.checkpoint) if args.checkpoint else "bfloat16"
+    cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg, dtype))
     dtype_bytes = 2 if dtype == "bfloat16" else 4
     mem = plan(cfg, batch=1, capacity=args.ctx, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes)
     if not mem.fits:
@@ -395,7 +395,7 @@ def _generate(args) -> dict:
         print(f"[{len(ids)} prompt tokens, {len(gen)} generated] load {tm['load_s']:.2f}s, TTFT {tm['ttft_s']:.2f}s "
               f"({tm['prefill_tok_per_s']:.0f} tok/s prefill; compile {tm['compile_s']:.1f}s before), decode "
               f"{tm['decode_ms_per_token']:.1f} ms/token; peak memory {report['peak_device_memory_bytes'] / 2**30:.2f} GiB "
-              f"({report['memory_kind']})", file=sys.stderr)
+              f"({report['memory_kind']}); attention_impl: {cfg.attention_impl}", file=sys.stderr)
     return report
 
 
