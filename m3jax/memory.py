@@ -3,8 +3,8 @@
 The largest transients of a prefill chunk are the gathered cache views of its key window (at most
 the capacity), and per attention path: the reference's index scores of one query sub-chunk against
 the window, its key-blocked dense attention and the gathered selected K/V blocks; the kernels path's
-block-major index scores of the whole chunk, the KV-major staging of partial outputs, and on the GPU
-the cuDNN causal mask of the full-attention layers (a bf16 bias [chunk, window]).
+block-major index scores of the whole chunk and the KV-major staging of partial outputs (the
+full-attention layers' two cuDNN parts, merged in fp32, take less).
 """
 
 from __future__ import annotations
@@ -66,11 +66,9 @@ def activation_bytes(cfg: M3Config, batch: int, capacity: int, chunk: int, dtype
     logits = batch * t.vocab_size * 4 * 2
     if cfg.attention_impl == "pallas":
         # block-major fp32 index scores of the whole chunk (+ the top-k kernel's copy), the KV-major
-        # per-(query, slot) partial outputs and LSEs, and the cuDNN bf16 causal bias on the GPU
+        # per-(query, slot) partial outputs and LSEs
         nb = -(-capacity // t.index_block_size)
         attn = 2 * c * t.index_n_heads * nb * 4 + c * t.index_topk_blocks * n * (h * dtype_bytes + 4)
-        if jax.default_backend() == "gpu":
-            attn = max(attn, 3 * c * capacity)
     else:
         scores = 2 * ca * t.index_n_heads * capacity * 4
         gathered = 2 * ca * k * t.index_topk_blocks * t.index_block_size * h * 4

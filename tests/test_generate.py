@@ -227,7 +227,7 @@ def test_causal_attention_equals_dense_mask(s_len, q_start, key_block):
 
 
 def test_memory_plan_m3_width_1m_fits_h200(monkeypatch):
-    """The 1M-token run at M3 widths (3 layers, kernels path, cuDNN bias counted) fits a 139 GiB H200."""
+    """The 1M-token run at M3 widths (3 layers, kernels path on the GPU) fits a 139 GiB H200."""
     from m3jax.memory import GiB, activation_bytes, weight_bytes
     from m3jax.cache import cache_bytes
 
