@@ -13,6 +13,12 @@ Caches are sized for ``--ctx`` tokens; the limit is the config's max_position_em
 cache, activations) is checked against the device; a run that would not fit is refused with the
 numbers and the largest ``--ctx`` that fits.
 
+Devices: every visible device by default (``--devices N`` uses the first N; ``--mesh DxM`` a data x
+model split). On more than one the weights load straight into their shards (each device reads only
+its slice of the files), the KV + index cache is split by pages over the model axis, and the memory
+plan is the per-device one of ``python -m m3jax.plan`` (the same function) against each device's
+memory; one device is the plain single-device path. docs/SHARDING.md has the layout.
+
 Media (``--image`` / ``--video``, repeatable): each file goes where the prompt has ``]<]image[>[`` /
 ``]<]video[>[``, or, if the prompt has no placeholder, the placeholders are put before the prompt
 text (images first). Preprocessing, frame sampling and the token layout are those of
@@ -47,11 +53,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
-from m3jax import cli, processing
+from m3jax import cli, processing, sharding
+from m3jax import plan as device_planner
 from m3jax.checkpoint import checkpoint_dtype
 from m3jax.config import describe_presets, load_config, preset
 from m3jax.engine import Engine, SamplingParams
-from m3jax.memory import GiB, max_fitting_ctx, plan
+from m3jax.memory import GiB, device_memory, max_fitting_ctx, plan
 from m3jax.model import scatter_media
 from m3jax.params import init_random_on_device
 from m3jax.tokenizer import ByteTokenizer, load_tokenizer
@@ -64,6 +71,14 @@ HAYSTACK = (
     "The grass is green and the sky is blue. A river runs past the old mill, and the miller counts "
     "his sacks of flour twice a day. "
 )
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    """argparse type of ``--mesh DxM``: (data, model), both positive."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected DATAxMODEL with positive integers, e.g. 1x8 or 2x4, got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def parse_args(argv=None):
@@ -103,6 +118,12 @@ def parse_args(argv=None):
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "dense_mask", "pallas"])
+    ap.add_argument("--devices", type=cli.positive_int, default=None,
+                    help="devices to run on, the first N visible (default: all of them, or D*M with --mesh); "
+                         "1 = the plain single-device path")
+    ap.add_argument("--mesh", type=mesh_shape, metavar="DxM", default=None,
+                    help="data x model mesh over the devices (default 1 x devices: weights, experts, heads and "
+                         "cache pages split over all of them; data > 1 holds replicas)")
     ap.add_argument("--output-json", type=cli.writable_file, metavar="FILE",
                     help="write the report here (its folder must exist; checked before the run)")
     ap.add_argument("--allow-beyond-max-position", action="store_true",
@@ -120,13 +141,90 @@ def parse_args(argv=None):
     return args
 
 
-def _peak_memory() -> dict:
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and "peak_bytes_in_use" in stats:
-        return {"peak_device_memory_bytes": int(stats["peak_bytes_in_use"]), "memory_kind": dev.device_kind}
-    return {"peak_device_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "memory_kind": "host RSS (CPU backend)"}
+def _peak_memory(devices) -> dict:
+    """Peak bytes of each device used (the largest in ``peak_device_memory_bytes``); host RSS on the CPU."""
+    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
+    if all(s and "peak_bytes_in_use" in s for s in stats):
+        per = {str(d): int(s["peak_bytes_in_use"]) for d, s in zip(devices, stats)}
+        kind = devices[0].device_kind
+    else:  # the CPU backend's (simulated) devices share the process
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        per, kind = {str(d): rss for d in devices}, "host RSS (CPU backend, one process for all devices)"
+    return {"peak_device_memory_bytes": max(per.values()), "peak_memory_per_device": per, "memory_kind": kind}
+
+
+def select_devices(args) -> tuple[list, int]:
+    """(the devices to run on, the data-axis size) from ``--devices`` / ``--mesh``; all visible by default."""
+    visible = jax.devices()
+    data, model = args.mesh if args.mesh else (1, None)
+    n = args.devices or (data * model if model else len(visible))
+    if n > len(visible):
+        raise SystemExit(f"--devices {n} / --mesh: {n} devices asked for, {len(visible)} visible "
+                         f"({visible[0].platform})")
+    if model is not None and data * model != n:
+        raise SystemExit(f"--mesh {data}x{model} is {data * model} devices, but --devices {n}")
+    if n % data:
+        raise SystemExit(f"--mesh data {data} does not divide {n} devices")
+    return visible[:n], data
+
+
+def _plan_kwargs(*, devices: int, data: int, budget_bytes: float, chunk: int, dtype: str, platform: str) -> dict:
+    return dict(devices=devices, data=data, hbm_gb=budget_bytes / device_planner.GB, chunk=chunk, dtype=dtype,
+                kv_dtype_bytes=4 if dtype == "float32" else 2, workspace=0.0 if platform == "cpu" else None)
+
+
+def device_plan(cfg, *, ctx: int, devices: int, data: int = 1, budget_bytes: float, chunk: int, dtype: str,
+                platform: str = "gpu") -> dict:
+    """The per-device memory plan of a run on ``devices`` devices with ``budget_bytes`` each: exactly
+    ``python -m m3jax.plan``'s :func:`m3jax.plan.plan` (weights by the sharding rules, cache pages
+    split, one prefill chunk's transients, workspace), the cache in the weights' dtype. The CPU
+    backend's devices have no CUDA / NCCL workspace. When it does not fit, ``max_ctx`` is the largest
+    context that does (:func:`m3jax.plan.max_ctx`)."""
+    kw = _plan_kwargs(devices=devices, data=data, budget_bytes=budget_bytes, chunk=chunk, dtype=dtype, platform=platform)
+    r = device_planner.plan(cfg, ctx=ctx, **kw)
+    if not r["fits"]:
+        r["max_ctx"] = device_planner.max_ctx(cfg, upper=ctx, **kw)
+    return r
+
+
+def _accelerator(devices) -> bool:
+    """Whether the devices are accelerators, whose plan counts the CUDA / NCCL workspace (CPU devices: none)."""
+    return devices[0].platform != "cpu"
+
+
+def _check_memory(cfg, args, dtype: str, devices: list, data: int) -> dict:
+    """Refuse, before anything is allocated, a run whose plan does not fit; returns the plan's numbers."""
+    n, n_visible = len(devices), len(jax.devices())
+    more = f"more devices (--devices N; {n_visible} visible)" if n_visible > n else "more devices"
+    dtype_bytes = 2 if dtype == "bfloat16" else 4
+    half = "" if dtype == "bfloat16" else "; --dtype bfloat16 halves weights and caches"
+    if n == 1:
+        mem = plan(cfg, batch=1, capacity=args.ctx, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes)
+        if not mem.fits:
+            best = max_fitting_ctx(cfg, batch=1, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes, weights_loaded=False)
+            hint = f"--ctx {best} fits on 1 device" if best else f"no --ctx fits; use a smaller --prefill-chunk or {more}"
+            raise SystemExit(f"refusing to run: {mem.describe()}. {hint}{half}")
+        return {"devices": 1, "weights_bytes": mem.weights, "cache_bytes": mem.cache,
+                "activation_bytes": mem.activations, "total_bytes": mem.total, "budget_bytes": mem.available,
+                "text": mem.describe()}
+    budget, where = device_memory(devices)
+    budget = float("inf") if budget is None else budget
+    r = device_plan(cfg, ctx=args.ctx, devices=n, data=data, budget_bytes=budget, chunk=args.prefill_chunk,
+                    dtype=dtype, platform="gpu" if _accelerator(devices) else "cpu")
+    gb = device_planner.GB
+    hint = ""
+    if not r["fits"]:
+        best = r["max_ctx"]
+        hint = (f"--ctx {best} fits on {n} devices" if best else
+                f"no --ctx fits on {n} devices; use a smaller --prefill-chunk or {more}")
+    text = (f"per device needs {r['total'] / gb:.2f} GB (weights {r['weights'] / gb:.2f}, KV cache "
+            f"{r['kv_cache'] / gb:.2f}, index cache {r['index_cache'] / gb:.2f}, activations ~{r['activations'] / gb:.2f}, "
+            f"workspace {r['workspace'] / gb:.2f}); budget of each of the {n} devices: {budget / gb:.2f} GB ({where})")
+    if not r["fits"]:
+        raise SystemExit(f"refusing to run: {text}. {hint}{half}")
+    return {"text": text, "devices": n, "weights_bytes": r["weights"], "cache_bytes": r["kv_cache"] + r["index_cache"],
+            "activation_bytes": r["activations"], "workspace_bytes": r["workspace"], "total_bytes": r["total"],
+            "budget_bytes": budget}
 
 
 _encode_media_jit = jax.jit(encode_media, static_argnames=("grid_thw", "cfg"))
@@ -271,13 +369,9 @@ def _generate(args) -> dict:
     if dtype == "auto":  # the checkpoint's own dtype, as transformers' dtype="auto"; random presets bfloat16
         dtype = checkpoint_dtype(args.checkpoint) if args.checkpoint else "bfloat16"
     cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg, dtype))
-    dtype_bytes = 2 if dtype == "bfloat16" else 4
-    mem = plan(cfg, batch=1, capacity=args.ctx, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes)
-    if not mem.fits:
-        best = max_fitting_ctx(cfg, batch=1, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes, weights_loaded=False)
-        hint = f"--ctx {best} fits" if best else "no --ctx fits; use a smaller --prefill-chunk or more devices"
-        raise SystemExit(f"refusing to run: {mem.describe()}. {hint}"
-                         + ("" if dtype == "bfloat16" else "; --dtype bfloat16 halves weights and caches"))
+    devices, data = select_devices(args)
+    memory_plan = _check_memory(cfg, args, dtype, devices, data)
+    mesh = sharding.make_mesh(len(devices), data=data, devices=devices) if len(devices) > 1 else None
 
     try:
         tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size)
@@ -314,19 +408,24 @@ def _generate(args) -> dict:
 
     t0 = time.perf_counter()
     if args.checkpoint:
+        # With a mesh each device reads only its shard of the files (a progress bar per file).
         model = m3jax.load_pretrained(args.checkpoint, dtype=dtype, attention_impl=cfg.attention_impl,
-                                      progress=not args.quiet)
-        model = m3jax.M3Model(cfg, model.params)
-    elif mem.weights > GiB:
-        # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the device.
-        model = m3jax.M3Model(cfg, init_random_on_device(cfg, seed=args.seed, dtype=jnp.dtype(dtype)))
+                                      progress=not args.quiet, mesh=mesh)
+        model = m3jax.M3Model(cfg, model.params, mesh)
+    elif memory_plan["weights_bytes"] * len(devices) > GiB:
+        # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the devices, each
+        # leaf straight into its shards under a mesh.
+        draw = lambda: init_random_on_device(cfg, seed=args.seed, dtype=jnp.dtype(dtype))  # noqa: E731
+        params = draw() if mesh is None else jax.jit(draw, out_shardings=sharding.param_shardings(cfg, mesh))()
+        model = m3jax.M3Model(cfg, params, mesh)
     else:
-        model = m3jax.init_random(cfg, seed=args.seed, dtype=dtype)
+        model = (m3jax.init_random(cfg, seed=args.seed, dtype=dtype) if mesh is None  # the plain path, as before
+                 else m3jax.init_random(cfg, seed=args.seed, dtype=dtype, mesh=mesh))
     jax.block_until_ready(model.params)
     load_s = time.perf_counter() - t0
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
-    engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk)
+    engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk, mesh=mesh)
     compile_s = engine.warmup(len(ids), args.sampling)
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
@@ -369,7 +468,8 @@ def _generate(args) -> dict:
         "ctx": args.ctx,
         "dtype": dtype,
         "attention_impl": cfg.attention_impl,
-        "devices": [str(d) for d in jax.devices()],
+        "devices": [str(d) for d in devices],
+        "mesh": None if mesh is None else dict(mesh.shape),
         "timings": {
             "load_s": load_s,
             "compile_s": compile_s,
@@ -378,7 +478,8 @@ def _generate(args) -> dict:
             "decode_ms_per_token": 1e3 * t["decode_s"] / steps,
             "decode_steps": t["decode_steps"],
         },
-        "memory_plan": mem.describe(),
+        "memory_plan": memory_plan.pop("text"),
+        "memory_plan_per_device": memory_plan,
         **({"media": {
             "images": [str(p) for p in args.image],
             "image_grid_thw": media[1]["image_grid_thw"].tolist() if media[1] else [],
@@ -388,7 +489,7 @@ def _generate(args) -> dict:
                                    for fps, ix in (media[2]["video_metadata"] if media[2] else [])],
             "media_tokens": media[0].describe(),
         }} if media else {}),
-        **_peak_memory(),
+        **_peak_memory(devices),
     }
     if not args.quiet:
         tm = report["timings"]
@@ -396,6 +497,10 @@ def _generate(args) -> dict:
               f"({tm['prefill_tok_per_s']:.0f} tok/s prefill; compile {tm['compile_s']:.1f}s before), decode "
               f"{tm['decode_ms_per_token']:.1f} ms/token; peak memory {report['peak_device_memory_bytes'] / 2**30:.2f} GiB "
               f"({report['memory_kind']}); attention_impl: {cfg.attention_impl}", file=sys.stderr)
+        if mesh is not None:
+            print(f"{len(devices)} devices, mesh {dict(mesh.shape)}; peak memory per device (GiB): "
+                  + ", ".join(f"{d} {b / 2**30:.2f}" for d, b in report["peak_memory_per_device"].items()),
+                  file=sys.stderr)
     return report
 
 

@@ -78,14 +78,23 @@ def activation_bytes(cfg: M3Config, batch: int, capacity: int, chunk: int, dtype
     return hidden + moe + mlp + views + attn + logits
 
 
-def device_memory() -> tuple[int | None, str]:
-    """(bytes usable, description) for the default device; host RAM for the CPU backend."""
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{dev.device_kind} ({dev.platform})"
+def device_memory(devices=None) -> tuple[int | None, str]:
+    """(bytes usable on each device, description) for ``devices`` (default: the first visible one): the
+    least free of them; for the CPU backend the host RAM, shared by the (simulated) devices."""
+    devices = list(devices) if devices is not None else jax.devices()[:1]
+    free = []
+    for dev in devices:
+        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        if not (stats and "bytes_limit" in stats):
+            break
+        free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    else:
+        dev = devices[0]
+        return min(free), f"{dev.device_kind} ({dev.platform})" + (f", each of {len(devices)}" if len(devices) > 1 else "")
+    share = f" / {len(devices)} devices" if len(devices) > 1 else ""
     try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.9), "host RAM (CPU backend)"
+        ram = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.9)
+        return ram // len(devices), f"host RAM{share} (CPU backend)"
     except (ValueError, OSError):
         return None, "host"
 

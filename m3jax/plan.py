@@ -72,7 +72,8 @@ def cache_per_device(cfg: M3Config, mesh, batch: int, ctx: int, kv_bytes: int) -
     return kv / split, index / split
 
 
-def activations_per_device(cfg: M3Config, n: int, batch: int, ctx: int, chunk: int) -> dict[str, float]:
+def activations_per_device(cfg: M3Config, n: int, batch: int, ctx: int, chunk: int,
+                           kv_dtype_bytes: int = 2) -> dict[str, float]:
     """Largest live transients of one prefill chunk of ``chunk`` tokens (fp32 unless noted), per device."""
     t = cfg.text
     c, ca = chunk, min(cfg.attention_chunk, chunk)
@@ -95,6 +96,11 @@ def activations_per_device(cfg: M3Config, n: int, batch: int, ctx: int, chunk: i
         "dense_mlp": 3 * c * -(-t.dense_intermediate_size // n) * 4,
         # logits of the last token of each sequence, vocab split n ways (+ the gathered argmax input)
         "logits": batch * t.vocab_size / n * 4 * 2,
+        # one layer's K/V + index keys of the key window, gathered on every device: the engine's prefill
+        # (MSA kernels head-split, dense layers) and the dense layers' decode read the page-split cache
+        # through a gathered view (docs/SHARDING.md section 5); the MSA decode kernels read it in place
+        "cache_window": batch * sh.padded_capacity(ctx, cfg, PlanMesh(n))
+        * (2 * kh * h + t.index_head_dim) * kv_dtype_bytes,
     }
 
 
@@ -104,16 +110,20 @@ def workspace_bytes(hbm: float) -> float:
 
 
 def plan(cfg: M3Config, *, devices: int, hbm_gb: float, ctx: int, dtype: str, batch: int = 1, chunk: int = 8192,
-         kv_dtype_bytes: int = 2) -> dict:
-    mesh = PlanMesh(devices)
+         kv_dtype_bytes: int = 2, data: int = 1, workspace: float | None = None) -> dict:
+    """The per-device plan on a ``data`` x ``devices // data`` mesh of devices with ``hbm_gb`` each (also
+    what ``python -m m3jax.generate`` checks before it allocates anything on more than one device).
+    ``workspace``: bytes per device outside the arrays (default :func:`workspace_bytes`, the GPU's)."""
+    mesh = PlanMesh(devices, data)
+    n = mesh.shape[sh.MODEL]
     w, w_total = weights_per_device(cfg, mesh, dtype)
     kv, idx = cache_per_device(cfg, mesh, batch, ctx, kv_dtype_bytes)
-    acts = activations_per_device(cfg, devices, batch, ctx, chunk)
+    acts = activations_per_device(cfg, n, batch, ctx, chunk, kv_dtype_bytes)
     hbm = hbm_gb * GB
-    ws = workspace_bytes(hbm)
+    ws = workspace_bytes(hbm) if workspace is None else workspace
     total = w + kv + idx + sum(acts.values()) + ws
     return {
-        "devices": devices, "hbm": hbm, "dtype": dtype, "ctx": ctx, "batch": batch, "chunk": chunk,
+        "devices": devices, "data": data, "hbm": hbm, "dtype": dtype, "ctx": ctx, "batch": batch, "chunk": chunk,
         "weights": w, "weights_total": w_total, "kv_cache": kv, "index_cache": idx,
         "activations": sum(acts.values()), "activation_terms": acts, "workspace": ws,
         "total": total, "fits": total <= hbm, "headroom": hbm - total,
@@ -121,13 +131,25 @@ def plan(cfg: M3Config, *, devices: int, hbm_gb: float, ctx: int, dtype: str, ba
     }
 
 
+def max_ctx(cfg: M3Config, *, upper: int, **plan_kw) -> int:
+    """Largest context (to 1024 tokens, at most ``upper``) whose :func:`plan` fits; 0 if none does."""
+    lo, hi = 0, upper
+    if plan(cfg, ctx=upper, **plan_kw)["fits"]:
+        return upper
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(cfg, ctx=mid, **plan_kw)["fits"] else (lo, mid)
+    return lo
+
+
 def describe(r: dict) -> str:
     g = lambda x: f"{x / GB:8.2f} GB"  # noqa: E731
     lines = [
-        f"MiniMax-M3 on {r['devices']} devices x {r['hbm'] / GB:.0f} GB, {r['dtype']} weights, "
+        f"MiniMax-M3 on {r['devices']} devices x {r['hbm'] / GB:.0f} GB"
+        + (f" (data {r['data']} x model {r['devices'] // r['data']})" if r["data"] > 1 else "") + f", {r['dtype']} weights, "
         f"context {r['ctx']:,} tokens x batch {r['batch']}, prefill chunk {r['chunk']}",
         f"  weights      {g(r['weights'])}   (whole model {r['weights_total'] / GB:.1f} GB)",
-        f"  KV cache     {g(r['kv_cache'])}   (pages split {r['devices']} ways, block-striped)",
+        f"  KV cache     {g(r['kv_cache'])}   (pages split {r['devices'] // r['data']} ways, block-striped)",
         f"  index cache  {g(r['index_cache'])}",
         f"  activations  {g(r['activations'])}   ("
         + ", ".join(f"{k} {v / GB:.2f}" for k, v in r["activation_terms"].items()) + ")",
@@ -146,6 +168,8 @@ def main(argv=None) -> dict:
     src.add_argument("--config", default="minimax_m3", help=f"preset: {describe_presets()}")
     src.add_argument("--checkpoint", help="directory with a config.json")
     ap.add_argument("--devices", type=cli.positive_int, default=8)
+    ap.add_argument("--data", type=cli.positive_int, default=1,
+                    help="data-parallel replicas (mesh data x devices/data; the model axis is devices/data)")
     ap.add_argument("--hbm-gb", type=cli.positive_float, default=141.0, help="memory per device in GB (1e9 bytes)")
     ap.add_argument("--ctx", type=cli.positive_int, default=1_000_000)
     ap.add_argument("--batch", type=cli.positive_int, default=1)
@@ -154,16 +178,14 @@ def main(argv=None) -> dict:
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
-    r = plan(cfg, devices=args.devices, hbm_gb=args.hbm_gb, ctx=args.ctx, dtype=args.dtype, batch=args.batch,
-             chunk=args.chunk)
+    if args.devices % args.data:
+        raise cli.UsageError(f"--data {args.data} does not divide --devices {args.devices}")
+    kw = dict(devices=args.devices, data=args.data, hbm_gb=args.hbm_gb, dtype=args.dtype, batch=args.batch,
+              chunk=args.chunk)
+    r = plan(cfg, ctx=args.ctx, **kw)
     assert args.dtype == "mxfp8" or abs(r["weights_total"] - weight_bytes(cfg, 4 if args.dtype == "float32" else 2)) < 1
     if not r["fits"]:
-        lo, hi = 0, args.ctx
-        while hi - lo > 1024:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if plan(cfg, devices=args.devices, hbm_gb=args.hbm_gb, ctx=mid, dtype=args.dtype,
-                                       batch=args.batch, chunk=args.chunk)["fits"] else (lo, mid)
-        r["max_ctx"] = lo
+        r["max_ctx"] = max_ctx(cfg, upper=args.ctx, **kw)
     print(describe(r))
     if "max_ctx" in r:
         print(f"  largest context that fits with this chunk: ~{r['max_ctx']:,} tokens")

@@ -33,6 +33,7 @@ from m3jax.config import FULL_ATTENTION, M3Config
 from m3jax.layers import rms_norm, rope_angles
 from m3jax.model import decoder_layer, lm_head, project_qkv
 from m3jax.moe import route
+from m3jax.sharding import use_mesh
 from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.msa.compare import selection_margin
 
@@ -201,7 +202,15 @@ def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False
 
     ``share_compilation=True`` compiles one step per layer kind instead of one per layer (and keeps
     the dense layers' step across MSA-knob changes): same numbers, much less compile time in sweeps.
+    A model placed on a mesh (``model.mesh``: ``load_pretrained(..., mesh=)`` / ``init_random(..., mesh=)``)
+    runs every layer under that mesh with its sharded parameters (expert-parallel MoE, XLA-partitioned
+    attention): the same numbers as on one device.
     """
+    with use_mesh(getattr(model, "mesh", None)):
+        return _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilation)
+
+
+def _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilation) -> ProbeResult:
     cfg = dataclasses.replace(model.config, attention_chunk=query_chunk)
     ids = np.asarray(input_ids)
     ids = ids[None] if ids.ndim == 1 else ids

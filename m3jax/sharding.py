@@ -276,7 +276,14 @@ def load_sharded(
             "the config.json and the weights disagree"
         )
     tree = jax.tree.map(lambda s: None, param_specs(cfg), is_leaf=_is_spec)
-    for e in tqdm(plan, desc="loading checkpoint (sharded)", unit="tensor", disable=not progress):
+    # One progress bar per file (a leaf counts under the file of its first tensor).
+    by_file: dict[str, list] = {}
+    for e in plan:
+        by_file.setdefault(reader.file_of(e.names[0]).name, []).append(e)
+    entries = (e for i, (name, group) in enumerate(sorted(by_file.items()))
+               for e in tqdm(group, desc=f"loading {name} ({i + 1}/{len(by_file)}, sharded)", unit="tensor",
+                             disable=not progress))
+    for e in entries:
         jdt = e.spec.resolve_dtype(dtype)
         np_dtype = np.dtype(ml_dtypes.bfloat16) if jdt == jnp.bfloat16 else np.dtype(jdt)
         sharding = NamedSharding(mesh, spec_for(e.spec.axes, e.spec.shape, mesh, rules))

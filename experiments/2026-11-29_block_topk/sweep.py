@@ -281,17 +281,19 @@ def _checkpoint_fingerprint(ckpt: Path | None, preset_name: str, seed: int) -> d
 # Quality sweep
 
 
-def _mesh():
-    if len(jax.devices()) < 2:
+def _mesh(devices: int | None):
+    """Mesh over the first ``devices`` visible devices (default all); None for one device."""
+    n = devices or len(jax.devices())
+    if n < 2:
         return None
     from m3jax.sharding import make_mesh
 
-    return make_mesh()
+    return make_mesh(n)
 
 
 def run_quality(args) -> list[dict]:
     ckpt = Path(args.checkpoint).resolve() if args.checkpoint else None
-    mesh = None if args.no_mesh else _mesh()
+    mesh = None if args.no_mesh else _mesh(args.devices)
     if ckpt is not None:
         model = m3jax.load_pretrained(ckpt, dtype=args.dtype, progress=False, mesh=mesh)
     else:
@@ -591,6 +593,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=int, default=None, help="equal-budget cut: block x top-k tokens")
     ap.add_argument("--quick", action="store_true", help="reduced grid and sizes (CPU, CI)")
     ap.add_argument("--no-mesh", action="store_true", help="stay on one device even when several are visible")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="quality sweep on the first N visible devices (default: all of them; 1 = --no-mesh)")
     ap.add_argument("--speed", action="store_true", help="time the MSA step per cell vs cuDNN dense (GPU)")
     ap.add_argument("--dry", action="store_true", help="--speed at tiny shapes, kernels in interpret mode (CPU)")
     ap.add_argument("--speed-ctx", type=int, default=None, help="speed context (default 131072; --dry 256)")

@@ -15,7 +15,8 @@ import jax
 from m3jax.cache import LayerCache, cached_index_keys
 from m3jax.config import M3Config, TextConfig
 from m3jax.msa import kernels, reference
-from m3jax.msa.parallel import msa_pallas_sharded
+from m3jax.msa.parallel import msa_decode_sharded, msa_pallas_sharded
+from m3jax.sharding import MODEL
 
 
 def forced_blocks(cfg: TextConfig, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -70,7 +71,23 @@ def decode_in_place(cfg: M3Config, n_queries: int) -> bool:
     return cfg.attention_impl == "pallas" and n_queries == 1 and kernels.decode_unsupported_reason(cfg.text) is None
 
 
+def dense_decode_in_place(cfg: M3Config, n_queries: int) -> bool:
+    """Whether a full-attention layer's decode step reads its K/V pages in place (:func:`dense_decode`)
+    instead of gathering them: as :func:`decode_in_place`, without a mesh model axis (its page-striped
+    cache would need the kernel context parallel, as :func:`decode` runs it; XLA gathers there)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = not mesh.empty and MODEL in mesh.axis_names and mesh.shape[MODEL] > 1
+    return decode_in_place(cfg, n_queries) and not split
+
+
+def dense_decode(q, kv: LayerCache, page_table, q_pos, cfg: M3Config):
+    """One token per sequence of a full-attention layer against its paged cache, read in place."""
+    return kernels.dense_decode(q, kv, page_table, q_pos, cfg.text)
+
+
 def decode(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config, layer: int):
-    """One token per sequence against the paged cache, read in place: (o [B, 1, N, H], block ids)."""
+    """One token per sequence against the paged cache, read in place: (o [B, 1, N, H], block ids).
+    Under a mesh the kernels run context parallel over the page-split cache (msa.parallel)."""
     force_in, force_out = forced_blocks(cfg.text, layer)
-    return kernels.decode(q, iq, kv, page_table, q_pos, cfg.text, force_in=force_in, force_out=force_out)
+    return msa_decode_sharded(kernels.decode, q, iq, kv, page_table, q_pos, cfg.text, force_in=force_in,
+                              force_out=force_out)

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from m3jax.cache import LayerCache
 from m3jax.config import M3Config
 from m3jax.msa.kernels import unsupported_reason
-from m3jax.msa.reference import forced_priority, lse_merge, rank_scores
+from m3jax.msa.reference import forced_out, forced_priority, lse_merge, rank_scores
 from m3jax.sharding import DATA, MODEL, ShardingRuleError
 
 
@@ -58,6 +59,34 @@ def head_parallel(kernel: Callable, mesh, *, q_axes: int = 2, kv_axes: int | Non
     return call
 
 
+def _global_topk(scores, gid, q_pos, n: int, *, block_size: int, topk: int, local_blocks: int, init_blocks: int,
+                 axis: str, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()) -> jax.Array:
+    """The single-device block selection from each device's scores of its own blocks (inside ``shard_map``).
+
+    scores fp32 [B, Hi, C, nb_loc] (-inf where no key is visible) of the local blocks whose global ids
+    are ``gid`` [nb_loc]. Each device ranks its blocks as :func:`m3jax.msa.reference.select_blocks`
+    does (forced own / local / sink blocks first, by global id), keeps its top-k, all-gathers the n * k
+    (score, id) candidates, and takes the global top-k with ties to the lower block id (candidates
+    sorted by id before ``top_k``). Returns int32 [B, Hi, C, topk], -1 padded, equal on every device.
+    """
+    own = (q_pos // block_size)[:, None, :, None]
+    j = gid[None, None, None, :]
+    prio = forced_priority(own - j, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in)
+    ranked = rank_scores(forced_out(scores, own - j, j, force_out), prio)
+    vals, li = jax.lax.top_k(ranked, min(topk, scores.shape[-1]))
+    ids = gid[li]
+    all_vals = jnp.moveaxis(jax.lax.all_gather(vals, axis), 0, -2).reshape(*vals.shape[:3], -1)
+    all_ids = jnp.moveaxis(jax.lax.all_gather(ids, axis), 0, -2).reshape(*ids.shape[:3], -1)
+    order = jnp.argsort(all_ids, axis=-1)
+    all_vals = jnp.take_along_axis(all_vals, order, -1)
+    all_ids = jnp.take_along_axis(all_ids, order, -1)
+    if all_vals.shape[-1] < topk:  # fewer blocks than k in the whole context: pad with empty slots
+        pad = [(0, 0)] * 3 + [(0, topk - all_vals.shape[-1])]
+        all_vals, all_ids = jnp.pad(all_vals, pad, constant_values=-jnp.inf), jnp.pad(all_ids, pad)
+    gv, gi = jax.lax.top_k(all_vals, topk)
+    return jnp.where(gv == -jnp.inf, -1, jnp.take_along_axis(all_ids, gi, -1)).astype(jnp.int32)
+
+
 def context_parallel_msa(
     q: jax.Array, iq: jax.Array, k_local: jax.Array, v_local: jax.Array, ik_local: jax.Array, q_pos: jax.Array,
     mesh, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0, axis: str = MODEL,
@@ -89,22 +118,9 @@ def context_parallel_msa(
                        precision=jax.lax.Precision.HIGHEST)
         s = jnp.where(kpos[None, None, None, :] > q_pos[:, None, :, None], neg, s)
         scores = s.reshape(*s.shape[:3], nb_loc, block_size).max(-1)  # [B, Hi, C, nb_loc]
-        # 2. rank as select_blocks: forced blocks get huge ordered priorities
-        own = (q_pos // block_size)[:, None, :, None]
-        j = gid[None, None, None, :]
-        prio = forced_priority(own - j, j, local_blocks=local_blocks, init_blocks=init_blocks)
-        ranked = rank_scores(scores, prio)
-        kk = min(topk, nb_loc)
-        vals, li = jax.lax.top_k(ranked, kk)
-        ids = gid[li]
-        # 3. global top-k over all devices' candidates, ties to the lower block id
-        all_vals = jnp.moveaxis(jax.lax.all_gather(vals, axis), 0, -2).reshape(*vals.shape[:3], n * kk)
-        all_ids = jnp.moveaxis(jax.lax.all_gather(ids, axis), 0, -2).reshape(*ids.shape[:3], n * kk)
-        order = jnp.argsort(all_ids, axis=-1)
-        all_vals = jnp.take_along_axis(all_vals, order, -1)
-        all_ids = jnp.take_along_axis(all_ids, order, -1)
-        gv, gi = jax.lax.top_k(all_vals, topk)
-        sel = jnp.where(gv == neg, -1, jnp.take_along_axis(all_ids, gi, -1)).astype(jnp.int32)  # [B, Hi, C, topk]
+        # 2-3. local ranking, global top-k from the devices' candidates
+        sel = _global_topk(scores, gid, q_pos, n, block_size=block_size, topk=topk, local_blocks=local_blocks,
+                           init_blocks=init_blocks, axis=axis)  # [B, Hi, C, topk]
         # 4. attention over the selected blocks this device holds, with the partial LSE
         mine = (sel >= 0) & (sel % n == me)
         lidx = jnp.where(mine, sel // n, 0)
@@ -216,3 +232,81 @@ def msa_pallas_sharded(kernel: Callable, q, k, v, iq, ik, q_pos, cfg, *, mesh=No
         body, mesh=mesh, in_specs=(heads, kv, kv, kv, rep, rep), out_specs=(heads, P(bax, axis)), check_vma=False,
     )(q, k, v, iq, ik, q_pos)
     return o, (sel if split_kv else sel[:, :: n // kh])  # one row per group (the n / K copies are equal)
+
+
+def decode_split_reason(kv: LayerCache, n: int) -> str | None:
+    """Why :func:`msa_decode_sharded` cannot run context-parallel over ``n`` devices (None when it can)."""
+    if kv.ik is None:
+        return "no index-key pages (not an MSA layer)"
+    if kv.k.shape[0] % n:
+        return f"{kv.k.shape[0]} cache pages do not split over {n} devices (use m3jax.sharding.init_sharded_cache)"
+    return None
+
+
+def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_pos, cfg, *, force_in=(), force_out=(),
+                       mesh=None, axis: str = MODEL):
+    """One MSA decode token per sequence through the paged decode kernels, context parallel over ``axis``.
+
+    ``kernel(q, iq, kv, page_table, q_pos, cfg, force_in=, force_out=) -> (o, block ids)`` is the
+    single-device path
+    (:func:`m3jax.msa.kernels.decode`): it runs as is with no active mesh, a model axis of 1, or a
+    cache whose pages do not split (then with one warning naming the reason; XLA gathers the pages).
+
+    Under a mesh the cache is the page-striped one of :func:`m3jax.sharding.init_sharded_cache`: device
+    d holds the contiguous physical pages [d * P/n, (d + 1) * P/n) and logical block j of every
+    sequence lives on device j % n, so device d's blocks j' * n + d form a local page table
+    ``page_table[:, d::n] - d * P/n``. Each device runs both decode kernels on its own pages only:
+    index scores of its blocks (the kernels' causal mask reads a local length: the local blocks below
+    the query's own block are whole, the own block, on device own % n, is cut at the query's slot),
+    local top-k ranked by global block id and the global top-k from all devices' candidates
+    (:func:`_global_topk`, the single-device selection), sparse attention over the selected blocks it
+    holds with its log-sum-exp, and the LSE merge of the n partials
+    (:func:`m3jax.msa.reference.lse_merge` over the axis). Only the [B, Hi, n * topk] candidates and
+    the [B, 1, N, H] partial outputs cross devices; the cache is never gathered. q and iq enter
+    replicated (a few KB per token); all query heads run on every device. Returns (o [B, 1, N, H]
+    replicated, block ids int32 [B, Hi, 1, topk]).
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    plain = lambda: kernel(q, iq, kv, page_table, q_pos, cfg, force_in=force_in, force_out=force_out)  # noqa: E731
+    if mesh is None or mesh.empty or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+        return plain()
+    n = mesh.shape[axis]
+    reason = decode_split_reason(kv, n)
+    if reason is not None:
+        warnings.warn(f"MSA decode kernels not context parallel over the {n}-device {axis!r} axis: {reason}",
+                      stacklevel=2)
+        return plain()
+    from m3jax.pallas.decode import decode_index_scores
+    from m3jax.pallas.decode.kernel import sparse_decode_attention_kernel
+
+    t = getattr(cfg, "text", cfg)
+    bs = t.index_block_size
+    per = kv.k.shape[0] // n
+    b, w = page_table.shape
+    nb_loc = -(-w // n)
+    page_table = jnp.pad(page_table, [(0, 0), (0, nb_loc * n - w)])  # a window's tail: beyond every query
+    pos = q_pos[:, -1]
+
+    def body(q_, iq_, k_, v_, ik_, pt_, pos_):
+        me = jax.lax.axis_index(axis)
+        local_pt = jnp.clip(pt_.reshape(b, nb_loc, n)[:, :, me] - me * per, 0, per - 1)
+        gid = jnp.arange(nb_loc) * n + me  # global block id of each local block
+        own = pos_ // bs
+        whole = jnp.maximum(own - me + n - 1, 0) // n  # local blocks wholly before the own block
+        local_len = whole * bs + jnp.where(own % n == me, pos_ % bs + 1, 0)
+        # fp8 index pages (index_cache_dtype) are upcast (exact) as the single-device path does
+        ik_ = ik_ if ik_.dtype == iq_.dtype else ik_.astype(iq_.dtype)
+        scores = decode_index_scores(iq_, ik_, local_pt, local_len, block_size=bs)  # [B, Hi, 1, nb_loc]
+        sel = _global_topk(scores, gid, pos_[:, None], n, block_size=bs, topk=t.index_topk_blocks,
+                           local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks, axis=axis,
+                           force_in=force_in, force_out=force_out)
+        local_sel = jnp.where((sel >= 0) & (sel % n == me), sel // n, -1)
+        o, lse = sparse_decode_attention_kernel(q_, k_, v_, local_pt, local_sel, local_len, block_size=bs,
+                                                return_lse=True)
+        o, _ = lse_merge(o, lse, axis_name=axis)
+        return o.astype(q_.dtype), sel
+
+    pages = P(axis)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), pages, pages, pages, P(), P()), out_specs=(P(), P()), check_vma=False,
+    )(q, iq, kv.k, kv.v, kv.ik, page_table, pos)

@@ -204,10 +204,10 @@ def check_pallas_mesh(sizes=(1, 2, 4)):
     out, ok = {}, True
     t_len = 130  # 3 blocks of 64 > top-2: the selection matters
     with _multidevice_interpret():
-        # 1. the kernels alone on identical inputs: fp32 and the identical selection; then a layout the
-        # kernels cannot take per device (8 q heads / 1 KV head on 2: G' = 4) runs replicated, with a warning
+        # 1. the kernels alone on identical inputs: fp32 and the identical selection; then a layout that does
+        # not split per device (16 q / 2 KV heads on 3 devices) runs replicated, with a warning
         rng = np.random.default_rng(5)
-        for name, nh, kh, meshes in (("split", 32, 2, (2, 4)), ("fallback", 8, 1, (2,))):
+        for name, nh, kh, meshes in (("split", 32, 2, (2, 4)), ("fallback", 16, 2, (3,))):
             t = _pallas_config(num_attention_heads=nh, num_key_value_heads=kh, index_n_heads=kh).text
             x = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in
                  ((1, t_len, nh, 64), (1, t_len, kh, 64), (1, t_len, kh, 64), (1, t_len, kh, 64), (1, t_len, 64))]
@@ -247,17 +247,190 @@ def check_pallas_mesh(sizes=(1, 2, 4)):
     return ok and out["single_vs_reference"] <= TOL_BF16, out
 
 
+def check_decode_kernels(sizes=(8,)):
+    """The paged decode kernels context parallel (parallel.msa_decode_sharded) on a page-striped,
+    page-split cache equal the single-device kernels on the same cache: identical selections, fp32
+    outputs within 1e-5. Two sequences at positions chosen so that the own block falls on different
+    devices and one device holds no visible block of the short sequence."""
+    import jax.numpy as jnp
+
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
+
+    t = _pallas_config(num_attention_heads=8, num_key_value_heads=1, index_n_heads=1, index_topk_blocks=3).text
+    bs, b, max_pages = t.index_block_size, 2, 8
+    rng = np.random.default_rng(6)
+    f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    k, v = f32(b * max_pages, bs, 1, 64), f32(b * max_pages, bs, 1, 64)
+    ik = f32(b * max_pages, bs, 64)
+    q, iq = f32(b, 1, 8, 64), f32(b, 1, 1, 64)
+    q_pos = jnp.asarray([[450], [130]], jnp.int32)
+    out, ok = {}, True
+    with _multidevice_interpret():
+        for n in sizes:
+            table = jnp.asarray(sh.striped_page_table(b, max_pages, n))
+            # the same logical cache, laid out for the striped table: page table[b, j] holds block j
+            plain = jnp.arange(b * max_pages).reshape(b, max_pages)
+            perm = jnp.zeros(b * max_pages, jnp.int32).at[table.reshape(-1)].set(plain.reshape(-1))
+            kv = LayerCache(k[perm], v[perm], ik[perm])
+            o0, s0 = kernels.decode(q, iq, kv, table, q_pos, t)
+            mesh = sh.make_mesh(n)
+            kv_sh = jax.device_put(kv, sh.cache_shardings(sh.PagedCache([kv], table), mesh).layers[0])
+            t0 = time.perf_counter()
+            with jax.set_mesh(mesh):
+                o, s = jax.jit(lambda *a: parallel.msa_decode_sharded(kernels.decode, *a, t))(q, iq, kv_sh, table, q_pos)
+            r = {"rel_l2": rel_l2(o, o0), "selection_equal": bool(np.array_equal(np.sort(s, -1), np.sort(s0, -1))),
+                 "cache_spec": str(kv_sh.k.sharding.spec), "seconds": round(time.perf_counter() - t0, 1)}
+            out[f"n{n}"] = r
+            ok &= r["rel_l2"] <= TOL and r["selection_equal"] and "model" in r["cache_spec"]
+    return ok, out
+
+
+FIXTURE = "tests/fixtures/text_mixed"  # the oracle checkpoint: 4 q / 2 KV heads (do not divide 8), 8 experts
+
+
+def check_generate_cli():
+    """``python -m m3jax.generate`` on the oracle fixture (fp32, greedy): 8 devices at two prefill
+    chunk sizes and 2 devices give the 1-device tokens, token for token; the report lists the devices,
+    the mesh and a peak per device."""
+    from m3jax import generate
+
+    ids = ",".join(str(3 + (7 * i) % 400) for i in range(29))  # 29 tokens: 4 blocks of 8 > top-2
+    runs = {}
+    for devices, chunk in ((1, 32), (8, 16), (8, 32), (2, 32)):
+        t0 = time.perf_counter()
+        r = generate.main(["--checkpoint", FIXTURE, "--prompt-ids", ids, "--ctx", "40", "--max-new-tokens", "4",
+                           "--temperature", "0", "--dtype", "float32", "--prefill-chunk", str(chunk),
+                           "--devices", str(devices), "--quiet"])
+        runs[f"devices{devices}_chunk{chunk}"] = {
+            "tokens": r["generated_ids"], "mesh": r["mesh"], "devices": len(r["devices"]),
+            "peaks": len(r["peak_memory_per_device"]), "seconds": round(time.perf_counter() - t0, 1)}
+    ref = runs["devices1_chunk32"]["tokens"]
+    ok = all(v["tokens"] == ref and v["devices"] == v["peaks"] for v in runs.values())
+    ok &= runs["devices8_chunk16"]["mesh"] == {"data": 1, "model": 8} and runs["devices1_chunk32"]["mesh"] is None
+    return ok and len(ref) == 4, runs
+
+
+def check_generate_plan(n=8):
+    """The generate CLI's own memory plan on n devices for the released config at 1M tokens (BF16, prefill
+    chunk 8192) equals ``python -m m3jax.plan`` at 141 and 192 GB per device (device memory and the GPU
+    backend simulated): at 141 GB the CLI refuses with plan's numbers and largest context; at 192 GB it
+    passes the plan (and is stopped before drawing 854 GB of weights). The budget and the accelerator
+    (the plan's GPU workspace) are simulated inside generate only: the backend stays the CPU."""
+    from m3jax import generate, plan as plan_cli
+
+    class Stop(Exception):
+        pass
+
+    def draw(*a, **k):
+        raise Stop
+
+    saved = generate.device_memory, generate.init_random_on_device, generate._accelerator, generate._check_memory
+    seen = {}
+
+    def spy(*a, **k):
+        seen["plan"] = saved[3](*a, **k)
+        return seen["plan"]
+
+    out, ok = {}, True
+    argv = ["--config", "m3", "--ctx", "1000000", "--devices", str(n), "--prefill-chunk", "8192", "--dtype", "bfloat16",
+            "--prompt-ids", "1,2", "--quiet"]
+    try:
+        generate.init_random_on_device, generate._accelerator, generate._check_memory = draw, lambda d: True, spy
+        for hbm in (141, 192):
+            generate.device_memory = lambda devices, hbm=hbm: (hbm * 1e9, f"simulated {hbm} GB device")
+            want = plan_cli.plan(preset_m3(), devices=n, hbm_gb=hbm, ctx=1_000_000, dtype="bfloat16", chunk=8192)
+            r = {"plan_total_gb": round(want["total"] / 1e9, 2), "plan_fits": want["fits"]}
+            try:
+                generate.main(argv)
+            except Stop:
+                got = seen["plan"]
+                r.update(cli="passed the plan", cli_total_gb=round(got["total_bytes"] / 1e9, 2),
+                         same=abs(got["total_bytes"] - want["total"]) < 1 and abs(got["weights_bytes"] - want["weights"]) < 1)
+            except SystemExit as e:
+                best = plan_cli.max_ctx(preset_m3(), upper=1_000_000, devices=n, hbm_gb=hbm, dtype="bfloat16", chunk=8192)
+                r.update(cli=str(e.code), plan_max_ctx=best,
+                         same=f"needs {want['total'] / 1e9:.2f} GB" in str(e.code) and f"--ctx {best} fits on {n} devices" in str(e.code))
+            out[f"hbm{hbm}"] = r
+            ok &= r["same"] and (r["cli"] == "passed the plan") == want["fits"]
+    finally:
+        generate.device_memory, generate.init_random_on_device, generate._accelerator, generate._check_memory = saved
+    return ok, out
+
+
+def preset_m3():
+    from m3jax.config import preset
+
+    return preset("m3")
+
+
+def check_engine_pallas(n=2):
+    """The engine with attention_impl="pallas" on n devices: prefill chunks through the head-split MSA
+    kernels, decode through the context-parallel decode kernels over the page-split cache (interpret
+    mode), greedy tokens equal to the same engine on one device."""
+    import warnings
+
+    cfg = _pallas_config(num_attention_heads=16, num_key_value_heads=2, index_n_heads=2).replace(attention_impl="pallas")
+    model = m3jax.init_random(cfg, seed=7)
+    prompt = np.random.default_rng(8).integers(0, 80, 140).tolist()  # 3 blocks of 64 > top-2
+    kw = dict(batch=1, capacity=192, prefill_chunk=192)  # one prefill chunk, then 2 decode steps
+    out = {}
+    with _multidevice_interpret(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        ref = Engine(model.params, cfg, **kw).generate([prompt], max_new_tokens=3, sampling=GREEDY, keep_logits=True)
+        out["single_seconds"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        e = Engine(model.params, cfg, mesh=sh.make_mesh(n), **kw)
+        res = e.generate([prompt], max_new_tokens=3, sampling=GREEDY, keep_logits=True)
+        out["mesh_seconds"] = round(time.perf_counter() - t0, 1)
+    out.update(tokens=res.generated, ref_tokens=ref.generated,
+               logits_rel_l2=rel_l2(np.stack(res.step_logits), np.stack(ref.step_logits)),
+               warnings=[str(m.message) for m in w if "MSA" in str(m.message)],
+               split_reason=parallel.msa_pallas_split_reason(cfg, n))
+    # bf16 tolerance: the kernels round q/k/v to bf16, and XLA's partitioned projections differ in fp32 rounding
+    ok = res.generated == ref.generated and out["logits_rel_l2"] <= TOL_BF16 and not out["warnings"]
+    return ok and out["split_reason"] is None, out
+
+
+def check_probe_mesh(n=8):
+    """m3jax.probe on a model placed on n devices (params sharded, layers run under the mesh) equals one
+    device: identical selections and routed experts, recall / output error / logits to fp32 rounding."""
+    from m3jax.probe import probe
+
+    ref_model = m3jax.load_pretrained(FIXTURE, dtype="float32", progress=False)
+    mesh_model = m3jax.load_pretrained(FIXTURE, dtype="float32", progress=False, mesh=sh.make_mesh(n))
+    ids = np.random.default_rng(9).integers(3, 400, (2, 29))
+    a, b = (probe(m, ids, query_chunk=16, share_compilation=True) for m in (ref_model, mesh_model))
+    out = {"logits_rel_l2": rel_l2(b.logits, a.logits), "msa_layers": b.msa_layers,
+           "params_sharded": any("model" in str(x.sharding.spec) for x in jax.tree.leaves(mesh_model.params))}
+    for i in a.layers:
+        pa, pb = a.layers[i], b.layers[i]
+        for f in ("block_indices", "experts"):
+            if getattr(pa, f) is not None:
+                out[f"layer{i}_{f}_equal"] = bool(np.array_equal(getattr(pa, f), getattr(pb, f)))
+        for f in ("recall", "output_error"):
+            if getattr(pa, f) is not None:
+                out[f"layer{i}_{f}_max_abs"] = float(np.max(np.abs(getattr(pa, f) - getattr(pb, f))))
+    ok = out["logits_rel_l2"] <= TOL and out["params_sharded"] and out["msa_layers"] == a.msa_layers
+    ok &= all(v for k, v in out.items() if k.endswith("_equal"))
+    ok &= all(v <= 1e-5 for k, v in out.items() if k.endswith("_max_abs"))
+    return ok, out
+
+
 def check_pallas_cuda_lowering():
-    """The sharded MSA kernels at M3's shapes, and a whole sharded model forward with attention_impl="pallas",
-    lower for CUDA on this CPU host: abstract meshes of 1-8 devices, kernels forced out of interpret mode
+    """The sharded MSA kernels at M3's shapes (prefill head-split, decode context parallel), and a whole
+    sharded model forward with attention_impl="pallas", lower for CUDA on this CPU host: abstract meshes of 1-8 devices, kernels forced out of interpret mode
     (real Mosaic GPU custom calls inside shard_map, no interpreter callbacks)."""
     import re
 
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
+    from m3jax.cache import LayerCache
     from m3jax.config import preset
     from m3jax.model import multimodal_forward
+    from m3jax.msa import kernels
     from m3jax.msa.kernels import prefill as _msa_pallas
     from m3jax.params import ParamSpec, param_specs
     from m3jax.pallas import _backend
@@ -268,6 +441,10 @@ def check_pallas_cuda_lowering():
     c = 256
     args = (S((1, c, 64, 128), jnp.bfloat16), S((1, c, 4, 128), jnp.bfloat16), S((1, c, 4, 128), jnp.bfloat16),
             S((1, c, 4, 128), jnp.bfloat16), S((1, c, 128), jnp.bfloat16), S((1, c), jnp.int32))
+    bf = jnp.bfloat16
+    dargs = (S((1, 1, 64, 128), bf), S((1, 1, 4, 128), bf),
+             LayerCache(S((64, 128, 4, 128), bf), S((64, 128, 4, 128), bf), S((64, 128, 128), bf)),
+             S((1, 64), jnp.int32), S((1, 1), jnp.int32))
     mcfg = _pallas_config(num_attention_heads=64, num_key_value_heads=4, index_n_heads=4, num_local_experts=8)
     mcfg = mcfg.replace(attention_impl="pallas")
     ids = S((1, c), jnp.int32)
@@ -298,6 +475,13 @@ def check_pallas_cuda_lowering():
                 out[f"model_n{n}"] = {"mosaic_gpu_calls": txt.count("@mosaic_gpu_v2"),
                                       "shard_map": "sdy.manual_computation" in txt,
                                       "callbacks": len(re.findall(r"callback", txt))}
+                # the context-parallel decode kernels at M3's heads over a page-split cache of 64 pages
+                with jax.sharding.use_abstract_mesh(amesh):
+                    txt = jax.jit(lambda *a: parallel.msa_decode_sharded(kernels.decode, *a, t)).trace(*dargs).lower(
+                        lowering_platforms=("cuda",)).as_text()
+                out[f"decode_n{n}"] = {"mosaic_gpu_calls": txt.count("@mosaic_gpu_v2"),
+                                       "shard_map": "sdy.manual_computation" in txt,
+                                       "callbacks": len(re.findall(r"callback", txt))}
     finally:
         _backend.on_gpu, sa_kernel.on_gpu = saved
         jax.clear_caches()
@@ -317,6 +501,11 @@ CHECKS = {
     "context_parallel": check_context_parallel,
     "pallas_mesh": check_pallas_mesh,
     "pallas_cuda_lowering": check_pallas_cuda_lowering,
+    "decode_kernels": check_decode_kernels,
+    "generate_cli": check_generate_cli,
+    "generate_plan": check_generate_plan,
+    "engine_pallas": check_engine_pallas,
+    "probe_mesh": check_probe_mesh,
 }
 
 
