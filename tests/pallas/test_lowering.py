@@ -9,8 +9,9 @@ What this shows for sm_100a: the kernels lower, and Mosaic does not refuse wgmma
 kernels' modules for sm_100a carry Hopper ``wgmma.mma_async`` as inline PTX, an sm_90a-only
 instruction, so on a B200 they can fail only later, at ptxas (not verifiable here: the self-check
 canary, ``python -m m3jax.selfcheck``, is where it shows); top-k has no MMA and carries none. The
-grouped GEMM has a Blackwell path: for sm_100a its module carries ``tcgen05.mma`` and no wgmma (the
-lowering checks tcgen05's shape, layout and TMEM rules, which interpret mode does not).
+grouped GEMM and the decode index scoring have Blackwell paths: for sm_100a their modules carry
+``tcgen05.mma`` and no wgmma (the lowering checks tcgen05's shape, layout and TMEM rules, which
+interpret mode does not).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ KERNELS = {
 
 
 # kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma
-BLACKWELL_VARIANTS = {"grouped_matmul"}
+BLACKWELL_VARIANTS = {"decode_index_scores", "grouped_matmul"}
 
 
 def _mma_instruction(name: str, mma: bool, target) -> str | None:
@@ -142,3 +143,15 @@ def test_lowers_for_sm100a(mosaic_modules):
                 assert any(instruction in m for m in mods) == (instruction == want), (name, instruction)
     assert _backend.current_target() is _backend.HOPPER and not _backend.on_gpu()
 
+
+@pytest.mark.parametrize("bs,q,dtype", [(64, 1, BF16), (64, 32, BF16), (192, 2, F32), (256, 4, BF16)])
+def test_blackwell_decode_scores_lower_at_other_tiles(bs, q, dtype, mosaic_modules):
+    # 64-row MMA tiles (block 64: m3-small; 192: three of them, fp32 as bf16 pieces), two 128-row tiles
+    # (block 256), and query tiles from 8 to 128 rows (N of the MMA).
+    from m3jax.pallas.decode import decode_index_scores
+
+    nb = CTX // bs
+    args = (S((2, q, HI, H), dtype), S((2 * nb, bs, H), dtype), S((2, nb), I32), S((2,), I32))
+    with _backend.lowering_for(_backend.BLACKWELL):
+        jax.jit(lambda *a: decode_index_scores(*a, block_size=bs)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "tcgen05.mma" in mosaic_modules[-1] and "wgmma" not in mosaic_modules[-1]

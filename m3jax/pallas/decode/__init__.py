@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 
 from m3jax.pallas import topk as _topk
+from m3jax.pallas._backend import current_target
+from m3jax.pallas.decode import blackwell as _blackwell
 from m3jax.pallas.decode import kernel as _kernel
 from m3jax.pallas.decode import reference as _reference
 from m3jax.pallas.decode.kernel import IndexScoreConfig, SparseDecodeConfig, union_pages  # noqa: F401
@@ -34,9 +36,10 @@ def decode_index_scores(
         return _reference.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
-    return _kernel.decode_index_scores_kernel(
-        iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret
-    )
+    kernel = _kernel.decode_index_scores_kernel
+    if current_target().mma == "tcgen05":  # Blackwell: tcgen05 MMAs into TMEM (.blackwell)
+        kernel = _blackwell.decode_index_scores_tcgen05
+    return kernel(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
 
 
 def sparse_decode_attention(

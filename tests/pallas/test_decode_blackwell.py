@@ -1,0 +1,48 @@
+"""The Blackwell decode index-score kernel (tcgen05 MMAs into TMEM, m3jax/pallas/decode/blackwell.py)
+in GPU interpret mode: test_decode.py's scoring checks, with the kernels built for sm_100a.
+
+jax 0.11.2's interpret mode models tcgen05_mma, TMEM and the tensor-core barriers, so these check the
+kernel's semantics; it does not check tcgen05's shape, layout and TMEM rules, which lowering for
+sm_100a does (test_lowering.py). Block 64 runs one 64-row MMA tile per page (test_decode's cases),
+192 three 64-row tiles, 256 two 128-row tiles.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax.pallas import _backend
+from m3jax.pallas import decode as D
+from tests.pallas.test_decode import check_scores, make_case
+from tests.pallas.tolerances import TOL
+
+
+@pytest.fixture(autouse=True)
+def _blackwell(monkeypatch):
+    calls = []
+    tcgen05 = D._blackwell.decode_index_scores_tcgen05
+    monkeypatch.setattr(D._blackwell, "decode_index_scores_tcgen05", lambda *a, **kw: calls.append(1) or tcgen05(*a, **kw))
+    _backend.reset_interpret_state()
+    with _backend.interpret_as(_backend.BLACKWELL):
+        yield
+    assert calls, "the Blackwell kernel did not run"
+    assert not _backend.interpret_races_found()
+
+
+def test_decode_scores_as_test_decode():
+    # test_decode.test_decode_step's scoring half at Q=4: a first query at position -1, a length that
+    # is not a multiple of the block, shuffled page tables (fp32 runs in the block-192 case below).
+    _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=4)
+    check_scores(iq, ikp, pt, sl, splits=1)
+
+
+@pytest.mark.parametrize("bs,dtype", [(192, jnp.float32), (256, jnp.bfloat16)])
+def test_several_mma_tiles_per_page(bs, dtype):
+    _, iq, _, _, ikp, pt, sl = make_case([bs + 37, 2 * bs], 2, dtype, seed=bs, bs=bs)
+    got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, config=D.IndexScoreConfig(num_splits=2)))
+    ref = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, implementation="reference"))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(got[fin], ref[fin], **TOL[("index_scores", jnp.dtype(dtype).name)])
