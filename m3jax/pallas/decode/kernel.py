@@ -42,10 +42,11 @@ What changes on Blackwell (``Target.BLACKWELL``): the wgmma calls become ``plgpu
 the accumulators in TMEM (index scoring: the [block_size, N] score tile lives in TMEM and the block
 max is a TMEM load-with-reduce on SM103); the attention's P operand is written to TMEM instead of
 registers; ``tma_gather`` lets one indexed TMA fetch all selected pages of a split instead of one
-copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. That is a port's work list,
-not a switch: the code issues wgmma only, tile sizes and stage counts come from
-:class:`IndexScoreConfig` / :class:`SparseDecodeConfig`, and ``Target`` supplies only ``num_sms``
-(split counts) and ``smem_bytes`` (stages that fit). The algorithm is unchanged.
+copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. The index scoring's port
+exists (:mod:`.blackwell`, TMEM score tiles, a plain TMEM load + max; chosen by ``Target.mma``); the
+attention here issues wgmma only. Tile sizes and stage counts come from :class:`IndexScoreConfig` /
+:class:`SparseDecodeConfig`; ``Target`` supplies ``num_sms`` (split counts) and ``smem_bytes``
+(stages that fit). The algorithm is unchanged.
 
 Remaining work (not needed for correctness): skip the padding entries of the union for Q > 1
 (dynamic step count with the accumulators kept outside the loop carry, or compacting the union
