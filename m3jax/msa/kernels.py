@@ -21,8 +21,9 @@ def _selection_reason(cfg: TextConfig) -> str | None:
     from m3jax.pallas.index_scores import IndexScoreConfig
 
     rows = IndexScoreConfig().rows
-    if cfg.index_head_dim % 64:
-        return f"index_head_dim {cfg.index_head_dim} must be a multiple of 64 (one 128-byte swizzled bf16 row)"
+    if cfg.index_head_dim not in (16, 32) and cfg.index_head_dim % 64:
+        return (f"index_head_dim {cfg.index_head_dim} must be 16, 32 or a multiple of 64 (rows of 32 or 64 bytes, "
+                "or 128-byte swizzle atoms)")
     if cfg.index_block_size % 16 or cfg.index_block_size > 256:
         return f"index_block_size {cfg.index_block_size} must be a multiple of 16 up to 256 (one wgmma N tile)"
     if not 1 <= cfg.index_topk_blocks <= MAX_TOPK:
@@ -56,6 +57,8 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
     tiles are multiples of 64."""
     if cfg.index_block_size % 64:
         return f"index_block_size {cfg.index_block_size} is not a multiple of 64 (a page is the decode kernels' wgmma M tile)"
+    if cfg.index_head_dim % 64:
+        return f"index_head_dim {cfg.index_head_dim} must be a multiple of 64 (128-byte swizzled index-key pages)"
     if cfg.head_dim % 64 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
     return None

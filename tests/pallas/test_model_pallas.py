@@ -20,7 +20,9 @@ from m3jax.probe import probe
 from tests.conftest import rel_l2, same_sets, tiny_config
 from tests.pallas.tolerances import TOL
 
-KERNEL_FIXTURES = ("kernel_g8", "kernel_g2")  # tests/oracle/make_fixtures.py: G = 8 and G = 2, head dim 64, block 64
+# tests/oracle/make_fixtures.py: G = 8 and G = 2 at head dim 64, block 64. (text_wide_block, block 16 and
+# head dim 16, also passes here but takes ~100 s in interpret mode: benchmarks/parity_gpu.py runs it.)
+KERNEL_FIXTURES = ("kernel_g8", "kernel_g2")
 
 
 @pytest.mark.oracle
