@@ -233,9 +233,10 @@ CANARIES: dict[str, Canary] = {
 }
 
 # What the model runs (m3jax.msa.kernels): prefill = index scores + block-major top-k + KV-major
-# attention; decode = decode index scores + either top-k kernel + sparse decode attention.
-MSA_KERNELS = ("index_scores", "topk_blockmajor", "sparse_attention_kv_major", "decode_index_scores",
-               "topk_rowsplit", "sparse_decode_attention")
+# attention; in-place decode = decode index scores + either top-k kernel + sparse decode attention.
+MSA_PREFILL_KERNELS = ("index_scores", "topk_blockmajor", "sparse_attention_kv_major")
+MSA_DECODE_KERNELS = ("decode_index_scores", "topk_rowsplit", "topk_blockmajor", "sparse_decode_attention")
+MSA_KERNELS = tuple(dict.fromkeys(MSA_PREFILL_KERNELS + MSA_DECODE_KERNELS))
 
 
 # ---- comparison -------------------------------------------------------------------------------------
