@@ -6,7 +6,7 @@ fp32 (the precision contract): each path's logits rel-L2 against the oracle (<= 
 tests/pallas/tolerances.py) and its MSA selections equal to the oracle's as sets in every row.
 bf16: the kernels path against the bf16 reference path: rows whose selections differ, and how many
 of them are near-ties within m3jax.msa.compare's bound (all should be); logits rel-L2 of both paths
-against the fp32 oracle (the kernels path held to <= 1.25x the reference's).
+against the fp32 oracle (the kernels path held to <= 2x the reference's, tests/pallas/tolerances.py).
 
 Cases: the oracle fixtures under --fixtures (tests/fixtures is git-ignored: carry it), and random
 configs: m3-small's shape (G = 4, head dim 64, block 64, top-8), a G = 16 / head dim 128 variant,
@@ -47,7 +47,7 @@ def random_cases(tokens: int):
                              msa_force_out=((2, 0), (4, 1), (6, 3)))
     rng = np.random.default_rng(0)
     for name, cfg in (("random m3-small G=4", small), ("random G=16 H=128", g16), ("random G=4 b32 k16 forced", b32)):
-        ids = rng.integers(3, cfg.text.vocab_size, (2, tokens))
+        ids = rng.integers(3, min(cfg.image_token_id, cfg.video_token_id), (2, tokens))  # text ids only
         yield name, cfg, ids
 
 
@@ -94,7 +94,7 @@ def bf16_row(name, ref, ids, oracle_logits):
     try:
         pal = m3jax.M3Model(ref.config.replace(attention_impl="pallas"), ref.params)
         got = m3jax.forward(pal, ids, return_block_indices=True)
-        res = probe(ref, ids, keep_scores=True)
+        res = probe(ref, ids, keep_scores=True, share_compilation=True)
         q_pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
         diffs = [compare_selections(got.block_indices[k], res.layers[k].block_indices, res.layers[k].block_scores,
                                     q_pos, ref.config.text.index_block_size) for k in res.msa_layers]
