@@ -248,9 +248,9 @@ def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_po
     """One MSA decode token per sequence through the paged decode kernels, context parallel over ``axis``.
 
     ``kernel(q, iq, kv, page_table, q_pos, cfg, force_in=, force_out=) -> (o, block ids)`` is the
-    single-device path
-    (:func:`m3jax.msa.kernels.decode`): it runs as is with no active mesh, a model axis of 1, or a
-    cache whose pages do not split (then with one warning naming the reason; XLA gathers the pages).
+    single-device path (:func:`m3jax.msa.kernels.decode`): it runs as is with no active mesh, a model
+    axis of 1, or a cache whose pages do not split (then with a warning naming the reason; XLA gathers
+    the pages to feed it).
 
     Under a mesh the cache is the page-striped one of :func:`m3jax.sharding.init_sharded_cache`: device
     d holds the contiguous physical pages [d * P/n, (d + 1) * P/n) and logical block j of every
