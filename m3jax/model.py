@@ -75,6 +75,9 @@ def attention(
         if sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
             o, block_idx = msa_layer.decode(q, iq, kv, page_table, q_pos, cfg, layer)
             return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
+        if not sparse and msa_layer.dense_decode_in_place(cfg, q.shape[1]):
+            o = msa_layer.dense_decode(q, kv, page_table, q_pos, cfg)
+            return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), None, kv
         k, v, ik_all = kv.gather(page_table)
         ik = ik_all if sparse else None
     if sparse:
@@ -119,8 +122,7 @@ def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.
     None / "xla" (any backend, inputs' dtype: the CPU tests check it against :func:`causal_attention`).
     Forward only (:func:`_forward_only`).
     """
-    b, c, n, h = q.shape
-    s_len = k.shape[1]
+    c, s_len = q.shape[1], k.shape[1]
     if s_len < c:
         raise ValueError(f"{s_len} keys for a chunk of {c} queries")
     q, k, v = _forward_only(q, k, v)
@@ -156,7 +158,7 @@ def _attention_with_lse(q, k, v, implementation: str | None, *, causal: bool, kv
         from jax._src.cudnn import fused_attention_stablehlo as fa
 
         mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK if kv_len is None else fa.MaskType.PADDING
-        bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+        bf = lambda x: x.astype(jnp.bfloat16)
         o, lse = fa.dot_product_attention(bf(q), bf(k), bf(v), None, None, *(lengths or (None, None)),
                                           scale=h**-0.5, mask_type=mask, return_residual=True)
         return o, jnp.swapaxes(lse, 1, 2)  # cuDNN's residual is [B, N, T]

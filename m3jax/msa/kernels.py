@@ -101,3 +101,16 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
                         local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
                         force_in=force_in, force_out=force_out, implementation="pallas")
     return sparse_decode_attention(q, kv.k, kv.v, page_table, sel, seq_lens, block_size=bs), sel
+
+
+def dense_decode(q, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
+    """Full causal attention of one decode token per sequence (the full-attention layers), reading the
+    K/V pages in place: the paged decode attention kernel with every block up to the token's own
+    selected, so the cache is never gathered into a contiguous copy. Returns o [B, 1, N, H]."""
+    from m3jax.pallas.decode import sparse_decode_attention
+
+    bs = cfg.index_block_size
+    blocks = jax.numpy.arange(page_table.shape[1], dtype=jax.numpy.int32)[None]
+    sel = jax.numpy.where(blocks <= q_pos[:, -1:] // bs, blocks, -1)  # [B, max_pages], -1: in the future
+    sel = jax.numpy.broadcast_to(sel[:, None, None], (q.shape[0], kv.k.shape[2], 1, blocks.shape[1]))
+    return sparse_decode_attention(q, kv.k, kv.v, page_table, sel, q_pos[:, -1] + 1, block_size=bs)
