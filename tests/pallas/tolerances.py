@@ -10,7 +10,9 @@ precision on the same (possibly bf16) inputs. Why these values:
   bf16 attention is held to 2e-2; its LSE (fp32 accumulation of exact bf16 products) to 1e-3.
 - index block scores (prefill and decode kernels): bf16 inputs are exact products with fp32
   accumulation in another order, 2e-4; fp32 inputs are split into three bf16 pieces (six products,
-  ~24 mantissa bits, pallas/_common.bf16_split) because the scores decide selections: 1e-5.
+  ~24 mantissa bits, pallas/_common.bf16_split) because the scores decide selections: 2e-5, the
+  fp32 accumulation-order noise of two summations (unit normals at Hx = 128, against float64: fp32
+  max |err| 1.0e-5, three pieces 5e-7, two pieces "bf16x3" 3.0e-4).
 - decode attention: as attention (fp32 bf16x3, 2e-5: the decode kernel's split-K LSE merge adds a
   rounding; bf16 3e-2: P and the output in bf16, partial outputs merged in fp32).
 - model logits (relative L2 error): fp32 1e-5 against the oracle (its bound, tests.conftest.TOL).
@@ -28,7 +30,7 @@ TOL = {
     ("attention", "bfloat16"): dict(atol=2e-2, rtol=2e-2),
     ("lse", "float32"): dict(atol=1e-5, rtol=1e-5),
     ("lse", "bfloat16"): dict(atol=1e-3, rtol=1e-3),
-    ("index_scores", "float32"): dict(atol=1e-5, rtol=1e-5),
+    ("index_scores", "float32"): dict(atol=2e-5, rtol=2e-5),
     ("index_scores", "bfloat16"): dict(atol=2e-4, rtol=2e-4),
     ("decode_attention", "float32"): dict(atol=2e-5, rtol=2e-5),
     ("decode_attention", "bfloat16"): dict(atol=3e-2, rtol=3e-2),
