@@ -63,7 +63,9 @@ from m3jax.config import M3Config, preset
 from m3jax.engine import Engine, SamplingParams, key_window_pages
 from m3jax.layers import rope_angles
 from m3jax.memory import weight_bytes
-from m3jax.model import cudnn_causal_attention, decoder_layer
+from m3jax.model import causal_attention, cudnn_causal_attention, decoder_layer
+from m3jax.msa import kernels as msa_kernels
+from m3jax.msa import reference as msa_reference
 from m3jax.params import init_random_on_device
 
 FULL_LAYERS, MSA_LAYERS, GPUS = 3, 57, 8
@@ -230,6 +232,36 @@ def _threaded(step, lp: dict, kv: LayerCache):
     return call
 
 
+def rel_err(got: jax.Array, want: jax.Array) -> float:
+    """Relative L2 error, in fp32 on the device."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
+
+
+def dense_decode_vs_gather(cfg: M3Config, ctx: int, iters: int) -> dict:
+    """The full-attention layers' decode attention at position ctx - 1 of one sequence: in place (the
+    paged decode attention kernel over every block, what the layer runs) against what it ran before,
+    gathering the pages into a contiguous copy and the fp32 dense-mask pass; both timed, and the
+    in-place output's error against the fp32 reference on the gathered pages."""
+    t = cfg.text
+    kv, table = _random_layer_cache(cfg, 0, ctx, jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(8), (1, 1, t.num_attention_heads, t.head_dim), jnp.bfloat16)
+    pos = jnp.full((1, 1), ctx - 1, jnp.int32)
+    in_place = jax.jit(lambda q, kv: msa_kernels.dense_decode(q, kv, table, pos, t))
+
+    @jax.jit
+    def gathered(q, kv):
+        k, v, _ = kv.gather(table)
+        return msa_reference.dense_mask_attention(q, k, v, None, pos, t.index_block_size)
+
+    out = in_place(q, kv)
+    k, v, _ = kv.gather(table)
+    err = rel_err(out, causal_attention(q, k, v, pos))
+    del k, v
+    return {"in_place": timed(lambda: in_place(q, kv), iters), "gathered": timed(lambda: gathered(q, kv), iters),
+            "rel_err": err}
+
+
 def full_attention_vs_cudnn(cfg: M3Config, ctx: int, chunk: int, iters: int) -> dict:
     """The full-attention layers' chunk attention for the last whole chunk of the context (queries
     start..start+C-1 over the engine's key window) against cuDNN without a mask on the same q, k, v:
@@ -248,12 +280,13 @@ def full_attention_vs_cudnn(cfg: M3Config, ctx: int, chunk: int, iters: int) -> 
     unmasked = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation=impl))
     t_ours = timed(lambda: ours(q, k, v, pos), iters)
     t_unmasked = timed(lambda: unmasked(q, k, v), iters)
+    err = rel_err(ours(q, k, v, pos), jax.jit(causal_attention)(q, k, v, pos))
     causal_flops = 4 * n * h * (chunk * start + chunk * (chunk + 1) / 2)
     rate = 4 * n * h * chunk * window / (best(t_unmasked) / 1e3)
     floor_ms = 1e3 * causal_flops / rate
     return {"start": start, "window": window, "ours": t_ours, "cudnn_unmasked": t_unmasked,
             "causal_tflop": causal_flops / 1e12, "cudnn_tflops": rate / 1e12, "floor_ms": floor_ms,
-            "ratio": best(t_ours) / floor_ms}
+            "ratio": best(t_ours) / floor_ms, "rel_err_vs_fp32_reference": err}
 
 
 def engine_decode(cfg: M3Config, params: dict, ctx: int, chunk: int, batch: int, tokens: int) -> dict:
@@ -352,7 +385,12 @@ def markdown(res: dict) -> str:
                    f"over {a['window']:,} keys: ours {_ms(a['ours'])} ms; cuDNN unmasked on the same q, k, v "
                    f"{_ms(a['cudnn_unmasked'])} ms = {a['cudnn_tflops']:.0f} TF/s; causal work "
                    f"{a['causal_tflop']:.2f} TFLOP -> floor {a['floor_ms']:.2f} ms; ours / floor = "
-                   f"**{a['ratio']:.2f}**."), "",
+                   f"**{a['ratio']:.2f}**; ours vs the fp32 reference: relative L2 error "
+                   f"{a['rel_err_vs_fp32_reference']:.1e}."), "",
+              (f"Full-attention decode attention at position {ctx - 1:,}: pages read in place "
+               f"{_ms(res['dense_decode']['in_place'])} ms, gathered + fp32 dense mask (before) "
+               f"{_ms(res['dense_decode']['gathered'])} ms; in place vs the fp32 reference: relative L2 error "
+               f"{res['dense_decode']['rel_err']:.1e}."), "",
               "| decode batch | wall ms/token | device ms/step | wall / device | kernels/step |", "|---|---|---|---|---|"]
     for d in res["decode"]:
         if "error" in d:
@@ -477,6 +515,7 @@ def main(argv=None):
         layers = [int(x) for x in args.layers.split(",")]
         res["layers"] = layer_times(cfg, params, ctx, chunk, args.iters, layers, res["copy_bandwidth"])
         res["attention"] = full_attention_vs_cudnn(cfg, ctx, chunk, args.iters)
+        res["dense_decode"] = dense_decode_vs_gather(cfg, ctx, args.iters)
         res["decode"] = []
         for b in args.decode_batches.split(","):
             try:
