@@ -91,7 +91,8 @@ def test_model_hooks_fall_back(fake, monkeypatch):
 
     fake.out = jnp.array([0.0, 0.0, 0.0])
     monkeypatch.setitem(selfcheck.CANARIES, "grouped_matmul", selfcheck.CANARIES["fake"])
-    monkeypatch.setattr(selfcheck, "MSA_KERNELS", ("fake",))
+    monkeypatch.setattr(selfcheck, "MSA_PREFILL_KERNELS", ("fake",))
+    monkeypatch.setattr(selfcheck, "MSA_DECODE_KERNELS", ("fake",))
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
     x, w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
     with pytest.warns(RuntimeWarning, match="grouped_matmul kernel failed"):
@@ -102,6 +103,7 @@ def test_model_hooks_fall_back(fake, monkeypatch):
                     index_block_size=64)
     with pytest.warns(RuntimeWarning, match="fake kernel failed"):
         assert "fake kernel failed" in kernels.unsupported_reason(cfg)
+    assert "fake kernel failed" in kernels.decode_unsupported_reason(cfg)  # warned once already
 
 
 def test_off_gpu_nothing_is_checked(fake, monkeypatch):

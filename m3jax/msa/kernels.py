@@ -48,20 +48,22 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
         return reason
     from m3jax import selfcheck  # a kernel that fails its canary on this GPU is not used
 
-    return selfcheck.kernel_failure(*selfcheck.MSA_KERNELS)
+    return selfcheck.kernel_failure(*selfcheck.MSA_PREFILL_KERNELS)
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:
-    """Why the paged decode kernels cannot read this config's cache in place (None when they can): the
-    index-score kernel puts a page's keys on the wgmma M side (64 rows), and the attention kernel's key
-    tiles are multiples of 64."""
+    """Why the paged decode kernels cannot read this config's cache in place, or one failed its
+    self-check on this GPU (None when they can): the index-score kernel puts a page's keys on the wgmma
+    M side (64 rows), and the attention kernel's key tiles are multiples of 64."""
     if cfg.index_block_size % 64:
         return f"index_block_size {cfg.index_block_size} is not a multiple of 64 (a page is the decode kernels' wgmma M tile)"
     if cfg.index_head_dim % 64:
         return f"index_head_dim {cfg.index_head_dim} must be a multiple of 64 (128-byte swizzled index-key pages)"
     if cfg.head_dim % 64 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
-    return None
+    from m3jax import selfcheck  # failing decode kernels: decode runs the prefill kernels over the gathered cache
+
+    return selfcheck.kernel_failure(*selfcheck.MSA_DECODE_KERNELS)
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
