@@ -72,16 +72,16 @@ class NeedleRow:
     value_at: int  # row position of the needle's first value token
     control: np.ndarray  # int32 [ctx]: the same haystack without the needle line, same ending
     depth: float
-    key: int
+    key: str
     secret: int
 
 
 def needle_row(stream: np.ndarray, ctx: int, depth: float, rng, encode) -> NeedleRow:
     """Plant ``\\nKEY k = v\\n`` at ``depth`` of a random window of ``stream`` and end the row with
-    ``\\nKEY k = v`` (k, v random 5-digit numbers)."""
-    from m3jax.train import KEY_RANGE, kv_line, plant
+    ``\\nKEY k = v`` (k a random key of :func:`m3jax.train.draw_keys`, v a random 5-digit number)."""
+    from m3jax.train import KEY_RANGE, draw_keys, kv_line, plant
 
-    key, secret = (int(x) for x in rng.integers(*KEY_RANGE, 2))
+    key, secret = draw_keys(rng, encode, 1)[0], int(rng.integers(*KEY_RANGE))
     prefix, value, close = kv_line(encode, key, secret)
     line, query = np.concatenate([prefix, value, close]), np.concatenate([prefix, value])
     m = ctx - len(line) - len(query)

@@ -73,6 +73,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -458,25 +459,56 @@ def heldout_batches(stream: np.ndarray, n: int, batch: int, seq_len: int) -> lis
 # --------------------------------------------------------------------------------------------------
 # Data: key/value retrieval tasks planted in the text (``--data retrieval``)
 #
-# A row is ordinary text with lines ``\nKEY 48213 = 90517\n`` planted at random places; later in the
+# A row is ordinary text with lines ``\nKEY access = 90517\n`` planted at random places; later in the
 # row some of those lines appear again (the query), and the value tokens of the repeat are the
 # answers. Keys and values are random per row, so an answer is predictable only by finding the
 # definition: the loss on the answers is a pure retrieval signal at the definition's distance.
+#
+# Keys are words that are one token of the tokenizer (`` access``): the token before `` =`` then names
+# the key, so one previous-token feature plus one matching head (an induction circuit, what small
+# models learn first) solves the lookup; a multi-token key (``48213`` = ``4|8|21|3``) needs the
+# last few tokens composed first. Without such words (no tokenizer) keys are 5-digit numbers.
 
-KEY_RANGE = (10000, 100000)  # 5-digit keys and values
+KEY_RANGE = (10000, 100000)  # 5-digit values (and keys when the tokenizer gives no word keys)
 
 
-def text_encoder(tok, vocab_size: int):
-    """``encode(str) -> int32 ids``: the tokenizer's, or without one UTF-8 bytes as ids (the byte-level
-    fallback of ``m3jax.generate``; needs vocab_size >= 256)."""
-    if tok is not None:
-        return lambda s: np.asarray(tok.encode(s, add_special_tokens=False).ids, np.int32)
-    if vocab_size < 256:
+@dataclasses.dataclass(frozen=True)
+class TextEncoder:
+    """``encoder(str) -> int32 ids`` (the tokenizer's, or UTF-8 bytes as ids) and ``keys``: words that
+    are one token with their leading space (the retrieval tasks' keys)."""
+
+    tok: Any
+
+    def __call__(self, s: str) -> np.ndarray:
+        if self.tok is None:
+            return np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.int32)
+        return np.asarray(self.tok.encode(s, add_special_tokens=False).ids, np.int32)
+
+    @functools.cached_property
+    def keys(self) -> tuple[str, ...]:
+        if self.tok is None:
+            return ()
+        words = sorted(t[1:] for t in self.tok.get_vocab() if re.fullmatch("\u0120[a-z]{4,}", t))  # Ġ = space
+        return tuple(w for w in words if len(self(" " + w)) == 1)
+
+
+def text_encoder(tok, vocab_size: int) -> TextEncoder:
+    """The tokenizer's encoder, or without one UTF-8 bytes as ids (the byte-level fallback of
+    ``m3jax.generate``; needs vocab_size >= 256)."""
+    if tok is None and vocab_size < 256:
         raise ValueError(f"vocab_size {vocab_size} < 256: no tokenizer and too small for UTF-8 bytes as ids")
-    return lambda s: np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.int32)
+    return TextEncoder(tok)
 
 
-def kv_line(encode, key: int, value: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def draw_keys(rng, encode, n: int) -> list[str]:
+    """``n`` distinct keys: single-token words of ``encode.keys`` when there are enough, else 5-digit numbers."""
+    pool = getattr(encode, "keys", ())
+    if len(pool) >= n:
+        return [pool[i] for i in rng.choice(len(pool), n, replace=False)]
+    return [str(k) for k in rng.choice(np.arange(*KEY_RANGE), n, replace=False)]
+
+
+def kv_line(encode, key: str, value: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prefix ``\\nKEY <key> =``, value `` <value>``, close ``\\n``) token ids, encoded piece by piece
     so the value's tokens are the same at the definition and at the query (the byte-level
     pre-tokenizer splits at ``=`` and before a space anyway: this is the running-text tokenisation)."""
@@ -515,9 +547,9 @@ def retrieval_row(stream: np.ndarray, n: int, rng, encode, n_pairs: int, query_f
     window of ``stream``, and for ``round(query_frac * n_pairs)`` of them a query (the same line again)
     later in the row. A query sits uniformly in the last 7/8 of the row and its definition uniformly
     before it, so definition-to-query distances cover the whole row."""
-    keys = rng.choice(np.arange(*KEY_RANGE), n_pairs, replace=False)
+    keys = draw_keys(rng, encode, n_pairs)
     values = rng.integers(*KEY_RANGE, n_pairs)
-    lines = [kv_line(encode, int(k), int(v)) for k, v in zip(keys, values)]
+    lines = [kv_line(encode, k, int(v)) for k, v in zip(keys, values)]
     queried = sorted(rng.choice(n_pairs, int(round(query_frac * n_pairs)), replace=False).tolist())
     line_len = [sum(len(x) for x in ln) for ln in lines]
     m = n - sum(line_len) - sum(line_len[i] for i in queried)

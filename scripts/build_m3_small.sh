@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild the built-in default model, m3-small: the 17.8M-parameter M3 of m3jax/configs/m3_small.json
 # trained on this Python's own standard-library sources with key/value retrieval tasks planted in them
-# (train.py --data retrieval: lines `KEY 48213 = 90517` hidden at random depths and queried later in
+# (train.py --data retrieval: lines `KEY access = 90517` (one-token word keys) hidden at random depths and queried later in
 # the row, the loss weighted onto the answers), at 16K tokens per row after a dense warm-up at 4K, MSA
 # on at its native block 64 / top-k 8. Saved in the HF layout (MXFP8 like MiniMax-M3-MXFP8) with its
 # tokenizer, loss curve and log into m3jax/assets/m3-small.

@@ -57,6 +57,18 @@ def test_retrieval_batch_deterministic_by_seed_and_step():
         tr.retrieval_row(s, 40, np.random.default_rng(0), BYTES, n_pairs=4)
 
 
+def test_word_keys_are_one_token():
+    from tokenizers import Tokenizer
+
+    enc = tr.text_encoder(Tokenizer.from_file(str(needle.DEFAULT_CHECKPOINT / "tokenizer.json")), 4096)
+    assert len(enc.keys) >= 256 and all(len(enc(" " + k)) == 1 for k in enc.keys[:50])
+    row = tr.retrieval_row(_stream(), 2049, np.random.default_rng(0), enc, n_pairs=8)
+    eq = enc(" =")[0]
+    key_tokens = [row.tokens[d - 2] for d in row.value_at]  # "\nKEY <key> =" then the value
+    assert all(row.tokens[d - 1] == eq for d in row.value_at)
+    assert len(set(key_tokens)) == 8 and all(enc.tok.decode([int(k)]).strip() in enc.keys for k in key_tokens)
+
+
 def test_needle_text_is_held_out():
     train, held, _ = tr.stdlib_files()
     seen = []
