@@ -29,13 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from m3jax.cache import cached_index_keys
 from m3jax.config import FULL_ATTENTION, M3Config
 from m3jax.layers import rms_norm, rope_angles
-from m3jax.model import decoder_layer, lm_head, project_qkv
+from m3jax.model import attention, decoder_layer, lm_head, project_qkv, text_hidden
 from m3jax.moe import route
+from m3jax.msa import kernels
+from m3jax.msa import layer as msa_layer
+from m3jax.msa import reference as msa
+from m3jax.msa.compare import SelectionDiff, compare_selections, selection_margin, summation_bound
 from m3jax.sharding import use_mesh
-from m3jax.msa import layer as msa_layer, reference as msa
-from m3jax.msa.compare import selection_margin
 
 
 @dataclasses.dataclass
@@ -229,3 +232,44 @@ def _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilati
         layers[i] = LayerProbe(i, **{k: np.asarray(v) for k, v in metrics.items()})
     h = rms_norm(h, params["final_norm"], cfg.text.rms_norm_eps)
     return ProbeResult(np.asarray(lm_head(model.params, h)), layers, cfg.text.index_block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _selections_on_reference_inputs(params, ids, cfg: M3Config):
+    """The reference forward, with every MSA layer's kernel selection taken on that layer's own inputs."""
+    t = cfg.text
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+
+    def attend(x, lp, angles, q_pos, cfg_, layer):
+        out, sel_ref, _ = attention(x, lp, angles, q_pos, cfg_, layer)
+        if sel_ref is None:
+            return out, None
+        q, k, v, iq, ik = project_qkv(x, lp, angles, t, True)
+        force_in, force_out = msa_layer.forced_blocks(t, layer)
+        ik = cached_index_keys(ik, t, iq.dtype)
+        _, sel_kernel = kernels.prefill(q, k, v, iq, ik, q_pos, t, force_in, force_out)
+        scale = msa.block_scores(jnp.abs(iq), jnp.abs(ik), q_pos, t.index_block_size)  # sum |iq_i ik_i| per block
+        scale = jnp.max(jnp.where(jnp.isfinite(scale), scale, 0.0), axis=-1)
+        return out, (sel_kernel, sel_ref, msa_layer.scores(iq, ik, q_pos, t), scale)
+
+    _, per_layer, _ = text_hidden(params, params["text"]["embed"][ids], positions, cfg, attend=attend)
+    return per_layer
+
+
+def kernel_selection_agreement(model, input_ids) -> dict[int, SelectionDiff]:
+    """Per MSA layer, the Mosaic GPU kernels' block selection against the reference's on the SAME inputs.
+
+    The residual stream is the reference path's; at each MSA layer both selections are computed from
+    that layer's own iq / ik, so a difference is the kernels' score arithmetic alone (accumulation
+    order), never one inherited from an earlier layer's different selection. Each differing row is
+    classified against the summation-order bound of :mod:`m3jax.msa.compare`. Returns {layer: SelectionDiff}.
+    """
+    cfg = model.config.replace(attention_impl="reference")
+    ids = np.asarray(input_ids)
+    ids = jnp.asarray(ids[None] if ids.ndim == 1 else ids, jnp.int32)
+    with use_mesh(getattr(model, "mesh", None)):
+        per_layer = _selections_on_reference_inputs(model.params, ids, cfg)
+    q_pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    bound = summation_bound(cfg.text.index_head_dim)
+    return {layer: compare_selections(sel_k, sel_r, scores, q_pos, cfg.text.index_block_size, scale, bound)
+            for layer, (sel_k, sel_r, scores, scale) in per_layer.items()}

@@ -13,10 +13,9 @@ import pytest
 import m3jax
 from m3jax import api
 from m3jax.msa import kernels
-from m3jax.msa.compare import compare_selections
 from m3jax.pallas import _backend
 from m3jax.pallas._backend import interpret_races_found
-from m3jax.probe import probe
+from m3jax.probe import kernel_selection_agreement
 from tests.conftest import rel_l2, same_sets, tiny_config
 from tests.pallas.tolerances import TOL
 
@@ -45,25 +44,20 @@ def test_pallas_fp32_matches_transformers(oracle_dir, name):
 @pytest.mark.oracle
 def test_pallas_bf16_differs_from_reference_only_at_near_ties(oracle_dir):
     # bf16: both paths take the same bf16 weights and differ in accumulation order and in where they
-    # round to bf16; a row may select other blocks only where the reference's k-th and (k+1)-th
-    # scores are within m3jax.msa.compare's bound. Counted, never hidden: every differing row must be
-    # inside the bound. The reference scores come from the probe (the reference path's own maths).
-    # Logits: as close to the fp32 oracle as the bf16 reference path (tests/pallas/tolerances.py).
+    # round to bf16. Selections are compared on the SAME inputs (the reference path's residual stream,
+    # probe.kernel_selection_agreement): a row may select other blocks only where the reference's k-th
+    # and (k+1)-th scores are within m3jax.msa.compare's bound. Counted, never hidden: every differing
+    # row must be inside the bound. Logits: as close to the fp32 oracle as the bf16 reference path.
     name = "kernel_g8"
     fx = np.load(oracle_dir / name / "fixture.npz")
     ids = fx["input_ids"]
     ref = m3jax.load_pretrained(oracle_dir / name, dtype="bfloat16", attention_impl="reference", progress=False)
     pal = m3jax.M3Model(ref.config.replace(attention_impl="pallas"), ref.params)
-    got = m3jax.forward(pal, ids, return_block_indices=True)
+    got = m3jax.forward(pal, ids)
     assert not interpret_races_found()
-    res = probe(ref, ids, keep_scores=True)
-    err, err_ref = rel_l2(got.logits, fx["logits"]), rel_l2(res.logits, fx["logits"])
+    err, err_ref = rel_l2(got.logits, fx["logits"]), rel_l2(m3jax.forward(ref, ids).logits, fx["logits"])
     assert err <= TOL[("model_logits_vs_reference_error", "bfloat16")] * err_ref, (err, err_ref)
-    q_pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-    for layer in res.msa_layers:
-        lp = res.layers[layer]
-        d = compare_selections(got.block_indices[layer], lp.block_indices, lp.block_scores, q_pos,
-                               ref.config.text.index_block_size)
+    for layer, d in kernel_selection_agreement(ref, ids).items():
         assert d.unexplained == 0, f"layer {layer}: {d}"
 
 
@@ -71,6 +65,7 @@ def test_auto_takes_the_kernels_on_a_gpu_and_falls_back_with_one_warning(monkeyp
     g8 = tiny_config(hidden_size=64, num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_n_heads=2,
                      index_head_dim=64, index_block_size=64, index_topk_blocks=2)
     odd = g8.replace_text(index_block_size=8)  # not a multiple of 16: no kernel takes it
+    monkeypatch.setattr(_backend, "on_gpu", lambda: False)
     assert api.resolve_attention_impl("auto", g8) == "reference"  # off the GPU: always the reference
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
     assert api.resolve_attention_impl("auto", g8, "float32") == "pallas"
