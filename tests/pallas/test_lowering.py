@@ -129,6 +129,7 @@ def test_lowers_for_sm100a(mosaic_modules):
     # (Hopper: the same function with _backend.HOPPER passes too; 20 s more of CI for what the H200
     # runs compile anyway.)
     target = _backend.BLACKWELL
+    before = (_backend.current_target(), _backend.on_gpu())  # Hopper off-GPU and on the H200
     with _backend.lowering_for(target):
         assert _backend.current_target() is target
         for name, (make, mma) in KERNELS.items():
@@ -141,7 +142,7 @@ def test_lowers_for_sm100a(mosaic_modules):
             want = _mma_instruction(name, mma, target)
             for instruction in ("wgmma.mma_async", "tcgen05.mma"):
                 assert any(instruction in m for m in mods) == (instruction == want), (name, instruction)
-    assert _backend.current_target() is _backend.HOPPER and not _backend.on_gpu()
+    assert (_backend.current_target(), _backend.on_gpu()) == before  # the override is undone
 
 
 @pytest.mark.parametrize("bs,q,dtype", [(64, 1, BF16), (64, 32, BF16), (192, 2, F32), (256, 4, BF16)])
