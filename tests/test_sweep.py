@@ -101,7 +101,7 @@ def test_plot_writes_heatmaps_budget_cut_and_summary(quick, tmp_path):
 def test_speed_dry_records_unsupported_cells(tmp_path):
     assert sweep.main(["--speed", "--dry", "--out", str(tmp_path)]) == 0
     rows = {r["cell"]: r for r in sweep.read_rows(tmp_path / "speed.jsonl")}
-    assert "index_block_size 32" in rows["b32_k2"]["unsupported"]
+    assert "index_block_size 8" in rows["b8_k2"]["unsupported"]
     assert rows["b64_k2"]["ms_msa"] > 0 and rows["b64_k2"]["ms_dense"] > 0 and rows["b64_k2"]["speedup"] > 0
     assert sweep.main(["--speed", "--dry", "--out", str(tmp_path)]) == 0  # resumed: nothing to time
     assert len(sweep.read_rows(tmp_path / "speed.jsonl")) == 2

@@ -167,8 +167,8 @@ def msa_pallas_split_reason(cfg: M3Config | object, n: int) -> str | None:
 
     Each device gets N / n query heads: whole KV groups when n divides K (K / n groups each, KV and
     index heads split with them), or N / n heads of one group when K divides n (that group's KV head
-    and index head only). The per-device head counts must pass :func:`m3jax.msa.kernels.unsupported_reason`
-    (G' = min(G, N / n) a multiple of 8 for the packed wgmma rows).
+    and index head only). The per-device head counts (G' = min(G, N / n) query heads per group) must
+    pass :func:`m3jax.msa.kernels.unsupported_reason`.
     """
     t = getattr(cfg, "text", cfg)
     nh, kh, hi = t.num_attention_heads, t.num_key_value_heads, t.index_n_heads

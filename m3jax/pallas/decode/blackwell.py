@@ -33,9 +33,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import split_parts, split_products, swizzle_transforms
-from m3jax.pallas.decode.kernel import IndexScoreConfig, _round_up
+from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import split_products, swizzle_transforms
+from m3jax.pallas.decode.kernel import (
+    IndexScoreConfig,
+    _round_up,
+    _score_chunks,
+    _score_operands,
+    _score_pipeline,
+    _score_prologue,
+    _score_result,
+    _score_scratch,
+    _score_shapes,
+    _score_stages,
+)
 
 TMEM_COLUMNS = 512
 
@@ -57,15 +68,8 @@ def decode_index_scores_tcgen05(
     [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx], page_table int32 [B, max_pages], seq_lens
     int32 [B] -> fp32 [B, Hi, Q, max_pages], -inf for blocks with no visible key.
     """
-    b, q, hi, hx = iq.shape
-    num_pages, bs, hx2 = ik_pages.shape
-    max_pages = page_table.shape[1]
-    if bs != block_size or hx2 != hx:
-        raise ValueError(f"ik_pages {ik_pages.shape} does not match block_size={block_size}, Hx={hx}")
-    if bs % 64 or bs > 256:
-        raise ValueError(f"block_size={bs} must be a multiple of 64 and <= 256 (tcgen05 M tiles of 64/128)")
-    if hx % 64:
-        raise ValueError(f"index head dim {hx} must be a multiple of 64")
+    b, q, hi, hx, num_pages, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size,
+                                                           "tcgen05 M tiles of 64/128")
     n_rows = hi * q
     m_tile = 128 if bs % 128 == 0 else 64
     if m_tile == 128:
@@ -80,41 +84,20 @@ def decode_index_scores_tcgen05(
     cols = n_tiles * max(32, 1 << (n_pad - 1).bit_length())  # allocations are powers of two >= 32
     if cols > TMEM_COLUMNS:
         raise ValueError(f"{n_tiles} row tiles x {n_pad} query rows need {cols} > {TMEM_COLUMNS} TMEM columns")
-    target = current_target()
-    splits = config.splits(b, max_pages, target)
-    splits = max(splits, -(-max_pages // max(1, 32768 // (4 * n_pad))))  # score tile <= 32 KiB of SMEM
-    chunk = -(-max_pages // splits)
-
-    # rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded; fp32 in bf16 pieces.
-    rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, n_rows, hx)
-    rows = jnp.pad(rows, [(0, 0), (0, n_pad - n_rows), (0, 0)])
-    q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
-    k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
-    k_parts = tuple(kp.reshape(num_pages * bs, hx) for kp in k_parts)
+    chunk, splits = _score_chunks(config, b, max_pages, n_pad)
+    q_parts, k_parts = _score_operands(iq, ik_pages, n_pad)
     n_parts = len(q_parts)
     prods = split_products(n_parts)
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(swizzle_elems)  # bf16 parts: 2 bytes
-    fixed = n_parts * n_pad * hx * 2 + chunk * n_pad * 4 + 4096
-    stages = max(1, min(config.stages, chunk, (target.smem_bytes - fixed) // (n_parts * bs * hx * 2)))
+    stages = _score_stages(config, chunk, n_parts, n_pad, hx, bs)
     # the register layout of a TMEM load: tcgen05's for 128-row tiles, wgmma's for 64-row ones
     layout = plgpu.Layout.TCGEN05 if m_tile == 128 else plgpu.Layout.WGMMA
 
     def body(*refs):
-        q_gmem = refs[:n_parts]
-        k_gmem = refs[n_parts : 2 * n_parts]
-        pt_gmem, len_gmem, out_gmem = refs[2 * n_parts : 2 * n_parts + 3]
-        q_smem, score_smem, q_bar, mma_bar, *acc_tmem = refs[2 * n_parts + 3 :]
-        bi = lax.axis_index("b")
-        si = lax.axis_index("s")
-        seq_len = len_gmem[bi]
-        first = si * chunk
-        live_pages = (seq_len + bs - 1) // bs
-        steps = jnp.clip(jnp.minimum(live_pages, first + chunk) - first, 0, chunk)
-
-        for p in range(n_parts):
-            plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
-        plgpu.barrier_wait(q_bar)
+        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, own, bi, seq_len, first, steps = _score_prologue(
+            refs, n_parts, chunk, bs)
+        mma_bar, *acc_tmem = own
 
         def page_step(idx, *k_smems):
             (i,) = idx
@@ -138,27 +121,15 @@ def decode_index_scores_tcgen05(
             plgpu.wait_load_tmem()  # the next page's MMAs overwrite the accumulator
             score_smem[i] = best
 
-        def page_of(i):
-            return (pt_gmem[bi, first + i], 0)
-
-        plgpu.emit_pipeline(
-            page_step,
-            grid=(steps,),
-            in_specs=[plgpu.BlockSpec((bs, hx), page_of, transforms=transforms) for _ in range(n_parts)],
-            max_concurrent_steps=stages,
-        )(*k_gmem)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(score_smem, out_gmem.at[bi, pl.ds(first, chunk)])
-        plgpu.wait_smem_to_gmem(0)
+        _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
+                        (bs, hx), transforms, stages)
 
     kern = mosaic_kernel(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
         scratch_types=[
-            plgpu.SMEM((n_parts, n_pad, hx), dtype, transforms=transforms),
-            plgpu.SMEM((chunk, n_pad), jnp.float32),
-            plgpu.Barrier(num_arrivals=n_parts),
+            *_score_scratch(n_parts, n_pad, hx, chunk, dtype, transforms),
             plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
             *[plgpu.TMEM((m_tile, n_pad), jnp.float32) for _ in range(n_tiles)],
         ],
@@ -166,8 +137,4 @@ def decode_index_scores_tcgen05(
         grid_names=("b", "s"),
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    # Rows of pages a CTA did not visit (no tokens) were never written: -inf them here.
-    live = (seq_lens.astype(jnp.int32)[:, None] + bs - 1) // bs
-    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out[:, :max_pages, :n_rows], -jnp.inf)
-    out = out.reshape(b, max_pages, hi, q)
-    return jnp.transpose(out, (0, 2, 3, 1))
+    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages)

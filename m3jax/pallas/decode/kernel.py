@@ -143,55 +143,22 @@ def decode_index_scores_kernel(
       fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
       blocks with no visible key (future or unused pages).
     """
-    b, q, hi, hx = iq.shape
-    num_pages, bs, hx2 = ik_pages.shape
-    max_pages = page_table.shape[1]
-    if bs != block_size or hx2 != hx:
-        raise ValueError(f"ik_pages {ik_pages.shape} does not match block_size={block_size}, Hx={hx}")
-    if bs % 64 or bs > 256:
-        raise ValueError(f"block_size={bs} must be a multiple of 64 and <= 256 (wgmma M tiles)")
-    if hx % 64:
-        raise ValueError(f"index head dim {hx} must be a multiple of 64")
+    b, q, hi, hx, num_pages, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
     n_rows = hi * q
     n_pad = _round_up(n_rows, 8)
     if n_pad > 256:
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
-    target = current_target()
-    splits = config.splits(b, max_pages, target)
-    # bound the per-CTA SMEM score tile (chunk x n_pad fp32) to 32 KiB (large batches: more splits)
-    splits = max(splits, -(-max_pages // max(1, 32768 // (4 * n_pad))))
-    chunk = -(-max_pages // splits)
-
-    # rows n = h * Q + q (so the output reshapes to [Hi, Q] for free), padded with zeros.
-    rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, n_rows, hx)
-    rows = jnp.pad(rows, [(0, 0), (0, n_pad - n_rows), (0, 0)])
-    # fp32: three bf16 pieces (fp32 accuracy: these scores decide the selection, see _common.bf16_split)
-    q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
-    k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
-    k_parts = tuple(kp.reshape(num_pages * bs, hx) for kp in k_parts)
+    chunk, splits = _score_chunks(config, b, max_pages, n_pad)
+    q_parts, k_parts = _score_operands(iq, ik_pages, n_pad)
     n_parts = len(q_parts)
     prods = split_products(n_parts)
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-    # page buffers that fit next to the query tile and the score tile (fp32 = 3 bf16 parts per page)
-    fixed = n_parts * n_pad * hx * 2 + chunk * n_pad * 4 + 4096
-    stages = max(1, min(config.stages, chunk, (target.smem_bytes - fixed) // (n_parts * bs * hx * 2)))
+    stages = _score_stages(config, chunk, n_parts, n_pad, hx, bs)
 
     def body(*refs):
-        q_gmem = refs[:n_parts]
-        k_gmem = refs[n_parts : 2 * n_parts]
-        pt_gmem, len_gmem, out_gmem = refs[2 * n_parts : 2 * n_parts + 3]
-        q_smem, score_smem, q_bar = refs[2 * n_parts + 3 :]
-        bi = lax.axis_index("b")
-        si = lax.axis_index("s")
-        seq_len = len_gmem[bi]
-        first = si * chunk
-        live_pages = (seq_len + bs - 1) // bs
-        steps = jnp.clip(jnp.minimum(live_pages, first + chunk) - first, 0, chunk)
-
-        for p in range(n_parts):
-            plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
-        plgpu.barrier_wait(q_bar)
+        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, _, bi, seq_len, first, steps = _score_prologue(
+            refs, n_parts, chunk, bs)
 
         def page_step(idx, *k_smems):
             (i,) = idx
@@ -211,42 +178,121 @@ def decode_index_scores_kernel(
             s = jnp.where(row + j * bs <= q_pos, s, -jnp.inf)
             score_smem[i] = s.max(axis=0)
 
-        def page_of(i):
-            return (pt_gmem[bi, first + i], 0)
-
-        plgpu.emit_pipeline(
-            page_step,
-            grid=(steps,),
-            in_specs=[plgpu.BlockSpec((bs, hx), page_of, transforms=transforms) for _ in range(n_parts)],
-            max_concurrent_steps=stages,
-        )(*k_gmem)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(score_smem, out_gmem.at[bi, pl.ds(first, chunk)])
-        plgpu.wait_smem_to_gmem(0)
+        _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
+                        (bs, hx), transforms, stages)
 
     kern = mosaic_kernel(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
-        scratch_types=[
-            plgpu.SMEM((n_parts, n_pad, hx), dtype, transforms=transforms),
-            plgpu.SMEM((chunk, n_pad), jnp.float32),
-            plgpu.Barrier(num_arrivals=n_parts),
-        ],
+        scratch_types=_score_scratch(n_parts, n_pad, hx, chunk, dtype, transforms),
         grid=(b, splits),
         grid_names=("b", "s"),
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    # Rows of pages a CTA did not visit (no tokens) were never written: -inf them here.
+    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages)
+
+
+# What both MMA variants of the decode index scoring share (this Hopper kernel and the Blackwell one in
+# .blackwell): shape checks, the context split, the operands, the SMEM budget, the CTA's prologue
+# (query tile in, its page range), the page pipeline and the result's layout.
+
+
+def _score_shapes(iq, ik_pages, page_table, block_size: int, tiles: str):
+    """(b, q, hi, hx, num_pages, bs, max_pages) of a decode scoring call, checked."""
+    b, q, hi, hx = iq.shape
+    num_pages, bs, hx2 = ik_pages.shape
+    if bs != block_size or hx2 != hx:
+        raise ValueError(f"ik_pages {ik_pages.shape} does not match block_size={block_size}, Hx={hx}")
+    if bs % 64 or bs > 256:
+        raise ValueError(f"block_size={bs} must be a multiple of 64 and <= 256 ({tiles})")
+    if hx % 64:
+        raise ValueError(f"index head dim {hx} must be a multiple of 64")
+    return b, q, hi, hx, num_pages, bs, page_table.shape[1]
+
+
+def _score_chunks(config: IndexScoreConfig, b: int, max_pages: int, n_pad: int) -> tuple[int, int]:
+    """(pages per CTA, CTAs per request): the per-CTA SMEM score tile (chunk x n_pad fp32) is kept
+    to 32 KiB, so large batches split the context further."""
+    splits = config.splits(b, max_pages, current_target())
+    splits = max(splits, -(-max_pages // max(1, 32768 // (4 * n_pad))))
+    return -(-max_pages // splits), splits
+
+
+def _score_operands(iq, ik_pages, n_pad: int):
+    """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded to n_pad, and
+    the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
+    the selection, see _common.bf16_split)."""
+    b, q, hi, hx = iq.shape
+    rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, hi * q, hx)
+    rows = jnp.pad(rows, [(0, 0), (0, n_pad - hi * q), (0, 0)])
+    q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
+    k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
+    return q_parts, tuple(kp.reshape(-1, hx) for kp in k_parts)
+
+
+def _score_stages(config: IndexScoreConfig, chunk: int, n_parts: int, n_pad: int, hx: int, bs: int) -> int:
+    """Page buffers that fit next to the query tile and the score tile (fp32: 3 bf16 parts per page)."""
+    fixed = n_parts * n_pad * hx * 2 + chunk * n_pad * 4 + 4096
+    return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // (n_parts * bs * hx * 2)))
+
+
+def _score_scratch(n_parts: int, n_pad: int, hx: int, chunk: int, dtype, transforms) -> list:
+    """The scratch both variants start with: query tile, score tile, the query tile's barrier."""
+    return [
+        plgpu.SMEM((n_parts, n_pad, hx), dtype, transforms=transforms),
+        plgpu.SMEM((chunk, n_pad), jnp.float32),
+        plgpu.Barrier(num_arrivals=n_parts),
+    ]
+
+
+def _score_prologue(refs, n_parts: int, chunk: int, bs: int):
+    """Unpack a scoring kernel's refs, copy the query tile in and find this CTA's pages.
+
+    refs: q parts, k parts, page table, seq lens, out, then :func:`_score_scratch` and the variant's
+    own scratch. Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, [variant scratch], bi,
+    seq_len, first page, live steps)."""
+    q_gmem = refs[:n_parts]
+    k_gmem = refs[n_parts : 2 * n_parts]
+    pt_gmem, len_gmem, out_gmem = refs[2 * n_parts : 2 * n_parts + 3]
+    q_smem, score_smem, q_bar, *own = refs[2 * n_parts + 3 :]
+    bi = lax.axis_index("b")
+    seq_len = len_gmem[bi]
+    first = lax.axis_index("s") * chunk
+    live_pages = (seq_len + bs - 1) // bs
+    steps = jnp.clip(jnp.minimum(live_pages, first + chunk) - first, 0, chunk)
+    for p in range(n_parts):
+        plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
+    plgpu.barrier_wait(q_bar)
+    return q_smem, k_gmem, pt_gmem, out_gmem, score_smem, own, bi, seq_len, first, steps
+
+
+def _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
+                    page_shape: tuple[int, int], transforms, stages: int):
+    """Stream this CTA's live pages through ``page_step`` (TMA ring of ``stages``), then store its
+    score rows."""
+
+    def page_of(i):
+        return (pt_gmem[bi, first + i], 0)
+
+    plgpu.emit_pipeline(
+        page_step,
+        grid=(steps,),
+        in_specs=[plgpu.BlockSpec(page_shape, page_of, transforms=transforms) for _ in k_gmem],
+        max_concurrent_steps=stages,
+    )(*k_gmem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(score_smem, out_gmem.at[bi, pl.ds(first, chunk)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int):
+    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages]. Rows of pages a CTA did not visit
+    (no tokens) were never written: -inf them here."""
+    b, hi, q = bhq
     live = (seq_lens.astype(jnp.int32)[:, None] + bs - 1) // bs
-    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out[:, :max_pages, :n_rows], -jnp.inf)
-    out = out.reshape(b, max_pages, hi, q)
-    return jnp.transpose(out, (0, 2, 3, 1))
-
-
-# --------------------------------------------------------------------------------------------------
-# 2. sparse attention
-# --------------------------------------------------------------------------------------------------
+    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out[:, :max_pages, : hi * q], -jnp.inf)
+    return jnp.transpose(out.reshape(b, max_pages, hi, q), (0, 2, 3, 1))
 
 
 def union_pages(block_idx: jax.Array, page_table: jax.Array):

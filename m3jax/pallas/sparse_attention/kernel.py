@@ -211,16 +211,20 @@ def kv_major_smem_bytes(*, m, h, kb, tpi, meta_w, stages, n_parts, stage_p, fp32
     return tiles + o32 + _kib(4 * m) + _kib(4 * tpi * 2 * meta_w) + 1024  # + barriers
 
 
-def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig,
-                  target: Target | None = None) -> KVMajorPlan:
-    """Tiles for the KV-major kernel; ValueError (the :func:`unsupported_reason`) if none fit."""
+def _plan_rows(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig, target: Target | None):
+    """What both plans start from: the shape check (ValueError with the reason), the target, G, the
+    padded rows per token ``gp`` and per tile ``m``, and the bf16 parts per operand."""
     reason = _shape_reason(n, kh, h, block_size, dtype, cfg)
     if reason:
         raise ValueError(reason)
-    target = target or current_target()
     g = n // kh
-    gp, m = _tile_rows(g, cfg)
-    n_parts = _n_parts(dtype)
+    return (target or current_target(), g, *_tile_rows(g, cfg), _n_parts(dtype))
+
+
+def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig,
+                  target: Target | None = None) -> KVMajorPlan:
+    """Tiles for the KV-major kernel; ValueError (the :func:`unsupported_reason`) if none fit."""
+    target, g, gp, m, n_parts = _plan_rows(n, kh, h, block_size, dtype, cfg, target)
     tpi, stages, stage_p = cfg.tiles_per_item, cfg.q_stages, cfg.stage_p()
     tq = m // gp
     meta_w = _meta_width(tq)
@@ -262,13 +266,7 @@ def query_major_smem_bytes(*, m, h, kb, stages, n_parts) -> int:
 def plan_query_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig,
                      target: Target | None = None) -> QueryMajorPlan:
     """Tiles for the query-major kernel: the largest key block, with two K/V stages when they fit."""
-    reason = _shape_reason(n, kh, h, block_size, dtype, cfg)
-    if reason:
-        raise ValueError(reason)
-    target = target or current_target()
-    g = n // kh
-    gp, m = _tile_rows(g, cfg)
-    n_parts = _n_parts(dtype)
+    target, g, gp, m, n_parts = _plan_rows(n, kh, h, block_size, dtype, cfg, target)
     for kb in key_blocks(block_size):
         for stages in (2, 1):  # prefetch block j+1 while computing j when two stages fit
             smem = query_major_smem_bytes(m=m, h=h, kb=kb, stages=stages, n_parts=n_parts)
