@@ -65,7 +65,8 @@ def cache_per_device(cfg: M3Config, mesh, batch: int, ctx: int, kv_bytes: int) -
     pages = batch * -(-ctx // bs)
     tokens = pages * bs
     kv = tokens * sum(2 * t.num_key_value_heads * t.head_dim for _ in range(t.num_hidden_layers)) * kv_bytes
-    index = tokens * sum(t.index_head_dim for i in range(t.num_hidden_layers) if t.is_sparse_attention(i)) * kv_bytes
+    index_bytes = 1 if t.index_cache_dtype == "float8_e4m3fn" else kv_bytes  # fp8 index keys: one byte each
+    index = tokens * sum(t.index_head_dim for i in range(t.num_hidden_layers) if t.is_sparse_attention(i)) * index_bytes
     assert kv + index == cache_bytes(cfg, batch, ctx, kv_bytes)
     spec = sh.spec_for(sh.CACHE_KV_AXES, (pages, bs, t.num_key_value_heads, t.head_dim), mesh)
     split = math.prod(mesh.shape[m] for part in spec if part is not None for m in sh._mesh_axes(part))

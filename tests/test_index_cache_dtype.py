@@ -32,6 +32,18 @@ def test_cache_bytes_halve():
         cfg.replace_text(index_cache_dtype="float16")
 
 
+def test_memory_plan_counts_fp8_index_keys():
+    # The planner's per-device cache equals the allocated cache for fp8 index keys too (it used the
+    # K/V byte size for the index pages and asserted against cache_bytes).
+    from m3jax import plan
+    from m3jax.sharding import make_mesh
+
+    fp8 = tiny_config().replace_text(index_cache_dtype=FP8_NAME)
+    kv, index = plan.cache_per_device(fp8, make_mesh(1), batch=2, ctx=64, kv_bytes=2)
+    _, index_bf = plan.cache_per_device(tiny_config(), make_mesh(1), batch=2, ctx=64, kv_bytes=2)
+    assert kv + index == cache_bytes(fp8, 2, 64) and index * 2 == index_bf > 0
+
+
 def test_cache_read_scores_like_forward():
     # Index keys written to fp8 pages and gathered back score exactly like the forward pass's rounded keys.
     cfg = tiny_config().replace_text(index_cache_dtype=FP8_NAME)
