@@ -241,10 +241,11 @@ def _selections_on_reference_inputs(params, ids, cfg: M3Config):
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
 
     def attend(x, lp, angles, q_pos, cfg_, layer):
-        out, sel_ref, _ = attention(x, lp, angles, q_pos, cfg_, layer)
-        if sel_ref is None:
-            return out, None
-        q, k, v, iq, ik = project_qkv(x, lp, angles, t, True)
+        if not t.is_sparse_attention(layer):
+            return attention(x, lp, angles, q_pos, cfg_, layer)[0], None
+        q, k, v, iq, ik = project_qkv(x, lp, angles, t, True)  # once: both selections read them
+        o, sel_ref = msa_layer.attention(q, k, v, iq, ik, q_pos, cfg_, layer)
+        out = jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"])
         force_in, force_out = msa_layer.forced_blocks(t, layer)
         ik = cached_index_keys(ik, t, iq.dtype)
         _, sel_kernel = kernels.prefill(q, k, v, iq, ik, q_pos, t, force_in, force_out)
