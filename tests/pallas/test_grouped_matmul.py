@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from m3jax.pallas import _backend
-from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, grouped_matmul, tile_schedule, unsupported_reason
+from m3jax.pallas.grouped_matmul import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    grouped_matmul_mxfp8,
+    mxfp8_unsupported_reason,
+    tile_schedule,
+    unsupported_reason,
+)
+from m3jax.pallas.grouped_matmul import reference as gmm_reference
 from tests.conftest import assert_close
 
 CFG = GroupedMatmulConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
@@ -162,4 +170,61 @@ def test_lowers_for_cuda_at_m3_shapes(dtype):
     if dtype == jnp.bfloat16:  # the backward (forward output unused under grad of a sum): d lhs kernel
         grad = jax.jit(jax.grad(lambda a, b, s: jnp.sum(grouped_matmul(a, b, s, interpret=False)), argnums=(0, 1)))
         text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def _mxfp8_weights(g, k, n, seed=0):
+    """Random fp8 values over e4m3's range and E8M0 exponents around 2^0; a few all-zero blocks with
+    exponent 0, as ``quantize_mxfp8`` writes them (2^-127 is subnormal: XLA:CPU flushes it to zero)."""
+    r = np.random.default_rng(seed)
+    values = (r.normal(size=(g, k, n)) * 60).astype(jnp.float8_e4m3fn)
+    scales = r.integers(118, 132, size=(g, k // 32, n)).astype(np.uint8)
+    scales[0, 0, :5] = 0
+    values[0, :32, :5] = 0
+    return jnp.asarray(values), jnp.asarray(scales)
+
+
+def _check_mxfp8(lhs, values, scales, gs, cfg=CFG):
+    got = grouped_matmul_mxfp8(lhs, values, scales, gs, config=cfg)
+    ref = gmm_reference.grouped_matmul_mxfp8(lhs, values, scales, gs)
+    assert not _backend.interpret_races_found()
+    assert got.dtype == lhs.dtype and got.shape == ref.shape
+    got = np.asarray(got, np.float32)
+    assert not np.any(got[int(np.sum(gs)):]), "rows past sum(group_sizes) must be zero"
+    # bf16: the dequantised weights are exact in bf16, so only the summation order and the output
+    # rounding differ; fp32: three bf16 pieces of lhs, fp32-exact
+    assert_close(got, ref, "bfloat16" if lhs.dtype == jnp.bfloat16 else "float32", "grouped_matmul_mxfp8 vs reference")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_mxfp8_kernel_matches_dequantised_reference(dtype):
+    # the fp8 tiles dequantised in the kernel (two scale rows per 64-deep K step, two K steps, tiles
+    # straddling groups, empty groups)
+    m, sizes = PATTERNS["empty_groups"]
+    lhs, _, gs = _inputs(m, 128, 128, sizes, dtype)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 128), gs)
+
+
+def test_mxfp8_reference_is_the_checkpoint_dequantisation():
+    from m3jax.checkpoint import dequantize_mxfp8
+
+    values, scales = _mxfp8_weights(2, 64, 96, seed=1)
+    got = gmm_reference.dequantize_mxfp8(values, scales)
+    for e in range(2):  # the checkpoint's [out, in] layout is ours transposed
+        want = dequantize_mxfp8(np.asarray(values[e]).T, np.asarray(scales[e]).T)
+        np.testing.assert_array_equal(np.asarray(got[e]).T, want)
+    assert "whole number" in mxfp8_unsupported_reason(64, 128, 128, 2, 3)
+    assert "must divide block_k" in mxfp8_unsupported_reason(64, 256, 128, 2, 2)  # groups of 128 inputs
+
+
+def test_mxfp8_lowers_for_cuda_at_m3_shapes():
+    # M3's expert down projection (F = 3072 -> D = 6144) for a 4096-token prefill chunk, and decode rows
+    # (64-row tiles): fp8 tiles + scale rows by TMA, dequantised in registers, wgmma (sm_90a).
+    for m, bm in ((16384, 128), (32, 64)):
+        args = (jax.ShapeDtypeStruct((m, 3072), jnp.bfloat16), jax.ShapeDtypeStruct((128, 3072, 6144), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((128, 96, 6144), jnp.uint8), jax.ShapeDtypeStruct((128,), jnp.int32))
+        cfg = GroupedMatmulConfig(block_m=bm)
+        with _backend.lowering_for(_backend.HOPPER):
+            f = jax.jit(lambda a, b, c, s, cfg=cfg: grouped_matmul_mxfp8(a, b, c, s, config=cfg))
+            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1

@@ -13,7 +13,7 @@ import pytest
 
 from m3jax.pallas import _backend
 from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, unsupported_reason
-from tests.pallas.test_grouped_matmul import PATTERNS, _check, _inputs
+from tests.pallas.test_grouped_matmul import PATTERNS, _check, _check_mxfp8, _inputs, _mxfp8_weights
 
 
 @pytest.fixture(autouse=True)
@@ -41,3 +41,11 @@ def test_single_k_step():
 
 def test_64_row_tiles_need_128_columns():
     assert "block_n=64" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(block_m=64, block_n=64))
+
+
+def test_mxfp8_weights():
+    # the fp8 tiles dequantised into the two bf16 buffers the tcgen05 MMAs read (freed by the same
+    # one-step-delayed barrier wait as the pipeline's buffers)
+    m, sizes = PATTERNS["group_larger_than_tile"]
+    lhs, _, gs = _inputs(m, 128, 128, sizes, jnp.bfloat16)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 128), gs)

@@ -4,22 +4,43 @@
 returns ``[M, N]`` with row r = ``lhs[r] @ rhs[group of r]`` (rows sorted by group, rows past
 ``sum(group_sizes)`` zero). ``unsupported_reason(m, k, n, g, config)`` says why the kernel cannot
 take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.ragged_dot``.
+
+``grouped_matmul_mxfp8(lhs, values, scales, group_sizes, ...)``: the same with MXFP8 weights (float8_e4m3fn
+``values [G, K, N]`` + uint8 E8M0 ``scales [G, K / 32, N]``), dequantised per tile in the kernel; its
+reference dequantises (``dequantize_mxfp8``) and multiplies. ``mxfp8_unsupported_reason`` its limits.
 """
 
 from __future__ import annotations
 
 from m3jax.pallas.grouped_matmul import kernel as _kernel
 from m3jax.pallas.grouped_matmul import reference as _reference
-from m3jax.pallas.grouped_matmul.kernel import GroupedMatmulConfig, tile_schedule, unsupported_reason
+from m3jax.pallas.grouped_matmul.kernel import (
+    GroupedMatmulConfig,
+    mxfp8_unsupported_reason,
+    tile_schedule,
+    unsupported_reason,
+)
+from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["GroupedMatmulConfig", "grouped_matmul", "tile_schedule", "unsupported_reason"]
+__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8",
+           "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation: str = "pallas", config=None,
                    interpret=None):
-    kw = dict(out_dtype=out_dtype, config=config, interpret=interpret)
+    kw = {"out_dtype": out_dtype, "config": config, "interpret": interpret}
     if implementation == "pallas":
         return _kernel.grouped_matmul(lhs, rhs, group_sizes, **kw)
     if implementation == "reference":
         return _reference.grouped_matmul(lhs, rhs, group_sizes, **kw)
+    raise ValueError(f"unknown implementation {implementation!r}")
+
+
+def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, implementation: str = "pallas",
+                         config=None, interpret=None):
+    kw = {"out_dtype": out_dtype, "config": config, "interpret": interpret}
+    if implementation == "pallas":
+        return _kernel.grouped_matmul_mxfp8(lhs, values, scales, group_sizes, **kw)
+    if implementation == "reference":
+        return _reference.grouped_matmul_mxfp8(lhs, values, scales, group_sizes, **kw)
     raise ValueError(f"unknown implementation {implementation!r}")

@@ -64,6 +64,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
@@ -135,9 +136,13 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
                      axis=1).astype(jnp.int32)
 
 
-def _pipeline_steps(k: int, config: GroupedMatmulConfig) -> int:
-    stage = (config.block_m + config.block_n) * config.block_k * 2
-    fit = (current_target().smem_bytes - 4096) // stage
+def _pipeline_steps(k: int, config: GroupedMatmulConfig, scale_rows: int = 0) -> int:
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if scale_rows:  # per stage: bf16 lhs tile, fp8 weight tile, its scale rows; plus two bf16 weight tiles
+        stage, fixed = bm * bk * 2 + bk * bn + scale_rows * bn, 2 * bk * bn * 2
+    else:
+        stage, fixed = (bm + bn) * bk * 2, 0
+    fit = (current_target().smem_bytes - 4096 - fixed) // stage
     return max(1, min(config.max_concurrent_steps, fit, k // config.block_k))
 
 
@@ -163,20 +168,53 @@ def _store_rows(o_smem, out_ref, *, t0, lo, hi, col0, block_m, block_n):
         put(b + j, 1, (b + j >= a) & (b + j < hi))
 
 
-def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, transpose_rhs=False, interpret=None):
+def _dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
+    """fp8 e4m3 weight tile ``q_smem [bk, bn]`` times its E8M0 scales ``s_smem [bk / group, bn]`` (SMEM)
+    -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it.
+
+    In registers, WGMMA_8BIT layout (4-byte SMEM loads of the fp8 tile; the decode kernel's fp8 key
+    pages take the same road): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16 needs PTX ISA
+    9.2) -> f32, times 2^(e - 127) built from the exponent bits (e = 0 is the subnormal 2^-127, bits
+    0x00400000; e = 255 gives inf as ``dequantize_mxfp8``'s ldexp), one scale row per ``group`` rows
+    broadcast down the columns. An e4m3 value (3 mantissa bits) times a power of two is exact in bf16
+    (8 bits) above bf16's normal range floor, so the MMA sees exactly the weights a dequantise-on-load
+    model holds in bf16.
+    """
+    bk, bn = q_smem.shape
+    layout = plgpu.Layout.WGMMA_8BIT
+    q = plgpu.load(q_smem, (), layout=layout).astype(jnp.float16).astype(jnp.float32)
+    row = plgpu.broadcasted_iota(jnp.int32, (bk, bn), 0, layout=layout)
+    scale = None
+    for j in range(bk // group):
+        e = plgpu.load(s_smem.at[j], (), layout=layout.reduce(0)).astype(jnp.int32)
+        bits = jnp.where(e == 0, jnp.int32(0x00400000), e << 23)
+        sj = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.float32)[None, :], (bk, bn)),
+                               layout)
+        scale = sj if scale is None else jnp.where(row >= j * group, sj, scale)
+    w_smem[...] = (q * scale).astype(w_smem.dtype)
+    plgpu.commit_smem()
+
+
+def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, transpose_rhs=False, interpret=None,
+                 rhs_scales=None):
     """sched int32 [V, 4] (``tile_schedule``); lhs bf16 [M, K] (M >= block_m); rhs bf16 [G, K, N], or
-    [G, N, K] with ``transpose_rhs`` (the backward's d lhs = d out . rhs^T, without a transpose copy)."""
+    [G, N, K] with ``transpose_rhs`` (the backward's d lhs = d out . rhs^T, without a transpose copy), or
+    float8_e4m3fn [G, K, N] with ``rhs_scales`` uint8 [G, K / group, N] (MXFP8: dequantised per tile in
+    the kernel, :func:`_dequantize_tile`)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     n_tiles = n // bn
     n_visits = sched.shape[0]
-    steps = _pipeline_steps(k, config)
+    mxfp8 = rhs_scales is not None
+    group = k // rhs_scales.shape[1] if mxfp8 else 0
+    steps = _pipeline_steps(k, config, bk // group if mxfp8 else 0)
     delay = 1 if steps > 1 else 0
     tcgen05 = current_target().mma == "tcgen05"
 
-    def body(sched_ref, lhs_ref, rhs_ref, out_ref):
+    def body(sched_ref, lhs_ref, rhs_ref, *refs):
+        scale_ref, out_ref = refs if mxfp8 else (None, refs[0])
         pid = jax.lax.axis_index("t")
         v, ni = jax.lax.div(pid, n_tiles), jax.lax.rem(pid, n_tiles)
         grp, tile, lo, hi = (sched_ref[v, i] for i in range(4))
@@ -195,46 +233,67 @@ def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, tra
             rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=swizzle_transforms(bk),
                                        delay_release=delay)
         else:
-            rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=swizzle_transforms(bn),
+            rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=swizzle_transforms(bn, rhs.dtype.itemsize),
                                        delay_release=delay)
         in_specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=swizzle_transforms(bk),
                                     delay_release=delay), rhs_spec]
+        operands = (lhs_ref, rhs_ref.at[grp])
+        if mxfp8:  # the fp8 tile's scale rows; read into registers at once, so released with the step
+            in_specs.append(plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, ni)))
+            operands += (scale_ref.at[grp],)
 
-        def mma_tcgen05(acc_tmem, mma_bar):
+        def weights(kk, b_smem, s_smem, w_smem):
+            """The MMA's weight operand of step kk: the bf16 tile, or the fp8 tile dequantised into
+            bf16 buffer kk % 2 (the other buffer may still be read by step kk - 1's MMA)."""
+            if not mxfp8:
+                return b_smem.transpose((1, 0)) if transpose_rhs else b_smem
+            w = w_smem.at[lax.rem(kk, 2)]
+            _dequantize_tile(b_smem, s_smem, w, group)
+            return w
+
+        def mma_tcgen05(acc_tmem, mma_bar, w_smem=None):
             # Blackwell: tcgen05 MMAs into TMEM, asynchronous. Step kk's MMA is committed to barrier
             # kk % 2 and step kk waits for step kk - delay's, whose buffers the pipeline refills after
-            # it (two barriers: one may not be arrived on twice without a wait between).
-            def step(idx, a_smem, b_smem):
+            # it (two barriers: one may not be arrived on twice without a wait between). The same wait
+            # frees, for MXFP8, the bf16 buffer that step kk + 1 dequantises into.
+            def step(idx, a_smem, b_smem, s_smem=None):
                 (kk,) = idx
-                plgpu.tcgen05_mma(acc_tmem, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem,
-                                  accumulate=kk > 0)
+                plgpu.tcgen05_mma(acc_tmem, a_smem, weights(kk, b_smem, s_smem, w_smem), accumulate=kk > 0)
                 plgpu.tcgen05_commit_arrive(mma_bar.at[kk % 2])
                 pl.when(kk >= delay)(lambda: plgpu.barrier_wait(mma_bar.at[(kk - delay) % 2]))
 
-            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs,
-                                max_concurrent_steps=steps)(lhs_ref, rhs_ref.at[grp])
+            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs, max_concurrent_steps=steps)(*operands)
             if delay:
                 plgpu.barrier_wait(mma_bar.at[(k // bk - 1) % 2])  # the last step's MMA
             acc = plgpu.async_load_tmem(acc_tmem)
             plgpu.wait_load_tmem()  # before the scope frees the TMEM
             return acc
 
-        def mma_wgmma(acc_ref):
-            def step(_, a_smem, b_smem):
-                plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
+        def mma_wgmma(acc_ref, w_smem=None):
+            # wgmma_wait(1) after issuing step kk's MMA retires step kk - 1's: its lhs / weight buffers
+            # (delay_release) and, for MXFP8, the bf16 buffer step kk + 1 dequantises into.
+            def step(idx, a_smem, b_smem, s_smem=None):
+                (kk,) = idx
+                plgpu.wgmma(acc_ref, a_smem, weights(kk, b_smem, s_smem, w_smem))
                 plgpu.wgmma_wait(delay)
 
-            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs,
-                                max_concurrent_steps=steps)(lhs_ref, rhs_ref.at[grp])
+            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs, max_concurrent_steps=steps)(*operands)
             return acc_ref[...]
+
+        # MXFP8: two bf16 weight tiles, the MMA operands the fp8 tiles are dequantised into
+        w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=swizzle_transforms(bn)),) if mxfp8 else ()
+
+        def mma(*w_smem):
+            if tcgen05:
+                return pl.run_scoped(lambda t, b: mma_tcgen05(t, b, *w_smem), plgpu.TMEM((bm, bn), jnp.float32),
+                                     plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True))
+            return pl.run_scoped(lambda a: mma_wgmma(a, *w_smem), plgpu.ACC((bm, bn), jnp.float32))
 
         @pl.when((hi > lo) & (grp < g))
         def _():
-            if tcgen05:
-                acc = pl.run_scoped(mma_tcgen05, plgpu.TMEM((bm, bn), jnp.float32),
-                                    plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True))
-            else:
-                acc = pl.run_scoped(mma_wgmma, plgpu.ACC((bm, bn), jnp.float32))
+            # (the SMEM tiles in a scope of their own: interpret mode refuses a register accumulator
+            # allocated together with SMEM)
+            acc = pl.run_scoped(mma, *w_scratch) if mxfp8 else mma()
             store(acc.astype(out_dtype))
 
         @pl.when((hi > lo) & (grp == g))
@@ -248,7 +307,7 @@ def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, tra
         grid=(n_visits * n_tiles,),
         grid_names=("t",),
     )
-    return kern(sched, lhs, rhs)
+    return kern(sched, lhs, rhs, *((rhs_scales,) if mxfp8 else ()))
 
 
 def _forward(lhs, rhs, group_sizes, out_dtype, config, interpret, transpose_rhs=False):
@@ -333,3 +392,57 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
         lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
     out = _grouped_matmul(lhs, rhs, group_sizes, out_dtype, config, interpret)
     return out[:m] if pad else out
+
+
+def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
+                             config: GroupedMatmulConfig | None = None) -> str | None:
+    """Why the MXFP8-weight kernel cannot take ``lhs [m, k] x (values [g, k, n], scales [g, k_groups, n])``."""
+    c = config or GroupedMatmulConfig()
+    if k_groups < 1 or k % k_groups:
+        return f"K={k} is not a whole number of scale groups ({k_groups} scale rows)"
+    group = k // k_groups
+    if c.block_k % group or group % 8:
+        return f"scale group of {group} inputs must divide block_k={c.block_k} and be a multiple of 8"
+    return unsupported_reason(m, k, n, g, c)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, config=None, interpret=None):
+    """``ragged_dot(lhs, dequantize(values, scales), group_sizes)`` with the weights read as MXFP8.
+
+    The fp8 tiles and their scale rows come in by TMA (1 + 1/32 bytes per weight instead of 2) and are
+    dequantised to bf16 in the kernel (:func:`_dequantize_tile`) for the bf16 MMA, fp32 accumulation;
+    the dequantised weights are exactly a bf16 dequantise-on-load model's, so the two agree up to
+    accumulation order. fp32 ``lhs`` runs the kernel on its three bf16 pieces (``bf16_split``) and
+    sums in fp32: fp32-exact against fp32 weights that are exactly the dequantised ones. Forward only
+    (the weights are frozen; no VJP).
+
+    Args:
+      lhs: [M, K] bf16 or fp32, rows sorted by group.
+      values: float8_e4m3fn [G, K, N].
+      scales: uint8 [G, K / group, N], E8M0 exponents (2^(e - 127)) of ``group`` consecutive inputs.
+      group_sizes: int [G], sum <= M.
+      out_dtype: default ``lhs.dtype``.
+    """
+    config = config or GroupedMatmulConfig()
+    m, k = lhs.shape
+    g, k2, n = values.shape
+    if (k != k2 or group_sizes.shape != (g,) or scales.shape[::2] != (g, n) or values.dtype != jnp.float8_e4m3fn
+            or scales.dtype != jnp.uint8):
+        raise ValueError(f"shape mismatch: lhs {lhs.shape}, values {values.shape} {values.dtype}, scales "
+                         f"{scales.shape} {scales.dtype}, group_sizes {group_sizes.shape}")
+    reason = mxfp8_unsupported_reason(m, k, n, g, scales.shape[1], config)
+    if reason:
+        raise ValueError(f"grouped_matmul_mxfp8 kernel cannot take lhs {lhs.shape} x values {values.shape}: {reason}")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    pad = -m % 8 if m > 8 else 0  # as grouped_matmul: the TMA store's 8-row tiling
+    m_pad = max(m + pad, config.block_m)
+    sched = tile_schedule(group_sizes, m, config.block_m)
+    pieces = bf16_split(lhs, 3) if lhs.dtype == jnp.float32 else (lhs.astype(jnp.bfloat16),)
+    out = None
+    for piece in pieces:
+        piece = jnp.pad(piece, ((0, m_pad - m), (0, 0)))
+        part = _kernel_call(sched, piece, values, out_dtype=jnp.float32 if len(pieces) > 1 else out_dtype,
+                            config=config, interpret=interpret, rhs_scales=scales)
+        out = part if out is None else out + part
+    return out[:m].astype(out_dtype)

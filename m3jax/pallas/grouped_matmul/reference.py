@@ -13,3 +13,17 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
+
+
+def dequantize_mxfp8(values, scales, dtype=jnp.float32) -> jax.Array:
+    """values float8_e4m3fn [..., K, N] * 2^(scales uint8 [..., K / group, N] - 127), in ``dtype``."""
+    k, groups = values.shape[-2], scales.shape[-2]
+    scale = jnp.ldexp(jnp.float32(1.0), scales.astype(jnp.int32) - 127)
+    w = values.astype(jnp.float32).reshape(*values.shape[:-2], groups, k // groups, values.shape[-1])
+    return (w * scale[..., None, :]).reshape(values.shape).astype(dtype)
+
+
+def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, config=None, interpret=None) -> jax.Array:
+    """The MXFP8-weight kernel's reference: dequantise to ``lhs``'s dtype, then :func:`grouped_matmul`."""
+    return grouped_matmul(lhs, dequantize_mxfp8(values, scales, lhs.dtype), group_sizes,
+                          out_dtype=out_dtype or lhs.dtype, config=config, interpret=interpret)
