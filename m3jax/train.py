@@ -236,9 +236,12 @@ def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
     bs = t.index_block_size
     sparse = t.is_sparse_attention(layer)
     q, k, v, _, _ = project_qkv(x, lp, angles, t, sparse=False)
+    # Each query chunk is rematerialised in the backward pass (jax.checkpoint): otherwise lax.map keeps
+    # every chunk's softmax weights as residuals, [T, T] per head and layer in all (a 16K row of
+    # m3-small then needs ~117 GB), and chunking the queries would save no memory in training.
     if not sparse:
         o, merge = msa.map_query_chunks(
-            lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, q_pos, q
+            jax.checkpoint(lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs)), cfg.attention_chunk, q_pos, q
         )
         return jnp.einsum("btnh,nhd->btd", merge(o, 1), lp["attn"]["wo"]), None
     iq, ik = index_branch(jax.lax.stop_gradient(x), lp["index"], angles, t)
@@ -256,7 +259,7 @@ def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
         kl, valid = indexer_kl(qc, k, scores, support, qp, bs, t.index_head_dim)
         return o, kl, valid
 
-    (o, kl, valid), merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
+    (o, kl, valid), merge = msa.map_query_chunks(jax.checkpoint(chunk_fn), cfg.attention_chunk, q_pos, q, iq)
     o, kl, valid = merge(o, 1), merge(kl, 2), merge(valid, 2)
     return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), (jnp.sum(kl), jnp.sum(valid))
 
