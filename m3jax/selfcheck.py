@@ -182,9 +182,11 @@ def _decode_index_scores():
     from m3jax.pallas import decode as D
 
     c = _decode_case(np.random.default_rng(4), [100, 200])
-    args = (c["iq"], c["ik"], c["pt"], c["sl"])
-    return (D.decode_index_scores(*args, block_size=c["bs"]),
-            D.decode_index_scores(*args, block_size=c["bs"], implementation="reference"))
+    # bf16 and fp8 e4m3 index-key pages (an fp8 index cache: the kernel converts its pages in SMEM)
+    pages = (c["ik"], c["ik"].astype(jnp.float8_e4m3fn))
+    runs = [[D.decode_index_scores(c["iq"], ik, c["pt"], c["sl"], block_size=c["bs"], implementation=impl)
+             for ik in pages] for impl in ("pallas", "reference")]
+    return jnp.stack(runs[0]), jnp.stack(runs[1])
 
 
 def _sparse_decode_attention():

@@ -77,3 +77,35 @@ def test_selection_agreement_with_bf16_keys():
         rows_equal.append((a == b).all(-1).mean())
     # e4m3 keeps 3 mantissa bits: near-ties flip, the rest of the selections stay.
     assert np.mean(rows_equal) >= 0.8, rows_equal
+
+
+def test_decode_kernels_read_fp8_pages(monkeypatch):
+    # The model's in-place decode (msa.kernels.decode, GPU interpret mode here) hands the fp8 pages to
+    # the index-score kernel as stored (no upcast pass: the kernel converts each page in SMEM) and
+    # selects what the reference selects from the same pages.
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
+    from m3jax.pallas import decode as D
+
+    t = m3jax.preset("m3_width").replace_text(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, index_n_heads=2, index_head_dim=64,
+        index_block_size=64, index_topk_blocks=2, index_cache_dtype=FP8_NAME).text
+    seen, scores = [], D.decode_index_scores
+
+    def spy(iq, ik, *a, **kw):
+        seen.append(ik.dtype)
+        return scores(iq, ik, *a, **kw)
+
+    monkeypatch.setattr(D, "decode_index_scores", spy)
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+
+    kv = LayerCache(normal(4, 64, 2, 64), normal(4, 64, 2, 64), normal(4, 64, 64).astype(FP8))
+    table, pos = jnp.array([[2, 0, 3, 1]], jnp.int32), jnp.array([[200]], jnp.int32)
+    q, iq = normal(1, 1, 8, 64), normal(1, 1, 2, 64)
+    _, sel = jax.jit(lambda q, iq, kv: kernels.decode(q, iq, kv, table, pos, t))(q, iq, kv)
+    assert seen == [FP8]
+    want = reference.select_blocks(reference.block_scores(iq, kv.gather(table)[2], pos, 64), pos, block_size=64, topk=2)
+    np.testing.assert_array_equal(np.sort(np.asarray(sel), -1), np.sort(np.asarray(want), -1))

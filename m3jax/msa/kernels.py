@@ -95,10 +95,9 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
 
     bs = cfg.index_block_size
     seq_lens = q_pos[:, -1] + 1
-    # fp8 index pages (index_cache_dtype): the kernel takes 16-bit pages only, so they are upcast here
-    # (exact), in one XLA pass over the index cache; reading fp8 pages in the kernel is its work list.
-    ik_pages = kv.ik if kv.ik.dtype == iq.dtype else kv.ik.astype(iq.dtype)
-    scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=bs)
+    # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts each page in SMEM
+    # (exact), so the scan reads one byte per key element.
+    scores = decode_index_scores(iq, kv.ik, page_table, seq_lens, block_size=bs)
     sel = select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
                         local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
                         force_in=force_in, force_out=force_out, implementation="pallas")

@@ -294,8 +294,7 @@ def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_po
         own = pos_ // bs
         whole = jnp.maximum(own - me + n - 1, 0) // n  # local blocks wholly before the own block
         local_len = whole * bs + jnp.where(own % n == me, pos_ % bs + 1, 0)
-        # fp8 index pages (index_cache_dtype) are upcast (exact) as the single-device path does
-        ik_ = ik_ if ik_.dtype == iq_.dtype else ik_.astype(iq_.dtype)
+        # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts them in SMEM
         scores = decode_index_scores(iq_, ik_, local_pt, local_len, block_size=bs)  # [B, Hi, 1, nb_loc]
         sel = _global_topk(scores, gid, pos_[:, None], n, block_size=bs, topk=t.index_topk_blocks,
                            local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks, axis=axis,

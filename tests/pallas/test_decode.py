@@ -2,7 +2,8 @@
 
 Runs the Mosaic GPU kernels in GPU interpret mode on CPU (race detector on). Shapes are tiny: block
 (page) 64 (the kernels' wgmma minimum), head dims 64, a batch of 3 with different lengths (one
-shorter than topk * block, one not a multiple of the block), shuffled page tables.
+shorter than topk * block, one not a multiple of the block), shuffled page tables. Index-key pages
+in the query's dtype or in fp8 e4m3 (an fp8 index cache, read by the scoring kernel as stored).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.pallas.tolerances import TOL
 BS, TOPK, N, KH, H, HX = 64, 3, 4, 2, 64, 64
 
 
-def make_case(seq_lens, q_len, dtype, seed, spare_pages=2, max_pages=None, bs=BS):
+def make_case(seq_lens, q_len, dtype, seed, spare_pages=2, max_pages=None, bs=BS, ik_dtype=None):
     seq_lens = np.asarray(seq_lens, np.int32)
     b = len(seq_lens)
     max_pages = max_pages or int(-(-seq_lens.max() // bs))
@@ -35,6 +36,7 @@ def make_case(seq_lens, q_len, dtype, seed, spare_pages=2, max_pages=None, bs=BS
 
     q, iq = normal(b, q_len, N, H), normal(b, q_len, KH, HX)
     kp, vp, ikp = normal(num_pages, bs, KH, H), normal(num_pages, bs, KH, H), normal(num_pages, bs, HX)
+    ikp = ikp if ik_dtype is None else ikp.astype(ik_dtype)  # normals: far inside e4m3's range
     perm = rng.permutation(num_pages)
     pt = perm[: b * max_pages].reshape(b, max_pages).astype(np.int32)
     return q, iq, kp, vp, ikp, jnp.asarray(pt), jnp.asarray(seq_lens)
@@ -47,6 +49,7 @@ _ref_attention = jax.jit(functools.partial(D.sparse_decode_attention, block_size
 
 
 def check_scores(iq, ikp, pt, sl, splits=None):
+    """The kernel's scores against the reference's; returns (reference, kernel) scores."""
     ref = np.asarray(_ref_scores(iq, ikp, pt, sl))
     got = np.asarray(
         D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, config=D.IndexScoreConfig(num_splits=splits))
@@ -55,7 +58,7 @@ def check_scores(iq, ikp, pt, sl, splits=None):
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
     fin = np.isfinite(ref)
     np.testing.assert_allclose(got[fin], ref[fin], **TOL[("index_scores", jnp.dtype(iq.dtype).name)])
-    return ref
+    return ref, got
 
 
 def check_attention(q, kp, vp, pt, bidx, sl, dtype, splits=None):
@@ -75,17 +78,25 @@ def _no_races():
     assert not _backend.interpret_races_found()
 
 
+FP8 = jnp.float8_e4m3fn
+
+
 @pytest.mark.parametrize(
-    "q_len,dtype,splits", [(1, jnp.float32, 2), (4, jnp.bfloat16, 1), (4, jnp.float32, None)]
+    "q_len,dtype,splits,ik_dtype",
+    [(1, jnp.float32, 2, None), (4, jnp.bfloat16, 1, None), (4, jnp.float32, None, None),
+     (4, jnp.bfloat16, 2, FP8), (1, jnp.float32, None, FP8)],
 )
-def test_decode_step(q_len, dtype, splits):
+def test_decode_step(q_len, dtype, splits, ik_dtype):
     # Q=1: 100 < topk * BS (fewer visible blocks than top-k); 150 not a multiple of BS; 256 = 4 blocks.
     # Q=4: the first request has seq_len 3 < Q, so its first query row has position -1 (-> 0 output).
+    # fp8 pages: the bf16 query meets the converted keys in one MMA, an fp32 one as three bf16 pieces.
     lens = [100, 150, 256] if q_len == 1 else [3, 150, 256]
-    q, iq, kp, vp, ikp, pt, sl = make_case(lens, q_len, dtype, seed=q_len)
-    scores = check_scores(iq, ikp, pt, sl, splits=splits)
+    q, iq, kp, vp, ikp, pt, sl = make_case(lens, q_len, dtype, seed=q_len, ik_dtype=ik_dtype)
+    scores, got = check_scores(iq, ikp, pt, sl, splits=splits)
     q_pos = D.query_positions(sl, q_len)
     bidx = np.asarray(_select(jnp.asarray(scores), q_pos))
+    # the kernel's scores select the reference's blocks (as sets)
+    np.testing.assert_array_equal(np.sort(np.asarray(_select(jnp.asarray(got), q_pos)), -1), np.sort(bidx, -1))
     # selections are unordered in the contract: shuffle the valid prefix of every row.
     perm = np.random.default_rng(7).permutation(TOPK)
     shuffled = jnp.asarray(np.where((bidx >= 0).all(-1, keepdims=True), bidx[..., perm], bidx))

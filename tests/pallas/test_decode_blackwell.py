@@ -31,16 +31,19 @@ def _blackwell(monkeypatch):
     assert not _backend.interpret_races_found()
 
 
-def test_decode_scores_as_test_decode():
+@pytest.mark.parametrize("ik_dtype", [None, jnp.float8_e4m3fn])
+def test_decode_scores_as_test_decode(ik_dtype):
     # test_decode.test_decode_step's scoring half at Q=4: a first query at position -1, a length that
-    # is not a multiple of the block, shuffled page tables (fp32 runs in the block-192 case below).
-    _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=4)
+    # is not a multiple of the block, shuffled page tables (fp32 runs in the block-192 cases below);
+    # index-key pages in bf16 and fp8 (converted in SMEM for the MMA).
+    _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=4, ik_dtype=ik_dtype)
     check_scores(iq, ikp, pt, sl, splits=1)
 
 
-@pytest.mark.parametrize("bs,dtype", [(192, jnp.float32), (256, jnp.bfloat16)])
-def test_several_mma_tiles_per_page(bs, dtype):
-    _, iq, _, _, ikp, pt, sl = make_case([bs + 37, 2 * bs], 2, dtype, seed=bs, bs=bs)
+@pytest.mark.parametrize("bs,dtype,ik_dtype", [(192, jnp.float32, None), (256, jnp.bfloat16, None),
+                                               (192, jnp.float32, jnp.float8_e4m3fn)])
+def test_several_mma_tiles_per_page(bs, dtype, ik_dtype):
+    _, iq, _, _, ikp, pt, sl = make_case([bs + 37, 2 * bs], 2, dtype, seed=bs, bs=bs, ik_dtype=ik_dtype)
     got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, config=D.IndexScoreConfig(num_splits=2)))
     ref = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, implementation="reference"))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))

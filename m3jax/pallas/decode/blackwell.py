@@ -15,7 +15,9 @@ multiple of 8 as tcgen05 needs, of 16 for 64-row tiles). What differs:
   max-reduces it over the key rows; ``wait_load_tmem`` before the next page's MMAs overwrite TMEM.
   Waiting at once keeps the SMEM page live until its MMAs are done (the pipeline frees the slot when
   the step returns), and the next pages' TMA loads still overlap this one.
-- fp32 inputs are split into bf16 pieces as on Hopper (tcgen05 would run fp32 as TF32).
+- fp32 inputs are split into bf16 pieces as on Hopper (tcgen05 would run fp32 as TF32). fp8 e4m3
+  pages are converted in SMEM as on Hopper (``kernel._convert_page``); the converted page is free
+  for the next one once this page's MMAs were waited for.
 
 Chosen by :func:`m3jax.pallas.decode.decode_index_scores` when ``current_target().mma == "tcgen05"``.
 Verified here: interpret mode (which models tcgen05 and TMEM: the decode tests run under
@@ -34,13 +36,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import split_products, swizzle_transforms
+from m3jax.pallas._common import swizzle_transforms
 from m3jax.pallas.decode.kernel import (
     IndexScoreConfig,
+    _page_transforms,
     _round_up,
     _score_chunks,
     _score_operands,
     _score_pipeline,
+    _score_products,
     _score_prologue,
     _score_result,
     _score_scratch,
@@ -86,22 +90,21 @@ def decode_index_scores_tcgen05(
         raise ValueError(f"{n_tiles} row tiles x {n_pad} query rows need {cols} > {TMEM_COLUMNS} TMEM columns")
     chunk, splits = _score_chunks(config, b, max_pages, n_pad)
     q_parts, k_parts = _score_operands(iq, ik_pages, n_pad)
-    n_parts = len(q_parts)
-    prods = split_products(n_parts)
-    dtype = q_parts[0].dtype
+    prods = _score_products(len(q_parts), len(k_parts))
     transforms = swizzle_transforms(swizzle_elems)  # bf16 parts: 2 bytes
-    stages = _score_stages(config, chunk, n_parts, n_pad, hx, bs)
+    stages = _score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
     # the register layout of a TMEM load: tcgen05's for 128-row tiles, wgmma's for 64-row ones
     layout = plgpu.Layout.TCGEN05 if m_tile == 128 else plgpu.Layout.WGMMA
 
     def body(*refs):
-        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, own, bi, seq_len, first, steps = _score_prologue(
-            refs, n_parts, chunk, bs)
+        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, own, bi, seq_len, first, steps = _score_prologue(
+            refs, len(q_parts), len(k_parts), chunk, bs)
         mma_bar, *acc_tmem = own
 
         def page_step(idx, *k_smems):
             (i,) = idx
             j = first + i
+            k_smems = mma_keys(k_smems)
             for t in range(n_tiles):
                 for n, (a, c) in enumerate(prods):
                     plgpu.tcgen05_mma(acc_tmem[t], k_smems[a].at[pl.ds(t * m_tile, m_tile)],
@@ -122,14 +125,14 @@ def decode_index_scores_tcgen05(
             score_smem[i] = best
 
         _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
-                        (bs, hx), transforms, stages)
+                        (bs, hx), _page_transforms(k_parts, hx, transforms), stages)
 
     kern = mosaic_kernel(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
         scratch_types=[
-            *_score_scratch(n_parts, n_pad, hx, chunk, dtype, transforms),
+            *_score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
             plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
             *[plgpu.TMEM((m_tile, n_pad), jnp.float32) for _ in range(n_tiles)],
         ],

@@ -16,6 +16,11 @@ position ``seq_lens[b] - Q + i``.
    Per page: the ``[block_size, N]`` fp32 accumulator is masked causally (key position <= query
    position), max-reduced over the key axis, and the ``[N]`` row goes to an SMEM score tile that is
    written back with one TMA store per CTA (rows of pages without tokens are set to -inf in XLA). Memory-bound: the index-key scan is the only large read.
+   fp8 e4m3 index pages (``index_cache_dtype="float8_e4m3fn"``) are TMA-loaded as fp8 (half the
+   bytes) and converted in SMEM, 64 rows at a time through registers, into one page of the query's
+   16-bit type that the MMA reads as its A operand (:func:`_convert_page`; exact: every e4m3 value is
+   a bf16 and an f16). Register-A wgmma would skip that SMEM round trip, but tcgen05 takes A from
+   SMEM or TMEM only and the interpreter has no register-A wgmma, so both variants share this path.
 2. :func:`sparse_decode_attention_kernel` (docs/KERNELS.md §2.6): one CTA per (request, KV head, split of the
    selected pages). The group's ``G`` query heads times the ``Q`` tokens are packed as wgmma rows
    (padded to 64). The Q tokens' selections are merged into a **union** of distinct pages with a
@@ -54,7 +59,8 @@ across splits); warp specialisation (a TMA warp + 2 compute warpgroups,
 as in ``attention_mgpu``) so that the MMA/softmax of one page overlaps the next page's wait; a
 second compute warpgroup for Q*G = 128 rows (Q = 8) to halve register pressure; fusing the top-k
 into the scoring kernel (per-split partial top-k, docs/KERNELS.md §6 item 3) so the score row is not
-re-read; FP8 index keys (halves the scan).
+re-read; fp8 pages: e4m3 -> bf16 in one ``cvt`` per pair where ptxas has PTX ISA 9.2 (now e4m3 -> f16
+-> f32 -> bf16, which Mosaic lowers on any ptxas).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from m3jax.msa.reference import lse_merge
 from m3jax.pallas._common import bf16_split_in_kernel, split_parts, split_products, swizzle_transforms
 from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
 
+FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -137,8 +144,9 @@ def decode_index_scores_kernel(
     """Block-max index scores of the Q new tokens over a paged index-key cache.
 
     Args:
-      iq: [B, Q, Hi, Hx] index queries; ik_pages: [num_pages, block_size, Hx] index keys;
-      page_table: int32 [B, max_pages]; seq_lens: int32 [B] (including the Q new tokens).
+      iq: [B, Q, Hi, Hx] index queries; ik_pages: [num_pages, block_size, Hx] index keys (bf16,
+      fp16, fp32 or fp8 e4m3); page_table: int32 [B, max_pages]; seq_lens: int32 [B] (including
+      the Q new tokens).
     Returns:
       fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
       blocks with no visible key (future or unused pages).
@@ -150,19 +158,19 @@ def decode_index_scores_kernel(
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
     chunk, splits = _score_chunks(config, b, max_pages, n_pad)
     q_parts, k_parts = _score_operands(iq, ik_pages, n_pad)
-    n_parts = len(q_parts)
-    prods = split_products(n_parts)
+    prods = _score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-    stages = _score_stages(config, chunk, n_parts, n_pad, hx, bs)
+    stages = _score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
 
     def body(*refs):
-        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, _, bi, seq_len, first, steps = _score_prologue(
-            refs, n_parts, chunk, bs)
+        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = _score_prologue(
+            refs, len(q_parts), len(k_parts), chunk, bs)
 
         def page_step(idx, *k_smems):
             (i,) = idx
             j = first + i
+            k_smems = mma_keys(k_smems)
             # query position of accumulator column n (n = h * Q + t): seq_len - Q + t. (Built inside
             # the loop body: no vector values closed over by the pipeline loop.)
             col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
@@ -179,13 +187,13 @@ def decode_index_scores_kernel(
             score_smem[i] = s.max(axis=0)
 
         _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
-                        (bs, hx), transforms, stages)
+                        (bs, hx), _page_transforms(k_parts, hx, transforms), stages)
 
     kern = mosaic_kernel(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
-        scratch_types=_score_scratch(n_parts, n_pad, hx, chunk, dtype, transforms),
+        scratch_types=_score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
         grid=(b, splits),
         grid_names=("b", "s"),
     )
@@ -222,49 +230,93 @@ def _score_chunks(config: IndexScoreConfig, b: int, max_pages: int, n_pad: int) 
 def _score_operands(iq, ik_pages, n_pad: int):
     """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded to n_pad, and
     the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
-    the selection, see _common.bf16_split)."""
+    the selection, see _common.bf16_split). fp8 e4m3 pages stay fp8, one piece: the kernel converts
+    each page to the query's 16-bit type in SMEM (:func:`_convert_page`, exact), so only an fp32 query
+    is split."""
     b, q, hi, hx = iq.shape
     rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, hi * q, hx)
     rows = jnp.pad(rows, [(0, 0), (0, n_pad - hi * q), (0, 0)])
+    if ik_pages.dtype == FP8:
+        q_parts = split_parts(rows if rows.dtype in (jnp.bfloat16, jnp.float16) else rows.astype(jnp.float32), 3)
+        return q_parts, (ik_pages.reshape(-1, hx),)
     q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
     k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
     return q_parts, tuple(kp.reshape(-1, hx) for kp in k_parts)
 
 
-def _score_stages(config: IndexScoreConfig, chunk: int, n_parts: int, n_pad: int, hx: int, bs: int) -> int:
-    """Page buffers that fit next to the query tile and the score tile (fp32: 3 bf16 parts per page)."""
-    fixed = n_parts * n_pad * hx * 2 + chunk * n_pad * 4 + 4096
-    return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // (n_parts * bs * hx * 2)))
+def _score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
+    """(key piece, query piece) MMAs per page: the split products of equally split operands; an fp8
+    page is one exact piece, so it meets every query piece once."""
+    return split_products(n_q) if n_k == n_q else tuple((0, c) for c in range(n_q))
 
 
-def _score_scratch(n_parts: int, n_pad: int, hx: int, chunk: int, dtype, transforms) -> list:
-    """The scratch both variants start with: query tile, score tile, the query tile's barrier."""
+def _page_transforms(k_parts, hx: int, transforms):
+    """SMEM layout of the TMA-loaded key pages: the MMA operand's for 16-bit pages; fp8 pages (read
+    by :func:`_convert_page` only) the widest swizzle their 1-byte rows allow."""
+    return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
+
+
+def _score_stages(config: IndexScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int) -> int:
+    """Page buffers that fit next to the query tile, the score tile and (fp8 pages) the converted
+    page (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
+    page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
+    convert = bs * hx * 2 if k_parts[0].dtype == FP8 else 0
+    fixed = len(q_parts) * n_pad * hx * 2 + chunk * n_pad * 4 + convert + 4096
+    return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
+
+
+def _score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms) -> list:
+    """The scratch both variants start with: query tile, score tile, the query tile's barrier and, for
+    fp8 pages, the page converted to the query's type (the MMA's key operand)."""
+    dtype = q_parts[0].dtype
+    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if k_parts[0].dtype == FP8 else []
     return [
-        plgpu.SMEM((n_parts, n_pad, hx), dtype, transforms=transforms),
+        plgpu.SMEM((len(q_parts), n_pad, hx), dtype, transforms=transforms),
         plgpu.SMEM((chunk, n_pad), jnp.float32),
-        plgpu.Barrier(num_arrivals=n_parts),
+        plgpu.Barrier(num_arrivals=len(q_parts)),
+        *convert,
     ]
 
 
-def _score_prologue(refs, n_parts: int, chunk: int, bs: int):
+def _convert_page(src, dst) -> None:
+    """fp8 e4m3 key page (SMEM) -> ``dst``'s 16-bit type (SMEM), 64 rows at a time (64 x Hx / 128
+    threads in registers), fenced for the MMA that reads it. Through f16: Mosaic converts e4m3 to f16
+    with one ``cvt`` per pair on any ptxas, to bf16 directly only with PTX ISA >= 9.2; every e4m3
+    value is exact in f16 and in bf16, so the keys the MMA sees are the cache's."""
+    for r in range(0, src.shape[0], 64):
+        x = plgpu.load(src.at[pl.ds(r, 64)], layout=plgpu.Layout.WGMMA_8BIT)  # 4-byte loads
+        dst[pl.ds(r, 64)] = x.astype(jnp.float16).astype(dst.dtype)
+    plgpu.commit_smem()
+
+
+def _score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int):
     """Unpack a scoring kernel's refs, copy the query tile in and find this CTA's pages.
 
     refs: q parts, k parts, page table, seq lens, out, then :func:`_score_scratch` and the variant's
-    own scratch. Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, [variant scratch], bi,
-    seq_len, first page, live steps)."""
-    q_gmem = refs[:n_parts]
-    k_gmem = refs[n_parts : 2 * n_parts]
-    pt_gmem, len_gmem, out_gmem = refs[2 * n_parts : 2 * n_parts + 3]
-    q_smem, score_smem, q_bar, *own = refs[2 * n_parts + 3 :]
+    own scratch. Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, [variant scratch],
+    bi, seq_len, first page, live steps); ``mma_keys(page refs)`` gives the MMA's key operands of a
+    loaded page (fp8: the page converted; the caller's MMAs must be done with the previous one)."""
+    q_gmem = refs[:n_q]
+    k_gmem = refs[n_q : n_q + n_k]
+    pt_gmem, len_gmem, out_gmem = refs[n_q + n_k : n_q + n_k + 3]
+    q_smem, score_smem, q_bar, *own = refs[n_q + n_k + 3 :]
+    converted = own.pop(0) if k_gmem[0].dtype == FP8 else None
+
+    def mma_keys(k_smems):
+        if converted is None:
+            return k_smems
+        _convert_page(k_smems[0], converted)
+        return (converted,)
+
     bi = lax.axis_index("b")
     seq_len = len_gmem[bi]
     first = lax.axis_index("s") * chunk
     live_pages = (seq_len + bs - 1) // bs
     steps = jnp.clip(jnp.minimum(live_pages, first + chunk) - first, 0, chunk)
-    for p in range(n_parts):
+    for p in range(n_q):
         plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
     plgpu.barrier_wait(q_bar)
-    return q_smem, k_gmem, pt_gmem, out_gmem, score_smem, own, bi, seq_len, first, steps
+    return q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, own, bi, seq_len, first, steps
 
 
 def _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
