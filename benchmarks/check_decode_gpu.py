@@ -5,7 +5,8 @@ Each kernel is checked on its own (an error in one is reported and does not hide
 selection of the REFERENCE scores (``msa.select_blocks``), vs the reference attention. Shapes are
 M3's (N=64, K=4, H=128, Hi=4, Hx=128, page 128, top-k 16), Q=1 and Q=4, batch 2 with different
 ~128K lengths (not multiples of the page), one unused page-table column, shuffled page table, bf16
-and fp32. A few other block sizes / top-k follow at the end.
+and fp32; then fp8 e4m3 index-key pages (an fp8 index cache, read by the scoring kernel as stored)
+with bf16 and fp32 queries. A few other block sizes / top-k follow at the end.
 
 Tolerances: tests/pallas/tolerances.py, the table CI holds (index scores, decode attention); the
 references run at full fp32 precision (``jax.default_matmul_precision("highest")``: XLA's GPU default
@@ -32,7 +33,7 @@ from tests.pallas.tolerances import TOL
 M3 = dict(n=64, kh=4, h=128, hx=128, bs=128, topk=16)
 
 
-def make_case(b, q_len, n, kh, h, hx, bs, seq_lens, dtype, seed=0):
+def make_case(b, q_len, n, kh, h, hx, bs, seq_lens, dtype, seed=0, ik_dtype=None):
     seq_lens = jnp.asarray(seq_lens, jnp.int32)
     max_pages = -(-int(max(seq_lens)) // bs) + 1  # one column never used: must give -inf / no effect
     num_pages = b * max_pages + 3
@@ -41,7 +42,7 @@ def make_case(b, q_len, n, kh, h, hx, bs, seq_lens, dtype, seed=0):
     iq = jax.random.normal(ks[1], (b, q_len, kh, hx), jnp.float32).astype(dtype)
     kp = jax.random.normal(ks[2], (num_pages, bs, kh, h), jnp.float32).astype(dtype)
     vp = jax.random.normal(ks[3], (num_pages, bs, kh, h), jnp.float32).astype(dtype)
-    ikp = jax.random.normal(ks[4], (num_pages, bs, hx), jnp.float32).astype(dtype)
+    ikp = jax.random.normal(ks[4], (num_pages, bs, hx), jnp.float32).astype(ik_dtype or dtype)
     pt = jax.random.permutation(ks[5], num_pages)[: b * max_pages].astype(jnp.int32).reshape(b, max_pages)
     return q, iq, kp, vp, ikp, pt, seq_lens
 
@@ -70,10 +71,11 @@ def _report_exc(kernel: str, e: BaseException) -> str:
     return _short(e)
 
 
-def check(b, q_len, n, kh, h, hx, bs, topk, seq_lens, dtype):
+def check(b, q_len, n, kh, h, hx, bs, topk, seq_lens, dtype, ik_dtype=None):
     dt = jnp.dtype(dtype).name
-    name = f"{dt:8s} B={b} Q={q_len} bs={bs} topk={topk} lens={list(seq_lens)}"
-    q, iq, kp, vp, ikp, pt, sl = make_case(b, q_len, n, kh, h, hx, bs, seq_lens, dtype)
+    pages = "" if ik_dtype is None else f" index pages {jnp.dtype(ik_dtype).name}"
+    name = f"{dt:8s} B={b} Q={q_len} bs={bs} topk={topk} lens={list(seq_lens)}{pages}"
+    q, iq, kp, vp, ikp, pt, sl = make_case(b, q_len, n, kh, h, hx, bs, seq_lens, dtype, ik_dtype=ik_dtype)
     rows = []
 
     # 1. index scores
@@ -127,6 +129,8 @@ def main():
         (2, 4, *M3.values(), lens, jnp.bfloat16),
         (2, 1, *M3.values(), lens, jnp.float32),
         (2, 4, *M3.values(), lens, jnp.float32),
+        (2, 1, *M3.values(), lens, jnp.bfloat16, jnp.float8_e4m3fn),
+        (2, 4, *M3.values(), lens, jnp.float32, jnp.float8_e4m3fn),
         # other page sizes / top-k (short contexts; one request shorter than topk * page)
         (2, 2, 64, 4, 128, 128, 256, 8, [9000, 1000], jnp.bfloat16),
         (2, 2, 64, 4, 128, 128, 64, 32, [9000, 1000], jnp.bfloat16),

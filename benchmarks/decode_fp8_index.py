@@ -1,0 +1,211 @@
+"""fp8 e4m3 index-key pages in MSA decode (``index_cache_dtype="float8_e4m3fn"``): speed and selections.
+
+At MiniMax-M3's widths (the ``minimax_m3`` preset: N=64 query heads, K=4 KV heads, H=128, Hi=4 index
+heads, Hx=128, block (page) 128, top-16), caches of 128K and 1M tokens, B=1 and B=8, Q=1, on one GPU:
+
+- ``index_scores``: the decode index-score kernel (``m3jax.pallas.decode.decode_index_scores``) on bf16
+  pages, on fp8 pages read as stored (the kernel converts each page in SMEM), and on fp8 pages upcast
+  to bf16 in XLA first (what the model did before the kernel took fp8);
+- ``decode_step``: the model's whole MSA decode step (``m3jax.msa.kernels.decode``: index scores,
+  top-k, sparse paged attention) with the cache's index pages in bf16 and in fp8.
+
+Columns: device time (CUPTI, ``jax.experimental.mosaic.gpu.profiler.measure``, median of 20), ``ratio``
+= bf16 ms / ms (> 1: faster than bf16 pages), ``floor_ms`` = the index-key bytes the step reads
+(B x ctx x Hx x 1 or 2 B) / the copy bandwidth measured here ((read + written bytes) / time of an XLA
+copy of a 4 GiB buffer), and ``GB/s`` = index-key bytes / ms. Selections (per request and KV head):
+``rows_equal_bf16`` = fraction of selection rows (as sets) the fp8 pages select exactly as the bf16
+pages do, ``overlap_bf16`` = mean fraction of selected blocks they share (random keys: block maxima
+lie close together, so e4m3's 3 mantissa bits flip many near-ties; this measures that, not a model);
+``rows_equal_ref`` = fraction of rows where the kernel's selection from fp8 pages equals the jnp
+reference's selection from the same pages (``m3jax.msa.reference``, which upcasts: must be 1.0 up to
+exact fp32 near-ties), with ``score_err`` = max |kernel - reference| / the index-score tolerance
+(tests/pallas/tolerances.py; <= 1 passes).
+
+Run on one H200 (about 2 minutes): ``PYTHONPATH=. python benchmarks/decode_fp8_index.py``. Prints the
+table and writes ``$OUT/decode_fp8_index.md`` and ``.json`` (``$OUT`` default ``benchmarks/out``).
+``FP8_BENCH_CTX=131072,1048576`` / ``FP8_BENCH_BATCH=1,8`` choose the shapes; ``FP8_BENCH_BUDGET_S``
+(default 170) stops starting new shapes after that many seconds (they are reported as skipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _time_ms(f, *args, iters: int = 20) -> float:
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(f(*args))  # compile + warm-up
+    _, times = profiler.measure(f, iterations=iters)(*args)
+    return float(statistics.median(times))
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of an XLA copy (read + write) of a 4 GiB bf16 buffer."""
+    x = jnp.ones((1 << 31,), jnp.bfloat16)
+    ms = _time_ms(jax.jit(lambda x: x + jnp.bfloat16(1)), x)
+    return 2 * x.nbytes / (ms * 1e-3)
+
+
+def _ptxas_isa() -> int | None:
+    """PTX ISA version of the ptxas Mosaic compiles with (>= 92: e4m3 -> bf16 in one cvt per pair)."""
+    try:
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+        return int(fa.mgpu_lib._mosaic_gpu_ext._get_ptxas_isa_version())
+    except Exception:  # noqa: BLE001  (a private API: report None rather than fail the run)
+        return None
+
+
+def _inputs(t, b: int, ctx: int, seed: int = 0):
+    bs, pages = t.index_block_size, ctx // t.index_block_size
+    ks = jax.random.split(jax.random.key(seed), 6)
+    bf = jnp.bfloat16
+    q = jax.random.normal(ks[0], (b, 1, t.num_attention_heads, t.head_dim), bf)
+    iq = jax.random.normal(ks[1], (b, 1, t.index_n_heads, t.index_head_dim), bf)
+    kp = jax.random.normal(ks[2], (b * pages, bs, t.num_key_value_heads, t.head_dim), bf)
+    vp = jax.random.normal(ks[3], (b * pages, bs, t.num_key_value_heads, t.head_dim), bf)
+    ikp = jax.random.normal(ks[4], (b * pages, bs, t.index_head_dim), bf)
+    pt = jax.random.permutation(ks[5], b * pages).astype(jnp.int32).reshape(b, pages)
+    return q, iq, kp, vp, ikp, pt, jnp.full((b,), ctx, jnp.int32)
+
+
+def _rows(sel) -> np.ndarray:
+    """Selections as sorted rows [rows, topk] (order within a row is not part of the contract)."""
+    s = np.sort(np.asarray(sel), -1)
+    return s.reshape(-1, s.shape[-1])
+
+
+def _agreement(a, b) -> tuple[float, float]:
+    """(fraction of equal rows, mean fraction of shared valid ids per row) of two selections."""
+    a, b = _rows(a), _rows(b)
+    equal = float((a == b).all(-1).mean())
+    shared = [len(set(x[x >= 0]) & set(y[y >= 0])) / max(1, (x >= 0).sum()) for x, y in zip(a, b)]
+    return equal, float(np.mean(shared))
+
+
+def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
+    from m3jax import msa
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
+    from m3jax.pallas import decode as D
+    from tests.pallas.tolerances import TOL
+
+    bs, hx = t.index_block_size, t.index_head_dim
+    q, iq, kp, vp, ikp, pt, sl = _inputs(t, b, ctx)
+    ik8 = ikp.astype(FP8)  # unit normals: far inside e4m3's range
+    q_pos = D.query_positions(sl, 1)
+    shape = (f"B={b} ctx={ctx // 1024}K N={t.num_attention_heads} K={t.num_key_value_heads} H={t.head_dim} "
+             f"Hi={t.index_n_heads} Hx={hx} bs={bs} topk={t.index_topk_blocks}")
+    select = jax.jit(functools.partial(msa.select_blocks, block_size=bs, topk=t.index_topk_blocks,
+                                       local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks))
+    scores = jax.jit(functools.partial(D.decode_index_scores, block_size=bs))
+    ref_scores = jax.jit(functools.partial(D.decode_index_scores, block_size=bs, implementation="reference"))
+    upcast_scores = jax.jit(lambda iq, ik, pt, sl: D.decode_index_scores(iq, ik.astype(jnp.bfloat16), pt, sl,
+                                                                         block_size=bs))
+
+    def step(cfg):
+        return jax.jit(lambda q, iq, kp, vp, ik, pt: kernels.decode(q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg))
+
+    rows = []
+
+    def row(op, pages, ms, nbytes, base_ms=None, **extra) -> dict:
+        rows.append({"op": op, "shape": shape, "index_pages": pages, "ms": ms, "index_bytes": nbytes,
+                     "gbps": nbytes / ms / 1e6, "floor_ms": nbytes / bw * 1e3,
+                     "ratio": None if base_ms is None else base_ms / ms, **extra})
+        return rows[-1]
+
+    n16, n8 = ikp.nbytes, ik8.nbytes
+    # 1. the index-score kernel alone
+    ms16 = _time_ms(scores, iq, ikp, pt, sl)
+    row("index_scores", "bfloat16", ms16, n16)
+    fp8_row = row("index_scores", "float8_e4m3fn", _time_ms(scores, iq, ik8, pt, sl), n8, ms16)
+    row("index_scores", "float8_e4m3fn upcast in XLA (before)", _time_ms(upcast_scores, iq, ik8, pt, sl), n8, ms16)
+
+    # 2. selections: fp8 pages vs bf16 pages (kernel scores), kernel vs reference on the fp8 pages
+    s16, s8, r8 = scores(iq, ikp, pt, sl), scores(iq, ik8, pt, sl), ref_scores(iq, ik8, pt, sl)
+    fin = np.isfinite(np.asarray(r8))
+    tol = TOL[("index_scores", "bfloat16")]
+    d = np.abs(np.asarray(s8)[fin] - np.asarray(r8)[fin]) / (tol["atol"] + tol["rtol"] * np.abs(np.asarray(r8)[fin]))
+    sel8 = select(s8, q_pos)
+    eq16, overlap16 = _agreement(sel8, select(s16, q_pos))
+    eq_ref, _ = _agreement(sel8, select(r8, q_pos))
+    fp8_row.update(rows_equal_bf16=eq16, overlap_bf16=overlap16, rows_equal_ref=eq_ref, score_err=float(d.max()))
+    del s16, s8, r8
+
+    # 3. the model's whole MSA decode step (index scores, top-k, sparse attention); its selection too
+    kv_bytes = b * t.num_key_value_heads * t.index_topk_blocks * bs * t.head_dim * 2 * 2
+    cfg16 = dataclasses.replace(t, index_cache_dtype="bfloat16")
+    cfg8 = dataclasses.replace(t, index_cache_dtype="float8_e4m3fn")
+    f16, f8 = step(cfg16), step(cfg8)
+    st16 = _time_ms(f16, q, iq, kp, vp, ikp, pt)
+    row("decode_step", "bfloat16", st16, n16, kv_bytes=kv_bytes)
+    st8 = _time_ms(f8, q, iq, kp, vp, ik8, pt)
+    sel_step = f8(q, iq, kp, vp, ik8, pt)[1]
+    eq_step, _ = _agreement(sel_step, select(ref_scores(iq, ik8, pt, sl), q_pos))
+    row("decode_step", "float8_e4m3fn", st8, n8, st16, kv_bytes=kv_bytes, rows_equal_ref=eq_step)
+    return rows
+
+
+COLS = ("op", "shape", "index_pages", "ms", "ratio", "floor_ms", "gbps", "rows_equal_bf16", "overlap_bf16",
+        "rows_equal_ref", "score_err", "notes")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def main() -> None:
+    import m3jax
+
+    t = m3jax.preset("minimax_m3").text
+    ctxs = [int(x) for x in os.environ.get("FP8_BENCH_CTX", "131072,1048576").split(",")]
+    batches = [int(x) for x in os.environ.get("FP8_BENCH_BATCH", "1,8").split(",")]
+    deadline = time.time() + float(os.environ.get("FP8_BENCH_BUDGET_S", "170"))
+    bw = copy_bandwidth()
+    head = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "copy_gbps": bw / 1e9,
+            "ptxas_isa": _ptxas_isa()}
+    print(json.dumps(head), flush=True)
+    print("| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS), flush=True)
+    rows = []
+    for ctx in ctxs:
+        for b in batches:
+            if time.time() > deadline:
+                new = [{"op": "-", "shape": f"B={b} ctx={ctx // 1024}K", "notes": "skipped: time budget"}]
+            else:
+                try:
+                    new = run_shape(t, b, ctx, bw)
+                except Exception as e:  # noqa: BLE001  (one failing shape must not hide the others)
+                    new = [{"op": "-", "shape": f"B={b} ctx={ctx // 1024}K",
+                            "notes": f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"}]
+            for r in new:
+                print("| " + " | ".join(_fmt(r.get(c)) for c in COLS) + " |", flush=True)
+            rows += new
+    out = Path(os.environ.get("OUT", "benchmarks/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_fp8_index.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
+    md = [f"device {head['device']}, jax {head['jax']}, copy bandwidth {bw / 1e9:.0f} GB/s, "
+          f"ptxas ISA {head['ptxas_isa']}", "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    md += ["| " + " | ".join(_fmt(r.get(c)) for c in COLS) + " |" for r in rows]
+    (out / "decode_fp8_index.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out / 'decode_fp8_index.md'} and .json", flush=True)
+
+
+if __name__ == "__main__":
+    main()
