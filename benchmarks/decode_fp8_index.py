@@ -200,8 +200,8 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_fp8_index.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
-    md = [f"device {head['device']}, jax {head['jax']}, copy bandwidth {bw / 1e9:.0f} GB/s, "
-          f"ptxas ISA {head['ptxas_isa']}", "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    title = f"device {head['device']}, jax {head['jax']}, copy bandwidth {bw / 1e9:.0f} GB/s, ptxas ISA {head['ptxas_isa']}"
+    md = [title, "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
     md += ["| " + " | ".join(_fmt(r.get(c)) for c in COLS) + " |" for r in rows]
     (out / "decode_fp8_index.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'decode_fp8_index.md'} and .json", flush=True)
