@@ -74,11 +74,14 @@ def resolve_attention_impl(impl: str, cfg=None, dtype="bfloat16") -> str:
 
 
 def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True,
-                    mesh=None) -> M3Model:
+                    mesh=None, weights: str = "dequantize") -> M3Model:
     """Load an HF-layout MiniMax-M3 checkpoint directory (config.json + safetensors, BF16 or MXFP8).
 
     ``dtype="auto"`` runs in the checkpoint's own dtype (:func:`m3jax.checkpoint.checkpoint_dtype`).
-    With ``mesh`` (``m3jax.sharding.make_mesh``) each device reads only its shard from the files."""
+    With ``mesh`` (``m3jax.sharding.make_mesh``) each device reads only its shard from the files.
+    ``weights="mxfp8"`` keeps an MXFP8 checkpoint's quantised weights as fp8 values + E8M0 scales on the
+    device (:class:`m3jax.layers.MXFP8Weight`; the MoE grouped GEMM reads them as they are, the other
+    matmuls dequantise at use); ``"dequantize"`` (default) holds them in ``dtype``."""
     if dtype not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"dtype={dtype!r}; choose 'auto', 'bfloat16' or 'float32'")
     cfg = load_config(path)
@@ -88,8 +91,8 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
     if mesh is not None:
         from m3jax.sharding import load_sharded
 
-        return M3Model(cfg, load_sharded(path, cfg, mesh, dtype=dtype, progress=progress), mesh)
-    params = load_params(path, cfg, dtype=dtype, progress=progress)
+        return M3Model(cfg, load_sharded(path, cfg, mesh, dtype=dtype, progress=progress, weights=weights), mesh)
+    params = load_params(path, cfg, dtype=dtype, progress=progress, weights=weights)
     return M3Model(cfg, params)
 
 

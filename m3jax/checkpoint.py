@@ -9,7 +9,9 @@ Official tensor names (docs/ARCHITECTURE.md §4), e.g.::
 
 Loading is lazy (memory-mapped safetensors, one tensor at a time; per-expert tensors written into
 one preallocated stack), so host memory peaks near the largest stacked tensor. MXFP8 weights
-(float8_e4m3fn + uint8 E8M0 ``weight_scale_inv`` per 32 inputs) are dequantised on load. Every
+(float8_e4m3fn + uint8 E8M0 ``weight_scale_inv`` per 32 inputs) are dequantised on load, or with
+``weights="mxfp8"`` kept as they are: fp8 values and uint8 scales re-laid out like the weight they
+stand for (:class:`m3jax.layers.MXFP8Weight`, the specs of ``param_specs(cfg, "mxfp8")``). Every
 problem names the tensor: missing, unexpected, wrong shape, wrong dtype, truncated file.
 """
 
@@ -20,8 +22,8 @@ import json
 import math
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +31,10 @@ import ml_dtypes
 import numpy as np
 
 from m3jax.config import M3Config, UnsupportedConfigError, config_to_hf, read_config_json
+from m3jax.layers import MXFP8_BLOCK, MXFP8Weight, dequantize
 from m3jax.params import ParamSpec, param_specs
 from m3jax.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
 
-MXFP8_BLOCK = 32
 # Tensors transformers also skips on load: MTP heads the base model does not use.
 IGNORED = re.compile(r"(^|\.)mtp\.")
 
@@ -49,13 +51,22 @@ class Entry:
     path: tuple
     names: tuple[str, ...]
     kind: str
-    spec: ParamSpec
+    spec: ParamSpec | MXFP8Weight  # MXFP8Weight of two ParamSpecs: kept MXFP8 (weights="mxfp8")
     n_in: int = 1
     patch_shape: tuple[int, ...] = ()  # Conv3d weight shape [Dv, C, T, P, P] for kind "patch"
 
+    @property
+    def mxfp8(self) -> bool:
+        return isinstance(self.spec, MXFP8Weight)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The leaf's shape (an MXFP8 leaf's values')."""
+        return self.spec.values.shape if self.mxfp8 else self.spec.shape
+
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of each checkpoint tensor (torch layout)."""
-        s = self.spec.shape
+        s = self.shape
         if self.kind == "copy":
             return s
         if self.kind == "linear":
@@ -71,9 +82,9 @@ def _get(tree, path):
     return tree
 
 
-def tensor_plan(cfg: M3Config) -> list[Entry]:
+def tensor_plan(cfg: M3Config, weights: str = "dequantize") -> list[Entry]:
     """Every parameter leaf with its official checkpoint name(s), in a stable order."""
-    specs = param_specs(cfg)
+    specs = param_specs(cfg, weights)
     out: list[Entry] = []
 
     def add(path, names, kind="linear", n_in=1, patch_shape=()):
@@ -267,8 +278,76 @@ class CheckpointReader:
         return a, [name]
 
 
-def _convert(reader: CheckpointReader, e: Entry, out_dtype) -> tuple[np.ndarray, list[str]]:
-    """Read and re-layout one entry into a numpy array of the leaf's shape and ``out_dtype``."""
+def _read_mxfp8(reader: CheckpointReader, name: str, hf_shape) -> tuple[np.ndarray, np.ndarray]:
+    """The stored fp8 values [out, in] and uint8 scales [out, in / 32] of one weight, as memory maps."""
+    a = reader.read_checked(name, hf_shape)
+    if a.dtype != ml_dtypes.float8_e4m3fn:
+        raise CheckpointError(
+            f"{reader.file_of(name)}: tensor {name!r} is stored as {a.dtype}, not MXFP8; weights='mxfp8' keeps an "
+            "MXFP8 checkpoint's weights as they are (load this one with weights='dequantize')")
+    scale_name = name + "_scale_inv"
+    scale = reader.read(scale_name)
+    want = (hf_shape[0], hf_shape[1] // MXFP8_BLOCK)
+    if tuple(scale.shape) != want or scale.dtype != np.uint8:
+        raise CheckpointError(f"{reader.file_of(scale_name)}: tensor {scale_name!r} is {scale.dtype} "
+                              f"{tuple(scale.shape)}, expected uint8 (E8M0) {want}")
+    return a, scale
+
+
+def _mxfp8_leaf(reader: CheckpointReader, e: Entry, index: tuple | None = None,
+                parts: tuple[str, ...] = ("values", "scales")) -> tuple[dict[str, np.ndarray], list[str]]:
+    """An MXFP8 entry's ``parts`` ("values", "scales") in our layout, read without dequantising: the
+    slice ``index`` of the values' shape (sharded loading; the scales' slice covers the same 32-input
+    blocks). Returns ({part: array}, checkpoint names read)."""
+    specs = e.spec
+    v_index = _full_index(specs.values.shape, index)
+    idx = {"values": v_index, "scales": _scale_index(specs, v_index)}
+    shape = {"values": specs.values.shape, "scales": specs.scales.shape}
+    suffix = {"values": "", "scales": "_scale_inv"}
+    if e.kind == "experts":
+        lo, hi, step = v_index[0].indices(specs.values.shape[0])
+        mats: dict[str, list] = {p: [] for p in parts}
+        used = []
+        for i in range(lo, hi, step):
+            stored = dict(zip(("values", "scales"), _read_mxfp8(reader, e.names[i], e.hf_shape())))
+            for p in parts:
+                mats[p].append(np.asarray(stored[p].T[idx[p][1:]]))
+                used.append(e.names[i] + suffix[p])
+        dtypes = {"values": ml_dtypes.float8_e4m3fn, "scales": np.uint8}
+        return {p: _stack(mats[p], shape[p], idx[p], dtypes[p]) for p in parts}, used
+    name = e.names[0]
+    stored = dict(zip(("values", "scales"), _read_mxfp8(reader, name, e.hf_shape())))
+    out = {p: _linear_slice(lambda r, c, a=stored[p]: np.asarray(a[r[0]:r[1], c[0]:c[1]]), shape[p], e.n_in, idx[p])
+           for p in parts}
+    return out, [name + suffix[p] for p in parts]
+
+
+def _full_index(shape, index) -> tuple:
+    index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
+    return index + tuple(slice(None) for _ in range(len(shape) - len(index)))
+
+
+def _scale_index(specs: MXFP8Weight, v_index: tuple) -> tuple:
+    """The slice of an MXFP8 leaf's scales that goes with slice ``v_index`` of its values: the grouped
+    axis' bounds / 32 (a shard boundary inside a 32-input block is refused by the sharding rules)."""
+    ax = specs.group_axis
+    lo, hi, step = v_index[ax].indices(specs.values.shape[ax])
+    if step != 1 or lo % MXFP8_BLOCK or hi % MXFP8_BLOCK:
+        raise CheckpointError(f"a slice {lo}:{hi}:{step} of an MXFP8 weight's input axis does not cover whole "
+                              f"{MXFP8_BLOCK}-input blocks")
+    return v_index[:ax] + (slice(lo // MXFP8_BLOCK, hi // MXFP8_BLOCK),) + v_index[ax + 1:]
+
+
+def _stack(mats, shape, index, dtype) -> np.ndarray:
+    return np.stack(mats) if mats else np.empty((0,) + np.empty(shape[1:], np.uint8)[index[1:]].shape, dtype)
+
+
+def _convert(reader: CheckpointReader, e: Entry, out_dtype) -> tuple[np.ndarray | MXFP8Weight, list[str]]:
+    """Read and re-layout one entry into a numpy array of the leaf's shape and ``out_dtype`` (an MXFP8
+    entry: its values and scales as stored)."""
+    if e.mxfp8:
+        leaf, used = _mxfp8_leaf(reader, e)
+        return MXFP8Weight(**leaf), used
     if e.kind == "experts":
         stacked = np.empty(e.spec.shape, dtype=out_dtype)
         used = []
@@ -288,19 +367,18 @@ def _convert(reader: CheckpointReader, e: Entry, out_dtype) -> tuple[np.ndarray,
 
 
 def iter_checkpoint_arrays(
-    directory: str | Path, cfg: M3Config, dtype="bfloat16", progress: bool = True
-) -> Iterator[tuple[Entry, np.ndarray]]:
-    """Yield (entry, numpy array in our layout) one leaf at a time; verifies nothing is left unused."""
+    directory: str | Path, cfg: M3Config, dtype="bfloat16", progress: bool = True, weights: str = "dequantize"
+) -> Iterator[tuple[Entry, np.ndarray | MXFP8Weight]]:
+    """Yield (entry, numpy array in our layout) one leaf at a time; verifies nothing is left unused.
+    ``weights="mxfp8"``: the MXFP8 leaves come as :class:`MXFP8Weight` of their stored values and scales."""
     from tqdm.auto import tqdm
 
     reader = CheckpointReader(directory)
-    plan = tensor_plan(cfg)
+    plan = tensor_plan(cfg, weights)
     unexpected = {n for n in reader.names() if not IGNORED.search(n)}
     bar = tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress)
     for e in bar:
-        np_dtype = np.dtype(ml_dtypes.bfloat16) if e.spec.resolve_dtype(dtype) == jnp.bfloat16 else np.dtype(
-            e.spec.resolve_dtype(dtype)
-        )
+        np_dtype = None if e.mxfp8 else _np_dtype(e.spec.resolve_dtype(dtype))
         arr, used = _convert(reader, e, np_dtype)
         unexpected.difference_update(used)
         yield e, arr
@@ -313,21 +391,26 @@ def iter_checkpoint_arrays(
         )
 
 
+def _np_dtype(dtype) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+
+
 def load_params(
     directory: str | Path,
     cfg: M3Config,
     dtype="bfloat16",
     progress: bool = True,
     place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+    weights: str = "dequantize",
 ) -> dict:
-    """Load a checkpoint into our parameter tree.
+    """Load a checkpoint into our parameter tree (``weights``: "dequantize" or "mxfp8", see the module).
 
     ``place(path, array)`` puts one leaf on device(s) (default: ``jax.device_put``); the sharding
     module passes a function that shards it. The host copy is dropped right after placement.
     """
     place = place or (lambda path, a: jax.device_put(a))
     tree = jax.tree.map(lambda s: None, param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
-    for e, arr in iter_checkpoint_arrays(directory, cfg, dtype, progress):
+    for e, arr in iter_checkpoint_arrays(directory, cfg, dtype, progress, weights):
         parent = _get(tree, e.path[:-1])
         parent[e.path[-1]] = place(e.path, arr)
         del arr
@@ -365,7 +448,10 @@ _TMP_SHARD = re.compile(r"shard-\d{5}\.tmp")
 def checkpoint_tensors(params: dict, cfg: M3Config, dtype=None, quantize_mxfp8_weights: bool = False):
     """Yield (official name, numpy tensor in torch layout) for every tensor of the checkpoint."""
     for e in tensor_plan(cfg):
-        a = np.asarray(jax.device_get(_get(params, e.path)))
+        leaf = _get(params, e.path)
+        if isinstance(leaf, MXFP8Weight):  # held MXFP8 (weights="mxfp8"): written from its exact fp32 values
+            leaf = dequantize(leaf, jnp.float32)
+        a = np.asarray(jax.device_get(leaf))
         if dtype is not None and e.spec.dtype == "model":
             a = a.astype(ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype))
         if e.kind == "copy":
@@ -503,20 +589,49 @@ def _read_rows_cols(reader: CheckpointReader, name: str, hf_shape, rows: tuple[i
     return np.asarray(a[r0:r1, c0:c1]), [name]
 
 
-def read_entry_shard(reader: CheckpointReader, e: Entry, index: tuple | None, out_dtype) -> tuple[np.ndarray, list[str]]:
+def _linear_slice(read_block: Callable, shape: tuple[int, ...], n_in: int, index: tuple) -> np.ndarray:
+    """Slice ``index`` of a linear leaf of ``shape`` (ours = hf.T.reshape(in_dims + out_dims), hf =
+    [prod(out_dims), prod(in_dims)]), reading only ``read_block((r0, r1), (c0, c1))`` of the hf tensor
+    (exact when the leading dim of the leaf's output or input group is the sliced one)."""
+    in_dims, out_dims = shape[:n_in], shape[n_in:]
+    c0, c1, in_rest = _flat_range(index[:n_in], in_dims)
+    r0, r1, out_rest = _flat_range(index[n_in:], out_dims)
+    block = read_block((r0, r1), (c0, c1))
+
+    def sub(dims, lo, hi, rest):  # shape of the read range in the leaf's dims
+        if rest and any(s != slice(None) for s in rest):
+            return dims
+        inner = math.prod(dims[1:])
+        return ((hi - lo) // inner,) + tuple(dims[1:])
+
+    a = block.T.reshape(sub(in_dims, c0, c1, in_rest) + sub(out_dims, r0, r1, out_rest))
+    return np.ascontiguousarray(a[tuple(in_rest) + tuple(out_rest)])
+
+
+def read_entry_shard(reader: CheckpointReader, e: Entry, index: tuple | None, out_dtype,
+                     part: str | None = None) -> tuple[np.ndarray, list[str]]:
     """The slice ``index`` (a tuple of slices over the leaf's shape, as ``jax.make_array_from_callback``
     passes it) of one leaf, in our layout and ``out_dtype``, reading only what the slice needs:
 
     * ``experts``: only the experts in ``index[0]`` are opened (one [Fe, D] matrix each);
     * ``linear``: only the checkpoint rows / columns the slice covers (exact when the leading dim of
       the leaf's output or input group is the sliced one, which is what the sharding rules produce);
-    * ``copy``: a slice of the memory map; ``patch`` (vision Conv3d, small) is read whole.
+    * ``copy``: a slice of the memory map; ``patch`` (vision Conv3d, small) is read whole;
+    * an MXFP8 entry (``weights="mxfp8"``): ``part`` "values" or "scales", ``index`` a slice of that
+      part's shape, read as stored (``out_dtype`` unused).
 
     Returns (array, checkpoint names consumed). Equal to ``_convert(...)[0][index]``.
     """
+    if e.mxfp8:
+        if part == "scales":  # the scales' slice as a slice of the values (the grouped axis x 32)
+            ax = e.spec.group_axis
+            s_index = _full_index(e.spec.scales.shape, index)
+            lo, hi, _ = s_index[ax].indices(e.spec.scales.shape[ax])
+            index = s_index[:ax] + (slice(lo * MXFP8_BLOCK, hi * MXFP8_BLOCK),) + s_index[ax + 1:]
+        leaf, used = _mxfp8_leaf(reader, e, index, (part,))
+        return leaf[part], used
     shape = e.spec.shape
-    index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
-    index = index + tuple(slice(None) for _ in range(len(shape) - len(index)))
+    index = _full_index(shape, index)
     if e.kind == "experts":
         lo, hi, step = index[0].indices(shape[0])
         mats, used = [], []
@@ -524,8 +639,7 @@ def read_entry_shard(reader: CheckpointReader, e: Entry, index: tuple | None, ou
             a, u = reader.read_dequantized(e.names[idx], e.hf_shape())
             mats.append(np.asarray(a.T[index[1:]]).astype(out_dtype))
             used += u
-        out = np.stack(mats) if mats else np.empty((0,) + np.empty(shape[1:])[index[1:]].shape, out_dtype)
-        return out, used
+        return _stack(mats, shape, index, out_dtype), used
     if e.kind == "patch":
         a, used = _convert(reader, e, out_dtype)
         return np.ascontiguousarray(a[index]), used
@@ -535,17 +649,11 @@ def read_entry_shard(reader: CheckpointReader, e: Entry, index: tuple | None, ou
             full, used = reader.read_dequantized(e.names[0], shape)
             return np.asarray(full[index]).astype(out_dtype), used
         return np.asarray(a[index]).astype(out_dtype), [e.names[0]]
-    # linear: ours = hf.T.reshape(in_dims + out_dims), hf = [prod(out_dims), prod(in_dims)]
-    in_dims, out_dims = shape[: e.n_in], shape[e.n_in :]
-    c0, c1, in_rest = _flat_range(index[: e.n_in], in_dims)
-    r0, r1, out_rest = _flat_range(index[e.n_in :], out_dims)
-    block, used = _read_rows_cols(reader, e.names[0], e.hf_shape(), (r0, r1), (c0, c1))
+    used = []
 
-    def sub(dims, lo, hi, rest):  # shape of the read range in the leaf's dims
-        if rest and any(s != slice(None) for s in rest):
-            return dims
-        inner = math.prod(dims[1:])
-        return ((hi - lo) // inner,) + tuple(dims[1:])
+    def read_block(rows, cols):
+        block, u = _read_rows_cols(reader, e.names[0], e.hf_shape(), rows, cols)
+        used.extend(u)
+        return block
 
-    a = block.T.reshape(sub(in_dims, c0, c1, in_rest) + sub(out_dims, r0, r1, out_rest))
-    return np.ascontiguousarray(a[tuple(in_rest) + tuple(out_rest)]).astype(out_dtype), used
+    return _linear_slice(read_block, shape, e.n_in, index).astype(out_dtype), used

@@ -114,6 +114,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto (default): the checkpoint's dtype from its config.json (dtype / torch_dtype; float16 "
                          "runs as float32); bfloat16 for random --config presets")
+    ap.add_argument("--weights", default="dequantize", choices=["dequantize", "mxfp8"],
+                    help="MXFP8 checkpoint weights: dequantize on load (default) or keep them fp8 + scales on the "
+                         "device (about half the bytes; the memory plan counts them so); random presets: drawn as MXFP8")
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
@@ -199,9 +202,10 @@ def _check_memory(cfg, args, dtype: str, devices: list, data: int) -> dict:
     dtype_bytes = 2 if dtype == "bfloat16" else 4
     half = "" if dtype == "bfloat16" else "; --dtype bfloat16 halves weights and caches"
     if n == 1:
-        mem = plan(cfg, batch=1, capacity=args.ctx, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes)
+        mem = plan(cfg, batch=1, capacity=args.ctx, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes, weights=args.weights)
         if not mem.fits:
-            best = max_fitting_ctx(cfg, batch=1, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes, weights_loaded=False)
+            best = max_fitting_ctx(cfg, batch=1, chunk=args.prefill_chunk, dtype_bytes=dtype_bytes, weights_loaded=False,
+                                   weights=args.weights)
             hint = f"--ctx {best} fits on 1 device" if best else f"no --ctx fits; use a smaller --prefill-chunk or {more}"
             raise SystemExit(f"refusing to run: {mem.describe()}. {hint}{half}")
         return {"devices": 1, "weights_bytes": mem.weights, "cache_bytes": mem.cache,
@@ -209,8 +213,10 @@ def _check_memory(cfg, args, dtype: str, devices: list, data: int) -> dict:
                 "text": mem.describe()}
     budget, where = device_memory(devices)
     budget = float("inf") if budget is None else budget
+    # (the plan's "mxfp8": MXFP8 weights + BF16 rest; an fp32 run is planned with fp32 weights, an upper bound)
+    plan_dtype = "mxfp8" if args.weights == "mxfp8" and dtype == "bfloat16" else dtype
     r = device_plan(cfg, ctx=args.ctx, devices=n, data=data, budget_bytes=budget, chunk=args.prefill_chunk,
-                    dtype=dtype, platform="gpu" if _accelerator(devices) else "cpu")
+                    dtype=plan_dtype, platform="gpu" if _accelerator(devices) else "cpu")
     gb = device_planner.GB
     hint = ""
     if not r["fits"]:
@@ -410,13 +416,16 @@ def _generate(args) -> dict:
     if args.checkpoint:
         # With a mesh each device reads only its shard of the files (a progress bar per file).
         model = m3jax.load_pretrained(args.checkpoint, dtype=dtype, attention_impl=cfg.attention_impl,
-                                      progress=not args.quiet, mesh=mesh)
+                                      progress=not args.quiet, mesh=mesh, weights=args.weights)
         model = m3jax.M3Model(cfg, model.params, mesh)
-    elif memory_plan["weights_bytes"] * len(devices) > GiB:
+    elif memory_plan["weights_bytes"] * len(devices) > GiB or args.weights == "mxfp8":
         # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the devices, each
         # leaf straight into its shards under a mesh.
-        draw = lambda: init_random_on_device(cfg, seed=args.seed, dtype=jnp.dtype(dtype))  # noqa: E731
-        params = draw() if mesh is None else jax.jit(draw, out_shardings=sharding.param_shardings(cfg, mesh))()
+        def draw():
+            return init_random_on_device(cfg, seed=args.seed, dtype=jnp.dtype(dtype), weights=args.weights)
+
+        params = draw() if mesh is None else jax.jit(
+            draw, out_shardings=sharding.param_shardings(cfg, mesh, weights=args.weights))()
         model = m3jax.M3Model(cfg, params, mesh)
     else:
         model = (m3jax.init_random(cfg, seed=args.seed, dtype=dtype) if mesh is None  # the plain path, as before

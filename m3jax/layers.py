@@ -1,11 +1,63 @@
-"""Small building blocks shared by the text and vision towers: norms, RoPE, activations."""
+"""Small building blocks shared by the text and vision towers: norms, RoPE, activations, and the
+MXFP8 weight type that ``load_pretrained(..., weights="mxfp8")`` keeps on the device."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+MXFP8_BLOCK = 32  # inputs per E8M0 scale (the OCP MX block of the released MXFP8 checkpoint)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP8Weight:
+    """A matmul weight kept as MXFP8: ``values`` float8_e4m3fn in the layout of the weight it replaces
+    (``[in..., out...]``, experts first), ``scales`` uint8 E8M0 exponents (W = values * 2^(scales - 127))
+    of that shape with the last input axis divided by :data:`MXFP8_BLOCK` (e.g. wo ``[N, H, D]`` ->
+    ``[N, H / 32, D]``, expert gate ``[E, D, Fe]`` -> ``[E, D / 32, Fe]``). A pytree of its two leaves, so
+    jit, device_put, shardings and ``shard_map`` specs treat it as one node (the param specs hold an
+    ``MXFP8Weight`` of two ``ParamSpec`` s where the model holds one of two arrays)."""
+
+    values: Any
+    scales: Any
+
+    @property
+    def group_axis(self) -> int:
+        """The input axis the scales group (the one axis where the two shapes differ)."""
+        return next(i for i, (a, b) in enumerate(zip(self.values.shape, self.scales.shape)) if a != b)
+
+
+def dequantize(w, dtype):
+    """``w`` as a ``dtype`` array: an :class:`MXFP8Weight` dequantised, any other array as it is.
+
+    The model's one matmul helper for MXFP8 weights (:func:`dequantize_tree` applies it to a layer):
+    called inside jit, so XLA sees convert(f8 -> f32) x broadcast(2^(e - 127)) -> convert feeding the
+    dot. XLA:GPU fuses such an elementwise producer into the dot when its GEMM fusion (Triton) takes
+    the dot, so the weight is read as fp8; otherwise it writes the dequantised weight to a temporary
+    that the cuBLAS dot reads (the resident weights stay fp8 either way; the temporary lives for one
+    layer). The MoE experts do not come here: their grouped GEMM reads the fp8 tiles itself
+    (:mod:`m3jax.pallas.grouped_matmul`). Values x power-of-two scales are exact in bf16, so the result
+    equals the bf16 weight a dequantise-on-load model holds.
+    """
+    if not isinstance(w, MXFP8Weight):
+        return w
+    from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
+
+    return dequantize_mxfp8(w.values, w.scales, dtype, axis=w.group_axis)
+
+
+def dequantize_tree(tree, dtype, keep=lambda path: False):
+    """Every :class:`MXFP8Weight` of ``tree`` dequantised to ``dtype`` (:func:`dequantize`), except those
+    whose key path ``keep(path)`` keeps (the MoE experts, for the grouped GEMM)."""
+    def one(path, x):
+        return x if keep(path) else dequantize(x, dtype)
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, MXFP8Weight))
 
 
 def matmul_precision(dtype):

@@ -45,13 +45,15 @@ class MemoryPlan:
         )
 
 
-def weight_bytes(cfg: M3Config, dtype_bytes: int) -> int:
+def weight_bytes(cfg: M3Config, dtype_bytes: int, weights: str = "dequantize") -> int:
+    """Bytes of the parameters; ``weights="mxfp8"``: as ``load_pretrained(..., weights="mxfp8")`` holds
+    them (fp8 values and uint8 scales one byte each)."""
     total = 0
-    for s in jax.tree.leaves(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec)):
+    for s in jax.tree.leaves(param_specs(cfg, weights), is_leaf=lambda x: isinstance(x, ParamSpec)):
         n = 1
         for d in s.shape:
             n *= d
-        total += n * (4 if s.dtype == "float32" else dtype_bytes)
+        total += n * (4 if s.dtype == "float32" else 1 if s.dtype in ("float8_e4m3fn", "uint8") else dtype_bytes)
     return total
 
 
@@ -99,20 +101,23 @@ def device_memory(devices=None) -> tuple[int | None, str]:
         return None, "host"
 
 
-def plan(cfg: M3Config, *, batch: int, capacity: int, chunk: int, dtype_bytes: int, weights_loaded: bool = False) -> MemoryPlan:
+def plan(cfg: M3Config, *, batch: int, capacity: int, chunk: int, dtype_bytes: int, weights_loaded: bool = False,
+         weights: str = "dequantize") -> MemoryPlan:
     available, device = device_memory()
-    w = 0 if weights_loaded else weight_bytes(cfg, dtype_bytes)
+    w = 0 if weights_loaded else weight_bytes(cfg, dtype_bytes, weights)
     return MemoryPlan(w, cache_bytes(cfg, batch, capacity, dtype_bytes),
                       activation_bytes(cfg, batch, capacity, chunk, dtype_bytes), available, device)
 
 
-def max_fitting_ctx(cfg: M3Config, *, batch: int, chunk: int, dtype_bytes: int, weights_loaded: bool) -> int:
+def max_fitting_ctx(cfg: M3Config, *, batch: int, chunk: int, dtype_bytes: int, weights_loaded: bool,
+                    weights: str = "dequantize") -> int:
     """Largest capacity (multiple of the block) that fits, or 0."""
     bs = cfg.text.index_block_size
     lo, hi = 0, cfg.text.max_position_embeddings // bs
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan(cfg, batch=batch, capacity=mid * bs, chunk=chunk, dtype_bytes=dtype_bytes, weights_loaded=weights_loaded).fits:
+        if plan(cfg, batch=batch, capacity=mid * bs, chunk=chunk, dtype_bytes=dtype_bytes, weights_loaded=weights_loaded,
+                weights=weights).fits:
             lo = mid
         else:
             hi = mid - 1

@@ -21,7 +21,7 @@ from m3jax import sharding
 from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config, TextConfig
 from m3jax.layers import apply_rope, matmul_precision, rms_norm, rope_angles
-from m3jax.moe import dense_mlp, moe_sorted
+from m3jax.moe import dense_mlp, dequantize_layer, moe_sorted
 from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.vision import Grid, encode_media
 
@@ -243,6 +243,7 @@ def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_tab
     (the probe routes it); its result is returned as ``(aux, observed)``. Returns (h, aux, kv).
     """
     t = cfg.text
+    lp = dequantize_layer(lp, lp["input_norm"].dtype)  # MXFP8 weights: dequantised at use, experts kept fp8
     with matmul_precision(lp["attn"]["wo"].dtype):  # fp32 weights: fp32 matmuls on the GPU too
         x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
         if attend is None:

@@ -4,6 +4,11 @@ top-k renormalised weights, SwiGLU-OAI experts, routed scaling, one shared exper
 Two equal implementations: :func:`moe_sorted` (tokens sorted by expert + grouped matmul, the
 production shape) and :func:`moe_dense_reference` (every expert on every token, masked; readable
 and only viable for tiny configs).
+
+MXFP8 weights (``load_pretrained(..., weights="mxfp8")``, :class:`m3jax.layers.MXFP8Weight`): the
+routed experts stay fp8 + scales into the grouped GEMM, whose kernel dequantises each tile
+(``grouped_matmul_mxfp8``); on the ``ragged_dot`` path and for the shared expert / dense MLP they are
+dequantised inside jit (:func:`m3jax.layers.dequantize`).
 """
 
 from __future__ import annotations
@@ -14,11 +19,18 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.config import TextConfig
-from m3jax.layers import swiglu_oai
+from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, swiglu_oai
+
+
+def dequantize_layer(lp: dict, dtype) -> dict:
+    """A decoder layer's MXFP8 weights dequantised to ``dtype`` for XLA's matmuls (attention, index
+    branch, dense and shared-expert MLPs), the routed experts kept MXFP8 for the grouped GEMM."""
+    return dequantize_tree(lp, dtype, keep=lambda path: len(path) == 2 and path[0].key == "moe")
 
 
 def dense_mlp(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
-    """SwiGLU-OAI MLP. x: [..., D]; p: gate/up [D, F], down [F, D]."""
+    """SwiGLU-OAI MLP. x: [..., D]; p: gate/up [D, F], down [F, D] (MXFP8 ones dequantised at use)."""
+    p = dequantize_tree(p, x.dtype)
     act = swiglu_oai(x @ p["gate"], x @ p["up"], cfg.swiglu_alpha, cfg.swiglu_limit)
     return act.astype(x.dtype) @ p["down"]
 
@@ -46,8 +58,8 @@ def _grouped_matmul_config(m: int, g: int):
 _FALLBACK_WARNED: set[str] = set()
 
 
-def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
-    """"ragged_dot" or "pallas" for ``xs [M, K] x w [E, K, N]``.
+def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array | MXFP8Weight) -> str:
+    """"ragged_dot" or "pallas" for ``xs [M, K] x w [E, K, N]`` (``w`` may be MXFP8: the MXFP8 kernel's limits).
 
     "auto" takes the Mosaic GPU grouped-matmul kernel on GPU for shapes it supports, bf16 or fp32
     (fp32 split into three bf16 pieces: fp32-exact; ``jax.lax.ragged_dot`` is dense-emulated on the
@@ -60,10 +72,15 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
     if impl not in ("auto", "pallas"):
         raise ValueError(f"moe_impl={impl!r}; choose 'auto', 'ragged_dot' or 'pallas'")
     from m3jax.pallas._backend import on_gpu
-    from m3jax.pallas.grouped_matmul import unsupported_reason
+    from m3jax.pallas.grouped_matmul import mxfp8_unsupported_reason, unsupported_reason
 
-    (m, k), (g, _, n) = xs.shape, w.shape
-    reason = shape_reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, g))
+    if isinstance(w, MXFP8Weight):
+        (m, k), (g, _, n) = xs.shape, w.values.shape
+        reason = mxfp8_unsupported_reason(m, k, n, g, w.scales.shape[1], _grouped_matmul_config(m, g))
+    else:
+        (m, k), (g, _, n) = xs.shape, w.shape
+        reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, g))
+    shape_reason = reason
     if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.selfcheck, which warns)
         from m3jax.selfcheck import kernel_failure
 
@@ -81,9 +98,18 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array) -> str:
     return "pallas" if reason is None else "ragged_dot"
 
 
-def grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str = "auto") -> jax.Array:
-    """``jax.lax.ragged_dot(xs [M, K], w [E, K, N], group_sizes [E])`` through the chosen implementation."""
-    if resolve_moe_impl(impl, xs, w) == "pallas":
+def grouped_matmul(xs: jax.Array, w: jax.Array | MXFP8Weight, group_sizes: jax.Array, impl: str = "auto") -> jax.Array:
+    """``jax.lax.ragged_dot(xs [M, K], w [E, K, N], group_sizes [E])`` through the chosen implementation;
+    MXFP8 ``w``: the MXFP8 kernel, or ragged_dot over the weights dequantised to ``xs.dtype``."""
+    use_kernel = resolve_moe_impl(impl, xs, w) == "pallas"
+    if isinstance(w, MXFP8Weight):
+        if use_kernel:
+            from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
+
+            config = _grouped_matmul_config(xs.shape[0], w.values.shape[0])
+            return grouped_matmul_mxfp8(xs, w.values, w.scales, group_sizes, config=config)
+        w = dequantize(w, xs.dtype)
+    if use_kernel:
         from m3jax.pallas.grouped_matmul import grouped_matmul as kernel
 
         return kernel(xs, w, group_sizes, config=_grouped_matmul_config(xs.shape[0], w.shape[0]))
@@ -125,6 +151,7 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
 
 def moe_dense_reference(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
     """Same maths as :func:`moe_sorted`, computing every expert for every token (tiny configs only)."""
+    p = dequantize_tree(p, x.dtype)
     ids, w = route(x, p, cfg)
     combine = jnp.zeros((x.shape[0], cfg.num_local_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)  # [T, E]

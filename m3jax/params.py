@@ -17,6 +17,12 @@ Layout (our names; matmul weights are ``[in, out]``, heads split out)::
 Dimension letters (README has the table): V vocab, D hidden, N query heads, K KV heads, H head dim,
 Hi index heads, Hx index head dim, F dense MLP width, E experts, Fe expert width.
 Every leaf names its logical axes; the sharding module maps them onto a mesh.
+
+``weights="mxfp8"`` (what ``load_pretrained(..., weights="mxfp8")`` holds): the matmul weights the
+released MXFP8 checkpoint quantises (attention and index projections, dense / shared-expert MLPs,
+experts) become :class:`m3jax.layers.MXFP8Weight` nodes of two specs, fp8 values of the weight's shape
+and uint8 scales with the last input axis / 32, both with the weight's logical axes. A weight whose last
+input axis is not a multiple of 32 stays a model-dtype leaf (dequantised on load).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax.config import M3Config
+from m3jax.layers import MXFP8_BLOCK, MXFP8Weight
+
+WEIGHTS = ("dequantize", "mxfp8")  # load_pretrained's ``weights``: how MXFP8 checkpoint weights are held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +48,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     # "model": the caller's dtype (bf16/fp32). "float32": always fp32 because the model computes in fp32.
+    # "float8_e4m3fn" / "uint8": an MXFP8 weight's values / scales.
     dtype: str = "model"
     # "normal" weights, "norm_offset" Gemma (1 + w) offsets, "ones"/"zeros" for LayerNorm.
     init: str = "normal"
@@ -47,11 +57,42 @@ class ParamSpec:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
 
     def resolve_dtype(self, model_dtype) -> jnp.dtype:
-        return jnp.float32 if self.dtype == "float32" else jnp.dtype(model_dtype)
+        return jnp.dtype(model_dtype) if self.dtype == "model" else jnp.dtype(self.dtype)
 
 
 def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
+
+
+def _mxfp8(spec: ParamSpec, last_in: int) -> ParamSpec | MXFP8Weight:
+    """``spec`` as MXFP8 values + scales (``last_in``: its last input axis), or as it is when that axis
+    is not a whole number of 32-input blocks."""
+    if spec.shape[last_in] % MXFP8_BLOCK:
+        return spec
+    scale_shape = spec.shape[:last_in] + (spec.shape[last_in] // MXFP8_BLOCK,) + spec.shape[last_in + 1:]
+    return MXFP8Weight(ParamSpec(spec.shape, spec.axes, "float8_e4m3fn", "mxfp8_values"),
+                       ParamSpec(scale_shape, spec.axes, "uint8", "mxfp8_scales"))
+
+
+# The quantised weights of one text layer: group -> {name: last input axis}.
+_MXFP8_LEAVES = {
+    "attn": {"wq": 0, "wk": 0, "wv": 0, "wo": 1},
+    "index": {"wq": 0, "wk": 0},
+    "mlp": {"gate": 0, "up": 0, "down": 0},
+    "moe": {"gate": 1, "up": 1, "down": 1},
+    "shared": {"gate": 0, "up": 0, "down": 0},
+}
+
+
+def _quantize_layer(layer: dict) -> dict:
+    out = dict(layer)
+    for group, names in _MXFP8_LEAVES.items():
+        parent = out.get("moe", {}) if group == "shared" else out
+        if group in parent:
+            parent[group] = dict(parent[group])
+            for name, last_in in names.items():
+                parent[group][name] = _mxfp8(parent[group][name], last_in)
+    return out
 
 
 def _dense_mlp(d: int, f: int) -> dict:
@@ -66,7 +107,9 @@ def _layer_norm(d: int, axis: str) -> dict:
     return {"scale": ParamSpec((d,), (axis,), init="ones"), "bias": ParamSpec((d,), (axis,), init="zeros")}
 
 
-def text_param_specs(cfg: M3Config) -> dict:
+def text_param_specs(cfg: M3Config, weights: str = "dequantize") -> dict:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}; choose one of {WEIGHTS}")
     t = cfg.text
     d, n, k, h = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
     layers = []
@@ -103,7 +146,7 @@ def text_param_specs(cfg: M3Config) -> dict:
             }
         else:
             layer["mlp"] = _dense_mlp(d, t.dense_intermediate_size)
-        layers.append(layer)
+        layers.append(_quantize_layer(layer) if weights == "mxfp8" else layer)
     return {
         "embed": ParamSpec((t.vocab_size, d), ("vocab", "embed")),
         "lm_head": ParamSpec((d, t.vocab_size), ("embed", "vocab")),
@@ -149,19 +192,19 @@ def projector_param_specs(cfg: M3Config) -> tuple[dict, dict]:
     return mlp(dv), mlp(merged)
 
 
-def param_specs(cfg: M3Config) -> dict:
-    """The whole parameter tree as :class:`ParamSpec` leaves."""
-    tree = {"text": text_param_specs(cfg)}
+def param_specs(cfg: M3Config, weights: str = "dequantize") -> dict:
+    """The whole parameter tree as :class:`ParamSpec` leaves (``weights``: see the module docstring)."""
+    tree = {"text": text_param_specs(cfg, weights)}
     if cfg.vision is not None:
         tree["vision"] = vision_param_specs(cfg)
         tree["projector"], tree["merger"] = projector_param_specs(cfg)
     return tree
 
 
-def abstract_params(cfg: M3Config, dtype=jnp.bfloat16) -> dict:
+def abstract_params(cfg: M3Config, dtype=jnp.bfloat16, weights: str = "dequantize") -> dict:
     """``jax.ShapeDtypeStruct`` tree (for ``jax.eval_shape`` and sharded loading)."""
     return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.resolve_dtype(dtype)), param_specs(cfg), is_leaf=_is_spec
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.resolve_dtype(dtype)), param_specs(cfg, weights), is_leaf=_is_spec
     )
 
 
@@ -197,14 +240,15 @@ def init_random(cfg: M3Config, seed: int = 0, dtype=jnp.float32, scale: float = 
 
 
 def init_random_on_device(cfg: M3Config, seed: int = 0, dtype=jnp.bfloat16, scale: float = 0.02,
-                          parts: tuple[str, ...] | None = None) -> dict:
+                          parts: tuple[str, ...] | None = None, weights: str = "dequantize") -> dict:
     """Random weights generated on the default device (large configs: benchmarks at real widths).
 
     Same distributions as :func:`init_random` (weights N(0, scale)) but drawn with ``jax.random``, so a
     multi-GB model never passes through host numpy. ``parts`` keeps only those top-level groups
-    (e.g. ``("vision", "projector", "merger")`` for the vision tower alone).
+    (e.g. ``("vision", "projector", "merger")`` for the vision tower alone). ``weights="mxfp8"``: the
+    quantised weights as fp8 values N(0, 64) with one scale 2^e per leaf, 2^e ~ scale / 64.
     """
-    specs = param_specs(cfg)
+    specs = param_specs(cfg, weights)
     if parts is not None:
         specs = {k: v for k, v in specs.items() if k in parts}
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
@@ -218,6 +262,10 @@ def init_random_on_device(cfg: M3Config, seed: int = 0, dtype=jnp.bfloat16, scal
             return (0.3 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
         if s.init == "ones":
             return (1.0 + 0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
+        if s.init == "mxfp8_values":
+            return (64.0 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
+        if s.init == "mxfp8_scales":
+            return jnp.full(s.shape, 127 + round(math.log2(scale / 64.0)), dt)
         return (0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
 
     return jax.tree.unflatten(treedef, [jax.jit(one, static_argnums=0)(s, k) for s, k in zip(leaves, keys)])

@@ -3,6 +3,9 @@
     python -m m3jax.plan --config minimax_m3 --devices 8 --hbm-gb 192 --ctx 1000000 --dtype bfloat16
     python -m m3jax.plan --config minimax_m3 --devices 8 --hbm-gb 141 --ctx 1000000 --dtype mxfp8
 
+``--dtype mxfp8`` counts what ``load_pretrained(..., weights="mxfp8")`` holds (the generate CLI's
+``--weights mxfp8``): MXFP8 weights at 1 byte + 1 byte per 32 scales, everything else BF16.
+
 The strategy is the one of docs/SHARDING.md and of :data:`m3jax.sharding.RULES`: one ``model`` axis
 of N devices; experts split N ways (expert parallel), query heads / dense MLP / shared expert /
 vocabulary split N ways (tensor parallel), KV and index projections replicated when N does not divide
@@ -23,7 +26,7 @@ import math
 from m3jax import cli
 from m3jax import sharding as sh
 from m3jax.cache import cache_bytes
-from m3jax.checkpoint import MXFP8_BLOCK, is_mxfp8_quantized, tensor_plan
+from m3jax.checkpoint import tensor_plan
 from m3jax.config import M3Config, describe_presets, load_config, preset
 from m3jax.memory import weight_bytes
 
@@ -38,22 +41,32 @@ class PlanMesh:
 
 
 def weights_per_device(cfg: M3Config, mesh, dtype: str) -> tuple[float, float]:
-    """(bytes on the most loaded device, bytes of the whole model). ``mxfp8``: the tensors the released
-    MXFP8 checkpoint quantizes stay float8 + one E8M0 byte per 32 inputs; the rest BF16 (fp32 leaves fp32)."""
+    """(bytes on the most loaded device, bytes of the whole model). ``mxfp8``: the parameters
+    ``load_pretrained(..., weights="mxfp8")`` holds (``param_specs(cfg, "mxfp8")``): the quantised weights
+    as fp8 values (1 byte) + uint8 E8M0 scales (1 byte per 32 inputs), sharded as the weights they
+    replace (:func:`m3jax.sharding.mxfp8_partition_specs`); the rest BF16 (fp32 leaves fp32)."""
     per_dev = total = 0.0
-    for e in tensor_plan(cfg):
-        s = e.spec
-        if s.dtype == "float32":
+
+    def count(s, spec):
+        nonlocal per_dev, total
+        if s.dtype in ("float8_e4m3fn", "uint8"):
+            b = 1.0
+        elif s.dtype == "float32":
             b = 4.0
-        elif dtype == "mxfp8" and is_mxfp8_quantized(e.names[0]):
-            b = 1.0 + 1.0 / MXFP8_BLOCK
         else:
             b = 2.0 if dtype in ("bfloat16", "mxfp8") else 4.0
-        spec = sh.spec_for(s.axes, s.shape, mesh)
         split = math.prod(mesh.shape[m] for part in spec if part is not None for m in sh._mesh_axes(part))
         n = math.prod(s.shape)
         per_dev += n / split * b
         total += n * b
+
+    for e in tensor_plan(cfg, "mxfp8" if dtype == "mxfp8" else "dequantize"):
+        if e.mxfp8:
+            specs = sh.mxfp8_partition_specs(e.spec, mesh, name="/".join(map(str, e.path)))
+            count(e.spec.values, specs.values)
+            count(e.spec.scales, specs.scales)
+        else:
+            count(e.spec, sh.spec_for(e.spec.axes, e.spec.shape, mesh))
     return per_dev, total
 
 
@@ -184,7 +197,8 @@ def main(argv=None) -> dict:
     kw = dict(devices=args.devices, data=args.data, hbm_gb=args.hbm_gb, dtype=args.dtype, batch=args.batch,
               chunk=args.chunk)
     r = plan(cfg, ctx=args.ctx, **kw)
-    assert args.dtype == "mxfp8" or abs(r["weights_total"] - weight_bytes(cfg, 4 if args.dtype == "float32" else 2)) < 1
+    weights = "mxfp8" if args.dtype == "mxfp8" else "dequantize"
+    assert abs(r["weights_total"] - weight_bytes(cfg, 4 if args.dtype == "float32" else 2, weights)) < 1
     if not r["fits"]:
         r["max_ctx"] = max_ctx(cfg, upper=args.ctx, **kw)
     print(describe(r))

@@ -15,6 +15,7 @@ the MSA pieces that run inside ``shard_map`` live in :mod:`m3jax.msa.parallel`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from pathlib import Path
 from typing import Callable, Iterable
@@ -28,6 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config
 from m3jax.moe import EXPERT_AXIS
+from m3jax.layers import MXFP8Weight
 from m3jax.params import ParamSpec, param_specs
 
 DATA = "data"
@@ -37,6 +39,10 @@ MESH_AXES = (DATA, MODEL)
 
 class ShardingRuleError(ValueError):
     """A rule table that cannot shard an array (collision, unknown logical axis)."""
+
+
+class MXFP8ShardingError(ShardingRuleError):
+    """An MXFP8 weight whose input axis would be split inside a 32-input scale block."""
 
 
 # The one table: logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
@@ -126,12 +132,40 @@ def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def param_partition_specs(cfg: M3Config, mesh, rules=RULES) -> dict:
-    return jax.tree.map(lambda s: spec_for(s.axes, s.shape, mesh, rules), param_specs(cfg), is_leaf=_is_spec)
+def mxfp8_partition_specs(spec: MXFP8Weight, mesh, rules=RULES, name: str = "") -> MXFP8Weight:
+    """PartitionSpecs of an MXFP8 weight's values and scales: both as the weight it replaces (its logical
+    axes), so each device holds the scales of its own values. Raises :class:`MXFP8ShardingError` when
+    the split of the grouped input axis is not a multiple of 32 inputs (the scales' axis, 1/32 as long,
+    would not split the same way)."""
+    vs = spec_for(spec.values.axes, spec.values.shape, mesh, rules)
+    ss = spec_for(spec.scales.axes, spec.scales.shape, mesh, rules)
+    ax = spec.group_axis
+    if tuple(vs) != tuple(ss):
+        n = spec.values.shape[ax]
+        raise MXFP8ShardingError(
+            f"MXFP8 weight {name or spec.values.axes}: its input axis {spec.values.axes[ax]!r} ({n} inputs) is split "
+            f"as {tuple(vs)} but its {n // 32} scale blocks of 32 inputs do not split that way; every shard of "
+            "an MXFP8 weight must hold whole 32-input blocks (load with weights='dequantize', or a mesh that "
+            "divides the blocks)")
+    return MXFP8Weight(vs, ss)
 
 
-def param_shardings(cfg: M3Config, mesh, rules=RULES) -> dict:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_partition_specs(cfg, mesh, rules),
+def _is_spec_or_mxfp8(x) -> bool:
+    return isinstance(x, (ParamSpec, MXFP8Weight))
+
+
+def param_partition_specs(cfg: M3Config, mesh, rules=RULES, weights: str = "dequantize") -> dict:
+    """PartitionSpec tree of the parameters (``weights="mxfp8"``: of the tree ``load_pretrained`` holds then)."""
+    def one(path, s):
+        if isinstance(s, MXFP8Weight):
+            return mxfp8_partition_specs(s, mesh, rules, jax.tree_util.keystr(path))
+        return spec_for(s.axes, s.shape, mesh, rules)
+
+    return jax.tree_util.tree_map_with_path(one, param_specs(cfg, weights), is_leaf=_is_spec_or_mxfp8)
+
+
+def param_shardings(cfg: M3Config, mesh, rules=RULES, weights: str = "dequantize") -> dict:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_partition_specs(cfg, mesh, rules, weights),
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -149,9 +183,16 @@ def validate_rules(cfg: M3Config, mesh, rules=RULES) -> list[str]:
     return sorted(set(notes))
 
 
+def weights_of(params: dict) -> str:
+    """"mxfp8" for a tree holding :class:`MXFP8Weight` leaves (``load_pretrained(..., weights="mxfp8")``),
+    else "dequantize": the ``weights`` its specs and shardings are declared with."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, MXFP8Weight))
+    return "mxfp8" if any(isinstance(x, MXFP8Weight) for x in leaves) else "dequantize"
+
+
 def shard_params(params: dict, cfg: M3Config, mesh, rules=RULES) -> dict:
     """Place an existing parameter tree with the rule shardings (a no-op for leaves already placed so)."""
-    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+    return jax.device_put(params, param_shardings(cfg, mesh, rules, weights_of(params)))
 
 
 def resident_bytes(tree) -> dict:
@@ -163,13 +204,18 @@ def resident_bytes(tree) -> dict:
     return out
 
 
-def planned_param_bytes(cfg: M3Config, mesh, dtype_bytes: int | Callable[[ParamSpec], float], rules=RULES) -> float:
-    """Per-device parameter bytes under the rules (what :func:`resident_bytes` should report)."""
+def planned_param_bytes(cfg: M3Config, mesh, dtype_bytes: int | Callable[[ParamSpec], float], rules=RULES,
+                        weights: str = "dequantize") -> float:
+    """Per-device parameter bytes under the rules (what :func:`resident_bytes` should report);
+    ``weights="mxfp8"``: the fp8 values and uint8 scales at 1 byte each."""
     total = 0.0
-    for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec):
+    for s in jax.tree.leaves(param_specs(cfg, weights), is_leaf=_is_spec):
         spec = spec_for(s.axes, s.shape, mesh, rules)
         split = math.prod(mesh.shape[m] for e in spec if e is not None for m in _mesh_axes(e))
-        per_elem = dtype_bytes(s) if callable(dtype_bytes) else (4 if s.dtype == "float32" else dtype_bytes)
+        if s.dtype in ("float8_e4m3fn", "uint8"):
+            per_elem = 1
+        else:
+            per_elem = dtype_bytes(s) if callable(dtype_bytes) else (4 if s.dtype == "float32" else dtype_bytes)
         total += math.prod(s.shape) / split * per_elem
     return total
 
@@ -247,6 +293,7 @@ def load_sharded(
     rules=RULES,
     read_log: dict | None = None,
     progress: bool = False,
+    weights: str = "dequantize",
 ) -> dict:
     """Load a checkpoint straight into its shards: each device's slice is read from the memory-mapped
     safetensors files by ``jax.make_array_from_callback`` (experts: only the local ones; linears: only
@@ -259,7 +306,7 @@ def load_sharded(
     from m3jax.checkpoint import IGNORED, CheckpointError, CheckpointReader, _get, read_entry_shard, tensor_plan
 
     reader = CheckpointReader(directory)
-    plan = tensor_plan(cfg)
+    plan = tensor_plan(cfg, weights)
     expected = set()
     for e in plan:
         for n in e.names:
@@ -275,7 +322,7 @@ def load_sharded(
             f"{directory}: {len(unexpected)} unexpected tensor(s) not used by this config, e.g. {sorted(unexpected)[:8]}; "
             "the config.json and the weights disagree"
         )
-    tree = jax.tree.map(lambda s: None, param_specs(cfg), is_leaf=_is_spec)
+    tree = jax.tree.map(lambda s: None, param_specs(cfg, weights), is_leaf=_is_spec)
     # One progress bar per file (a leaf counts under the file of its first tensor).
     by_file: dict[str, list] = {}
     for e in plan:
@@ -284,18 +331,25 @@ def load_sharded(
                for e in tqdm(group, desc=f"loading {name} ({i + 1}/{len(by_file)}, sharded)", unit="tensor",
                              disable=not progress))
     for e in entries:
-        jdt = e.spec.resolve_dtype(dtype)
-        np_dtype = np.dtype(ml_dtypes.bfloat16) if jdt == jnp.bfloat16 else np.dtype(jdt)
-        sharding = NamedSharding(mesh, spec_for(e.spec.axes, e.spec.shape, mesh, rules))
-
-        def read(index, e=e, np_dtype=np_dtype):
-            a, used = read_entry_shard(reader, e, index, np_dtype)
+        def read(index, e=e, part=None, np_dtype=None):
+            a, used = read_entry_shard(reader, e, index, np_dtype, part)
             if read_log is not None:
                 for n in used:
                     read_log[n] = read_log.get(n, 0) + 1
             return a
 
-        _get(tree, e.path[:-1])[e.path[-1]] = jax.make_array_from_callback(e.spec.shape, sharding, read)
+        if e.mxfp8:  # values and scales, each device reading its blocks of both (mxfp8_partition_specs)
+            specs = mxfp8_partition_specs(e.spec, mesh, rules, "/".join(map(str, e.path)))
+            vs, ss = specs.values, specs.scales
+            leaf = MXFP8Weight(*(jax.make_array_from_callback(s.shape, NamedSharding(mesh, ps),
+                                                              functools.partial(read, part=part))
+                                 for s, ps, part in ((e.spec.values, vs, "values"), (e.spec.scales, ss, "scales"))))
+        else:
+            jdt = e.spec.resolve_dtype(dtype)
+            np_dtype = np.dtype(ml_dtypes.bfloat16) if jdt == jnp.bfloat16 else np.dtype(jdt)
+            sharding = NamedSharding(mesh, spec_for(e.spec.axes, e.spec.shape, mesh, rules))
+            leaf = jax.make_array_from_callback(e.spec.shape, sharding, functools.partial(read, np_dtype=np_dtype))
+        _get(tree, e.path[:-1])[e.path[-1]] = leaf
     return tree
 
 

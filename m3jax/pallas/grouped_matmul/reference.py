@@ -15,12 +15,14 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
     return out.astype(out_dtype)
 
 
-def dequantize_mxfp8(values, scales, dtype=jnp.float32) -> jax.Array:
-    """values float8_e4m3fn [..., K, N] * 2^(scales uint8 [..., K / group, N] - 127), in ``dtype``."""
-    k, groups = values.shape[-2], scales.shape[-2]
+def dequantize_mxfp8(values, scales, dtype=jnp.float32, axis: int = -2) -> jax.Array:
+    """values float8_e4m3fn [..., K, ...] * 2^(scales uint8 [..., K / group, ...] - 127), in ``dtype``: one
+    E8M0 exponent per ``group`` consecutive entries of ``axis`` (the input axis; default: [..., K, N])."""
+    axis = axis % values.ndim
+    k, groups = values.shape[axis], scales.shape[axis]
     scale = jnp.ldexp(jnp.float32(1.0), scales.astype(jnp.int32) - 127)
-    w = values.astype(jnp.float32).reshape(*values.shape[:-2], groups, k // groups, values.shape[-1])
-    return (w * scale[..., None, :]).reshape(values.shape).astype(dtype)
+    w = values.astype(jnp.float32).reshape(*values.shape[:axis], groups, k // groups, *values.shape[axis + 1:])
+    return (w * jnp.expand_dims(scale, axis + 1)).reshape(values.shape).astype(dtype)
 
 
 def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, config=None, interpret=None) -> jax.Array:
