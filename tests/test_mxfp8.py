@@ -199,3 +199,17 @@ def test_saving_a_model_held_as_mxfp8_round_trips(wide_checkpoint, tmp_path):
     deq = lambda r: r.dequantize(name, r.read(name), r.read(name + "_scale_inv"))  # noqa: E731
     np.testing.assert_array_equal(deq(b), deq(a))
     assert a.read(name).dtype == ml_dtypes.float8_e4m3fn and math.prod(a.read(name).shape) > 0
+
+
+def test_generate_cli_weights_flag():
+    # the built-in m3-small is MXFP8: held as such, the same greedy tokens, the plan counts what is held
+    from m3jax import generate
+
+    argv = ["--ctx", "128", "--max-new-tokens", "3", "--temperature", "0", "--prompt-ids", "5,6,7,8,9", "--quiet"]
+    mx = generate.main([*argv, "--weights", "mxfp8"])
+    deq = generate.main(argv)
+    assert mx["generated_ids"] == deq["generated_ids"]
+    cfg = m3jax.load_config(generate.DEFAULT_CHECKPOINT)
+    dtype_bytes = jnp.dtype(mx["dtype"]).itemsize
+    assert mx["memory_plan_per_device"]["weights_bytes"] == memory.weight_bytes(cfg, dtype_bytes, "mxfp8")
+    assert deq["memory_plan_per_device"]["weights_bytes"] == memory.weight_bytes(cfg, dtype_bytes)

@@ -228,3 +228,22 @@ def test_mxfp8_lowers_for_cuda_at_m3_shapes():
             f = jax.jit(lambda a, b, c, s, cfg=cfg: grouped_matmul_mxfp8(a, b, c, s, config=cfg))
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_moe_layer_with_mxfp8_experts_pallas_matches_dequantised():
+    # the MoE block on MXFP8 params (param_specs(cfg, "mxfp8")): routed experts through the MXFP8 kernel,
+    # the shared expert dequantised at use; against the same weights dequantised and ragged_dot
+    from m3jax.layers import MXFP8Weight, dequantize_tree
+    from m3jax.moe import moe_sorted
+    from m3jax.params import init_random_on_device
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(hidden_size=128, intermediate_size=128, shared_intermediate_size=128, num_local_experts=3,
+                      num_experts_per_tok=2)  # few experts: each interpreted visit costs
+    p = init_random_on_device(cfg, seed=6, dtype=jnp.bfloat16, scale=0.3, weights="mxfp8")["text"]["layers"][1]["moe"]
+    assert isinstance(p["gate"], MXFP8Weight) and isinstance(p["shared"]["down"], MXFP8Weight)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(20, 128)), jnp.bfloat16)
+    got = moe_sorted(x, p, cfg.text, impl="pallas")
+    ref = moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
+    assert not _backend.interpret_races_found()
+    assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 MoE pallas vs dequantised")
