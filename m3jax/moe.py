@@ -6,9 +6,11 @@ production shape) and :func:`moe_dense_reference` (every expert on every token, 
 and only viable for tiny configs).
 
 MXFP8 weights (``load_pretrained(..., weights="mxfp8")``, :class:`m3jax.layers.MXFP8Weight`): the
-routed experts stay fp8 + scales into the grouped GEMM, whose kernel dequantises each tile
-(``grouped_matmul_mxfp8``); on the ``ragged_dot`` path and for the shared expert / dense MLP they are
-dequantised inside jit (:func:`m3jax.layers.dequantize`).
+routed experts and the shared expert stay fp8 + scales into the grouped GEMM, whose kernel dequantises
+each tile (``grouped_matmul_mxfp8``; the shared expert is one group of every token), so a decode step
+reads them as fp8 whatever XLA fuses; on the ``ragged_dot`` path, under expert parallelism (the
+shared expert's weights split over the mesh) and for the dense layers' MLP they are dequantised inside
+jit (:func:`m3jax.layers.dequantize`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,31 @@ from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, swiglu_oai
 
 def dequantize_layer(lp: dict, dtype) -> dict:
     """A decoder layer's MXFP8 weights dequantised to ``dtype`` for XLA's matmuls (attention, index
-    branch, dense and shared-expert MLPs), the routed experts kept MXFP8 for the grouped GEMM."""
-    return dequantize_tree(lp, dtype, keep=lambda path: len(path) == 2 and path[0].key == "moe")
+    branch, dense MLP), the MoE block's (routed and shared experts) kept MXFP8 for the grouped GEMM."""
+    return dequantize_tree(lp, dtype, keep=lambda path: path[0].key == "moe")
 
 
-def dense_mlp(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
-    """SwiGLU-OAI MLP. x: [..., D]; p: gate/up [D, F], down [F, D] (MXFP8 ones dequantised at use)."""
-    p = dequantize_tree(p, x.dtype)
-    act = swiglu_oai(x @ p["gate"], x @ p["up"], cfg.swiglu_alpha, cfg.swiglu_limit)
-    return act.astype(x.dtype) @ p["down"]
+def _matmul(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str) -> jax.Array:
+    """``x [..., K] @ w [K, N]``; MXFP8 ``w``: the MXFP8 grouped GEMM with one group (every row) where
+    :func:`resolve_moe_impl` takes the kernel for ``impl``, else dequantised at use."""
+    if not isinstance(w, MXFP8Weight):
+        return x @ w
+    rows = x.reshape(-1, x.shape[-1])
+    one = MXFP8Weight(w.values[None], w.scales[None])
+    if impl != "ragged_dot" and resolve_moe_impl(impl, rows, one) == "pallas":
+        from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
+
+        sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+        out = grouped_matmul_mxfp8(rows, one.values, one.scales, sizes, config=_grouped_matmul_config(rows.shape[0], 1))
+        return out.reshape(*x.shape[:-1], -1)
+    return x @ dequantize(w, x.dtype)
+
+
+def dense_mlp(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "ragged_dot") -> jax.Array:
+    """SwiGLU-OAI MLP. x: [..., D]; p: gate/up [D, F], down [F, D]. MXFP8 weights: through the MXFP8
+    kernel for ``impl`` "auto" / "pallas" where it runs (:func:`_matmul`), else dequantised at use."""
+    act = swiglu_oai(_matmul(x, p["gate"], impl), _matmul(x, p["up"], impl), cfg.swiglu_alpha, cfg.swiglu_limit)
+    return _matmul(act.astype(x.dtype), p["down"], impl)
 
 
 def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]:
@@ -145,7 +163,7 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     ys = grouped_expert_mlp(x[token], group_sizes, p, cfg, impl)
     ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
     routed = jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(ys)
-    shared = dense_mlp(x, p["shared"], cfg)
+    shared = dense_mlp(x, p["shared"], cfg, impl)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 

@@ -1,0 +1,262 @@
+"""MXFP8 weights kept MXFP8 on the device (``load_pretrained(..., weights="mxfp8")``) against bf16, at
+MiniMax-M3's real widths on one GPU (``m3jax/configs/m3_width.json``: 3 of the 60 layers, layer 0 full
+attention + dense MLP, layers 1-2 MSA + MoE).
+
+The two models hold the same weights: random MXFP8 ones (``init_random_on_device(..., weights="mxfp8")``)
+and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 checkpoint). Measured:
+
+1. device memory of the params: bytes of the live arrays of each tree, and the allocator's
+   ``bytes_in_use`` growth when each tree is created;
+2. the MoE block at decode (1 and 8 tokens: the router, the grouped GEMMs of the routed experts, the
+   shared expert), device time (CUPTI kernel time, as ``generate_m3_width.py`` measures it), and the
+   whole MSA + MoE decoder layer's decode step at the last position of a ``--ctx`` cache; target for
+   the MoE decode: <= 0.6x of bf16. The shared expert alone three ways: MXFP8 through the grouped-GEMM
+   kernel as one group (what the MoE block runs), MXFP8 dequantised at use by XLA (what the attention
+   and dense MLP weights get: does XLA fuse the dequantisation into the dot?), bf16;
+3. the prefill grouped GEMMs of a ``--chunk``-token chunk (4 routed rows per token, uniform random
+   routing over the 128 experts): gate [T*4, 6144] x [128, 6144, 3072] and down [T*4, 3072] x
+   [128, 3072, 6144], the bf16 kernel against the MXFP8 kernel; target <= 1.1x of bf16;
+4. agreement: every MXFP8 result against the bf16 one on the same (dequantised) weights (relative L2;
+   equal weights, so accumulation order and bf16 output rounding only).
+
+Prints the tables and writes ``$OUT/mxfp8_resident.md`` and ``.json`` (``$OUT`` default benchmarks/out).
+On one H200 (under 4 minutes):
+
+    PYTHONPATH=. python benchmarks/mxfp8_resident.py
+    PYTHONPATH=. python benchmarks/mxfp8_resident.py --dry     # CPU: tiny widths end to end, wall times
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate_m3_width import (
+    _layer_step,
+    _random_layer_cache,
+    _threaded,
+    best,
+    cupti_kernels,
+    on_gpu,
+    rel_err,
+    timed,
+    tiny_config,
+)
+
+from m3jax.config import preset
+from m3jax.layers import MXFP8Weight, dequantize
+from m3jax.moe import _grouped_matmul_config, dense_mlp, moe_sorted
+from m3jax.pallas.grouped_matmul import grouped_matmul, grouped_matmul_mxfp8
+from m3jax.params import init_random_on_device
+
+MOE_LAYER = 1
+
+
+def _is_mx(x) -> bool:
+    return isinstance(x, MXFP8Weight)
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def bytes_in_use() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("bytes_in_use", 0))
+
+
+def make_params(cfg, seed: int):
+    """(mxfp8 params, the same weights dequantised to bf16, allocator growth of each)."""
+    before = bytes_in_use()
+    mx = init_random_on_device(cfg, seed=seed, dtype=jnp.bfloat16, weights="mxfp8")
+    jax.block_until_ready(mx)
+    mid = bytes_in_use()
+    deq = jax.jit(lambda w: dequantize(w, jnp.bfloat16))
+    bf = jax.tree.map(lambda x: deq(x) if _is_mx(x) else jnp.copy(x), mx, is_leaf=_is_mx)
+    jax.block_until_ready(bf)
+    after = bytes_in_use()
+    grow = (None, None) if before is None else (mid - before, after - mid)
+    return mx, bf, grow
+
+
+def kernel_table(run) -> list[tuple[str, float]]:
+    """The kernels of one ``run()`` by device time, largest first (GPU only)."""
+    if not on_gpu():
+        return []
+    agg: dict[str, float] = {}
+    for name, ms in cupti_kernels(run):
+        agg[name[:60]] = agg.get(name[:60], 0.0) + ms
+    return sorted(agg.items(), key=lambda kv: -kv[1])[:6]
+
+
+def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
+    t = cfg.text
+    x = (0.5 * jax.random.normal(jax.random.key(tokens), (tokens, t.hidden_size))).astype(jnp.bfloat16)
+    f = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
+    pm, pb = mx["text"]["layers"][MOE_LAYER]["moe"], bf["text"]["layers"][MOE_LAYER]["moe"]
+    row = {"tokens": tokens, "mxfp8": timed(lambda: f(pm, x), iters), "bf16": timed(lambda: f(pb, x), iters),
+           "rel_err": rel_err(f(pm, x), f(pb, x))}
+    row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
+    row["kernels_mxfp8"] = kernel_table(lambda: f(pm, x))
+    row["kernels_bf16"] = kernel_table(lambda: f(pb, x))
+    shared = jax.jit(lambda p, x, impl: dense_mlp(x, p, t, impl), static_argnums=2)
+    sm, sb = pm["shared"], pb["shared"]
+    row["shared"] = {"mxfp8_kernel": timed(lambda: shared(sm, x, cfg.moe_impl), iters),
+                     "mxfp8_xla": timed(lambda: shared(sm, x, "ragged_dot"), iters),
+                     "bf16": timed(lambda: shared(sb, x, "ragged_dot"), iters),
+                     "rel_err_kernel": rel_err(shared(sm, x, cfg.moe_impl), shared(sb, x, "ragged_dot")),
+                     "kernels_mxfp8_xla": kernel_table(lambda: shared(sm, x, "ragged_dot"))}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def layer_decode(cfg, mx, bf, ctx: int, iters: int) -> dict:
+    """The MSA + MoE layer's decode step at position ctx - 1 (its cache of ctx random tokens)."""
+    t = cfg.text
+    h = (0.5 * jax.random.normal(jax.random.key(5), (1, 1, t.hidden_size))).astype(jnp.bfloat16)
+    row = {"ctx": ctx}
+    outs = {}
+    for name, params in (("mxfp8", mx), ("bf16", bf)):
+        kv, table = _random_layer_cache(cfg, MOE_LAYER, ctx, jnp.bfloat16)
+        call = _threaded(_layer_step(cfg, MOE_LAYER), params["text"]["layers"][MOE_LAYER], kv)
+        del kv
+        run = functools.partial(call, h, table, jnp.int32(ctx - 1))
+        row[name] = timed(run, iters)
+        outs[name] = run()
+    row["rel_err"] = rel_err(outs["mxfp8"], outs["bf16"])
+    row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def prefill_gemms(cfg, mx, bf, chunk: int, iters: int) -> list[dict]:
+    t = cfg.text
+    e, k = t.num_local_experts, t.num_experts_per_tok
+    rows_n = chunk * k
+    ids = jax.random.randint(jax.random.key(3), (rows_n,), 0, e)
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    config = _grouped_matmul_config(rows_n, e)
+    if on_gpu():
+        fb = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, config=config))
+        fm = jax.jit(lambda x, v, sc, s: grouped_matmul_mxfp8(x, v, sc, s, config=config))
+    else:  # the kernels in interpret mode would take minutes: the references' shapes end to end
+        fb = jax.jit(jax.lax.ragged_dot)
+        fm = jax.jit(lambda x, v, sc, s: jax.lax.ragged_dot(x, dequantize(MXFP8Weight(v, sc), x.dtype), s))
+    return [_prefill_row(proj, mx["text"]["layers"][MOE_LAYER]["moe"][proj],
+                         bf["text"]["layers"][MOE_LAYER]["moe"][proj], sizes, fb, fm, iters) for proj in ("gate", "down")]
+
+
+def _prefill_row(proj: str, wm: MXFP8Weight, wb: jax.Array, sizes: jax.Array, fb, fm, iters: int) -> dict:
+    rows_n = int(sizes.sum())
+    x = (0.5 * jax.random.normal(jax.random.key(9), (rows_n, wb.shape[1]))).astype(jnp.bfloat16)
+    row = {"proj": proj, "rows": rows_n, "k": wb.shape[1], "n": wb.shape[2],
+           "bf16": timed(lambda: fb(x, wb, sizes), iters),
+           "mxfp8": timed(lambda: fm(x, wm.values, wm.scales, sizes), iters),
+           "rel_err": rel_err(fm(x, wm.values, wm.scales, sizes), fb(x, wb, sizes))}
+    row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
+    flops = 2 * rows_n * wb.shape[1] * wb.shape[2]
+    row["tflops_bf16"] = flops / best(row["bf16"]) / 1e9
+    row["tflops_mxfp8"] = flops / best(row["mxfp8"]) / 1e9
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _ms(t: dict) -> str:
+    return f"{best(t):.3f}" + ("" if t["device_ms"] is not None else " (wall)")
+
+
+def markdown(res: dict) -> str:
+    gib = 2**30
+    m = res["memory"]
+    lines = [
+        f"# MXFP8-resident vs bf16 weights, {res['config']} ({res['device']}, {res['date']})", "",
+        "## Params on the device", "",
+        "| weights | bytes of the arrays (GiB) | allocator growth (GiB) |", "|---|---|---|",
+    ]
+    for name in ("mxfp8", "bf16"):
+        grow = m["allocator_growth"][name]
+        lines.append(f"| {name} | {m[name] / gib:.2f} | {'n/a' if grow is None else f'{grow / gib:.2f}'} |")
+    lines += ["", (f"ratio mxfp8 / bf16: **{m['ratio']:.3f}** (MoE expert stacks: "
+                   f"{m['experts_mxfp8'] / gib:.2f} vs {m['experts_bf16'] / gib:.2f} GiB)"), "",
+              "## Decode (device ms; target MoE <= 0.6x)", "",
+              "| what | mxfp8 ms | bf16 ms | ratio | rel err |", "|---|---|---|---|---|"]
+    for r in res["moe_decode"]:
+        lines.append(f"| MoE block, {r['tokens']} token(s) | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
+                     f"**{r['ratio']:.2f}** | {r['rel_err']:.1e} |")
+    for r in res["moe_decode"]:
+        s = r["shared"]
+        lines.append(f"| shared expert, {r['tokens']} token(s): MXFP8 kernel / MXFP8 XLA-dequantised | "
+                     f"{_ms(s['mxfp8_kernel'])} / {_ms(s['mxfp8_xla'])} | {_ms(s['bf16'])} | "
+                     f"{best(s['mxfp8_kernel']) / best(s['bf16']):.2f} / {best(s['mxfp8_xla']) / best(s['bf16']):.2f} | "
+                     f"{s['rel_err_kernel']:.1e} |")
+    r = res["layer_decode"]
+    lines.append(f"| MSA + MoE layer step, ctx {r['ctx']:,} | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
+                 f"**{r['ratio']:.2f}** | {r['rel_err']:.1e} |")
+    lines += ["", f"## Prefill grouped GEMMs, {res['chunk']}-token chunk (target <= 1.1x)", "",
+              "| projection | rows x K x N | mxfp8 ms | bf16 ms | ratio | TFLOP/s mxfp8 / bf16 | rel err |",
+              "|---|---|---|---|---|---|---|"]
+    for r in res["prefill"]:
+        lines.append(f"| {r['proj']} | {r['rows']} x {r['k']} x {r['n']} | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
+                     f"**{r['ratio']:.2f}** | {r['tflops_mxfp8']:.0f} / {r['tflops_bf16']:.0f} | {r['rel_err']:.1e} |")
+    for r in res["moe_decode"]:
+        if r["kernels_mxfp8"]:
+            lines += ["", f"Kernels of the MoE block, {r['tokens']} token(s), ms: mxfp8 "
+                      + ", ".join(f"{n} {ms:.3f}" for n, ms in r["kernels_mxfp8"]) + "; bf16 "
+                      + ", ".join(f"{n} {ms:.3f}" for n, ms in r["kernels_bf16"])
+                      + "; shared expert MXFP8 through XLA: "
+                      + ", ".join(f"{n} {ms:.3f}" for n, ms in r["shared"]["kernels_mxfp8_xla"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ctx", type=int, default=16384, help="cache length of the layer decode step")
+    ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens) of the grouped GEMMs")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--dry", action="store_true", help="tiny widths (CPU): the script end to end")
+    args = ap.parse_args(argv)
+    if args.dry:
+        cfg, args.ctx, args.chunk, args.iters = tiny_config(), 256, 64, 2
+        cfg_name = "tiny (dry)"
+    else:
+        cfg, cfg_name = preset("m3_width"), "m3_width (3 layers at M3 widths)"
+    cfg = cfg.replace(attention_impl="pallas" if on_gpu() else "reference")
+    mx, bf, grow = make_params(cfg, seed=0)
+    experts = [tree_bytes({k: lp["moe"][k] for k in ("gate", "up", "down")})
+               for tree in (mx, bf) for lp in tree["text"]["layers"] if "moe" in lp]
+    half = len(experts) // 2
+    res = {
+        "config": cfg_name, "device": jax.devices()[0].device_kind,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "ctx": args.ctx, "chunk": args.chunk,
+        "memory": {"mxfp8": tree_bytes(mx), "bf16": tree_bytes(bf), "ratio": tree_bytes(mx) / tree_bytes(bf),
+                   "experts_mxfp8": sum(experts[:half]), "experts_bf16": sum(experts[half:]),
+                   "allocator_growth": {"mxfp8": grow[0], "bf16": grow[1]}},
+    }
+    print(json.dumps(res["memory"]), flush=True)
+    res["moe_decode"] = [moe_decode(cfg, mx, bf, n, args.iters) for n in (1, 8)]
+    res["layer_decode"] = layer_decode(cfg, mx, bf, args.ctx, args.iters)
+    res["prefill"] = prefill_gemms(cfg, mx, bf, args.chunk, args.iters)
+    res["targets_met"] = {"moe_decode_le_0.6": all(r["ratio"] <= 0.6 for r in res["moe_decode"]),
+                          "prefill_gemm_le_1.1": all(r["ratio"] <= 1.1 for r in res["prefill"])}
+    md = markdown(res)
+    print(md)
+    out = Path(os.environ.get("OUT", "benchmarks/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "mxfp8_resident_dry" if args.dry else "mxfp8_resident"
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=float))
+    return res
+
+
+if __name__ == "__main__":
+    main()
