@@ -204,13 +204,17 @@ def _sparse_decode_attention():
 
 
 def _grouped_matmul():
-    from m3jax.pallas.grouped_matmul import grouped_matmul
+    from m3jax.pallas.grouped_matmul import grouped_matmul, grouped_matmul_mxfp8
 
-    # 6 experts, empty groups, rows past sum(group_sizes); K = N = 128.
+    # 6 experts, empty groups, rows past sum(group_sizes); K = N = 128. The bf16 kernel and the MXFP8
+    # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products).
     rng = np.random.default_rng(6)
     lhs, rhs = _ints(rng, (160, 128)), _ints(rng, (6, 128, 128))
     gs = jnp.asarray([0, 30, 0, 0, 70, 40], jnp.int32)
-    return grouped_matmul(lhs, rhs, gs), grouped_matmul(lhs, rhs, gs, implementation="reference")
+    fp8, scales = rhs.astype(jnp.float8_e4m3fn), jnp.asarray(rng.integers(126, 129, (6, 4, 128)), jnp.uint8)
+    return (jnp.stack([grouped_matmul(lhs, rhs, gs), grouped_matmul_mxfp8(lhs, fp8, scales, gs)]),
+            jnp.stack([grouped_matmul(lhs, rhs, gs, implementation="reference"),
+                       grouped_matmul_mxfp8(lhs, fp8, scales, gs, implementation="reference")]))
 
 
 def _dirs(*ops: str) -> tuple[Path, ...]:
