@@ -350,7 +350,7 @@ def sharded_forward(params: dict, input_ids, cfg: M3Config, mesh, rules=sharding
                                                    mesh, rules))
     fn = jax.jit(
         lambda p, i: multimodal_forward(p, i, None, None, cfg, None, None),
-        in_shardings=(sharding.param_shardings(cfg, mesh, rules), batch),
+        in_shardings=(sharding.param_shardings(cfg, mesh, rules, sharding.weights_of(params)), batch),
         out_shardings=(logits, None),
     )
     with jax.set_mesh(mesh):

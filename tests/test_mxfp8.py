@@ -157,10 +157,13 @@ ids = np.random.default_rng(0).integers(0, 80, (2, 16))  # below the image / vid
 ref = np.asarray(m3jax.forward(one, ids).logits)
 with sh.use_mesh(mesh):
     logits = np.asarray(m3jax.forward(m3jax.M3Model(cfg, params, mesh), ids).logits)
+from m3jax.model import sharded_forward
+logits_jit = np.asarray(sharded_forward(params, ids, cfg, mesh)[0])
 equal = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), params, one.params)
 res = sh.resident_bytes(params)
 expert = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"
 json.dump({"specs": got == want, "equal": all(jax.tree.leaves(equal)), "err": rel_l2(logits, ref),
+           "err_sharded_forward": rel_l2(logits_jit, ref),
            "resident": sorted(set(res.values())), "planned": sh.planned_param_bytes(cfg, mesh, 4, weights="mxfp8"),
            "expert_reads": log.get(expert), "scale_reads": log.get(expert + "_scale_inv"),
            "mx_leaves": sum(isinstance(x, MXFP8Weight) for x in jax.tree.leaves(
@@ -182,7 +185,7 @@ def test_sharded_loading_on_4_devices(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["specs"] and r["equal"] and r["mx_leaves"] == 31
-    assert r["err"] <= TOL["float32"]
+    assert r["err"] <= TOL["float32"] and r["err_sharded_forward"] <= TOL["float32"]
     assert r["resident"] == [r["planned"]]  # every device holds exactly the planned bytes
     # expert 0 lives on device 0 only: its values and scales are read once (one shard), not per device
     assert r["expert_reads"] == 1 and r["scale_reads"] == 1
