@@ -4,10 +4,12 @@ At MiniMax-M3's widths (the ``minimax_m3`` preset: N=64 query heads, K=4 KV head
 heads, Hx=128, block (page) 128, top-16), caches of 128K and 1M tokens, B=1 and B=8, Q=1, on one GPU:
 
 - ``index_scores``: the decode index-score kernel (``m3jax.pallas.decode.decode_index_scores``) on bf16
-  pages, on fp8 pages read as stored (the kernel converts each page in SMEM), and on fp8 pages upcast
-  to bf16 in XLA first (what the model did before the kernel took fp8);
+  pages, on fp8 pages read as stored (the kernel converts each page in SMEM) with the keys met in
+  bf16 (``IndexScoreConfig.fp8_mma="bfloat16"``, the default: e4m3 -> f16 -> bf16) and in f16
+  (``"float16"``: e4m3 -> f16, the query scaled into f16), and on fp8 pages upcast to bf16 in XLA
+  first (what the model did before the kernel took fp8);
 - ``decode_step``: the model's whole MSA decode step (``m3jax.msa.kernels.decode``: index scores,
-  top-k, sparse paged attention) with the cache's index pages in bf16 and in fp8.
+  top-k, sparse paged attention) with the cache's index pages in bf16 and in fp8 (both ``fp8_mma``).
 
 Columns: device time (CUPTI, ``jax.experimental.mosaic.gpu.profiler.measure``, median of 20), ``ratio``
 = bf16 ms / ms (> 1: faster than bf16 pages), ``floor_ms`` = the index-key bytes the step reads
@@ -24,7 +26,7 @@ exact fp32 near-ties), with ``score_err`` = max |kernel - reference| / the index
 Run on one H200 (about 2 minutes): ``PYTHONPATH=. python benchmarks/decode_fp8_index.py``. Prints the
 table and writes ``$OUT/decode_fp8_index.md`` and ``.json`` (``$OUT`` default ``benchmarks/out``).
 ``FP8_BENCH_CTX=131072,1048576`` / ``FP8_BENCH_BATCH=1,8`` choose the shapes; ``FP8_BENCH_BUDGET_S``
-(default 170) stops starting new shapes after that many seconds (they are reported as skipped).
+(default 150) stops starting new shapes after that many seconds (they are reported as skipped).
 """
 
 from __future__ import annotations
@@ -111,13 +113,26 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
              f"Hi={t.index_n_heads} Hx={hx} bs={bs} topk={t.index_topk_blocks}")
     select = jax.jit(functools.partial(msa.select_blocks, block_size=bs, topk=t.index_topk_blocks,
                                        local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks))
-    scores = jax.jit(functools.partial(D.decode_index_scores, block_size=bs))
+    scores = {m: jax.jit(functools.partial(D.decode_index_scores, block_size=bs, config=D.IndexScoreConfig(fp8_mma=m)))
+              for m in ("bfloat16", "float16")}
+
     ref_scores = jax.jit(functools.partial(D.decode_index_scores, block_size=bs, implementation="reference"))
     upcast_scores = jax.jit(lambda iq, ik, pt, sl: D.decode_index_scores(iq, ik.astype(jnp.bfloat16), pt, sl,
                                                                          block_size=bs))
 
-    def step(cfg):
-        return jax.jit(lambda q, iq, kp, vp, ik, pt: kernels.decode(q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg))
+    def step(cfg, fp8_mma="bfloat16"):
+        """The model's decode step, its index scoring traced with ``IndexScoreConfig(fp8_mma=...)`` (the
+        model passes the default config: msa.kernels.decode looks the function up when traced)."""
+        scoring = D.decode_index_scores
+
+        def run(q, iq, kp, vp, ik, pt):
+            D.decode_index_scores = functools.partial(scoring, config=D.IndexScoreConfig(fp8_mma=fp8_mma))
+            try:
+                return kernels.decode(q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg)
+            finally:
+                D.decode_index_scores = scoring
+
+        return jax.jit(run)
 
     rows = []
 
@@ -127,35 +142,40 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
                      "ratio": None if base_ms is None else base_ms / ms, **extra})
         return rows[-1]
 
+    # 1. the index-score kernel alone: bf16 pages; fp8 pages met in bf16 (the default) and in f16
+    # (IndexScoreConfig.fp8_mma: one conversion per key pair instead of three); fp8 upcast in XLA first.
+    # Selections from each fp8 variant's scores: against the bf16 pages' and the reference's on fp8 pages.
     n16, n8 = ikp.nbytes, ik8.nbytes
-    # 1. the index-score kernel alone
-    ms16 = _time_ms(scores, iq, ikp, pt, sl)
-    row("index_scores", "bfloat16", ms16, n16)
-    fp8_row = row("index_scores", "float8_e4m3fn", _time_ms(scores, iq, ik8, pt, sl), n8, ms16)
-    row("index_scores", "float8_e4m3fn upcast in XLA (before)", _time_ms(upcast_scores, iq, ik8, pt, sl), n8, ms16)
-
-    # 2. selections: fp8 pages vs bf16 pages (kernel scores), kernel vs reference on the fp8 pages
-    s16, s8, r8 = scores(iq, ikp, pt, sl), scores(iq, ik8, pt, sl), ref_scores(iq, ik8, pt, sl)
-    fin = np.isfinite(np.asarray(r8))
     tol = TOL[("index_scores", "bfloat16")]
-    d = np.abs(np.asarray(s8)[fin] - np.asarray(r8)[fin]) / (tol["atol"] + tol["rtol"] * np.abs(np.asarray(r8)[fin]))
-    sel8 = select(s8, q_pos)
-    eq16, overlap16 = _agreement(sel8, select(s16, q_pos))
-    eq_ref, _ = _agreement(sel8, select(r8, q_pos))
-    fp8_row.update(rows_equal_bf16=eq16, overlap_bf16=overlap16, rows_equal_ref=eq_ref, score_err=float(d.max()))
-    del s16, s8, r8
+    ms16 = _time_ms(scores["bfloat16"], iq, ikp, pt, sl)
+    row("index_scores", "bfloat16", ms16, n16)
+    sel16 = select(scores["bfloat16"](iq, ikp, pt, sl), q_pos)
+    r8 = ref_scores(iq, ik8, pt, sl)
+    fin = np.isfinite(np.asarray(r8))
+    sel_ref = select(r8, q_pos)
+    for fp8_mma in ("bfloat16", "float16"):
+        f = scores[fp8_mma]
+        s8 = f(iq, ik8, pt, sl)
+        d = np.abs(np.asarray(s8)[fin] - np.asarray(r8)[fin]) / (tol["atol"] + tol["rtol"] * np.abs(np.asarray(r8)[fin]))
+        sel8 = select(s8, q_pos)
+        eq16, overlap16 = _agreement(sel8, sel16)
+        row("index_scores", f"float8_e4m3fn, fp8_mma={fp8_mma}", _time_ms(f, iq, ik8, pt, sl), n8, ms16,
+            rows_equal_bf16=eq16, overlap_bf16=overlap16, rows_equal_ref=_agreement(sel8, sel_ref)[0],
+            score_err=float(d.max()))
+    row("index_scores", "float8_e4m3fn upcast in XLA (before)", _time_ms(upcast_scores, iq, ik8, pt, sl), n8, ms16)
+    del r8
 
-    # 3. the model's whole MSA decode step (index scores, top-k, sparse attention); its selection too
+    # 2. the model's whole MSA decode step (index scores, top-k, sparse attention); its selection too
     kv_bytes = b * t.num_key_value_heads * t.index_topk_blocks * bs * t.head_dim * 2 * 2
     cfg16 = dataclasses.replace(t, index_cache_dtype="bfloat16")
     cfg8 = dataclasses.replace(t, index_cache_dtype="float8_e4m3fn")
-    f16, f8 = step(cfg16), step(cfg8)
-    st16 = _time_ms(f16, q, iq, kp, vp, ikp, pt)
+    st16 = _time_ms(step(cfg16), q, iq, kp, vp, ikp, pt)
     row("decode_step", "bfloat16", st16, n16, kv_bytes=kv_bytes)
-    st8 = _time_ms(f8, q, iq, kp, vp, ik8, pt)
-    sel_step = f8(q, iq, kp, vp, ik8, pt)[1]
-    eq_step, _ = _agreement(sel_step, select(ref_scores(iq, ik8, pt, sl), q_pos))
-    row("decode_step", "float8_e4m3fn", st8, n8, st16, kv_bytes=kv_bytes, rows_equal_ref=eq_step)
+    for fp8_mma in ("bfloat16", "float16"):
+        f8 = step(cfg8, fp8_mma)
+        eq_step, _ = _agreement(f8(q, iq, kp, vp, ik8, pt)[1], sel_ref)
+        row("decode_step", f"float8_e4m3fn, fp8_mma={fp8_mma}", _time_ms(f8, q, iq, kp, vp, ik8, pt), n8, st16,
+            kv_bytes=kv_bytes, rows_equal_ref=eq_step)
     return rows
 
 
@@ -177,7 +197,7 @@ def main() -> None:
     t = m3jax.preset("minimax_m3").text
     ctxs = [int(x) for x in os.environ.get("FP8_BENCH_CTX", "131072,1048576").split(",")]
     batches = [int(x) for x in os.environ.get("FP8_BENCH_BATCH", "1,8").split(",")]
-    deadline = time.time() + float(os.environ.get("FP8_BENCH_BUDGET_S", "170"))
+    deadline = time.time() + float(os.environ.get("FP8_BENCH_BUDGET_S", "150"))
     bw = copy_bandwidth()
     head = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "copy_gbps": bw / 1e9,
             "ptxas_isa": _ptxas_isa()}

@@ -48,12 +48,11 @@ _select = jax.jit(functools.partial(msa.select_blocks, block_size=BS, topk=TOPK)
 _ref_attention = jax.jit(functools.partial(D.sparse_decode_attention, block_size=BS, implementation="reference"))
 
 
-def check_scores(iq, ikp, pt, sl, splits=None):
+def check_scores(iq, ikp, pt, sl, splits=None, fp8_mma="bfloat16"):
     """The kernel's scores against the reference's; returns (reference, kernel) scores."""
     ref = np.asarray(_ref_scores(iq, ikp, pt, sl))
-    got = np.asarray(
-        D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, config=D.IndexScoreConfig(num_splits=splits))
-    )
+    config = D.IndexScoreConfig(num_splits=splits, fp8_mma=fp8_mma)
+    got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, config=config))
     assert got.shape == ref.shape
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
     fin = np.isfinite(ref)
@@ -115,6 +114,14 @@ def test_attention_sub_page_tiles():
         q, kp, vp, pt, bidx, sl, block_size=bs, config=D.SparseDecodeConfig(num_splits=1, kv_tile=64)
     )
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[("decode_attention", "float32")])
+
+
+def test_index_scores_fp8_pages_in_f16():
+    # IndexScoreConfig(fp8_mma="float16"): keys e4m3 -> f16, bf16 queries scaled per row into f16's
+    # range; rows of 2^20 and 2^-20 scale (beyond f16's max, inside its subnormals) score as the rest.
+    _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=5, ik_dtype=FP8)
+    iq = iq.at[1, :, 0].multiply(2.0**20).at[2, :, 1].multiply(2.0**-20)
+    check_scores(iq, ikp, pt, sl, splits=2, fp8_mma="float16")
 
 
 @settings(max_examples=3, deadline=None)

@@ -89,9 +89,9 @@ def decode_index_scores_tcgen05(
     if cols > TMEM_COLUMNS:
         raise ValueError(f"{n_tiles} row tiles x {n_pad} query rows need {cols} > {TMEM_COLUMNS} TMEM columns")
     chunk, splits = _score_chunks(config, b, max_pages, n_pad)
-    q_parts, k_parts = _score_operands(iq, ik_pages, n_pad)
+    q_parts, k_parts, unscale = _score_operands(iq, ik_pages, n_pad, config)
     prods = _score_products(len(q_parts), len(k_parts))
-    transforms = swizzle_transforms(swizzle_elems)  # bf16 parts: 2 bytes
+    transforms = swizzle_transforms(swizzle_elems)  # 16-bit operands: 2 bytes
     stages = _score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
     # the register layout of a TMEM load: tcgen05's for 128-row tiles, wgmma's for 64-row ones
     layout = plgpu.Layout.TCGEN05 if m_tile == 128 else plgpu.Layout.WGMMA
@@ -140,4 +140,4 @@ def decode_index_scores_tcgen05(
         grid_names=("b", "s"),
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages)
+    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)

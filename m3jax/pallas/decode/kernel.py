@@ -88,11 +88,18 @@ class IndexScoreConfig:
 
     num_splits: CTAs per request along the context (None: enough for ~2 waves over the SMs).
     stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
+    fp8_mma: the 16-bit type fp8 pages meet a bf16 query in. ``"bfloat16"``: the query as is, the
+      keys converted e4m3 -> f16 -> bf16 (three conversions per pair of keys; exact products).
+      ``"float16"``: the keys e4m3 -> f16 (one conversion per pair) and the query scaled per row by a
+      power of two into f16's range (max |q| in [2^14, 2^15)), the scores scaled back after; only
+      elements below 2^-31 of their row's max can round (far below the fp32 accumulation's own
+      error). fp32 queries always meet bf16 keys (their three bf16 pieces); f16 queries f16 keys.
     """
 
     num_splits: int | None = None
     stages: int = 4
     waves: int = 2
+    fp8_mma: str = "bfloat16"
 
     def splits(self, batch: int, max_pages: int, target: Target) -> int:
         if self.num_splits is not None:
@@ -157,7 +164,7 @@ def decode_index_scores_kernel(
     if n_pad > 256:
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
     chunk, splits = _score_chunks(config, b, max_pages, n_pad)
-    q_parts, k_parts = _score_operands(iq, ik_pages, n_pad)
+    q_parts, k_parts, unscale = _score_operands(iq, ik_pages, n_pad, config)
     prods = _score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
@@ -198,7 +205,7 @@ def decode_index_scores_kernel(
         grid_names=("b", "s"),
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages)
+    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
 
 
 # What both MMA variants of the decode index scoring share (this Hopper kernel and the Blackwell one in
@@ -227,21 +234,33 @@ def _score_chunks(config: IndexScoreConfig, b: int, max_pages: int, n_pad: int) 
     return -(-max_pages // splits), splits
 
 
-def _score_operands(iq, ik_pages, n_pad: int):
+def _score_operands(iq, ik_pages, n_pad: int, config: IndexScoreConfig):
     """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded to n_pad, and
     the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
     the selection, see _common.bf16_split). fp8 e4m3 pages stay fp8, one piece: the kernel converts
     each page to the query's 16-bit type in SMEM (:func:`_convert_page`, exact), so only an fp32 query
-    is split."""
+    is split; a bf16 query becomes f16 under ``config.fp8_mma == "float16"``. Returns (query parts,
+    key parts, per-row factors fp32 [B, n_pad] that undo the query's scaling, or None)."""
     b, q, hi, hx = iq.shape
     rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, hi * q, hx)
     rows = jnp.pad(rows, [(0, 0), (0, n_pad - hi * q), (0, 0)])
-    if ik_pages.dtype == FP8:
-        q_parts = split_parts(rows if rows.dtype in (jnp.bfloat16, jnp.float16) else rows.astype(jnp.float32), 3)
-        return q_parts, (ik_pages.reshape(-1, hx),)
-    q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
-    k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
-    return q_parts, tuple(kp.reshape(-1, hx) for kp in k_parts)
+    if ik_pages.dtype != FP8:
+        q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
+        k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
+        return q_parts, tuple(kp.reshape(-1, hx) for kp in k_parts), None
+    if config.fp8_mma not in ("bfloat16", "float16"):
+        raise ValueError(f"fp8_mma={config.fp8_mma!r} must be 'bfloat16' or 'float16'")
+    unscale = None
+    if rows.dtype == jnp.bfloat16 and config.fp8_mma == "float16":
+        # max |row| = f 2^e, f in [0.5, 1): times 2^(15 - e) it lies in [2^14, 2^15) (f16's max is
+        # 65504); zero (padding) rows give e = 0; the clip keeps 2^(15 - e) finite for tiny rows.
+        _, e = jnp.frexp(jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=-1))
+        e = jnp.clip(e, -110, 128)
+        rows = (rows.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), 15 - e)[..., None]).astype(jnp.float16)
+        unscale = jnp.ldexp(jnp.float32(1), e - 15)
+    elif rows.dtype not in (jnp.bfloat16, jnp.float16):
+        rows = rows.astype(jnp.float32)
+    return split_parts(rows, 3), (ik_pages.reshape(-1, hx),), unscale
 
 
 def _score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
@@ -338,10 +357,13 @@ def _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int):
-    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages]. Rows of pages a CTA did not visit
-    (no tokens) were never written: -inf them here."""
+def _score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int, unscale=None):
+    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, n_pad] (powers
+    of two, exact; they commute with the block max) when the query was scaled. Rows of pages a CTA
+    did not visit (no tokens) were never written: -inf them here."""
     b, hi, q = bhq
+    if unscale is not None:
+        out = out * unscale[:, None, :]
     live = (seq_lens.astype(jnp.int32)[:, None] + bs - 1) // bs
     out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out[:, :max_pages, : hi * q], -jnp.inf)
     return jnp.transpose(out.reshape(b, max_pages, hi, q), (0, 2, 3, 1))
