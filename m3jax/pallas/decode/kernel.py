@@ -21,6 +21,9 @@ position ``seq_lens[b] - Q + i``.
    16-bit type that the MMA reads as its A operand (:func:`_convert_page`; exact: every e4m3 value is
    a bf16 and an f16). Register-A wgmma would skip that SMEM round trip, but tcgen05 takes A from
    SMEM or TMEM only and the interpreter has no register-A wgmma, so both variants share this path.
+   ``IndexScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
+   instead of three, the bf16 query scaled into f16's range per row); which is faster on the H200 is
+   what ``benchmarks/decode_fp8_index.py`` measures.
 2. :func:`sparse_decode_attention_kernel` (docs/KERNELS.md §2.6): one CTA per (request, KV head, split of the
    selected pages). The group's ``G`` query heads times the ``Q`` tokens are packed as wgmma rows
    (padded to 64). The Q tokens' selections are merged into a **union** of distinct pages with a
