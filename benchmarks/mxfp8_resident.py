@@ -16,7 +16,10 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
 3. the prefill grouped GEMMs of a ``--chunk``-token chunk (4 routed rows per token, uniform random
    routing over the 128 experts): gate [T*4, 6144] x [128, 6144, 3072] and down [T*4, 3072] x
    [128, 3072, 6144], the bf16 kernel against the MXFP8 kernel; target <= 1.1x of bf16;
-4. agreement: every MXFP8 result against the bf16 one on the same (dequantised) weights (relative L2;
+4. the routed experts' gate GEMM of one decode token alone (4 rows, 4 experts) at tile widths 64 / 128
+   and 4 / 8 pipeline stages, bf16 and MXFP8 kernels: how the kernels' config should be set for decode
+   (the MoE block runs block_m 64, block_n 128, 4 stages);
+5. agreement: every MXFP8 result against the bf16 one on the same (dequantised) weights (relative L2;
    equal weights, so accumulation order and bf16 output rounding only).
 
 Prints the tables and writes ``$OUT/mxfp8_resident.md`` and ``.json`` (``$OUT`` default benchmarks/out).
@@ -55,7 +58,7 @@ from generate_m3_width import (
 from m3jax.config import preset
 from m3jax.layers import MXFP8Weight, dequantize
 from m3jax.moe import _grouped_matmul_config, dense_mlp, moe_sorted
-from m3jax.pallas.grouped_matmul import grouped_matmul, grouped_matmul_mxfp8
+from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_mxfp8
 from m3jax.params import init_random_on_device
 
 MOE_LAYER = 1
@@ -170,6 +173,32 @@ def _prefill_row(proj: str, wm: MXFP8Weight, wb: jax.Array, sizes: jax.Array, fb
     return row
 
 
+def decode_gemm_configs(cfg, mx, bf, iters: int) -> list[dict]:
+    """The routed gate GEMM of one decode token (top-k rows, one per expert) per kernel config."""
+    t = cfg.text
+    k = t.num_experts_per_tok
+    sizes = jnp.zeros((t.num_local_experts,), jnp.int32).at[jnp.arange(k) * 7 % t.num_local_experts].set(1)
+    wm, wb = mx["text"]["layers"][MOE_LAYER]["moe"]["gate"], bf["text"]["layers"][MOE_LAYER]["moe"]["gate"]
+    x = (0.5 * jax.random.normal(jax.random.key(11), (k, wb.shape[1]))).astype(jnp.bfloat16)
+    out = []
+    if not on_gpu():
+        return out
+    for bn in (64, 128):
+        for steps in (4, 8):
+            c = GroupedMatmulConfig(block_m=64, block_n=bn, max_concurrent_steps=steps)
+            fb = jax.jit(functools.partial(grouped_matmul, config=c))
+            fm = jax.jit(functools.partial(grouped_matmul_mxfp8, config=c))
+            row = {"block_n": bn, "steps": steps, "bf16": timed(lambda fb=fb: fb(x, wb, sizes), iters),
+                   "mxfp8": timed(lambda fm=fm: fm(x, wm.values, wm.scales, sizes), iters)}
+            row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
+            # HBM bytes of the weights the 4 experts' tiles read, per ms of device time
+            row["gb_s_bf16"] = k * wb.shape[1] * wb.shape[2] * 2 / best(row["bf16"]) / 1e6
+            row["gb_s_mxfp8"] = k * wb.shape[1] * wb.shape[2] * (1 + 1 / 32) / best(row["mxfp8"]) / 1e6
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
 def _ms(t: dict) -> str:
     return f"{best(t):.3f}" + ("" if t["device_ms"] is not None else " (wall)")
 
@@ -207,6 +236,12 @@ def markdown(res: dict) -> str:
     for r in res["prefill"]:
         lines.append(f"| {r['proj']} | {r['rows']} x {r['k']} x {r['n']} | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
                      f"**{r['ratio']:.2f}** | {r['tflops_mxfp8']:.0f} / {r['tflops_bf16']:.0f} | {r['rel_err']:.1e} |")
+    if res["decode_gemm_configs"]:
+        lines += ["", "## Routed gate GEMM of one decode token by kernel config (block_m 64)", "",
+                  "| block_n | stages | mxfp8 ms | bf16 ms | ratio | weight GB/s mxfp8 / bf16 |", "|---|---|---|---|---|---|"]
+        for r in res["decode_gemm_configs"]:
+            lines.append(f"| {r['block_n']} | {r['steps']} | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | {r['ratio']:.2f} | "
+                         f"{r['gb_s_mxfp8']:.0f} / {r['gb_s_bf16']:.0f} |")
     for r in res["moe_decode"]:
         if r["kernels_mxfp8"]:
             lines += ["", f"Kernels of the MoE block, {r['tokens']} token(s), ms: mxfp8 "
@@ -246,6 +281,7 @@ def main(argv=None):
     res["moe_decode"] = [moe_decode(cfg, mx, bf, n, args.iters) for n in (1, 8)]
     res["layer_decode"] = layer_decode(cfg, mx, bf, args.ctx, args.iters)
     res["prefill"] = prefill_gemms(cfg, mx, bf, args.chunk, args.iters)
+    res["decode_gemm_configs"] = decode_gemm_configs(cfg, mx, bf, args.iters)
     res["targets_met"] = {"moe_decode_le_0.6": all(r["ratio"] <= 0.6 for r in res["moe_decode"]),
                           "prefill_gemm_le_1.1": all(r["ratio"] <= 1.1 for r in res["prefill"])}
     md = markdown(res)
