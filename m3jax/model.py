@@ -75,9 +75,12 @@ def attention(
         if sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
             o, block_idx = msa_layer.decode(q, iq, kv, page_table, q_pos, cfg, layer)
             return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
-        if not sparse and msa_layer.dense_decode_in_place(cfg, q.shape[1]):
+        if not sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
             o = msa_layer.dense_decode(q, kv, page_table, q_pos, cfg)
             return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), None, kv
+        if sparse and msa_layer.context_parallel(cfg, kv, page_table, q):  # no key window gathered
+            o, block_idx = msa_layer.paged_attention(q, iq, kv, page_table, q_pos, cfg, layer)
+            return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
         k, v, ik_all = kv.gather(page_table)
         ik = ik_all if sparse else None
     if sparse:

@@ -1,8 +1,8 @@
 """Sharding: rule table, partial checkpoint reads, the 8-device plan (and the generate CLI's, equal to it),
 and (in a subprocess with 8 simulated CPU devices, tests/multidevice/sharding_checks.py) sharded forward /
 greedy decode equal to one device, sharded loading equal to unsharded loading, resident bytes equal to the
-plan, the decode kernels context parallel, ``python -m m3jax.generate`` on 8 and 2 devices token for token
-equal to 1, and the probe on a mesh equal to 1 device."""
+plan, the prefill and decode kernels context parallel, ``python -m m3jax.generate`` on 8 and 2 devices and
+on a 2 x 4 data x model mesh token for token equal to 1, and the probe on a mesh equal to 1 device."""
 
 from __future__ import annotations
 
@@ -146,9 +146,9 @@ def multidevice_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", ["forward_divisible", "forward_replicated", "forward_mixed_4", "engine_divisible",
-                                   "engine_replicated", "loading", "context_parallel", "pallas_mesh",
-                                   "pallas_cuda_lowering", "decode_kernels", "generate_cli", "generate_plan",
-                                   "engine_pallas", "probe_mesh"])
+                                   "engine_replicated", "engine_data", "loading", "context_parallel", "pallas_mesh",
+                                   "pallas_cuda_lowering", "decode_kernels", "prefill_kernels", "generate_cli",
+                                   "generate_plan", "engine_pallas", "probe_mesh"])
 def test_on_8_cpu_devices(multidevice_results, check):
     r = multidevice_results.get(check)
     assert r is not None, f"check {check} did not report"

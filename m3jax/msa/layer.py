@@ -9,12 +9,14 @@ The projections (q/k/v and the index branch) are the model's; this module takes 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 
 from m3jax.cache import LayerCache, cached_index_keys
 from m3jax.config import M3Config, TextConfig
 from m3jax.msa import kernels, reference
+from m3jax.msa import parallel
 from m3jax.msa.parallel import msa_decode_sharded, msa_pallas_sharded
 from m3jax.sharding import MODEL
 
@@ -65,24 +67,47 @@ def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
     return merge(o, 1), merge(sel, 2)
 
 
+def context_parallel(cfg: M3Config, kv: LayerCache, page_table, q) -> bool:
+    """Whether MSA over the paged cache (a prefill chunk, or a decode step the decode kernels do not take)
+    runs context parallel over the page-split cache (:func:`paged_attention`) instead of gathering the
+    key window: under a mesh model axis > 1 whose pages split, by the traffic rule of
+    :func:`m3jax.msa.parallel.prefill_context_parallel`. A cache whose pages do not split gathers, with
+    one warning naming why."""
+    n = parallel.axis_size(None, MODEL)
+    if cfg.attention_impl == "dense_mask" or n == 1:  # "auto" unresolved runs the reference, as attention()
+        return False
+    reason = parallel.context_split_reason(kv, n)
+    if reason is not None:
+        warnings.warn(f"MSA over the paged cache not context parallel over {n} devices (the key window is "
+                      f"gathered): {reason}", stacklevel=2)
+        return False
+    window = page_table.shape[0] * page_table.shape[1] * kv.k.shape[1]
+    return parallel.prefill_context_parallel(cfg.text, n, queries=q.shape[0] * q.shape[1], window_tokens=window,
+                                             q_bytes=q.dtype.itemsize, kv_bytes=kv.k.dtype.itemsize)
+
+
+def paged_attention(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config, layer: int):
+    """MSA of q [B, T, N, H] (iq [B, T, K, Hx]) at q_pos over the cache pages of ``page_table`` (the new
+    keys written), context parallel over the mesh (:func:`m3jax.msa.parallel.msa_prefill_sharded`):
+    the kernels on the kernels path, the jnp maths in ``attention_chunk`` query chunks on the reference
+    path. Returns (o [B, T, N, H], block ids int32 [B, K, T, topk])."""
+    force_in, force_out = forced_blocks(cfg.text, layer)
+    impl = "pallas" if cfg.attention_impl == "pallas" else "reference"
+    return parallel.msa_prefill_sharded(q, iq, kv, page_table, q_pos, cfg.text, implementation=impl,
+                                        query_chunk=cfg.attention_chunk, force_in=force_in, force_out=force_out)
+
+
 def decode_in_place(cfg: M3Config, n_queries: int) -> bool:
-    """Whether this step reads the paged cache in place (the decode kernels) instead of gathering it
-    (then the prefill kernels run on the gathered cache: block sizes the decode kernels cannot take)."""
+    """Whether this step reads the paged cache in place (the decode kernels; :func:`decode`, and
+    :func:`dense_decode` on the full-attention layers) instead of gathering it (then the prefill
+    kernels run on the gathered cache: block sizes the decode kernels cannot take)."""
     return cfg.attention_impl == "pallas" and n_queries == 1 and kernels.decode_unsupported_reason(cfg.text) is None
 
 
-def dense_decode_in_place(cfg: M3Config, n_queries: int) -> bool:
-    """Whether a full-attention layer's decode step reads its K/V pages in place (:func:`dense_decode`)
-    instead of gathering them: as :func:`decode_in_place`, without a mesh model axis (its page-striped
-    cache would need the kernel context parallel, as :func:`decode` runs it; XLA gathers there)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    split = not mesh.empty and MODEL in mesh.axis_names and mesh.shape[MODEL] > 1
-    return decode_in_place(cfg, n_queries) and not split
-
-
 def dense_decode(q, kv: LayerCache, page_table, q_pos, cfg: M3Config):
-    """One token per sequence of a full-attention layer against its paged cache, read in place."""
-    return kernels.dense_decode(q, kv, page_table, q_pos, cfg.text)
+    """One token per sequence of a full-attention layer against its paged cache, read in place (under a
+    mesh context parallel over the page-split cache, :func:`m3jax.msa.parallel.dense_decode_sharded`)."""
+    return parallel.dense_decode_sharded(kernels.dense_decode, q, kv, page_table, q_pos, cfg.text)
 
 
 def decode(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config, layer: int):

@@ -208,9 +208,7 @@ def msa_pallas_sharded(kernel: Callable, q, k, v, iq, ik, q_pos, cfg, *, mesh=No
         return kernel(q, k, v, iq, ik, q_pos, cfg)
     n = mesh.shape[axis]
     nh, kh = q.shape[2], k.shape[2]
-    b = q.shape[0]
-    nd = mesh.shape.get(DATA, 1)
-    bax = DATA if nd > 1 and b % nd == 0 else None
+    bax = batch_axis(mesh, q.shape[0])
     rep = P(bax)
     reason = msa_pallas_split_reason(cfg, n)
     if reason is not None:
@@ -234,13 +232,149 @@ def msa_pallas_sharded(kernel: Callable, q, k, v, iq, ik, q_pos, cfg, *, mesh=No
     return o, (sel if split_kv else sel[:, :: n // kh])  # one row per group (the n / K copies are equal)
 
 
-def decode_split_reason(kv: LayerCache, n: int) -> str | None:
-    """Why :func:`msa_decode_sharded` cannot run context-parallel over ``n`` devices (None when it can)."""
-    if kv.ik is None:
+def context_split_reason(kv: LayerCache, n: int, *, index: bool = True) -> str | None:
+    """Why attention over the paged cache ``kv`` cannot run context parallel over ``n`` devices (None
+    when it can): the pages must split evenly (the striped cache of
+    :func:`m3jax.sharding.init_sharded_cache`), and MSA needs its index-key pages (``index``)."""
+    if index and kv.ik is None:
         return "no index-key pages (not an MSA layer)"
     if kv.k.shape[0] % n:
         return f"{kv.k.shape[0]} cache pages do not split over {n} devices (use m3jax.sharding.init_sharded_cache)"
     return None
+
+
+def axis_size(mesh, axis: str) -> int:
+    """Size of ``axis`` in ``mesh`` (default: the active one); 1 when there is none."""
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or axis not in mesh.axis_names:
+        return 1
+    return mesh.shape[axis]
+
+
+def batch_axis(mesh, batch: int) -> str | None:
+    """The mesh axis a batch of ``batch`` sequences splits over inside these shard_maps: ``data`` when it
+    is > 1 and divides the batch, else none (each data replica then computes every sequence)."""
+    nd = mesh.shape.get(DATA, 1)
+    return DATA if nd > 1 and batch % nd == 0 else None
+
+
+def _pad_window(page_table: jax.Array, n: int) -> tuple[jax.Array, int]:
+    """The page table padded to a multiple of n logical blocks (the pad lies beyond every query, so
+    nothing reads it), and the blocks per device."""
+    w = page_table.shape[1]
+    nb_loc = -(-w // n)
+    return jnp.pad(page_table, [(0, 0), (0, nb_loc * n - w)]), nb_loc
+
+
+def _local_pages(page_table: jax.Array, me, n: int, per: int) -> jax.Array:
+    """Device ``me``'s page table: on the striped cache logical block j' * n + me is its local block j',
+    at local page ``page_table[:, j' * n + me] - me * per`` (per = pages per device)."""
+    b, w = page_table.shape
+    return jnp.clip(page_table.reshape(b, w // n, n)[:, :, me] - me * per, 0, per - 1)
+
+
+def _local_length(pos: jax.Array, me, n: int, block_size: int) -> jax.Array:
+    """Keys of device ``me``'s blocks that a query at ``pos`` sees: its local blocks before the query's
+    own block whole, and the own block (on device own % n) up to ``pos``. In the device's contiguous
+    local key order these are exactly keys 0 .. length-1, so a kernel's causal mask with this length
+    (or local query position length - 1) is the global causal mask."""
+    own = pos // block_size
+    whole = jnp.maximum(own - me + n - 1, 0) // n
+    return whole * block_size + jnp.where(own % n == me, pos % block_size + 1, 0)
+
+
+def prefill_context_parallel(cfg, n: int, *, queries: int, window_tokens: int, q_bytes: int, kv_bytes: int) -> bool:
+    """The rule between the two ways an MSA prefill chunk runs over the page-split cache on ``n`` devices.
+
+    Context parallel (:func:`msa_prefill_sharded`) moves the chunk's queries to the keys: every device
+    receives all query heads (q all-gathered, ``queries * N * H`` values) and the fp32 partial outputs
+    are all-reduced by the LSE merge (``queries * N * H * 4`` bytes, twice over the ring). Head-split over
+    a gathered window (:func:`msa_pallas_sharded`; the XLA-partitioned reference) moves the keys to the
+    queries: every device receives the window's K, V and index keys. Compute never favours the
+    gathered window (context parallel scores each key once over all devices; head split scores it on
+    n / K devices when K < n, twice for M3 on 8) and neither does memory (a gathered window per device
+    against 1/n of it), so the traffic decides: context parallel once the window's keys outweigh the
+    queries. For M3 in BF16 that is a window of >= 35.6 x the chunk (>= 292K tokens at 8192-token chunks):
+    the early chunks of a long prompt stay head-split, where the query exchange would cost more than
+    the window it avoids gathering."""
+    t = getattr(cfg, "text", cfg)
+    gathered = window_tokens * (2 * t.num_key_value_heads * t.head_dim + t.index_head_dim) * kv_bytes
+    exchanged = queries * t.num_attention_heads * t.head_dim * (q_bytes + 2 * 4)
+    return n > 1 and gathered >= exchanged
+
+
+def msa_prefill_sharded(q, iq, kv: LayerCache, page_table, q_pos, cfg, *, implementation: str = "pallas",
+                        query_chunk: int | None = None, force_in=(), force_out=(), mesh=None, axis: str = MODEL):
+    """MSA of a query chunk over the page-striped cache, context parallel over ``axis`` (docs/SHARDING.md).
+
+    q [B, C, N, H] and iq [B, C, Hi, Hx] at q_pos [B, C] (all heads on every device; the batch split
+    over ``data`` where :func:`batch_axis` says so, as in every function here); ``kv`` the layer's
+    pages as :func:`m3jax.sharding.init_sharded_cache` splits them (device d holds pages
+    [d * P/n, (d + 1) * P/n) and logical block j of every sequence lives on device j % n); page_table
+    [B, W] the chunk's key window (the new keys already written). Per device: its own pages of the
+    window gathered into a local contiguous K/V / index-key copy (W / n blocks; nothing crosses
+    devices); index scores of the local blocks with the local causal mask (:func:`_local_length`);
+    local top-k ranked by global block id and the global top-k of all devices' candidates
+    (:func:`_global_topk`: the single-device selection); sparse attention over the selected blocks this
+    device holds, with its LSE; :func:`m3jax.msa.reference.lse_merge` of the n partials.
+
+    ``implementation``: ``"pallas"`` (the index-score and KV-major sparse attention kernels, over the
+    whole chunk: they tile it themselves) or ``"reference"`` (the jnp maths in query chunks of
+    ``query_chunk``, so no [C, S / n] score matrix of the whole chunk exists). Returns (o [B, C, N, H]
+    in q.dtype, the same on every device of ``axis``; block ids int32 [B, Hi, C, topk] in select_blocks'
+    order).
+    """
+    from m3jax.msa import reference
+    from m3jax.pallas.index_scores import index_block_scores
+    from m3jax.pallas.sparse_attention import sparse_attention
+
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    n = mesh.shape[axis]
+    t = getattr(cfg, "text", cfg)
+    bs = t.index_block_size
+    per = kv.k.shape[0] // n
+    page_table, nb_loc = _pad_window(page_table, n)
+    kernels = implementation == "pallas"
+
+    def attend(qp, q_, iq_, k_loc, v_loc, ik_loc, me):
+        lq = _local_length(qp, me, n, bs) - 1  # local position of the last visible local key (-1: none)
+        if kernels:
+            scores = index_block_scores(iq_, ik_loc, lq, block_size=bs)
+        else:
+            scores = reference.block_scores(iq_, ik_loc, lq, bs)
+        # a query that sees no local key scores -inf everywhere (the kernel may leave such rows unwritten)
+        scores = jnp.where(lq[:, None, :, None] >= 0, scores, -jnp.inf)
+        gid = jnp.arange(nb_loc) * n + me  # global block id of each local block
+        sel = _global_topk(scores, gid, qp, n, block_size=bs, topk=t.index_topk_blocks,
+                           local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks, axis=axis,
+                           force_in=force_in, force_out=force_out)
+        local_sel = jnp.where((sel >= 0) & (sel % n == me), sel // n, -1)
+        lq = jnp.maximum(lq, 0)  # a query with no local key has no local block selected either
+        if kernels:
+            o, lse = sparse_attention(q_, k_loc, v_loc, local_sel, lq, block_size=bs, implementation="kv_major",
+                                      return_lse=True)
+        else:
+            o, lse = reference.sparse_attention(q_, k_loc, v_loc, local_sel, lq, bs, return_lse=True)
+        o, _ = lse_merge(o, lse, axis_name=axis)
+        return o.astype(q_.dtype), sel
+
+    def body(q_, iq_, k_, v_, ik_, pt_, qp_):
+        me = jax.lax.axis_index(axis)
+        lpt = _local_pages(pt_, me, n, per)
+        local = lambda pages: pages[lpt].reshape(q_.shape[0], nb_loc * bs, *pages.shape[2:])  # noqa: E731
+        # fp8 index pages (index_cache_dtype) are upcast (exact), as the single-device path does
+        k_loc, v_loc, ik_loc = local(k_), local(v_), local(ik_).astype(iq_.dtype)
+        if kernels or query_chunk is None or query_chunk >= q_.shape[1]:
+            return attend(qp_, q_, iq_, k_loc, v_loc, ik_loc, me)
+        (o, sel), merge = reference.map_query_chunks(
+            lambda qp, qc, iqc: attend(qp, qc, iqc, k_loc, v_loc, ik_loc, me), query_chunk, qp_, q_, iq_)
+        return merge(o, 1), merge(sel, 2)
+
+    pages, rows = P(axis), P(batch_axis(mesh, q.shape[0]))
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(rows, rows, pages, pages, pages, rows, rows), out_specs=(rows, rows),
+        check_vma=False,
+    )(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos)
 
 
 def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_pos, cfg, *, force_in=(), force_out=(),
@@ -271,7 +405,7 @@ def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_po
     if mesh is None or mesh.empty or axis not in mesh.axis_names or mesh.shape[axis] == 1:
         return plain()
     n = mesh.shape[axis]
-    reason = decode_split_reason(kv, n)
+    reason = context_split_reason(kv, n)
     if reason is not None:
         warnings.warn(f"MSA decode kernels not context parallel over the {n}-device {axis!r} axis: {reason}",
                       stacklevel=2)
@@ -282,18 +416,14 @@ def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_po
     t = getattr(cfg, "text", cfg)
     bs = t.index_block_size
     per = kv.k.shape[0] // n
-    b, w = page_table.shape
-    nb_loc = -(-w // n)
-    page_table = jnp.pad(page_table, [(0, 0), (0, nb_loc * n - w)])  # a window's tail: beyond every query
+    page_table, nb_loc = _pad_window(page_table, n)
     pos = q_pos[:, -1]
 
     def body(q_, iq_, k_, v_, ik_, pt_, pos_):
         me = jax.lax.axis_index(axis)
-        local_pt = jnp.clip(pt_.reshape(b, nb_loc, n)[:, :, me] - me * per, 0, per - 1)
+        local_pt = _local_pages(pt_, me, n, per)
         gid = jnp.arange(nb_loc) * n + me  # global block id of each local block
-        own = pos_ // bs
-        whole = jnp.maximum(own - me + n - 1, 0) // n  # local blocks wholly before the own block
-        local_len = whole * bs + jnp.where(own % n == me, pos_ % bs + 1, 0)
+        local_len = _local_length(pos_, me, n, bs)
         # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts them in SMEM
         scores = decode_index_scores(iq_, ik_, local_pt, local_len, block_size=bs)  # [B, Hi, 1, nb_loc]
         sel = _global_topk(scores, gid, pos_[:, None], n, block_size=bs, topk=t.index_topk_blocks,
@@ -305,7 +435,52 @@ def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_po
         o, _ = lse_merge(o, lse, axis_name=axis)
         return o.astype(q_.dtype), sel
 
-    pages = P(axis)
+    pages, rows = P(axis), P(batch_axis(mesh, q.shape[0]))
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P(), pages, pages, pages, P(), P()), out_specs=(P(), P()), check_vma=False,
+        body, mesh=mesh, in_specs=(rows, rows, pages, pages, pages, rows, rows), out_specs=(rows, rows),
+        check_vma=False,
     )(q, iq, kv.k, kv.v, kv.ik, page_table, pos)
+
+
+def dense_decode_sharded(kernel: Callable, q, kv: LayerCache, page_table, q_pos, cfg, *, mesh=None, axis: str = MODEL):
+    """One decode token per sequence of a full-attention layer over its page-striped cache, context
+    parallel over ``axis``: each device runs the paged decode attention kernel over every visible block
+    it holds (its local page table and length, as :func:`msa_decode_sharded`) with its log-sum-exp, and
+    the n partials are merged by :func:`m3jax.msa.reference.lse_merge`. Only the [B, 1, N, H] partial
+    outputs cross devices; the layer's K/V is never gathered (3 layers x 2 GB per token for M3 at 1M).
+
+    ``kernel(q, kv, page_table, q_pos, cfg) -> o`` (:func:`m3jax.msa.kernels.dense_decode`) runs as is
+    with no mesh, a model axis of 1, or pages that do not split (then with a warning; XLA gathers).
+    Returns o [B, 1, N, H] replicated.
+    """
+    n = axis_size(mesh, axis)
+    if n == 1:
+        return kernel(q, kv, page_table, q_pos, cfg)
+    reason = context_split_reason(kv, n, index=False)
+    if reason is not None:
+        warnings.warn(f"full-attention decode not context parallel over the {n}-device {axis!r} axis: {reason}",
+                      stacklevel=2)
+        return kernel(q, kv, page_table, q_pos, cfg)
+    from m3jax.pallas.decode.kernel import sparse_decode_attention_kernel
+
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    t = getattr(cfg, "text", cfg)
+    bs = t.index_block_size
+    per = kv.k.shape[0] // n
+    page_table, nb_loc = _pad_window(page_table, n)
+    kh = kv.k.shape[2]
+
+    def body(q_, k_, v_, pt_, pos_):
+        me = jax.lax.axis_index(axis)
+        local_len = _local_length(pos_, me, n, bs)
+        blocks = jnp.arange(nb_loc, dtype=jnp.int32)[None]
+        sel = jnp.where(blocks * bs < local_len[:, None], blocks, -1)  # every local block with a visible key
+        sel = jnp.broadcast_to(sel[:, None, None], (q_.shape[0], kh, 1, nb_loc))
+        o, lse = sparse_decode_attention_kernel(q_, k_, v_, _local_pages(pt_, me, n, per), sel, local_len,
+                                                block_size=bs, return_lse=True)
+        o, _ = lse_merge(o, lse, axis_name=axis)
+        return o.astype(q_.dtype)
+
+    pages, rows = P(axis), P(batch_axis(mesh, q.shape[0]))
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, pages, pages, rows, rows), out_specs=rows, check_vma=False)(
+        q, kv.k, kv.v, page_table, q_pos[:, -1])

@@ -56,6 +56,33 @@ def cfg_of(name):
     return tiny_config(**TWO_LAYERS, **CONFIGS[name])
 
 
+@contextlib.contextmanager
+def _context_parallel_calls():
+    """Counts, as the model is traced, the attention calls that run context parallel over a mesh: MSA over the
+    paged cache by implementation (``prefill_pallas`` / ``prefill_reference``) and the full-attention decode
+    (``dense_decode``), so a check can tell the context-parallel path from the gathered window."""
+    import collections
+
+    from m3jax.sharding import MODEL
+
+    seen = collections.Counter()
+    saved = parallel.msa_prefill_sharded, parallel.dense_decode_sharded
+
+    def prefill(*a, **k):
+        seen["prefill_" + k["implementation"]] += 1
+        return saved[0](*a, **k)
+
+    def dense(*a, **k):
+        seen["dense_decode"] += parallel.axis_size(None, MODEL) > 1
+        return saved[1](*a, **k)
+
+    parallel.msa_prefill_sharded, parallel.dense_decode_sharded = prefill, dense
+    try:
+        yield seen
+    finally:
+        parallel.msa_prefill_sharded, parallel.dense_decode_sharded = saved
+
+
 def check_forward(name, sizes, jit_shardings=True):
     cfg = cfg_of(name)
     model = m3jax.init_random(cfg, seed=0)
@@ -75,21 +102,22 @@ def check_forward(name, sizes, jit_shardings=True):
     return ok, out
 
 
-def check_engine(name, n=8):
+def check_engine(name, n=8, data=1):
     cfg = cfg_of(name)
     model = m3jax.init_random(cfg, seed=1)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, cfg.text.vocab_size, k).tolist() for k in (13, 7)]
     kw = dict(batch=2, capacity=32, prefill_chunk=8)
     ref = Engine(model.params, cfg, **kw).generate(prompts, max_new_tokens=8, sampling=GREEDY, keep_logits=True)
-    mesh = sh.make_mesh(n)
-    e = Engine(model.params, cfg, mesh=mesh, **kw)
-    res = e.generate(prompts, max_new_tokens=8, sampling=GREEDY, keep_logits=True)
+    mesh = sh.make_mesh(n, data=data)
+    with _context_parallel_calls() as seen:  # 8-token chunks against a 32-key window: context parallel
+        e = Engine(model.params, cfg, mesh=mesh, **kw)
+        res = e.generate(prompts, max_new_tokens=8, sampling=GREEDY, keep_logits=True)
     err = rel_l2(np.stack(res.step_logits), np.stack(ref.step_logits))
     cache_spec = str(e.cache.layers[0].k.sharding.spec)
-    ok = res.generated == ref.generated and err <= TOL and "model" in cache_spec
+    ok = res.generated == ref.generated and err <= TOL and "model" in cache_spec and seen["prefill_reference"] > 0
     return ok, {"tokens_equal": res.generated == ref.generated, "logits_rel_l2": err, "cache_spec": cache_spec,
-                "page_table_row0": np.asarray(e.cache.page_table)[0].tolist()}
+                "page_table_row0": np.asarray(e.cache.page_table)[0].tolist(), "context_parallel": dict(seen)}
 
 
 def check_loading(n=8):
@@ -286,28 +314,83 @@ def check_decode_kernels(sizes=(8,)):
     return ok, out
 
 
+def check_prefill_kernels():
+    """Context-parallel MSA prefill (parallel.msa_prefill_sharded) over a page-striped, page-split cache,
+    the kernels (interpret mode) and the jnp maths, equals the single-device path on the gathered window:
+    identical selections, fp32 outputs within 1e-5. Two sequences whose chunks end in blocks held by
+    different devices; the first queries of one see no key on most devices."""
+    import jax.numpy as jnp
+
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
+
+    t = _pallas_config(num_attention_heads=8, num_key_value_heads=2, index_n_heads=2, index_topk_blocks=3).text
+    bs, b, max_pages, c = t.index_block_size, 2, 8, 16
+    rng = np.random.default_rng(11)
+    f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    k, v = f32(b * max_pages, bs, 2, 64), f32(b * max_pages, bs, 2, 64)
+    ik = f32(b * max_pages, bs, 64)
+    q, iq = f32(b, c, 8, 64), f32(b, c, 2, 64)
+    q_pos = jnp.asarray([440, 2])[:, None] + jnp.arange(c)[None]  # chunks ending in blocks 7 and 0
+    plain = jnp.arange(b * max_pages).reshape(b, max_pages)
+    kg, vg, ikg = LayerCache(k, v, ik).gather(plain)
+    s_ref = msa.select_blocks(msa.block_scores(iq, ikg, q_pos, bs), q_pos, block_size=bs, topk=t.index_topk_blocks)
+    o_ref = msa.sparse_attention(q, kg, vg, s_ref, q_pos, bs)
+    out, ok = {}, True
+    with _multidevice_interpret():
+        o_k, s_k = kernels.prefill(q, kg, vg, iq, ikg, q_pos, t)
+        out["single_kernels_vs_reference"] = rel_l2(o_k, o_ref)
+        ok &= bool(np.array_equal(s_k, s_ref)) and out["single_kernels_vs_reference"] <= TOL
+        for n, impls in ((8, ("pallas", "reference")), (2, ("reference",))):  # interpret mode is slow: kernels on 8
+            table = jnp.asarray(sh.striped_page_table(b, max_pages, n))
+            perm = jnp.zeros(b * max_pages, jnp.int32).at[table.reshape(-1)].set(plain.reshape(-1))
+            mesh = sh.make_mesh(n)
+            kv = jax.device_put(LayerCache(k[perm], v[perm], ik[perm]),
+                                sh.cache_shardings(sh.PagedCache([LayerCache(k, v, ik)], table), mesh).layers[0])
+            for impl in impls:
+                want, sel_want = (o_k, s_k) if impl == "pallas" else (o_ref, s_ref)
+                t0 = time.perf_counter()
+                with jax.set_mesh(mesh):
+                    fn = jax.jit(lambda *a, impl=impl: parallel.msa_prefill_sharded(*a, t, implementation=impl,
+                                                                                     query_chunk=8))
+                    o, s = fn(q, iq, kv, table, q_pos)
+                r = {"rel_l2": rel_l2(o, want), "selection_equal": bool(np.array_equal(s, sel_want)),
+                     "seconds": round(time.perf_counter() - t0, 1)}
+                out[f"{impl}_n{n}"] = r
+                ok &= r["rel_l2"] <= TOL and r["selection_equal"]
+    return ok, out
+
+
 FIXTURE = "tests/fixtures/text_mixed"  # the oracle checkpoint: 4 q / 2 KV heads (do not divide 8), 8 experts
 
 
 def check_generate_cli():
-    """``python -m m3jax.generate`` on the oracle fixture (fp32, greedy): 8 devices at two prefill
-    chunk sizes and 2 devices give the 1-device tokens, token for token; the report lists the devices,
-    the mesh and a peak per device."""
+    """``python -m m3jax.generate`` on the oracle fixture (fp32, greedy): 8 devices at two prefill chunk
+    sizes, 2 devices at two, and a data x model mesh of 2 x 4 give the 1-device tokens, token for token;
+    the report lists the devices, the mesh and a peak per device. At chunk 16 the MSA layers' prefill runs
+    context parallel over the page-split cache (the rule of parallel.prefill_context_parallel: the window
+    of 64 keys outweighs 16 queries of 4 heads), at chunk 32 over the gathered window."""
     from m3jax import generate
 
     ids = ",".join(str(3 + (7 * i) % 400) for i in range(29))  # 29 tokens: 4 blocks of 8 > top-2
     runs = {}
-    for devices, chunk in ((1, 32), (8, 16), (8, 32), (2, 32)):
+    for devices, chunk, mesh in ((1, 32, None), (8, 16, None), (8, 32, None), (2, 16, None), (2, 32, None),
+                                 (8, 16, "2x4")):
         t0 = time.perf_counter()
-        r = generate.main(["--checkpoint", FIXTURE, "--prompt-ids", ids, "--ctx", "40", "--max-new-tokens", "4",
-                           "--temperature", "0", "--dtype", "float32", "--prefill-chunk", str(chunk),
-                           "--devices", str(devices), "--quiet"])
-        runs[f"devices{devices}_chunk{chunk}"] = {
+        argv = ["--checkpoint", FIXTURE, "--prompt-ids", ids, "--ctx", "40", "--max-new-tokens", "4",
+                "--temperature", "0", "--dtype", "float32", "--prefill-chunk", str(chunk), "--quiet"]
+        with _context_parallel_calls() as seen:
+            r = generate.main(argv + (["--mesh", mesh] if mesh else ["--devices", str(devices)]))
+        runs[f"devices{devices}_chunk{chunk}" + (f"_mesh{mesh}" if mesh else "")] = {
             "tokens": r["generated_ids"], "mesh": r["mesh"], "devices": len(r["devices"]),
-            "peaks": len(r["peak_memory_per_device"]), "seconds": round(time.perf_counter() - t0, 1)}
+            "peaks": len(r["peak_memory_per_device"]), "context_parallel": dict(seen),
+            "seconds": round(time.perf_counter() - t0, 1)}
     ref = runs["devices1_chunk32"]["tokens"]
     ok = all(v["tokens"] == ref and v["devices"] == v["peaks"] for v in runs.values())
     ok &= runs["devices8_chunk16"]["mesh"] == {"data": 1, "model": 8} and runs["devices1_chunk32"]["mesh"] is None
+    ok &= runs["devices8_chunk16_mesh2x4"]["mesh"] == {"data": 2, "model": 4}
+    cp = {k: v["context_parallel"].get("prefill_reference", 0) > 0 for k, v in runs.items()}
+    ok &= cp == {k: "chunk16" in k for k in runs}
     return ok and len(ref) == 4, runs
 
 
@@ -365,15 +448,17 @@ def preset_m3():
 
 
 def check_engine_pallas(n=2):
-    """The engine with attention_impl="pallas" on n devices: prefill chunks through the head-split MSA
-    kernels, decode through the context-parallel decode kernels over the page-split cache (interpret
-    mode), greedy tokens equal to the same engine on one device."""
+    """The engine with attention_impl="pallas" on n devices, everything through the kernels over the
+    page-split cache (interpret mode): prefill chunks through the context-parallel MSA kernels (48-query
+    chunks of 8 heads against a 256-key window: the rule of parallel.prefill_context_parallel picks
+    context parallel), decode through the context-parallel MSA decode kernels and the full-attention layer's
+    decode context parallel too; greedy tokens equal to the same engine on one device."""
     import warnings
 
-    cfg = _pallas_config(num_attention_heads=16, num_key_value_heads=2, index_n_heads=2).replace(attention_impl="pallas")
+    cfg = _pallas_config(num_attention_heads=8, num_key_value_heads=2, index_n_heads=2).replace(attention_impl="pallas")
     model = m3jax.init_random(cfg, seed=7)
-    prompt = np.random.default_rng(8).integers(0, 80, 140).tolist()  # 3 blocks of 64 > top-2
-    kw = dict(batch=1, capacity=192, prefill_chunk=192)  # one prefill chunk, then 2 decode steps
+    prompt = np.random.default_rng(8).integers(0, 80, 130).tolist()  # 3 blocks of 64 > top-2
+    kw = dict(batch=1, capacity=256, prefill_chunk=48)  # 3 prefill chunks, then 2 decode steps
     out = {}
     with _multidevice_interpret(), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -381,16 +466,17 @@ def check_engine_pallas(n=2):
         ref = Engine(model.params, cfg, **kw).generate([prompt], max_new_tokens=3, sampling=GREEDY, keep_logits=True)
         out["single_seconds"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        e = Engine(model.params, cfg, mesh=sh.make_mesh(n), **kw)
-        res = e.generate([prompt], max_new_tokens=3, sampling=GREEDY, keep_logits=True)
+        with _context_parallel_calls() as seen:
+            e = Engine(model.params, cfg, mesh=sh.make_mesh(n), **kw)
+            res = e.generate([prompt], max_new_tokens=3, sampling=GREEDY, keep_logits=True)
         out["mesh_seconds"] = round(time.perf_counter() - t0, 1)
     out.update(tokens=res.generated, ref_tokens=ref.generated,
                logits_rel_l2=rel_l2(np.stack(res.step_logits), np.stack(ref.step_logits)),
-               warnings=[str(m.message) for m in w if "MSA" in str(m.message)],
-               split_reason=parallel.msa_pallas_split_reason(cfg, n))
+               warnings=[str(m.message) for m in w if "MSA" in str(m.message) or "decode" in str(m.message)],
+               context_parallel=dict(seen))
     # bf16 tolerance: the kernels round q/k/v to bf16, and XLA's partitioned projections differ in fp32 rounding
     ok = res.generated == ref.generated and out["logits_rel_l2"] <= TOL_BF16 and not out["warnings"]
-    return ok and out["split_reason"] is None, out
+    return ok and seen["prefill_pallas"] > 0 and seen["dense_decode"] > 0, out
 
 
 def check_probe_mesh(n=8):
@@ -482,11 +568,27 @@ def check_pallas_cuda_lowering():
                 out[f"decode_n{n}"] = {"mosaic_gpu_calls": txt.count("@mosaic_gpu_v2"),
                                        "shard_map": "sdy.manual_computation" in txt,
                                        "callbacks": len(re.findall(r"callback", txt))}
+                # the context-parallel prefill kernels (a 256-query chunk over a 64-page window) and the
+                # full-attention decode over the same page-split cache
+                lowered = {
+                    f"prefill_n{n}": (lambda q, iq, kv, pt, qp: parallel.msa_prefill_sharded(q, iq, kv, pt, qp, t),
+                                      (args[0], args[3], dargs[2], dargs[3], args[5])),
+                    f"dense_decode_n{n}": (lambda q, kv, pt, qp: parallel.dense_decode_sharded(
+                        kernels.dense_decode, q, kv, pt, qp, t), (dargs[0],) + dargs[2:]),
+                }
+                for name, (fn, fargs) in lowered.items():
+                    with jax.sharding.use_abstract_mesh(amesh):
+                        txt = jax.jit(fn).trace(*fargs).lower(lowering_platforms=("cuda",)).as_text()
+                    out[name] = {"mosaic_gpu_calls": txt.count("@mosaic_gpu_v2"),
+                                 "shard_map": "sdy.manual_computation" in txt,
+                                 "callbacks": len(re.findall(r"callback", txt))}
     finally:
         _backend.on_gpu, sa_kernel.on_gpu = saved
         jax.clear_caches()
     # a shard_map over a 1-device axis is inlined: no manual computation left to see for n = 1
-    ok = all(r["mosaic_gpu_calls"] >= 2 and (r["shard_map"] or k == "n1") and r["callbacks"] == 0
+    # the full-attention decode is one kernel (attention); MSA is scoring (+ top-k) and attention
+    ok = all(r["mosaic_gpu_calls"] >= (1 if k.startswith("dense") else 2) and (r["shard_map"] or k == "n1")
+             and r["callbacks"] == 0
              for k, r in out.items())
     return ok, out
 
@@ -497,11 +599,13 @@ CHECKS = {
     "forward_mixed_4": lambda: check_forward("mixed", (4,), jit_shardings=False),
     "engine_divisible": lambda: check_engine("divisible"),
     "engine_replicated": lambda: check_engine("replicated"),
+    "engine_data": lambda: check_engine("mixed", data=2),  # batch 2 split over data 2, model 4
     "loading": check_loading,
     "context_parallel": check_context_parallel,
     "pallas_mesh": check_pallas_mesh,
     "pallas_cuda_lowering": check_pallas_cuda_lowering,
     "decode_kernels": check_decode_kernels,
+    "prefill_kernels": check_prefill_kernels,
     "generate_cli": check_generate_cli,
     "generate_plan": check_generate_plan,
     "engine_pallas": check_engine_pallas,
