@@ -208,10 +208,8 @@ def indexer_kl(q, k, scores, support, q_pos, block_size: int, index_head_dim: in
     b, c, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     nb = scores.shape[-1]
-    # fp32 accumulation of the inputs' own products: exact for bf16 inputs (mixed-precision training)
-    # without the six bf16 passes that fp32 operands at HIGHEST cost over a [C, S] block per head.
-    logits = jnp.einsum("bckgh,bskh->bkgcs", q.reshape(b, c, kh, n // kh, h), k, precision=msa.HIGHEST,
-                        preferred_element_type=jnp.float32) * h**-0.5
+    qg = q.reshape(b, c, kh, n // kh, h).astype(jnp.float32)
+    logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
     causal = (jnp.arange(s_len)[None, None, :] <= q_pos[:, :, None])[:, None, None]
     p = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
     p = jnp.pad(p, [(0, 0)] * 4 + [(0, nb * block_size - s_len)])
@@ -277,13 +275,8 @@ def train_forward(params: dict, input_ids: jax.Array, cfg: M3Config, mode: str):
     return h, kls
 
 
-def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: float = 1.0, compute_dtype=None):
+def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: float = 1.0):
     """LM cross-entropy + kl_weight * mean-over-MSA-layers indexer KL.
-
-    ``compute_dtype`` (e.g. bfloat16): the forward runs on a copy of the weights in that dtype (the
-    gradient still reaches the fp32 weights): mixed-precision training. With fp32 weights the model's
-    matmuls run at full fp32 precision on the GPU (``layers.matmul_precision``), several times slower
-    than bf16 tensor cores; None keeps fp32 (the exact setting the tests compare).
 
     batch: ``{"tokens": int32 [B, T + 1]}`` (inputs are tokens[:, :-1], labels tokens[:, 1:]) and
     optionally ``"mask"`` [B, T] (1 = count the label). Returns (total, {"lm", "kl", "kl_layers"}).
@@ -293,15 +286,13 @@ def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: floa
     if mode == "indexer_only":
         labels = param_labels(params)
         params = jax.tree.map(lambda l, x: x if l == "index" else jax.lax.stop_gradient(x), labels, params)
-    if compute_dtype is not None:
-        params = jax.tree.map(lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     h, kls = train_forward(params, inputs, cfg, mode)
     if mode == "indexer_only":
         lm = jnp.zeros((), jnp.float32)  # main weights frozen: the LM term has no gradient to give
     else:
-        ce = optax.softmax_cross_entropy_with_integer_labels(lm_head(params, h).astype(jnp.float32), targets)
+        ce = optax.softmax_cross_entropy_with_integer_labels(lm_head(params, h), targets)
         mask = batch.get("mask")
         mask = jnp.ones_like(ce) if mask is None else mask.astype(jnp.float32)
         lm = jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -310,15 +301,13 @@ def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: floa
     return lm + kl_weight * kl, {"lm": lm, "kl": kl, "kl_layers": per_layer}
 
 
-def make_train_step(cfg: M3Config, tx: optax.GradientTransformation, mode: str, kl_weight: float = 1.0, mesh=None,
-                    compute_dtype=None):
+def make_train_step(cfg: M3Config, tx: optax.GradientTransformation, mode: str, kl_weight: float = 1.0, mesh=None):
     """Jitted ``step(state, batch) -> (state, metrics)`` (state donated). With ``mesh`` the step runs
     under it: parameters keep the shardings they were placed with (``m3jax.sharding.shard_params``),
-    the batch is split over the data axis. ``compute_dtype``: see :func:`loss_fn`."""
+    the batch is split over the data axis."""
 
     def step(state: TrainState, batch: dict):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, batch, cfg, mode, kl_weight, compute_dtype)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, cfg, mode, kl_weight)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # Weights that must not move keep their old values bit for bit (p + 0.0 would turn -0.0 into +0.0).
@@ -746,7 +735,7 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
     warm-up, ``--dense-warmup-seq-len``, is cheaper per step: the estimate errs on the safe side.)"""
     tx = make_optimizer(args.mode, 100, args.lr, args.index_lr, args.warmup)
     state = init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates its state
-    step = make_train_step(cfg, tx, args.mode, args.kl_weight, mesh, args.compute_dtype)
+    step = make_train_step(cfg, tx, args.mode, args.kl_weight, mesh)
     times = []
     for s in range(6):
         t0 = time.time()
@@ -821,13 +810,8 @@ def main(argv=None) -> int:
                     help="batch of the dense warm-up steps (0 = --batch)")
     ap.add_argument("--save-format", choices=["float32", "bfloat16", "mxfp8"], default="float32",
                     help="dtype of the saved HF checkpoint (mxfp8: the released MXFP8 layout, 1 byte per linear weight)")
-    ap.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="dtype of the forward/backward arithmetic; the weights and optimizer state stay fp32 "
-                         "(bfloat16: mixed precision, several times faster on a GPU, where fp32 matmuls run at "
-                         "full fp32 precision)")
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
-    args.compute_dtype = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
     if not args.time_budget and args.dense_warmup_steps > args.steps:
         ap.error(f"--dense-warmup-steps {args.dense_warmup_steps} exceeds --steps {args.steps}")
     if args.data_parallel and args.batch % args.data_parallel:
@@ -900,7 +884,7 @@ def main(argv=None) -> int:
             rows = [r for r in csv.DictReader(open(csv_path)) if int(r["step"]) <= int(state.step)]
         print(f"resumed at step {int(state.step)}", flush=True)
 
-    steps = {m: make_train_step(cfg, tx, m, args.kl_weight, mesh, args.compute_dtype) for m, _ in phases}
+    steps = {m: make_train_step(cfg, tx, m, args.kl_weight, mesh) for m, _ in phases}
     eval_step = make_eval_step(cfg, "sparse")
     evals = heldout_batches(held_stream, args.eval_batches, args.batch, args.seq_len)
     probe_tokens = evals[0]["tokens"][:, :-1]
@@ -965,7 +949,7 @@ def main(argv=None) -> int:
     summary = {"steps": int(state.step), "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
                "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
                "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
-               "compute_dtype": str(args.compute_dtype or "float32"), "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+               "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if cfg.text.has_sparse_layers:
         untrained = with_index_branch(params, index_init)
         summary["recall_trained_index"] = mean_recall(params, cfg, probe_tokens)

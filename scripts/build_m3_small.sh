@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/m3-small}
 "${PYTHON:-python}" -m m3jax.train --config m3_small --data retrieval --kv-per-1k 8 --task-share 0.5 \
   --time-budget "${BUDGET:-380}" --dense-warmup-frac 0.4 --dense-warmup-seq-len 4096 --dense-warmup-batch 4 \
-  --seq-len 16384 --batch 1 --attention-chunk 4096 --lr 2e-3 --warmup 50 --compute-dtype bfloat16 \
+  --seq-len 16384 --batch 1 --attention-chunk 4096 --lr 2e-3 --warmup 50 \
   --eval-every 100 --eval-batches 2 --ckpt-every 100 --tokenizer-from m3jax/assets/m3-small \
   --save-format mxfp8 --out "$RUN_DIR" "$@"
 if [ "${INSTALL:-1}" = 1 ]; then
