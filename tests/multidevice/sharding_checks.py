@@ -276,9 +276,9 @@ def check_pallas_mesh(sizes=(1, 2, 4)):
 
 
 def check_decode_kernels(sizes=(8,)):
-    """The paged decode kernels context parallel (parallel.msa_decode_sharded) on a page-striped,
-    page-split cache equal the single-device kernels on the same cache: identical selections, fp32
-    outputs within 1e-5. Two sequences at positions chosen so that the own block falls on different
+    """The paged decode kernels context parallel (parallel.msa_decode_sharded, and the full-attention
+    decode, parallel.dense_decode_sharded) on a page-striped, page-split cache equal the single-device
+    kernels on the same cache: identical selections, fp32 outputs within 1e-5. Two sequences at positions chosen so that the own block falls on different
     devices and one device holds no visible block of the short sequence."""
     import jax.numpy as jnp
 
@@ -311,6 +311,12 @@ def check_decode_kernels(sizes=(8,)):
                  "cache_spec": str(kv_sh.k.sharding.spec), "seconds": round(time.perf_counter() - t0, 1)}
             out[f"n{n}"] = r
             ok &= r["rel_l2"] <= TOL and r["selection_equal"] and "model" in r["cache_spec"]
+            # the full-attention decode over the same cache (parallel.dense_decode_sharded)
+            d0 = kernels.dense_decode(q, kv, table, q_pos, t)
+            with jax.set_mesh(mesh):
+                d = jax.jit(lambda *a: parallel.dense_decode_sharded(kernels.dense_decode, *a, t))(q, kv_sh, table, q_pos)
+            out[f"dense_n{n}"] = rel_l2(d, d0)
+            ok &= out[f"dense_n{n}"] <= TOL
     return ok, out
 
 
@@ -358,6 +364,15 @@ def check_prefill_kernels():
                      "seconds": round(time.perf_counter() - t0, 1)}
                 out[f"{impl}_n{n}"] = r
                 ok &= r["rel_l2"] <= TOL and r["selection_equal"]
+        # interventions: block 1 forced in, block 4 forced out, ranked by global id on every device
+        forced = dict(force_in=(1,), force_out=(4,))
+        s_f = msa.select_blocks(msa.block_scores(iq, ikg, q_pos, bs), q_pos, block_size=bs, topk=t.index_topk_blocks,
+                                **forced)
+        with jax.set_mesh(mesh):
+            _, s = jax.jit(lambda *a: parallel.msa_prefill_sharded(*a, t, implementation="reference", **forced))(
+                q, iq, kv, table, q_pos)
+        out["forced_selection_equal"] = bool(np.array_equal(s, s_f)) and not np.array_equal(s_f, s_ref)
+        ok &= out["forced_selection_equal"]
     return ok, out
 
 
