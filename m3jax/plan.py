@@ -110,9 +110,10 @@ def activations_per_device(cfg: M3Config, n: int, batch: int, ctx: int, chunk: i
         "dense_mlp": 3 * c * -(-t.dense_intermediate_size // n) * 4,
         # logits of the last token of each sequence, vocab split n ways (+ the gathered argmax input)
         "logits": batch * t.vocab_size / n * 4 * 2,
-        # one layer's K/V + index keys of the key window, gathered on every device: the engine's prefill
-        # (MSA kernels head-split, dense layers) and the dense layers' decode read the page-split cache
-        # through a gathered view (docs/SHARDING.md section 5); the MSA decode kernels read it in place
+        # one layer's K/V + index keys of the key window, gathered on every device: the full-attention
+        # layers' prefill and the MSA prefill chunks of short windows (head-split, by the rule of
+        # msa.parallel.prefill_context_parallel) read the page-split cache through a gathered view
+        # (docs/SHARDING.md); long-window MSA chunks and every decode read only each device's own pages
         "cache_window": batch * sh.padded_capacity(ctx, cfg, PlanMesh(n))
         * (2 * kh * h + t.index_head_dim) * kv_dtype_bytes,
     }
