@@ -113,7 +113,7 @@ def activations_per_device(cfg: M3Config, n: int, batch: int, ctx: int, chunk: i
         # one layer's K/V + index keys of the key window, gathered on every device: the full-attention
         # layers' prefill and the MSA prefill chunks of short windows (head-split, by the rule of
         # msa.parallel.prefill_context_parallel) read the page-split cache through a gathered view
-        # (docs/SHARDING.md); long-window MSA chunks and every decode read only each device's own pages
+        # (docs/SHARDING.md); long-window MSA chunks and the kernels path's decode read only local pages
         "cache_window": batch * sh.padded_capacity(ctx, cfg, PlanMesh(n))
         * (2 * kh * h + t.index_head_dim) * kv_dtype_bytes,
     }
