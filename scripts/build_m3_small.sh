@@ -6,8 +6,8 @@
 # on at its native block 64 / top-k 8. Saved in the HF layout (MXFP8 like MiniMax-M3-MXFP8) with its
 # tokenizer, loss curve and log into m3jax/assets/m3-small.
 #
-#   bash scripts/build_m3_small.sh                 # one H200: BUDGET=330 s, < 10 min in all (the steps are
-#                                                  # timed at 16K; the 4K warm-up steps are cheaper: ~270 s used)
+#   bash scripts/build_m3_small.sh                 # one H200: BUDGET=380 s, 523 s in all (2026-12-01: 756 ms per
+#                                                  # 16K step, 437 steps; too few to learn the retrieval task)
 #   BUDGET=1500 bash scripts/build_m3_small.sh     # longer: the step count follows the time budget
 #   ... --resume                                   # continue a run cut short (checkpoints every 100 steps)
 #   INSTALL=0 RUN_DIR=/tmp/smoke bash scripts/build_m3_small.sh --time-budget 0 --steps 2 --dense-warmup-steps 1 \
@@ -16,8 +16,9 @@
 # The step count is chosen from a timed run of a few 16K steps (train.py --time-budget) and recorded in
 # summary.json and RUN_DIR/time_budget_steps.json; pass the recorded --steps to train.py to repeat a run
 # exactly. The tokenizer is the shipped one (--tokenizer-from; the BPE is deterministic on the same
-# files, so this only saves its training time). Rows are 16K x 1 (the two full-attention layers keep
-# T x T softmax residuals for the backward pass); the dense warm-up, where all 8 layers are dense, runs
+# files, so this only saves its training time). Rows are 16K x 1 (each attention query chunk is
+# recomputed in the backward pass, but the indexer's KL target is a dense softmax over the row per MSA
+# layer: the step's work grows as T^2); the dense warm-up, where all 8 layers are dense, runs
 # at 4K x 4. INSTALL=0 leaves m3jax/assets alone. Needle accuracy of the result:
 #   python -m m3jax.needle --checkpoint m3jax/assets/m3-small --ctx 16384 --trials 32 [--dense]
 set -euo pipefail
