@@ -27,7 +27,9 @@ Without a tokenizer (random presets) the start/end markers are spelled as bytes 
 see ``m3jax.processing.media_token_ids``).
 
 Weights run in the checkpoint's own dtype (``--dtype auto``: config.json's ``dtype`` / ``torch_dtype``,
-as transformers' ``dtype="auto"``); random ``--config`` presets run in bfloat16.
+as transformers' ``dtype="auto"``); random ``--config`` presets run in bfloat16. ``--weights mxfp8``
+keeps an MXFP8 checkpoint's quantised weights fp8 + scales on the device (``load_pretrained(...,
+weights="mxfp8")``; random presets are drawn so), and the memory plan counts them at 1 + 1/32 bytes.
 
 Compiled executables go to JAX's persistent compilation cache in ``$M3JAX_CACHE_DIR`` or
 ``~/.cache/m3jax/jax_cache`` (``--no-compile-cache``: off), so a second run of the same command skips
