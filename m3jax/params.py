@@ -262,8 +262,8 @@ def init_random_on_device(cfg: M3Config, seed: int = 0, dtype=jnp.bfloat16, scal
             return (0.3 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
         if s.init == "ones":
             return (1.0 + 0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
-        if s.init == "mxfp8_values":
-            return (64.0 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
+        if s.init == "mxfp8_values":  # clipped to e4m3's range (448): a value beyond it would cast to NaN
+            return jnp.clip(64.0 * jax.random.normal(key, s.shape, jnp.float32), -448.0, 448.0).astype(dt)
         if s.init == "mxfp8_scales":
             return jnp.full(s.shape, 127 + round(math.log2(scale / 64.0)), dt)
         return (0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
