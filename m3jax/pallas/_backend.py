@@ -8,7 +8,7 @@ this file first.
 Targets. The kernels here are Hopper kernels (sm_90a: TMA, 232,448 B of SMEM per block, and wgmma
 with register accumulators in all but top-k), tested on the H200 and in interpret mode. What the
 kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline stages fit),
-``num_sms`` (grid sizes) and ``mma``: the grouped GEMM and the decode index scoring take their
+``num_sms`` (grid sizes) and ``mma``: the grouped GEMM, the prefill and decode index scoring take their
 Blackwell paths (tcgen05 into TMEM) when it is ``"tcgen05"``; the other MMA kernels issue wgmma, a
 Hopper-only instruction,
 and do not run on sm_100 as they are (``m3jax.selfcheck`` keeps them off a GPU where they fail).

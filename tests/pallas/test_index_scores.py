@@ -1,7 +1,10 @@
 """MSA index block scores (+ fused top-k): Mosaic GPU kernel vs the pure-jnp reference.
 
 Off-GPU the kernels run in Mosaic GPU interpret mode with the race detector on (``mosaic_kernel``).
-Shapes are tiny (head dim 64, block 16/32) to keep the file fast on a CPU.
+Shapes are tiny (head dim 64, block 16/32) to keep the file fast on a CPU. Tests taking the ``target``
+fixture run twice: as built for the device (Hopper wgmma off-GPU) and as built for Blackwell
+(tcgen05 into TMEM, m3jax/pallas/index_scores/blackwell.py) in interpret mode, which models tcgen05
+and TMEM but not their shape and layout rules (test_lowering.py lowers the variant for sm_100a).
 """
 
 from __future__ import annotations
@@ -18,6 +21,22 @@ from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, inde
 from tests.pallas.tolerances import TOL
 CFG = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2, fused_topk=True)
 CFG_UNFUSED = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2)
+
+
+@pytest.fixture(params=["device", "blackwell"])
+def target(request, monkeypatch):
+    if request.param == "device":
+        yield
+        return
+    from m3jax.pallas.index_scores import blackwell
+
+    calls = []
+    row_max = blackwell.tcgen05_row_max
+    monkeypatch.setattr(blackwell, "tcgen05_row_max", lambda *a: calls.append(1) or row_max(*a))
+    _backend.reset_interpret_state()
+    with _backend.interpret_as(_backend.BLACKWELL):
+        yield
+    assert calls, "the Blackwell kernel did not run"
 
 
 def _inputs(b, t, hi, hx, s, dtype, seed=0):
@@ -56,7 +75,7 @@ def _check_topk(got, ref, q_pos, bs):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_chunked_prefill_batch_heads(dtype):
+def test_chunked_prefill_batch_heads(dtype, target):
     # chunked prefill: block-aligned prefix, T not a multiple of the block, batch of 2 with a shorter
     # second sequence, 4 index heads; the msa_force_in / msa_force_out interventions (block 1 forced
     # in, block 2 out; block 4 out is the own block of the first sequence's later queries: kept).
@@ -73,7 +92,7 @@ def test_chunked_prefill_batch_heads(dtype):
     _check_topk(got, msa.select_blocks(jnp.asarray(ref), q_pos, block_size=bs, topk=3, **force), q_pos, bs)
 
 
-def test_prefill_from_zero_fewer_blocks_than_topk_local_init():
+def test_prefill_from_zero_fewer_blocks_than_topk_local_init(target):
     # prefill from position 0: fewer visible blocks than top-k (-1 padding), ragged S (not a block
     # multiple), local_blocks=2 + one sink, block 32.
     b, t, hi, hx, bs = 1, 50, 2, 64, 32

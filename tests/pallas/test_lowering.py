@@ -9,7 +9,8 @@ What this shows for sm_100a: the kernels lower, and Mosaic does not refuse wgmma
 kernels' modules for sm_100a carry Hopper ``wgmma.mma_async`` as inline PTX, an sm_90a-only
 instruction, so on a B200 they can fail only later, at ptxas (not verifiable here: the self-check
 canary, ``python -m m3jax.selfcheck``, is where it shows); top-k has no MMA and carries none. The
-grouped GEMM and the decode index scoring have Blackwell paths: for sm_100a their modules carry
+grouped GEMM, the prefill index scoring (with its fused top-k) and the decode index scoring have
+Blackwell paths (``BLACKWELL_VARIANTS``): for sm_100a their modules carry
 ``tcgen05.mma`` and no wgmma (the lowering checks tcgen05's shape, layout and TMEM rules, which
 interpret mode does not).
 """
@@ -94,7 +95,7 @@ KERNELS = {
 
 
 # kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma
-BLACKWELL_VARIANTS = {"decode_index_scores", "grouped_matmul"}
+BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "decode_index_scores", "grouped_matmul"}
 
 
 def _mma_instruction(name: str, mma: bool, target) -> str | None:
@@ -156,6 +157,25 @@ def test_blackwell_decode_scores_lower_at_other_tiles(bs, q, dtype, mosaic_modul
     with _backend.lowering_for(_backend.BLACKWELL):
         jax.jit(lambda *a: decode_index_scores(*a, block_size=bs)).trace(*args).lower(lowering_platforms=("cuda",))
     assert "tcgen05.mma" in mosaic_modules[-1] and "wgmma" not in mosaic_modules[-1]
+
+
+@pytest.mark.parametrize("hx,bs,dtype,fused", [(16, 64, BF16, False), (32, 256, F32, False), (64, 16, BF16, True),
+                                               (128, 96, BF16, True), (128, 256, F32, False)])
+def test_blackwell_index_scores_lower_at_other_tiles(hx, bs, dtype, fused, mosaic_modules):
+    # index head dims 16 / 32 (32- and 64-byte swizzle) and 64 / 128; N = block 16 to 256 (256: the
+    # accumulator read in four 64-column pieces; fp32 at 256: the half-block SMEM fallback, N = 128);
+    # fp32 as three bf16 pieces; the fused top-k epilogue.
+    from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
+
+    args = (S((1, T, HI, hx), dtype), S((1, CTX, hx), dtype), S((1, T), I32))
+    if fused:
+        cfg = IndexScoreConfig(fused_topk=True)
+        f = lambda iq, ik, p: index_select_blocks(iq, ik, p, block_size=bs, topk=TOPK, config=cfg)  # noqa: E731
+    else:
+        f = lambda iq, ik, p: index_block_scores(iq, ik, p, block_size=bs)  # noqa: E731
+    with _backend.lowering_for(_backend.BLACKWELL):
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "tcgen05.mma" in mosaic_modules[0] and not any("wgmma" in m for m in mosaic_modules)
 
 
 @pytest.mark.parametrize("bs,dtype,fp8_mma", [(128, BF16, "bfloat16"), (128, BF16, "float16"), (64, F32, "bfloat16")])

@@ -32,23 +32,22 @@ What remains for peak (measured numbers in benchmarks/msa_index.py): a warp-spec
 overlaps the other's wgmma), a persistent grid over (batch, row tile) with cost-sorted tiles for
 ragged batches, and a skip of the fused top-k insertion when no row improves.
 
-Blackwell (``Target.BLACKWELL``): the same tiling maps to ``tcgen05_mma`` with the accumulator in
-TMEM (``plgpu.TMEM``; the epilogue reads it with ``async_load_tmem`` and can use the TMEM
-load-with-reduce on SM103), M = 256 rows on a 2-CTA cluster (``cluster=2``, each CTA loading half
-of the key block), and several TMEM accumulator stages so the MMA warp runs ahead of the epilogue
-warps. Paged index-K caches can then use a TMA gather of the page ids. Only the MMA call, the
-accumulator allocation and the row tile change; the pipeline, masks and outputs stay.
+Blackwell (``Target.BLACKWELL``, :mod:`.blackwell`): the same kernel with ``tcgen05_mma`` into a TMEM
+accumulator and 128-row tiles; only the block's row max (:class:`RowMax`) and the row tile change,
+the pipeline, masks and outputs stay. Not done there: M = 256 rows on a 2-CTA cluster, several TMEM
+accumulator stages so an MMA warp runs ahead of the epilogue, a TMA gather for paged index-K caches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
+from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
 from m3jax.pallas.topk import _select
 
@@ -72,6 +71,12 @@ class IndexScoreConfig:
     fused_topk: bool = False
 
     def for_block(self, block_size: int, fused: bool) -> "IndexScoreConfig":
+        if current_target().mma == "tcgen05":
+            # Blackwell: tcgen05 tiles of 128 rows, whatever ``rows`` says; the accumulator is in TMEM
+            # and read in column pieces, so no register limit on the block (.blackwell).
+            from m3jax.pallas.index_scores.blackwell import ROWS
+
+            return dataclasses.replace(self, rows=ROWS)
         rows = self.rows
         # fp32 accumulator registers: rows * block_size / 128 threads (+ the top-k state if fused).
         if rows * block_size > (8192 if fused else 16384):
@@ -79,8 +84,39 @@ class IndexScoreConfig:
         return dataclasses.replace(self, rows=rows)
 
 
-def _row_layout():
-    return plgpu.Layout.WGMMA.reduce(1)
+@dataclasses.dataclass(frozen=True)
+class RowMax:
+    """How a CTA turns one key block into its rows' maxima (the part that differs per MMA).
+
+    ``row_max(q_smems, k_smems, scratch_refs, mask)`` -> fp32 [rows] in ``row_layout``: the products
+    of the split pieces (``split_products``) of the Q tile [rows, Hx] and the key block [bs, Hx]
+    summed, ``mask(acc, col0, layout)`` applied (when not None) to each accumulator piece it reads
+    (columns from ``col0``, registers in ``layout``), then max-reduced over the key columns.
+    ``scratch``: the scratch it needs after the kernel's own (``scratch_refs``, in that order).
+    """
+
+    row_layout: object
+    scratch: tuple
+    row_max: Callable
+
+
+def _wgmma_row_max(n_parts, rows, bs):
+    """Hopper: wgmma into a register accumulator [rows, bs], masked and reduced in registers."""
+
+    def row_max(q_smems, k_smems, _, mask):
+        def mma(acc_ref):
+            # Smallest products first: they are summed before the large ones round the accumulator.
+            for i, jp in reversed(split_products(n_parts)):
+                plgpu.wgmma(acc_ref, q_smems[i], k_smems[jp].transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(mma, plgpu.ACC((rows, bs), jnp.float32))
+        if mask is not None:
+            acc = mask(acc, 0, plgpu.Layout.WGMMA)
+        return acc.max(axis=1)
+
+    return RowMax(plgpu.Layout.WGMMA.reduce(1), (), row_max)
 
 
 def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, config, fused, topk, local_blocks,
@@ -97,6 +133,12 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
     transforms = swizzle_transforms(hx)
     steps = _pipeline_steps(rows, kx, bs, fused, topk, config)
     full_key_blocks = s_len // bs  # blocks wholly inside [0, S)
+    if current_target().mma == "tcgen05":  # Blackwell: tcgen05 into TMEM (.blackwell)
+        from m3jax.pallas.index_scores import blackwell
+
+        mma = blackwell.tcgen05_row_max(n_parts, rows, bs)
+    else:
+        mma = _wgmma_row_max(n_parts, rows, bs)
 
     if fused:
         out_type = jax.ShapeDtypeStruct((b, topk, r_pad), jnp.int32)
@@ -107,7 +149,8 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
         q_refs, k_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
         rowpos_ref, info_ref, out_ref = refs[2 * n_parts : 2 * n_parts + 3]
         q_smems = refs[2 * n_parts + 3 : 3 * n_parts + 3]
-        rp_smem, o_smem, ninf_smem, bar = refs[3 * n_parts + 3 :]
+        rp_smem, o_smem, ninf_smem, bar = refs[3 * n_parts + 3 : 3 * n_parts + 7]
+        mma_refs = refs[3 * n_parts + 7 :]
         bi = jax.lax.axis_index("b")
         ti = jax.lax.axis_index("tile")
         r0 = ti * rows
@@ -121,22 +164,16 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
         plgpu.copy_gmem_to_smem(rowpos_ref.at[bi, pl.ds(r0, rows)], rp_smem, bar.at[n_parts])
         for p in range(n_parts + 1):
             plgpu.barrier_wait(bar.at[p])
-        rowpos = plgpu.load(rp_smem, layout=_row_layout())
+        rowpos = plgpu.load(rp_smem, layout=mma.row_layout)
 
         def row_max(k_smems, j, masked):
-            def mma(acc_ref):
-                # Smallest products first: they are summed before the large ones round the accumulator.
-                for i, jp in reversed(split_products(n_parts)):
-                    plgpu.wgmma(acc_ref, q_smems[i], k_smems[jp].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
+            def mask(acc, col0, layout):  # causal and past-S mask of the tile's columns [col0, col0 + width)
+                shape = acc.shape
+                col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout) + (j * bs + col0)
+                rp = jax.lax.broadcast_in_dim(rowpos, shape, [0])
+                return jnp.where((col <= rp) & (col < s_len), acc, NEG_INF)
 
-            acc = pl.run_scoped(mma, plgpu.ACC((rows, bs), jnp.float32))
-            if masked:
-                col = plgpu.broadcasted_iota(jnp.int32, (rows, bs), 1, layout=plgpu.Layout.WGMMA) + j * bs
-                rp = jax.lax.broadcast_in_dim(rowpos, (rows, bs), [0])
-                acc = jnp.where((col <= rp) & (col < s_len), acc, NEG_INF)
-            return acc.max(axis=1)
+            return mma.row_max(q_smems, k_smems, mma_refs, mask if masked else None)
 
         def spec(offset):
             return plgpu.BlockSpec((bs, hx), lambda j: (j + offset, 0), transforms=transforms)
@@ -146,7 +183,7 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
                 tuple(jnp.full((rows,), NEG_INF, jnp.float32) for _ in range(topk)),
                 tuple(jnp.full((rows,), -1, jnp.int32) for _ in range(topk)),
             )
-            init = jax.tree.map(lambda x: plgpu.layout_cast(x, _row_layout()), init)
+            init = jax.tree.map(lambda x: plgpu.layout_cast(x, mma.row_layout), init)
 
             def step(offset, masked):
                 def fn(idx, *args):
@@ -222,6 +259,7 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
             o_scratch,
             ninf_scratch,
             plgpu.Barrier(num_barriers=n_parts + 1),
+            *mma.scratch,
         ],
     )
     return kern(*q_parts, *k_parts, rowpos, tile_info)
