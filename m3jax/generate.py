@@ -118,7 +118,8 @@ def parse_args(argv=None):
                          "runs as float32); bfloat16 for random --config presets")
     ap.add_argument("--weights", default="dequantize", choices=["dequantize", "mxfp8"],
                     help="MXFP8 checkpoint weights: dequantize on load (default) or keep them fp8 + scales on the "
-                         "device (about half the bytes; the memory plan counts them so); random presets: drawn as MXFP8")
+                         "device (about half the bytes, the memory plan counts them so; slower than bf16 weights on the H200 today, "
+                         "see benchmarks/RESULTS.md); random presets: drawn as MXFP8")
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
