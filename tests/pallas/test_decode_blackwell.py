@@ -1,10 +1,11 @@
-"""The Blackwell decode index-score kernel (tcgen05 MMAs into TMEM, m3jax/pallas/decode/blackwell.py)
-in GPU interpret mode: test_decode.py's scoring checks, with the kernels built for sm_100a.
+"""The Blackwell decode kernels (tcgen05 MMAs into TMEM, m3jax/pallas/decode/blackwell.py) in GPU
+interpret mode: test_decode.py's checks, with the kernels built for sm_100a.
 
 jax 0.11.2's interpret mode models tcgen05_mma, TMEM and the tensor-core barriers, so these check the
-kernel's semantics; it does not check tcgen05's shape, layout and TMEM rules, which lowering for
-sm_100a does (test_lowering.py). Block 64 runs one 64-row MMA tile per page (test_decode's cases),
-192 three 64-row tiles, 256 two 128-row tiles.
+kernels' semantics; it does not check tcgen05's shape, layout and TMEM rules, which lowering for
+sm_100a does (test_lowering.py). Index scoring: block 64 runs one 64-row MMA tile per page
+(test_decode's cases), 192 three 64-row tiles, 256 two 128-row tiles. Attention: test_decode's own
+bodies (whole decode steps, sub-page K/V tiles), the query rows padded to one 128-row tile.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from m3jax.pallas import _backend
 from m3jax.pallas import decode as D
+from tests.pallas import test_decode
 from tests.pallas.test_decode import check_scores, make_case
 from tests.pallas.tolerances import TOL
 
@@ -22,13 +24,28 @@ from tests.pallas.tolerances import TOL
 @pytest.fixture(autouse=True)
 def _blackwell(monkeypatch):
     calls = []
-    tcgen05 = D._blackwell.decode_index_scores_tcgen05
-    monkeypatch.setattr(D._blackwell, "decode_index_scores_tcgen05", lambda *a, **kw: calls.append(1) or tcgen05(*a, **kw))
+    for name in ("decode_index_scores_tcgen05", "sparse_decode_attention_tcgen05"):
+        kernel = getattr(D._blackwell, name)
+        monkeypatch.setattr(D._blackwell, name, lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
+    for name in ("decode_index_scores_kernel", "sparse_decode_attention_kernel"):  # the Hopper ones must not run
+        monkeypatch.setattr(D._kernel, name, lambda *a, _n=name, **kw: pytest.fail(f"Hopper {_n} ran"))
     _backend.reset_interpret_state()
     with _backend.interpret_as(_backend.BLACKWELL):
         yield
-    assert calls, "the Blackwell kernel did not run"
+    assert calls, "no Blackwell kernel ran"
     assert not _backend.interpret_races_found()
+
+
+@pytest.mark.parametrize("q_len,dtype,splits", [(1, jnp.float32, 2), (4, jnp.bfloat16, 1)])
+def test_decode_step_as_test_decode(q_len, dtype, splits):
+    # test_decode.test_decode_step: index scores, top-k and the sparse attention of one step (Q = 1:
+    # fewer visible blocks than top-k, fp32 as bf16 pieces; Q = 4: a query at position -1, bf16).
+    test_decode.test_decode_step(q_len, dtype, splits, None)
+
+
+def test_attention_sub_page_tiles_as_test_decode():
+    # pages of 128 keys as two 64-key pipeline steps, fp32
+    test_decode.test_attention_sub_page_tiles()
 
 
 @pytest.mark.parametrize("ik_dtype", [None, jnp.float8_e4m3fn])

@@ -9,8 +9,8 @@ What this shows for sm_100a: the kernels lower, and Mosaic does not refuse wgmma
 kernels' modules for sm_100a carry Hopper ``wgmma.mma_async`` as inline PTX, an sm_90a-only
 instruction, so on a B200 they can fail only later, at ptxas (not verifiable here: the self-check
 canary, ``python -m m3jax.selfcheck``, is where it shows); top-k has no MMA and carries none. The
-grouped GEMM, the prefill index scoring (with its fused top-k) and the decode index scoring have
-Blackwell paths (``BLACKWELL_VARIANTS``): for sm_100a their modules carry
+grouped GEMM, the prefill index scoring (with its fused top-k), the decode index scoring and the
+sparse decode attention have Blackwell paths (``BLACKWELL_VARIANTS``): for sm_100a their modules carry
 ``tcgen05.mma`` and no wgmma (the lowering checks tcgen05's shape, layout and TMEM rules, which
 interpret mode does not).
 """
@@ -95,7 +95,8 @@ KERNELS = {
 
 
 # kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma
-BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "decode_index_scores", "grouped_matmul"}
+BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "decode_index_scores", "sparse_decode_attention",
+                      "grouped_matmul"}
 
 
 def _mma_instruction(name: str, mma: bool, target) -> str | None:
@@ -176,6 +177,20 @@ def test_blackwell_index_scores_lower_at_other_tiles(hx, bs, dtype, fused, mosai
     with _backend.lowering_for(_backend.BLACKWELL):
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "tcgen05.mma" in mosaic_modules[0] and not any("wgmma" in m for m in mosaic_modules)
+
+
+@pytest.mark.parametrize("bs,h,q,dtype", [(64, 64, 2, F32), (256, 256, 8, BF16), (256, 128, 1, F32)])
+def test_blackwell_decode_attention_lowers_at_other_tiles(bs, h, q, dtype, mosaic_modules):
+    # head dims 64..256 (O's TMEM columns, rescaled in 64-column pieces), Q * G = 32..128 rows, block
+    # 256 as two 128-key tiles, fp32 as bf16 pieces (bf16x3).
+    from m3jax.pallas.decode import sparse_decode_attention
+
+    nb = CTX // bs
+    args = (S((2, q, HI * G, h), dtype), S((2 * nb, bs, HI, h), dtype), S((2 * nb, bs, HI, h), dtype),
+            S((2, nb), I32), S((2, HI, q, TOPK), I32), S((2,), I32))
+    with _backend.lowering_for(_backend.BLACKWELL):
+        jax.jit(lambda *a: sparse_decode_attention(*a, block_size=bs)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "tcgen05.mma" in mosaic_modules[-1] and "wgmma" not in mosaic_modules[-1]
 
 
 @pytest.mark.parametrize("bs,dtype,fp8_mma", [(128, BF16, "bfloat16"), (128, BF16, "float16"), (64, F32, "bfloat16")])

@@ -54,10 +54,11 @@ def sparse_decode_attention(
         )
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
-    return _kernel.sparse_decode_attention_kernel(
-        q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
-        interpret=interpret,
-    )
+    kernel = _kernel.sparse_decode_attention_kernel
+    if current_target().mma == "tcgen05":  # Blackwell: tcgen05 MMAs into TMEM (.blackwell)
+        kernel = _blackwell.sparse_decode_attention_tcgen05
+    return kernel(q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
+                  interpret=interpret)
 
 
 def msa_decode(

@@ -1,7 +1,7 @@
-"""Blackwell (sm_100a) decode index scoring: :func:`.kernel.decode_index_scores_kernel` with ``tcgen05``
-MMAs into a TMEM accumulator instead of Hopper ``wgmma`` into registers.
+"""Blackwell (sm_100a) MSA decode kernels: :mod:`.kernel`'s index scoring and sparse attention with
+``tcgen05`` MMAs into TMEM accumulators instead of Hopper ``wgmma`` into registers.
 
-Same signature, grid, pipeline and result (docs/KERNELS.md §2.2, "AB-swapped"): one CTA per
+**Index scoring** (:func:`decode_index_scores_tcgen05`). Same signature, grid, pipeline and result (docs/KERNELS.md §2.2, "AB-swapped"): one CTA per
 (request, context split); per page, the ``block_size`` index keys are the MMA's M side (A from the
 TMA-loaded SMEM page) and the ``Hi * Q`` query rows its N side (B = the query tile, transposed, N a
 multiple of 8 as tcgen05 needs, of 16 for 64-row tiles). What differs:
@@ -19,12 +19,22 @@ multiple of 8 as tcgen05 needs, of 16 for 64-row tiles). What differs:
   pages are converted in SMEM as on Hopper (``kernel._convert_page``); the converted page is free
   for the next one once this page's MMAs were waited for.
 
-Chosen by :func:`m3jax.pallas.decode.decode_index_scores` when ``current_target().mma == "tcgen05"``.
-Verified here: interpret mode (which models tcgen05 and TMEM: the decode tests run under
+**Sparse attention** (:func:`sparse_decode_attention_tcgen05`): the Hopper kernel's plan (union of
+selected pages, K/V pipeline, masks, online softmax, split merge: the shared ``kernel._attention_*``
+helpers) with S = Q K^T in TMEM, the output accumulator kept in TMEM and rescaled there, P through
+SMEM into O += P V; the ``Q * G`` rows padded to 128 (Hopper pads to 64; at most 128 rows, Q = 8
+at G = 16), K/V tiles of at most 128 keys (its docstring).
+
+Chosen by :func:`m3jax.pallas.decode.decode_index_scores` / :func:`~m3jax.pallas.decode.sparse_decode_attention`
+when ``current_target().mma == "tcgen05"``. Verified here: interpret mode (which models tcgen05 and
+TMEM: tests/pallas/test_decode_blackwell.py runs test_decode's checks under
 ``_backend.interpret_as(BLACKWELL)``) and lowering for sm_100a on a CPU; not run on a B200 (the
-self-check canary ``decode_index_scores`` is what will say so on one). Not done: a warp-specialised
-MMA warp overlapping the previous page's TMEM epilogue (double-buffered accumulator), and the
-``async_load_tmem(reduce="max")`` row max where the hardware has it.
+self-check canaries ``decode_index_scores`` / ``sparse_decode_attention`` are what will say so on
+one). Not done: a warp-specialised MMA warp overlapping the previous page's TMEM epilogue
+(double-buffered accumulators), the ``async_load_tmem(reduce="max")`` row max where the hardware
+has it, and, in the attention, the AB-swapped form (keys as M, the few query rows as N) that would
+not pad 16 rows to 128, P kept in TMEM as the A operand, and the rescale of O skipped when no row
+max moved.
 """
 
 from __future__ import annotations
@@ -39,6 +49,16 @@ from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import swizzle_transforms
 from m3jax.pallas.decode.kernel import (
     IndexScoreConfig,
+    SparseDecodeConfig,
+    _attention_call,
+    _attention_plan,
+    _attention_refs,
+    _kv_pipeline,
+    _load_q,
+    _normalisers,
+    _online_softmax,
+    _p_parts,
+    _visible,
     _page_transforms,
     _round_up,
     _score_chunks,
@@ -141,3 +161,117 @@ def decode_index_scores_tcgen05(
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
     return _score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
+
+
+ATTENTION_ROWS = 128  # tcgen05's M per CTA: the Q * G query rows of a KV head, padded
+ATTENTION_MAX_KV_TILE = 128  # keys per step: S is read from TMEM whole, one row per thread
+PIECE = 64  # O columns per TMEM load / store when rescaling and in the epilogue
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))
+def sparse_decode_attention_tcgen05(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    block_idx: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    block_size: int,
+    config: SparseDecodeConfig = SparseDecodeConfig(),
+    interpret: bool | None = None,
+    return_lse: bool = False,
+):
+    """Sparse paged decode attention on Blackwell: args, result, grid, union of selected pages, K/V
+    pipeline and split merge as :func:`m3jax.pallas.decode.kernel.sparse_decode_attention_kernel`.
+
+    The ``Q * G`` query rows of a KV head (at most 128) are the M = 128 side of both MMAs. Per K/V
+    tile (at most 128 keys: S is read from TMEM whole, 128 registers per thread): S = Q K^T into a
+    TMEM accumulator, committed and waited for; S read in the tcgen05 register layout (the
+    TMEM-native one, a row per thread, cannot be stored to the swizzled P tile), the online softmax
+    as on Hopper (:func:`.kernel._online_softmax`); the output accumulator O [128, H] lives in TMEM
+    for the whole split and is rescaled by alpha in 64-column pieces (load, wait, multiply, store,
+    ``commit_tmem``); P goes to SMEM (16-bit, two bf16 pieces for fp32 inputs) and O += P V is
+    issued, committed and waited for before the step returns (the pipeline then reuses the V slot,
+    the next step P's SMEM). The epilogue reads O in pieces, normalises it and stores it by TMA.
+    """
+    plan = _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config,
+                           m_tile=ATTENTION_ROWS, max_kv_tile=ATTENTION_MAX_KV_TILE)
+    if plan.rows > ATTENTION_ROWS:
+        raise ValueError(f"Q * G = {plan.rows} query rows exceed the {ATTENTION_ROWS}-row tcgen05 tile")
+    m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
+    layout = plgpu.Layout.TCGEN05  # the TMEM-native layout (one row per thread) cannot be stored to swizzled SMEM (P)
+    rows_layout = layout.reduce(1)
+    pieces = [(c, min(PIECE, h - c)) for c in range(0, h, PIECE)]
+
+    def body(*refs):
+        q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
+            _attention_refs(plan, refs))
+        q_smem, p_smem, q_bar, s_bar, o_bar, s_tmem, o_tmem = scratch
+        bi = lax.axis_index("b")
+        hk = lax.axis_index("k")
+        si = lax.axis_index("s")
+        seq_len = len_gmem[bi]
+        first = si * plan.chunk
+        _load_q(plan, q_gmem, q_smem, q_bar, bi, hk)
+        for c, w in pieces:  # O starts at 0 (TMEM is not initialised; alpha = 0 would keep a NaN)
+            plgpu.async_store_tmem(o_tmem.at[:, pl.ds(c, w)],
+                                   plgpu.layout_cast(jnp.zeros((m_pad, w), jnp.float32), layout))
+        plgpu.commit_tmem()
+
+        m0 = plgpu.layout_cast(jnp.full((m_pad,), -jnp.inf, jnp.float32), rows_layout)
+        l0 = plgpu.layout_cast(jnp.full((m_pad,), 0.0, jnp.float32), rows_layout)
+
+        def page_step(idx, *kv_and_carry):
+            (i,) = idx
+            k_smems = kv_and_carry[:n_parts]
+            v_smems = kv_and_carry[n_parts : 2 * n_parts]
+            m_i, l_i = kv_and_carry[2 * n_parts]
+            for n, (a, c) in enumerate(plan.prods):
+                plgpu.tcgen05_mma(s_tmem, q_smem.at[a], k_smems[c].transpose((1, 0)), accumulate=n > 0)
+            plgpu.tcgen05_commit_arrive(s_bar)
+            plgpu.barrier_wait(s_bar)
+            s = plgpu.async_load_tmem(s_tmem, layout=layout) * plan.scale
+            plgpu.wait_load_tmem()  # the next step's S MMAs overwrite it
+            ok = _visible(plan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
+            m_new, alpha, p, l_i = _online_softmax(jnp.where(ok, s, -jnp.inf), m_i, l_i)
+            for c, w in pieces:  # O *= alpha (the last step's P V was waited for)
+                o = plgpu.async_load_tmem(o_tmem.at[:, pl.ds(c, w)], layout=layout)
+                plgpu.wait_load_tmem()  # the load is asynchronous: done before the store overwrites it
+                plgpu.async_store_tmem(o_tmem.at[:, pl.ds(c, w)], o * lax.broadcast_in_dim(alpha, o.shape, [0]))
+            plgpu.commit_tmem()  # the stores are visible to the P V MMA
+            for a, part in enumerate(_p_parts(plan, p)):
+                p_smem[a] = part
+            plgpu.commit_smem()
+            for a, c in plan.prods:
+                plgpu.tcgen05_mma(o_tmem, p_smem.at[a], v_smems[c], accumulate=True)
+            plgpu.tcgen05_commit_arrive(o_bar)
+            plgpu.barrier_wait(o_bar)
+            return m_new, l_i
+
+        m_i, l_i = _kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (m0, l0))
+        inv, lse = _normalisers(m_i, l_i)
+
+        def store(o_smem, lse_smem):
+            for c, w in pieces:
+                o = plgpu.async_load_tmem(o_tmem.at[:, pl.ds(c, w)], layout=layout)
+                o_smem[:, pl.ds(c, w)] = o * lax.broadcast_in_dim(inv, o.shape, [0])
+            plgpu.wait_load_tmem()
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[bi, hk, si])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[bi, hk, si])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((m_pad, h), jnp.float32), plgpu.SMEM((m_pad,), jnp.float32))
+
+    scratch = [
+        plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),
+        plgpu.SMEM((n_parts, m_pad, kv_tile), plan.dtype, transforms=plan.transforms),
+        plgpu.Barrier(num_arrivals=n_parts),
+        plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+        plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+        plgpu.TMEM((m_pad, kv_tile), jnp.float32),
+        plgpu.TMEM((m_pad, h), jnp.float32),
+    ]
+    return _attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)

@@ -50,9 +50,10 @@ What changes on Blackwell (``Target.BLACKWELL``): the wgmma calls become ``plgpu
 the accumulators in TMEM (index scoring: the [block_size, N] score tile lives in TMEM and the block
 max is a TMEM load-with-reduce on SM103); the attention's P operand is written to TMEM instead of
 registers; ``tma_gather`` lets one indexed TMA fetch all selected pages of a split instead of one
-copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. The index scoring's port
-exists (:mod:`.blackwell`, TMEM score tiles, a plain TMEM load + max; chosen by ``Target.mma``); the
-attention here issues wgmma only. Tile sizes and stage counts come from :class:`IndexScoreConfig` /
+copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. Both kernels have their
+port (:mod:`.blackwell`: TMEM score tiles with a plain TMEM load + max; the attention's S and O in
+TMEM, P through SMEM; chosen by ``Target.mma``); the attention shares this file's plan, masks,
+online softmax and split merge (``_attention_*``). Tile sizes and stage counts come from :class:`IndexScoreConfig` /
 :class:`SparseDecodeConfig`; ``Target`` supplies ``num_sms`` (split counts) and ``smem_bytes``
 (stages that fit). The algorithm is unchanged.
 
@@ -403,29 +404,48 @@ def union_pages(block_idx: jax.Array, page_table: jax.Array):
     return logical, physical, bits, count
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))
-def sparse_decode_attention_kernel(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    block_idx: jax.Array,
-    seq_lens: jax.Array,
-    *,
-    block_size: int,
-    config: SparseDecodeConfig = SparseDecodeConfig(),
-    interpret: bool | None = None,
-    return_lse: bool = False,
-):
-    """Sparse paged decode attention (see module docstring).
+@dataclasses.dataclass
+class _AttentionPlan:
+    """What both sparse decode attention kernels (wgmma here, tcgen05 in :mod:`.blackwell`) run on:
+    shapes, the padded union of selected pages, the operands split into 16-bit parts, the K/V tile
+    and pipeline depth."""
 
-    Args:
-      q: [B, Q, N, H]; k_pages, v_pages: [num_pages, block_size, K, H]; page_table: int32
-      [B, max_pages]; block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty, unique per row);
-      seq_lens: int32 [B].
-    Returns:
-      [B, Q, N, H] in q.dtype (and the natural-log LSE fp32 [B, Q, N] if ``return_lse``).
-    """
+    b: int
+    nq: int
+    n: int
+    h: int
+    kh: int
+    g: int
+    bs: int
+    rows: int  # nq * g query rows of a KV head, row r = t * G + g_head
+    m_pad: int  # rows padded to the MMA's M tile
+    splits: int
+    chunk: int  # union entries per split
+    kv_tile: int
+    sub: int  # K/V tiles per page
+    steps: int
+    stages: int
+    scale: float  # softmax scale with log2(e) folded in (exp2)
+    dtype: jnp.dtype  # the 16-bit type of the MMAs
+    transforms: tuple
+    q_parts: tuple
+    k_parts: tuple
+    v_parts: tuple
+    logical: jax.Array
+    physical: jax.Array
+    bits: jax.Array
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.q_parts)
+
+    @property
+    def prods(self) -> tuple[tuple[int, int], ...]:
+        return split_products(self.n_parts)
+
+
+def _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, config: "SparseDecodeConfig",
+                    m_tile: int, max_kv_tile: int = 256) -> _AttentionPlan:
     b, nq, n, h = q.shape
     num_pages, bs, kh, h2 = k_pages.shape
     g = n // kh
@@ -433,13 +453,13 @@ def sparse_decode_attention_kernel(
     if bs != block_size or h2 != h or n % kh:
         raise ValueError(f"shapes q {q.shape}, k_pages {k_pages.shape}, block_size={block_size}")
     if bs % 64 or bs > 256:
-        raise ValueError(f"block_size={bs} must be a multiple of 64 and <= 256 (wgmma N)")
+        raise ValueError(f"block_size={bs} must be a multiple of 64 and <= 256 (the MMA's N)")
     if h % 64 or h > 256:
         raise ValueError(f"head dim {h} must be a multiple of 64 and <= 256")
     if nq > 32:
         raise ValueError("at most 32 query tokens per request (token bitmask is int32)")
     rows = nq * g
-    m_pad = _round_up(rows, 64)
+    m_pad = _round_up(rows, m_tile)
     target = current_target()
     u = nq * topk
     splits = config.splits(b, kh, u, target)
@@ -465,10 +485,9 @@ def sparse_decode_attention_kernel(
     k_parts = tuple(x.reshape(num_pages * bs, kh, h) for x in k_parts)
     v_parts = tuple(x.reshape(num_pages * bs, kh, h) for x in v_parts)
     n_parts = len(q_parts)
-    prods = split_products(n_parts)
     dtype = q_parts[0].dtype
-    transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     itemsize = jnp.dtype(dtype).itemsize
+    transforms = swizzle_transforms(128 // itemsize, itemsize)
 
     def fitting_stages(tile):  # K/V tile pairs that fit next to the Q, P and output tiles
         fixed = n_parts * m_pad * (h + tile) * itemsize + m_pad * h * 4 + 4 * m_pad + 4096
@@ -476,35 +495,150 @@ def sparse_decode_attention_kernel(
 
     # A page is loaded as bs // kv_tile sub-tiles when whole pages do not double-buffer in SMEM
     # (fp32 inputs = 2 bf16 parts, block 256).
-    tiles = [t for t in (bs, bs // 2, bs // 4) if t % 64 == 0 and bs % t == 0]
+    tiles = [t for t in (bs, bs // 2, bs // 4) if t % 64 == 0 and bs % t == 0 and t <= max_kv_tile]
     kv_tile = next((t for t in tiles if fitting_stages(t) >= min(2, chunk * (bs // t))), tiles[-1])
     if config.kv_tile is not None:
-        if config.kv_tile % 64 or bs % config.kv_tile:
-            raise ValueError(f"kv_tile={config.kv_tile} must be a multiple of 64 dividing block_size={bs}")
+        if config.kv_tile % 64 or bs % config.kv_tile or config.kv_tile > max_kv_tile:
+            raise ValueError(f"kv_tile={config.kv_tile} must be a multiple of 64 dividing block_size={bs}, "
+                             f"at most {max_kv_tile}")
         kv_tile = config.kv_tile
     sub = bs // kv_tile
     steps = chunk * sub
     stages = max(1, min(config.stages, steps, fitting_stages(kv_tile)))
-    scale = (h**-0.5) * LOG2E
+    return _AttentionPlan(b, nq, n, h, kh, g, bs, rows, m_pad, splits, chunk, kv_tile, sub, steps, stages,
+                          (h**-0.5) * LOG2E, dtype, transforms, q_parts, k_parts, v_parts, logical, physical, bits)
+
+
+def _attention_refs(plan: _AttentionPlan, refs):
+    """The kernel's refs by name: (q, k, v part lists, logical, physical, bits, seq_lens, o, lse, scratch)."""
+    n = plan.n_parts
+    q_gmem, k_gmem, v_gmem = refs[:n], refs[n : 2 * n], refs[2 * n : 3 * n]
+    return (q_gmem, k_gmem, v_gmem, *refs[3 * n : 3 * n + 6], refs[3 * n + 6 :])
+
+
+def _load_q(plan: _AttentionPlan, q_gmem, q_smem, q_bar, bi, hk) -> None:
+    for p in range(plan.n_parts):
+        plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, hk], q_smem.at[p], q_bar)
+    plgpu.barrier_wait(q_bar)
+
+
+def _visible(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk):
+    """[M_pad, kv_tile] bool in ``layout``: which scores of pipeline step ``i`` count (the token selected
+    the page, key position <= query position, a real row)."""
+    shape = (plan.m_pad, plan.kv_tile)
+    e = first + lax.div(i, plan.sub)
+    key0 = lax.rem(i, plan.sub) * plan.kv_tile  # first key of this sub-tile within its page
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout) + key0
+    tok = lax.div(row, plan.g)
+    q_pos = seq_len - plan.nq + tok
+    blk = log_gmem[bi, hk, e]
+    sel = bits_gmem[bi, hk, e]
+    return ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * plan.bs <= q_pos) & (row < plan.rows)
+
+
+def _online_softmax(s, m_i, l_i):
+    """One online-softmax step over masked scores s (log2 units): (m_new, alpha, p, l_new)."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
+
+
+def _p_parts(plan: _AttentionPlan, p):
+    """P in the MMA's 16-bit type: two bf16 pieces for fp32 inputs (bf16x3 with V's pieces)."""
+    return bf16_split_in_kernel(p) if plan.n_parts == 2 else (p.astype(plan.dtype),)
+
+
+def _kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, init_carry):
+    """The K/V tiles of this split's union entries through SMEM (TMA via the physical page ids)."""
+
+    def kv_page(i):  # block index in units of kv_tile rows of the [num_pages * bs, H] view
+        return (phys_gmem[bi, hk, first + lax.div(i, plan.sub)] * plan.sub + lax.rem(i, plan.sub), 0)
+
+    spec = plgpu.BlockSpec((plan.kv_tile, plan.h), kv_page, transforms=plan.transforms)
+    return plgpu.emit_pipeline(
+        page_step,
+        grid=(plan.steps,),
+        in_specs=[spec] * (2 * plan.n_parts),
+        max_concurrent_steps=plan.stages,
+        init_carry=init_carry,
+    )(*(x.at[:, hk] for x in k_gmem), *(x.at[:, hk] for x in v_gmem))
+
+
+def _normalisers(m_i, l_i):
+    """1 / l per row (0 for rows without a visible key) and the natural-log LSE (-inf for those)."""
+    has = l_i > 0.0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+    return inv, jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+
+
+def _attention_call(plan: _AttentionPlan, body, scratch: list, seq_lens, interpret, return_lse, out_dtype):
+    """Launch ``body`` over (B, K, splits), merge the splits' partials, back to [B, Q, N, H] (+ LSE)."""
+    b, kh, nq, g, h, rows = plan.b, plan.kh, plan.nq, plan.g, plan.h, plan.rows
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=(
+            jax.ShapeDtypeStruct((b, kh, plan.splits, plan.m_pad, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, plan.m_pad), jnp.float32),
+        ),
+        scratch_types=scratch,
+        grid=(b, kh, plan.splits),
+        grid_names=("b", "k", "s"),
+    )
+    o_part, lse_part = kern(*plan.q_parts, *plan.k_parts, *plan.v_parts, plan.logical, plan.physical, plan.bits,
+                            seq_lens.astype(jnp.int32))
+    out, lse = combine_splits(o_part, lse_part)  # [B, K, M_pad, H], [B, K, M_pad]
+    out = out[:, :, :rows].reshape(b, kh, nq, g, h)
+    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, nq, plan.n, h).astype(out_dtype)
+    if not return_lse:
+        return out
+    lse = jnp.transpose(lse[:, :, :rows].reshape(b, kh, nq, g), (0, 2, 1, 3)).reshape(b, nq, plan.n)
+    return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))
+def sparse_decode_attention_kernel(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    block_idx: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    block_size: int,
+    config: SparseDecodeConfig = SparseDecodeConfig(),
+    interpret: bool | None = None,
+    return_lse: bool = False,
+):
+    """Sparse paged decode attention (see module docstring).
+
+    Args:
+      q: [B, Q, N, H]; k_pages, v_pages: [num_pages, block_size, K, H]; page_table: int32
+      [B, max_pages]; block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty, unique per row);
+      seq_lens: int32 [B].
+    Returns:
+      [B, Q, N, H] in q.dtype (and the natural-log LSE fp32 [B, Q, N] if ``return_lse``).
+    """
+    plan = _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config, m_tile=64)
+    m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
     def body(*refs):
-        q_gmem = refs[:n_parts]
-        k_gmem = refs[n_parts : 2 * n_parts]
-        v_gmem = refs[2 * n_parts : 3 * n_parts]
-        log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem = refs[3 * n_parts : 3 * n_parts + 6]
-        q_smem, p_smem, q_bar = refs[3 * n_parts + 6 :]
+        q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
+            _attention_refs(plan, refs))
+        q_smem, p_smem, q_bar = scratch
         bi = lax.axis_index("b")
         hk = lax.axis_index("k")
         si = lax.axis_index("s")
         seq_len = len_gmem[bi]
-        first = si * chunk
+        first = si * plan.chunk
+        _load_q(plan, q_gmem, q_smem, q_bar, bi, hk)
 
-        for p in range(n_parts):
-            plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, hk], q_smem.at[p], q_bar)
-        plgpu.barrier_wait(q_bar)
-
-        m0 = plgpu.layout_cast(jnp.full((m_pad,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l0 = plgpu.layout_cast(jnp.full((m_pad,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        m0 = plgpu.layout_cast(jnp.full((m_pad,), -jnp.inf, jnp.float32), wgmma_rows)
+        l0 = plgpu.layout_cast(jnp.full((m_pad,), 0.0, jnp.float32), wgmma_rows)
         acc0 = plgpu.layout_cast(jnp.full((m_pad, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
         def page_step(idx, *kv_and_carry):
@@ -512,37 +646,23 @@ def sparse_decode_attention_kernel(
             k_smems = kv_and_carry[:n_parts]
             v_smems = kv_and_carry[n_parts : 2 * n_parts]
             acc, m_i, l_i = kv_and_carry[2 * n_parts]
-            e = first + lax.div(i, sub)
-            key0 = lax.rem(i, sub) * kv_tile  # first key of this sub-tile within its page
-            row = plgpu.broadcasted_iota(jnp.int32, (m_pad, kv_tile), 0, layout=plgpu.Layout.WGMMA)
-            col = plgpu.broadcasted_iota(jnp.int32, (m_pad, kv_tile), 1, layout=plgpu.Layout.WGMMA) + key0
-            tok = lax.div(row, g)
-            q_pos = seq_len - nq + tok
-            blk = log_gmem[bi, hk, e]
-            sel = bits_gmem[bi, hk, e]
 
             def qk(acc_ref):
-                for a, c in prods:
+                for a, c in plan.prods:
                     plgpu.wgmma(acc_ref, q_smem.at[a], k_smems[c].transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((m_pad, kv_tile), jnp.float32)) * scale
-            ok = ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * bs <= q_pos) & (row < rows)
-            s = jnp.where(ok, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
+            s = pl.run_scoped(qk, plgpu.ACC((m_pad, kv_tile), jnp.float32)) * plan.scale
+            ok = _visible(plan, plgpu.Layout.WGMMA, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
+            m_new, alpha, p, l_i = _online_softmax(jnp.where(ok, s, -jnp.inf), m_i, l_i)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
-            p_parts = bf16_split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
-            for a in range(n_parts):
-                p_smem[a] = p_parts[a]
+            for a, part in enumerate(_p_parts(plan, p)):
+                p_smem[a] = part
             plgpu.commit_smem()
 
             def pv(acc_ref):
-                for a, c in prods:
+                for a, c in plan.prods:
                     plgpu.wgmma(acc_ref, p_smem.at[a], v_smems[c])
                 return acc_ref[...]
 
@@ -553,22 +673,9 @@ def sparse_decode_attention_kernel(
             acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
             return acc, m_new, l_i
 
-        def kv_page(i):  # block index in units of kv_tile rows of the [num_pages * bs, H] view
-            return (phys_gmem[bi, hk, first + lax.div(i, sub)] * sub + lax.rem(i, sub), 0)
-
-        spec = plgpu.BlockSpec((kv_tile, h), kv_page, transforms=transforms)
-        acc, m_i, l_i = plgpu.emit_pipeline(
-            page_step,
-            grid=(steps,),
-            in_specs=[spec] * (2 * n_parts),
-            max_concurrent_steps=stages,
-            init_carry=(acc0, m0, l0),
-        )(*(x.at[:, hk] for x in k_gmem), *(x.at[:, hk] for x in v_gmem))
-
-        has = l_i > 0.0
-        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+        acc, m_i, l_i = _kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (acc0, m0, l0))
+        inv, lse = _normalisers(m_i, l_i)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        lse = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
 
         def store(o_smem, lse_smem):
             o_smem[...] = out
@@ -580,31 +687,12 @@ def sparse_decode_attention_kernel(
 
         pl.run_scoped(store, plgpu.SMEM((m_pad, h), jnp.float32), plgpu.SMEM((m_pad,), jnp.float32))
 
-    kern = mosaic_kernel(
-        body,
-        interpret=interpret,
-        out_type=(
-            jax.ShapeDtypeStruct((b, kh, splits, m_pad, h), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, splits, m_pad), jnp.float32),
-        ),
-        scratch_types=[
-            plgpu.SMEM((n_parts, m_pad, h), dtype, transforms=transforms),
-            plgpu.SMEM((n_parts, m_pad, kv_tile), dtype, transforms=transforms),
-            plgpu.Barrier(num_arrivals=n_parts),
-        ],
-        grid=(b, kh, splits),
-        grid_names=("b", "k", "s"),
-    )
-    o_part, lse_part = kern(
-        *q_parts, *k_parts, *v_parts, logical, physical, bits, seq_lens.astype(jnp.int32)
-    )
-    out, lse = combine_splits(o_part, lse_part)  # [B, K, M_pad, H], [B, K, M_pad]
-    out = out[:, :, :rows].reshape(b, kh, nq, g, h)
-    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, nq, n, h).astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = jnp.transpose(lse[:, :, :rows].reshape(b, kh, nq, g), (0, 2, 1, 3)).reshape(b, nq, n)
-    return out, lse
+    scratch = [
+        plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),
+        plgpu.SMEM((n_parts, m_pad, kv_tile), plan.dtype, transforms=plan.transforms),
+        plgpu.Barrier(num_arrivals=n_parts),
+    ]
+    return _attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array):
