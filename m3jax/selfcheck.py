@@ -281,11 +281,18 @@ def device_key() -> dict:
     return {"device": f"{jax.devices()[0].device_kind} interpret", "target": "interpret"}
 
 
+_SOURCE_HASHES: dict[str, str] = {}  # per canary; the model asks at every kernel call it traces
+
+
 def source_hash(canary: Canary) -> str:
-    h = hashlib.sha256()
-    for p in (*_SHARED, *canary.sources):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    """Hash of the kernel's source files (read once per process: the files a process imported do not
+    change under it)."""
+    if canary.name not in _SOURCE_HASHES:
+        h = hashlib.sha256()
+        for p in (*_SHARED, *canary.sources):
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        _SOURCE_HASHES[canary.name] = h.hexdigest()[:16]
+    return _SOURCE_HASHES[canary.name]
 
 
 def cache_path() -> Path:

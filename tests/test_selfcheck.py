@@ -23,6 +23,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(selfcheck, "_MEMO", {})
     monkeypatch.setattr(selfcheck, "_WARNED", set())
+    monkeypatch.setattr(selfcheck, "_SOURCE_HASHES", {})
     dev = dict(FAKE_GPU)
     monkeypatch.setattr(selfcheck, "device_key", lambda: dict(dev))
     src = tmp_path / "fake_kernel.py"
@@ -53,7 +54,9 @@ def test_verdict_cached_per_device_jax_and_source(fake, monkeypatch):
     entries = json.loads(selfcheck.cache_path().read_text())["verdicts"]
     assert len(entries) == 1 and "NVIDIA B200 (sm_100)" in next(iter(entries))
 
-    fake.source.write_text("# version 2\n")  # the kernel's source changed
+    fake.source.write_text("# version 2\n")  # the kernel's source changed, seen by a new process
+    monkeypatch.setattr(selfcheck, "_MEMO", {})
+    monkeypatch.setattr(selfcheck, "_SOURCE_HASHES", {})
     assert not selfcheck.check("fake").cached and fake.runs == 2
     fake.device["device"] = "NVIDIA H200 (sm_90)"  # another GPU
     selfcheck.check("fake")
