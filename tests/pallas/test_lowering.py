@@ -9,8 +9,8 @@ What this shows for sm_100a: the kernels lower, and Mosaic does not refuse wgmma
 kernels' modules for sm_100a carry Hopper ``wgmma.mma_async`` as inline PTX, an sm_90a-only
 instruction, so on a B200 they can fail only later, at ptxas (not verifiable here: the self-check
 canary, ``python -m m3jax.selfcheck``, is where it shows); top-k has no MMA and carries none. The
-grouped GEMM, the prefill index scoring (with its fused top-k), the decode index scoring and the
-sparse decode attention have Blackwell paths (``BLACKWELL_VARIANTS``): for sm_100a their modules carry
+grouped GEMM, the prefill index scoring (with its fused top-k), the KV-block-major sparse attention,
+the decode index scoring and the sparse decode attention have Blackwell paths (``BLACKWELL_VARIANTS``): for sm_100a their modules carry
 ``tcgen05.mma`` and no wgmma (the lowering checks tcgen05's shape, layout and TMEM rules, which
 interpret mode does not).
 """
@@ -95,8 +95,8 @@ KERNELS = {
 
 
 # kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma
-BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "decode_index_scores", "sparse_decode_attention",
-                      "grouped_matmul"}
+BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_major", "decode_index_scores",
+                      "sparse_decode_attention", "grouped_matmul"}
 
 
 def _mma_instruction(name: str, mma: bool, target) -> str | None:
@@ -190,6 +190,20 @@ def test_blackwell_decode_attention_lowers_at_other_tiles(bs, h, q, dtype, mosai
             S((2, nb), I32), S((2, HI, q, TOPK), I32), S((2,), I32))
     with _backend.lowering_for(_backend.BLACKWELL):
         jax.jit(lambda *a: sparse_decode_attention(*a, block_size=bs)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "tcgen05.mma" in mosaic_modules[-1] and "wgmma" not in mosaic_modules[-1]
+
+
+@pytest.mark.parametrize("g,h,bs,dtype", [(4, 32, 16, F32), (1, 64, 64, BF16), (16, 256, 256, BF16), (8, 128, 128, F32)])
+def test_blackwell_kv_major_attention_lowers_at_other_tiles(g, h, bs, dtype, mosaic_modules):
+    # head dims 32..256 (O read from TMEM in 64-column pieces; 256: 64-key blocks to fit SMEM), G 1
+    # (padded to 8 rows per token) to 16, block 256 as 128-key kernel blocks, fp32 as bf16 pieces.
+    from m3jax.pallas.sparse_attention import sparse_attention
+
+    args = (S((1, T, HI * g, h), dtype), S((1, CTX, HI, h), dtype), S((1, CTX, HI, h), dtype),
+            S((1, HI, T, TOPK), I32), S((1, T), I32))
+    with _backend.lowering_for(_backend.BLACKWELL):
+        jax.jit(lambda *a: sparse_attention(*a, block_size=bs, implementation="kv_major")).trace(*args).lower(
+            lowering_platforms=("cuda",))
     assert "tcgen05.mma" in mosaic_modules[-1] and "wgmma" not in mosaic_modules[-1]
 
 

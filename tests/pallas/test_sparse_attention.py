@@ -7,9 +7,14 @@ parametrized body per kernel covers G (query heads per KV head) in {1, 2, 4, 8, 
 fp32 (bf16x3) and bf16, at the tolerances of tests/pallas/tolerances.py. Unwritten output or staging
 rows show as NaN: interpret mode fills every output and SMEM buffer with NaN before the kernel runs
 (checked below), and the combine reads staging rows only at the edges the plan says were written.
+The KV-major body also runs cases as built for Blackwell (tcgen05 into TMEM, m3jax/pallas/
+sparse_attention/blackwell.py) in interpret mode, which models tcgen05 and TMEM but not their shape
+and layout rules (test_lowering.py lowers the variant for sm_100a).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -73,10 +78,34 @@ KV_MAJOR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("g,kh,h,bs,dtype,b,shuffle", KV_MAJOR_CASES)
-def test_kv_major_matches_reference(g, kh, h, bs, dtype, b, shuffle):
+# Blackwell: 128-row tiles (8 tokens at G 16, 16 tokens at G 8...), S read from TMEM in 64-column
+# pieces (block 128 at H 64: two), fp32 as bf16 pieces, two sequences.
+KV_MAJOR_BLACKWELL_CASES = [
+    (4, 2, 64, 64, F32, 1, False),
+    (16, 1, 64, 64, BF16, 2, False),
+    (8, 1, 64, 128, BF16, 1, False),
+]
+
+
+@contextlib.contextmanager
+def _as_blackwell(monkeypatch):
+    """Build the kernels for sm_100a in interpret mode, and check that the tcgen05 tile maths ran."""
+    from m3jax.pallas.sparse_attention import blackwell
+
+    calls = []
+    tile = blackwell.tcgen05_tile
+    monkeypatch.setattr(blackwell, "tcgen05_tile", lambda *a: calls.append(1) or tile(*a))
+    with _backend.interpret_as(_backend.BLACKWELL):
+        yield
+    assert calls, "the Blackwell tile maths did not run"
+
+
+@pytest.mark.parametrize("target,g,kh,h,bs,dtype,b,shuffle", [("device", *c) for c in KV_MAJOR_CASES]
+                         + [("blackwell", *c) for c in KV_MAJOR_BLACKWELL_CASES])
+def test_kv_major_matches_reference(target, g, kh, h, bs, dtype, b, shuffle, monkeypatch):
     q, k, v, bi, qp = make_inputs(g=g, kh=kh, h=h, bs=bs, dtype=dtype, b=b, shuffle=shuffle)
-    check("kv_major", bs, q, k, v, bi, qp)
+    with _as_blackwell(monkeypatch) if target == "blackwell" else contextlib.nullcontext():
+        check("kv_major", bs, q, k, v, bi, qp)
 
 
 QUERY_MAJOR_CASES = [
@@ -118,6 +147,18 @@ def test_plan_m3_shapes():
     assert fp.smem <= _backend.HOPPER.smem_bytes and kernel.ctas_fitting(fp.smem, _backend.HOPPER) == 1
     qm = kernel.plan_query_major(n=64, kh=4, h=128, block_size=128, dtype=BF16, cfg=CFG, target=_backend.HOPPER)
     assert (qm.kb, qm.stages) == (128, 2)
+
+
+def test_plan_m3_shapes_blackwell():
+    # tcgen05: 128-row tiles (8 tokens x 16 heads), P through SMEM, the whole block at bf16; fp32 at
+    # H=128 only fits 16-key sub-blocks next to two 128-row Q stages; fp32 at H=256 is refused.
+    bw = _backend.BLACKWELL
+    bf = kernel.plan_kv_major(n=64, kh=4, h=128, block_size=128, dtype=BF16, cfg=CFG, target=bw)
+    assert (bf.m, bf.tq, bf.kb, bf.stage_p, bf.mma) == (128, 8, 128, True, "tcgen05") and bf.smem <= bw.smem_bytes
+    assert kernel.plan_kv_major(n=64, kh=4, h=128, block_size=256, dtype=BF16, cfg=CFG, target=bw).kb == 128
+    assert kernel.plan_kv_major(n=64, kh=4, h=128, block_size=128, dtype=F32, cfg=CFG, target=bw).kb == 16
+    assert "no KV-major tiles fit" in kernel.unsupported_reason(num_heads=64, num_kv_heads=4, head_dim=256,
+                                                                 block_size=128, dtype="float32", target=bw)
 
 
 @pytest.mark.parametrize("g,gp,tq", [(1, 8, 8), (2, 8, 8), (4, 8, 8), (8, 8, 8), (12, 16, 4), (16, 16, 4),

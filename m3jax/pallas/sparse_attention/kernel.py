@@ -45,12 +45,12 @@ treats them as separate slots. V's SMEM swizzle is ``min(kb, H, 64) * 2`` bytes:
 contracts over the keys and its K step is one swizzle width. Head dims: 16, 32, or multiples of 64 up
 to 256.
 
-Hopper -> Blackwell (a port's work list; no code reads ``Target.mma`` yet): tcgen05 keeps S and O in TMEM
-(``plgpu.TMEM`` + ``plgpu.tcgen05_mma``) instead of registers, so one CTA holds a 128-row tile
-(8 tokens x 16 heads, MSA's M) and two softmax warpgroups ping-pong on two Q tiles; ``cluster=2``
-pairs CTAs on a 256-row tile with the K/V block multicast to both; ``tma_gather`` replaces the
-``tq`` per-token Q copies by one indexed TMA (``plgpu.Layout.TMA_INDICES``). The CSR, work list,
-staging layout and combine are unchanged.
+Hopper -> Blackwell: on ``Target.mma == "tcgen05"`` the KV-major kernel runs :mod:`.blackwell`'s tile
+maths (S and O in TMEM through ``plgpu.tcgen05_mma``, 128-row tiles = 8 tokens x 16 heads, P through
+SMEM); the CSR, work list, Q ring, staging layout and combine are this file's. Not ported: two
+softmax warpgroups ping-ponging on two Q tiles, ``cluster=2`` 256-row tiles with the K/V block
+multicast to both, ``tma_gather`` for the ``tq`` per-token Q copies (``plgpu.Layout.TMA_INDICES``),
+and the query-major baseline (wgmma only).
 
 Measured (H200, M3 shapes, T=8192 queries at context 128K, bf16, random own+15 selections; history
 and diagnostics in benchmarks/NOTES_msa.md): forward kernel 1.38 ms (was 2.27 ms before the item
@@ -185,6 +185,7 @@ class KVMajorPlan:
     stage_dtype: str
     smem: int
     ctas: int
+    mma: str = "wgmma"  # the target's MMA: "tcgen05" runs the Blackwell tile maths (.blackwell)
 
     @property
     def meta_w(self) -> int:
@@ -226,9 +227,15 @@ def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
     """Tiles for the KV-major kernel; ValueError (the :func:`unsupported_reason`) if none fit."""
     target, g, gp, m, n_parts = _plan_rows(n, kh, h, block_size, dtype, cfg, target)
     tpi, stages, stage_p = cfg.tiles_per_item, cfg.q_stages, cfg.stage_p()
+    kbs = key_blocks(block_size)
+    if target.mma == "tcgen05":  # Blackwell (.blackwell): 128-row tiles, P through SMEM, kb <= 128
+        from m3jax.pallas.sparse_attention import blackwell
+
+        m, stage_p = blackwell.ROWS, True
+        kbs = tuple(kb for kb in kbs if kb <= blackwell.MAX_KEY_BLOCK)
     tq = m // gp
     meta_w = _meta_width(tq)
-    for kb in key_blocks(block_size):  # the largest key block whose tiles fit (16-bit: the block itself)
+    for kb in kbs:  # the largest key block whose tiles fit (16-bit: the block itself)
         smem = kv_major_smem_bytes(m=m, h=h, kb=kb, tpi=tpi, meta_w=meta_w, stages=stages, n_parts=n_parts,
                                    stage_p=stage_p, fp32_out=n_parts == 2)
         # fp32 keeps 4 KiB spare: at H=128 its kb=128 plan is exactly the SMEM limit
@@ -236,7 +243,7 @@ def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
             stage_dtype = "float32" if n_parts == 2 else jnp.dtype(dtype).name
             return KVMajorPlan(g=g, gp=gp, m=m, tq=tq, kb=kb, h=h, n_parts=n_parts, stages=stages,
                                tiles_per_item=tpi, stage_p=stage_p, interpret=not on_gpu(),
-                               stage_dtype=stage_dtype, smem=smem, ctas=cfg.grid(smem, target))
+                               stage_dtype=stage_dtype, smem=smem, ctas=cfg.grid(smem, target), mma=target.mma)
     raise ValueError(f"no KV-major tiles fit in {target.smem_bytes} B of SMEM (H={h}, block {block_size}, "
                      f"{jnp.dtype(dtype).name}, block_m {m}, {stages} Q stages)")
 
@@ -299,8 +306,9 @@ def _shape_reason(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig) -> st
 
 def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype="bfloat16", config: SparseAttentionConfig | None = None,
-                       target: Target = HOPPER) -> str | None:
-    """Why the sparse-attention kernels cannot run these shapes (None when both can). Plain Python."""
+                       target: Target | None = None) -> str | None:
+    """Why the sparse-attention kernels cannot run these shapes on ``target`` (default: the device's;
+    None when both can). Plain Python."""
     cfg = config or SparseAttentionConfig()
     for plan in (plan_kv_major, plan_query_major):
         try:
@@ -391,9 +399,10 @@ def _parts(ref, n_parts: int) -> list:
     return [ref] if n_parts == 1 else [ref.at[a] for a in range(n_parts)]
 
 
-def _row_limits(lims, m, bs, g):
-    """[m, bs] int32 tile whose row r holds lims[r // g] (a select ladder over the row groups)."""
-    row = plgpu.broadcasted_iota(jnp.int32, (m, bs), 0, layout=plgpu.Layout.WGMMA)
+def _row_limits(lims, m, bs, g, layout=plgpu.Layout.WGMMA):
+    """[m, bs] int32 tile (registers in ``layout``) whose row r holds lims[r // g] (a select ladder over
+    the row groups)."""
+    row = plgpu.broadcasted_iota(jnp.int32, (m, bs), 0, layout=layout)
     out = jnp.full((m, bs), lims[-1], jnp.int32)
     for i in range(len(lims) - 2, -1, -1):
         out = jnp.where(row < (i + 1) * g, lims[i], out)
@@ -448,10 +457,46 @@ def _tile_meta(qtok, qlim, tq: int, tiles_per_item: int):
     return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, 0), (0, _meta_width(tq) - tq)])
 
 
+def _wgmma_tile(plan: KVMajorPlan, dtype):
+    """Hopper's tile maths for :func:`_kv_major_body`: S and O accumulate in registers (wgmma).
+
+    Returns (attend, scratch). ``attend(q_tiles, k_tiles, v_tiles, lims, o_smem, p_smem, mma_refs,
+    scores_done)``: S = Q K^T, ``scores_done()`` once Q is consumed, the causal mask when ``lims``
+    (the tile's per-token limits) is given, the softmax, O = P V normalised into ``o_smem`` (in its
+    dtype); returns the natural-log LSE [m]. ``scratch``: what it needs beyond the kernel's own
+    (``mma_refs``; none here)."""
+    m, gp, bs, n_parts = plan.m, plan.gp, plan.kb, plan.n_parts
+    scale = (plan.h**-0.5) * LOG2E
+
+    def attend(q_tiles, k_tiles, v_tiles, lims, o_smem, p_smem, mma_refs, scores_done):
+        s = _scores(q_tiles, k_tiles, (m, bs), n_parts) * scale
+        scores_done()
+        if lims is not None:  # only tiles holding a query whose own block this is
+            col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(col <= _row_limits(lims, m, bs, gp), s, -jnp.inf)
+        mx = s.max(axis=1)
+        p = jnp.exp2(s - lax.broadcast_in_dim(mx, s.shape, [0]))
+        l = p.sum(axis=1)
+        acc = _pv(_p_operands(p, p_smem, n_parts, dtype), v_tiles, (m, plan.h), n_parts)
+        o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(o_smem.dtype)
+        return (mx + jnp.log2(l)) * LN2
+
+    return attend, []
+
+
+def _tile_maths(plan: KVMajorPlan, dtype):
+    """The tile maths of the plan's target: wgmma (here) or tcgen05 (:mod:`.blackwell`)."""
+    if plan.mma == "tcgen05":
+        from m3jax.pallas.sparse_attention import blackwell
+
+        return blackwell.tcgen05_tile(plan, dtype)
+    return _wgmma_tile(plan, dtype)
+
+
 def _kv_major_body(plan: KVMajorPlan, dtype):
     """The persistent kernel body (module docstring, step 2) for ``plan``."""
     m, tq, gp, bs, tpi, stages, n_parts = plan.m, plan.tq, plan.gp, plan.kb, plan.tiles_per_item, plan.stages, plan.n_parts
-    scale = (plan.h**-0.5) * LOG2E
+    attend = _tile_maths(plan, dtype)[0]
 
     def body(*refs):
         items_ref, nitems_ref, meta_ref = refs[:3]
@@ -462,6 +507,7 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
             refs[3 + 3 * n_parts :])
         o32_smem = extra.pop(0) if n_parts == 2 else None  # fp32 partials: their own tile
         p_smem = extra.pop(0) if plan.stage_p else None
+        mma_refs = extra  # the tile maths' own scratch (Blackwell: TMEM and its barriers)
         q_rings, k_tiles, v_tiles = _parts(q_smem, n_parts), _parts(k_smem, n_parts), _parts(v_smem, n_parts)
         n_items = nitems_ref[0]
 
@@ -510,28 +556,19 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
                 plgpu.barrier_wait(q_bar.at[slot])
 
                 def tile(masked: bool):
-                    s = _scores([r.at[slot] for r in q_rings], k_tiles, (m, bs), n_parts) * scale
-                    # This tile's Q is consumed: its slot will stage this tile's O. The tile `ahead`
-                    # reuses the slot of tile j-1, whose O store must have left SMEM first (and so
-                    # must the fp32 O tile's).
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    def scores_done():
+                        # This tile's Q is consumed: its slot will stage this tile's O. The tile
+                        # `ahead` reuses the slot of tile j-1, whose O store must have left SMEM
+                        # first (and so must the fp32 O tile's).
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                    @pl.when(ahead < nt)
-                    def _():
-                        load_q(ahead, lax.rem(ahead, stages))
+                        @pl.when(ahead < nt)
+                        def _():
+                            load_q(ahead, lax.rem(ahead, stages))
 
-                    if masked:  # only tiles holding a query whose own block this is
-                        col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
-                        s = jnp.where(col <= _row_limits(lims, m, bs, gp), s, -jnp.inf)
-                    mx = s.max(axis=1)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(mx, s.shape, [0]))
-                    l = p.sum(axis=1)
-                    acc = _pv(_p_operands(p, p_smem, n_parts, dtype), v_tiles, (m, plan.h), n_parts)
-                    o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-                    lse = (mx + jnp.log2(l)) * LN2
                     o_smem = q_rings[0].at[slot] if o32_smem is None else o32_smem
-                    o_smem[...] = o.astype(dtype if o32_smem is None else jnp.float32)
-                    lse_smem[...] = lse
+                    lse_smem[...] = attend([r.at[slot] for r in q_rings], k_tiles, v_tiles, lims if masked else None,
+                                           o_smem, p_smem, mma_refs, scores_done)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[hh, pl.ds(e0 * gp, m)])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[hh, pl.ds(e0 * gp, m)])
@@ -566,6 +603,7 @@ def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorPlan, *, plan: 
         scratch.append(plgpu.SMEM((m, h), jnp.float32))
     if plan.stage_p:
         scratch.append(_smem(_parts_shape(n_parts, (m, kb)), dtype, minor=pv_swizzle_minor(kb, h)))
+    scratch += _tile_maths(plan, dtype)[1]
     out_type = (
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), jnp.dtype(plan.stage_dtype)),
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp), jnp.float32),
