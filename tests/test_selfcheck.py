@@ -156,3 +156,24 @@ def test_canary_runs_eagerly_when_asked_inside_a_jit_trace(fake):
 
     jax.jit(f).trace(jnp.zeros(3))
     assert seen == [None] and fake.runs == 1
+
+
+def test_canaries_run_the_blackwell_variants_on_blackwell(monkeypatch):
+    # On a Blackwell GPU the canaries go through the same public functions as the model, so they test
+    # the tcgen05 variants the target selects: here the MSA kernels with one, as built for sm_100a in
+    # interpret mode (the decode index scoring and the grouped GEMM have their own interpret tests).
+    from m3jax.pallas.decode import blackwell as decode_bw
+    from m3jax.pallas.index_scores import blackwell as index_bw
+    from m3jax.pallas.sparse_attention import blackwell as attention_bw
+
+    ran = set()
+    for module, name in [(index_bw, "tcgen05_row_max"), (attention_bw, "tcgen05_tile"),
+                         (decode_bw, "sparse_decode_attention_tcgen05")]:
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _f=fn, **kw: ran.add(_n) or _f(*a, **kw))
+    dev = {"device": "cpu interpret", "target": "interpret"}
+    with _backend.interpret_as(_backend.BLACKWELL):
+        for kernel in ("index_scores", "sparse_attention_kv_major", "sparse_decode_attention"):
+            verdict = selfcheck.run_canary(selfcheck.CANARIES[kernel], dev)
+            assert verdict.passed, verdict
+    assert ran == {"tcgen05_row_max", "tcgen05_tile", "sparse_decode_attention_tcgen05"}
