@@ -78,7 +78,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.msa.reference import lse_merge
-from m3jax.pallas._backend import HOPPER, Target, current_target, mosaic_kernel, on_gpu, pl, plgpu
+from m3jax.pallas import _backend  # on_gpu through the module: tests stand in for a GPU by patching it
+from m3jax.pallas._backend import HOPPER, Target, current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split_in_kernel, split_parts, swizzle_transforms
 
 from . import csr
@@ -115,14 +116,14 @@ class SparseAttentionConfig:
 
     def stage_p(self) -> bool:
         """Feed P to the PV wgmma from SMEM (interpret mode only supports SMEM A operands)."""
-        return (not on_gpu()) if self.p_via_smem is None else self.p_via_smem
+        return (not _backend.on_gpu()) if self.p_via_smem is None else self.p_via_smem
 
     def grid(self, smem_per_cta: int, target: Target = HOPPER) -> int:
         """Persistent CTAs: as many per SM as fit in SMEM (at most 2: the kernel's registers allow two
         128-thread CTAs with S and O accumulators live), unless ``ctas_per_sm``/``num_ctas`` say."""
         if self.num_ctas is not None:
             return self.num_ctas
-        if not on_gpu():
+        if not _backend.on_gpu():
             return 2
         return target.num_sms * (self.ctas_per_sm or max(1, min(2, ctas_fitting(smem_per_cta, target))))
 
@@ -242,7 +243,7 @@ def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
         if smem <= target.smem_bytes - (4096 if n_parts == 2 else 0):
             stage_dtype = "float32" if n_parts == 2 else jnp.dtype(dtype).name
             return KVMajorPlan(g=g, gp=gp, m=m, tq=tq, kb=kb, h=h, n_parts=n_parts, stages=stages,
-                               tiles_per_item=tpi, stage_p=stage_p, interpret=not on_gpu(),
+                               tiles_per_item=tpi, stage_p=stage_p, interpret=not _backend.on_gpu(),
                                stage_dtype=stage_dtype, smem=smem, ctas=cfg.grid(smem, target), mma=target.mma)
     raise ValueError(f"no KV-major tiles fit in {target.smem_bytes} B of SMEM (H={h}, block {block_size}, "
                      f"{jnp.dtype(dtype).name}, block_m {m}, {stages} Q stages)")
@@ -279,7 +280,7 @@ def plan_query_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Sp
             smem = query_major_smem_bytes(m=m, h=h, kb=kb, stages=stages, n_parts=n_parts)
             if smem <= target.smem_bytes - 8192:
                 return QueryMajorPlan(g=g, gp=gp, m=m, kb=kb, h=h, n_parts=n_parts, stages=stages,
-                                      stage_p=cfg.stage_p(), interpret=not on_gpu(), smem=smem)
+                                      stage_p=cfg.stage_p(), interpret=not _backend.on_gpu(), smem=smem)
     raise ValueError(f"no query-major tiles fit in SMEM (H={h}, block {block_size}, {jnp.dtype(dtype).name})")
 
 
