@@ -8,9 +8,10 @@ this file first.
 Targets. The kernels here are Hopper kernels (sm_90a: TMA, 232,448 B of SMEM per block, and wgmma
 with register accumulators in all but top-k), tested on the H200 and in interpret mode. What the
 kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline stages fit),
-``num_sms`` (grid sizes) and ``mma``: the grouped GEMM, the prefill and decode index scoring and the
-sparse decode attention take their Blackwell paths (tcgen05 into TMEM) when it is ``"tcgen05"``; the
-other MMA kernels issue wgmma, a Hopper-only instruction, and do not run on sm_100 as they are (``m3jax.selfcheck`` keeps them off a GPU where they fail).
+``num_sms`` (grid sizes) and ``mma``: the grouped GEMM, the prefill and decode index scoring, the
+KV-block-major sparse attention and the sparse decode attention take their Blackwell paths (tcgen05
+into TMEM) when it is ``"tcgen05"``; the query-major attention baseline issues wgmma, a Hopper-only
+instruction, and does not run on sm_100 (``m3jax.selfcheck`` keeps a kernel off a GPU where it fails).
 ``cluster`` and ``tma_gather`` are read by no code: they record what the rest of the port changes
 (2-CTA MMA, TMA gather; each kernel's docstring says where). :func:`lowering_for` and
 :func:`interpret_as` build the kernels for another target on a CPU (lowering tests, interpret tests).
