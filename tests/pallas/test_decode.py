@@ -45,7 +45,8 @@ def make_case(seq_lens, q_len, dtype, seed, spare_pages=2, max_pages=None, bs=BS
 # References jitted: one XLA compile per shape instead of one per eager op.
 _ref_scores = jax.jit(functools.partial(D.decode_index_scores, block_size=BS, implementation="reference"))
 _select = jax.jit(functools.partial(msa.select_blocks, block_size=BS, topk=TOPK))
-_ref_attention = jax.jit(functools.partial(D.sparse_decode_attention, block_size=BS, implementation="reference"))
+_ref_attention = jax.jit(functools.partial(D.sparse_decode_attention, block_size=BS, implementation="reference",
+                                           return_lse=True))
 
 
 def check_scores(iq, ikp, pt, sl, splits=None, fp8_mma="bfloat16"):
@@ -61,13 +62,17 @@ def check_scores(iq, ikp, pt, sl, splits=None, fp8_mma="bfloat16"):
 
 
 def check_attention(q, kp, vp, pt, bidx, sl, dtype, splits=None):
-    ref = _ref_attention(q, kp, vp, pt, bidx, sl)
-    got = D.sparse_decode_attention(
-        q, kp, vp, pt, bidx, sl, block_size=BS, config=D.SparseDecodeConfig(num_splits=splits)
+    ref, ref_lse = _ref_attention(q, kp, vp, pt, bidx, sl)
+    got, lse = D.sparse_decode_attention(
+        q, kp, vp, pt, bidx, sl, block_size=BS, config=D.SparseDecodeConfig(num_splits=splits), return_lse=True
     )
     assert got.shape == ref.shape and got.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
                                **TOL[("decode_attention", jnp.dtype(dtype).name)])
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))  # rows at position -1
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], **TOL[("lse", jnp.dtype(dtype).name)])
 
 
 @pytest.fixture(autouse=True)

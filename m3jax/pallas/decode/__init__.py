@@ -45,12 +45,13 @@ def decode_index_scores(
 def sparse_decode_attention(
     q, k_pages, v_pages, page_table, block_idx, seq_lens, *, block_size: int,
     implementation: str = "pallas", config: SparseDecodeConfig = SparseDecodeConfig(),
-    interpret: bool | None = None,
-) -> jax.Array:
-    """[B, Q, N, H] attention over the selected pages (see :func:`.kernel.sparse_decode_attention_kernel`)."""
+    interpret: bool | None = None, return_lse: bool = False,
+):
+    """[B, Q, N, H] attention over the selected pages (see :func:`.kernel.sparse_decode_attention_kernel`),
+    and with ``return_lse`` its natural-log LSE fp32 [B, Q, N] (for merging partials across devices)."""
     if implementation == "reference":
         return _reference.sparse_decode_attention(
-            q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size
+            q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, return_lse=return_lse
         )
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
@@ -58,7 +59,7 @@ def sparse_decode_attention(
     if current_target().mma == "tcgen05":  # Blackwell: tcgen05 MMAs into TMEM (.blackwell)
         kernel = _blackwell.sparse_decode_attention_tcgen05
     return kernel(q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
-                  interpret=interpret)
+                  interpret=interpret, return_lse=return_lse)
 
 
 def msa_decode(

@@ -26,11 +26,14 @@ def decode_index_scores(iq, ik_pages, page_table, seq_lens, *, block_size: int, 
 
 
 def sparse_decode_attention(
-    q, k_pages, v_pages, page_table, block_idx, seq_lens, *, block_size: int, **_unused
-) -> jax.Array:
-    """[B, Q, N, H]; rows whose query position is < 0 (padding) give 0."""
+    q, k_pages, v_pages, page_table, block_idx, seq_lens, *, block_size: int, return_lse: bool = False, **_unused
+):
+    """[B, Q, N, H]; rows whose query position is < 0 (padding) give 0 (and, with ``return_lse``, the
+    natural-log LSE fp32 [B, Q, N], -inf for rows without a visible key)."""
     k = gather_pages(k_pages, page_table)
     v = gather_pages(v_pages, page_table)
     q_pos = query_positions(seq_lens, q.shape[1])
-    out = msa.sparse_attention(q, k, v, block_idx, q_pos, block_size)
-    return jnp.where((q_pos >= 0)[:, :, None, None], out, 0).astype(q.dtype)
+    out, lse = msa.sparse_attention(q, k, v, block_idx, q_pos, block_size, return_lse=True)
+    real = (q_pos >= 0)[:, :, None]
+    out = jnp.where(real[..., None], out, 0).astype(q.dtype)
+    return (out, jnp.where(real, lse, -jnp.inf)) if return_lse else out
