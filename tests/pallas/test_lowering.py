@@ -171,9 +171,9 @@ def test_blackwell_index_scores_lower_at_other_tiles(hx, bs, dtype, fused, mosai
     args = (S((1, T, HI, hx), dtype), S((1, CTX, hx), dtype), S((1, T), I32))
     if fused:
         cfg = IndexScoreConfig(fused_topk=True)
-        f = lambda iq, ik, p: index_select_blocks(iq, ik, p, block_size=bs, topk=TOPK, config=cfg)  # noqa: E731
+        f = lambda iq, ik, p: index_select_blocks(iq, ik, p, block_size=bs, topk=TOPK, config=cfg)
     else:
-        f = lambda iq, ik, p: index_block_scores(iq, ik, p, block_size=bs)  # noqa: E731
+        f = lambda iq, ik, p: index_block_scores(iq, ik, p, block_size=bs)
     with _backend.lowering_for(_backend.BLACKWELL):
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     assert "tcgen05.mma" in mosaic_modules[0] and not any("wgmma" in m for m in mosaic_modules)

@@ -58,7 +58,6 @@ from m3jax.pallas.decode.kernel import (
     _normalisers,
     _online_softmax,
     _p_parts,
-    _visible,
     _page_transforms,
     _round_up,
     _score_chunks,
@@ -70,6 +69,7 @@ from m3jax.pallas.decode.kernel import (
     _score_scratch,
     _score_shapes,
     _score_stages,
+    _visible,
 )
 
 TMEM_COLUMNS = 512

@@ -444,7 +444,7 @@ class _AttentionPlan:
         return split_products(self.n_parts)
 
 
-def _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, config: "SparseDecodeConfig",
+def _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, config: SparseDecodeConfig,
                     m_tile: int, max_kv_tile: int = 256) -> _AttentionPlan:
     b, nq, n, h = q.shape
     num_pages, bs, kh, h2 = k_pages.shape
