@@ -410,8 +410,7 @@ def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_po
         warnings.warn(f"MSA decode kernels not context parallel over the {n}-device {axis!r} axis: {reason}",
                       stacklevel=2)
         return plain()
-    from m3jax.pallas.decode import decode_index_scores
-    from m3jax.pallas.decode.kernel import sparse_decode_attention_kernel
+    from m3jax.pallas.decode import decode_index_scores, sparse_decode_attention
 
     t = getattr(cfg, "text", cfg)
     bs = t.index_block_size
@@ -430,8 +429,7 @@ def msa_decode_sharded(kernel: Callable, q, iq, kv: LayerCache, page_table, q_po
                            local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks, axis=axis,
                            force_in=force_in, force_out=force_out)
         local_sel = jnp.where((sel >= 0) & (sel % n == me), sel // n, -1)
-        o, lse = sparse_decode_attention_kernel(q_, k_, v_, local_pt, local_sel, local_len, block_size=bs,
-                                                return_lse=True)
+        o, lse = sparse_decode_attention(q_, k_, v_, local_pt, local_sel, local_len, block_size=bs, return_lse=True)
         o, _ = lse_merge(o, lse, axis_name=axis)
         return o.astype(q_.dtype), sel
 
@@ -461,7 +459,7 @@ def dense_decode_sharded(kernel: Callable, q, kv: LayerCache, page_table, q_pos,
         warnings.warn(f"full-attention decode not context parallel over the {n}-device {axis!r} axis: {reason}",
                       stacklevel=2)
         return kernel(q, kv, page_table, q_pos, cfg)
-    from m3jax.pallas.decode.kernel import sparse_decode_attention_kernel
+    from m3jax.pallas.decode import sparse_decode_attention
 
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     t = getattr(cfg, "text", cfg)
@@ -476,8 +474,8 @@ def dense_decode_sharded(kernel: Callable, q, kv: LayerCache, page_table, q_pos,
         blocks = jnp.arange(nb_loc, dtype=jnp.int32)[None]
         sel = jnp.where(blocks * bs < local_len[:, None], blocks, -1)  # every local block with a visible key
         sel = jnp.broadcast_to(sel[:, None, None], (q_.shape[0], kh, 1, nb_loc))
-        o, lse = sparse_decode_attention_kernel(q_, k_, v_, _local_pages(pt_, me, n, per), sel, local_len,
-                                                block_size=bs, return_lse=True)
+        o, lse = sparse_decode_attention(q_, k_, v_, _local_pages(pt_, me, n, per), sel, local_len,
+                                         block_size=bs, return_lse=True)
         o, _ = lse_merge(o, lse, axis_name=axis)
         return o.astype(q_.dtype)
 
