@@ -2,7 +2,7 @@
 accumulator instead of Hopper ``wgmma`` into registers.
 
 Same signature, tiling, pipeline, masks and outputs (block-major scores or the fused top-k ids); only
-how a key block becomes its rows' maxima differs (:class:`.kernel.RowMax`):
+how a key block becomes its rows' maxima differs (:class:`.row_max.RowMax`):
 
 - The row tile is always 128 rows (tcgen05's M per CTA; :meth:`.kernel.IndexScoreConfig.for_block`
   sets it on this target): A = the Q tile [128, Hx] in SMEM, B = the key block [bs, Hx] transposed,
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from m3jax.pallas._backend import pl, plgpu
 from m3jax.pallas._common import split_products
-from m3jax.pallas.index_scores.kernel import RowMax
+from m3jax.pallas.index_scores.row_max import RowMax
 
 ROWS = 128  # tcgen05's M per CTA (64-row MMAs use half of TMEM's lanes)
 PIECE = 64  # accumulator columns read from TMEM at a time (one row per thread: 64 registers)

@@ -33,7 +33,7 @@ overlaps the other's wgmma), a persistent grid over (batch, row tile) with cost-
 ragged batches, and a skip of the fused top-k insertion when no row improves.
 
 Blackwell (``Target.BLACKWELL``, :mod:`.blackwell`): the same kernel with ``tcgen05_mma`` into a TMEM
-accumulator and 128-row tiles; only the block's row max (:class:`RowMax`) and the row tile change,
+accumulator and 128-row tiles; only the block's row max (:class:`.row_max.RowMax`) and the row tile change,
 the pipeline, masks and outputs stay. Not done there: M = 256 rows on a 2-CTA cluster, several TMEM
 accumulator stages so an MMA warp runs ahead of the epilogue, a TMA gather for paged index-K caches.
 """
@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
+from m3jax.pallas._common import bf16_split, swizzle_transforms
+from m3jax.pallas.index_scores import blackwell
+from m3jax.pallas.index_scores.row_max import wgmma_row_max
 from m3jax.pallas.topk import _select
 
 NEG_INF = float("-inf")
@@ -74,49 +75,12 @@ class IndexScoreConfig:
         if current_target().mma == "tcgen05":
             # Blackwell: tcgen05 tiles of 128 rows, whatever ``rows`` says; the accumulator is in TMEM
             # and read in column pieces, so no register limit on the block (.blackwell).
-            from m3jax.pallas.index_scores.blackwell import ROWS
-
-            return dataclasses.replace(self, rows=ROWS)
+            return dataclasses.replace(self, rows=blackwell.ROWS)
         rows = self.rows
         # fp32 accumulator registers: rows * block_size / 128 threads (+ the top-k state if fused).
         if rows * block_size > (8192 if fused else 16384):
             rows = 64
         return dataclasses.replace(self, rows=rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowMax:
-    """How a CTA turns one key block into its rows' maxima (the part that differs per MMA).
-
-    ``row_max(q_smems, k_smems, scratch_refs, mask)`` -> fp32 [rows] in ``row_layout``: the products
-    of the split pieces (``split_products``) of the Q tile [rows, Hx] and the key block [bs, Hx]
-    summed, ``mask(acc, col0, layout)`` applied (when not None) to each accumulator piece it reads
-    (columns from ``col0``, registers in ``layout``), then max-reduced over the key columns.
-    ``scratch``: the scratch it needs after the kernel's own (``scratch_refs``, in that order).
-    """
-
-    row_layout: object
-    scratch: tuple
-    row_max: Callable
-
-
-def _wgmma_row_max(n_parts, rows, bs):
-    """Hopper: wgmma into a register accumulator [rows, bs], masked and reduced in registers."""
-
-    def row_max(q_smems, k_smems, _, mask):
-        def mma(acc_ref):
-            # Smallest products first: they are summed before the large ones round the accumulator.
-            for i, jp in reversed(split_products(n_parts)):
-                plgpu.wgmma(acc_ref, q_smems[i], k_smems[jp].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
-
-        acc = pl.run_scoped(mma, plgpu.ACC((rows, bs), jnp.float32))
-        if mask is not None:
-            acc = mask(acc, 0, plgpu.Layout.WGMMA)
-        return acc.max(axis=1)
-
-    return RowMax(plgpu.Layout.WGMMA.reduce(1), (), row_max)
 
 
 def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, config, fused, topk, local_blocks,
@@ -134,11 +98,9 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
     steps = _pipeline_steps(rows, kx, bs, fused, topk, config)
     full_key_blocks = s_len // bs  # blocks wholly inside [0, S)
     if current_target().mma == "tcgen05":  # Blackwell: tcgen05 into TMEM (.blackwell)
-        from m3jax.pallas.index_scores import blackwell
-
         mma = blackwell.tcgen05_row_max(n_parts, rows, bs)
     else:
-        mma = _wgmma_row_max(n_parts, rows, bs)
+        mma = wgmma_row_max(n_parts, rows, bs)
 
     if fused:
         out_type = jax.ShapeDtypeStruct((b, topk, r_pad), jnp.int32)

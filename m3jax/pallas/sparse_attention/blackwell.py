@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import pl, plgpu
-from m3jax.pallas.sparse_attention.kernel import LN2, LOG2E, KVMajorPlan, _p_operands, _products, _row_limits
+from m3jax.pallas.sparse_attention.tile import LN2, LOG2E, p_operands, products, row_limits
 
 ROWS = 128  # tcgen05's M per CTA
 MAX_KEY_BLOCK = 128  # keys per kernel block: S [128, kb] in TMEM
@@ -41,11 +41,11 @@ def _pieces(width: int) -> list[tuple[int, int]]:
     return [(c, min(PIECE, width - c)) for c in range(0, width, PIECE)]
 
 
-def tcgen05_tile(plan: KVMajorPlan, dtype):
-    """(attend, scratch) as :func:`.kernel._wgmma_tile`, with S and O in TMEM."""
+def tcgen05_tile(plan, dtype):
+    """(attend, scratch) as :func:`.kernel._wgmma_tile` for a :class:`.kernel.KVMajorPlan`, with S and O in TMEM."""
     m, gp, bs, h, n_parts = plan.m, plan.gp, plan.kb, plan.h, plan.n_parts
     scale = (h**-0.5) * LOG2E
-    prods = _products(n_parts)
+    prods = products(n_parts)
 
     def attend(q_tiles, k_tiles, v_tiles, lims, o_smem, p_smem, mma_refs, scores_done):
         bar, s_tmem, o_tmem = mma_refs
@@ -59,7 +59,7 @@ def tcgen05_tile(plan: KVMajorPlan, dtype):
             s = plgpu.async_load_tmem(s_tmem.at[:, pl.ds(c, w)], layout=LAYOUT) * scale
             if lims is not None:  # only tiles holding a query whose own block this is
                 col = plgpu.broadcasted_iota(jnp.int32, (m, w), 1, layout=LAYOUT) + c
-                s = jnp.where(col <= _row_limits(lims, m, w, gp, LAYOUT), s, -jnp.inf)
+                s = jnp.where(col <= row_limits(lims, m, w, gp, LAYOUT), s, -jnp.inf)
             return s
 
         mx = None
@@ -70,7 +70,7 @@ def tcgen05_tile(plan: KVMajorPlan, dtype):
         for c, w in _pieces(bs):
             p = jnp.exp2(scores(c, w) - lax.broadcast_in_dim(mx, (m, w), [0]))
             l = p.sum(axis=1) if l is None else l + p.sum(axis=1)
-            parts = _p_operands(p, None, n_parts, dtype)  # the 16-bit pieces, in registers
+            parts = p_operands(p, None, n_parts, dtype)  # the 16-bit pieces, in registers
             for a, part in enumerate(parts):
                 (p_smem if n_parts == 1 else p_smem.at[a]).at[:, pl.ds(c, w)][...] = part
         plgpu.wait_load_tmem()  # the next tile's S MMAs overwrite S

@@ -71,7 +71,6 @@ blocks for real (local) selection patterns, which needs no staging at all.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -80,12 +79,11 @@ from jax import lax
 from m3jax.msa.reference import lse_merge
 from m3jax.pallas import _backend  # on_gpu through the module: tests stand in for a GPU by patching it
 from m3jax.pallas._backend import HOPPER, Target, current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import bf16_split_in_kernel, split_parts, swizzle_transforms
+from m3jax.pallas._common import split_parts, swizzle_transforms
 
-from . import csr
+from . import blackwell, csr
+from .tile import LN2, LOG2E, p_operands, parts, products, row_limits
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 KEY_BLOCKS = (256, 192, 128, 64, 32, 16)  # kernel key blocks: a 128 B swizzle's K step (64) divides them, or 16 / 32
 MAX_GROUP_ROWS = 128  # padded G: one token's heads fit a 128-row tile
 
@@ -230,8 +228,6 @@ def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
     tpi, stages, stage_p = cfg.tiles_per_item, cfg.q_stages, cfg.stage_p()
     kbs = key_blocks(block_size)
     if target.mma == "tcgen05":  # Blackwell (.blackwell): 128-row tiles, P through SMEM, kb <= 128
-        from m3jax.pallas.sparse_attention import blackwell
-
         m, stage_p = blackwell.ROWS, True
         kbs = tuple(kb for kb in kbs if kb <= blackwell.MAX_KEY_BLOCK)
     tq = m // gp
@@ -384,59 +380,26 @@ def _prepare(q, k, v, block_idx, q_pos, kh: int, gp: int, block_size: int, kb: i
     return q_parts, k_parts, v_parts, split_blocks(block_idx.astype(jnp.int32), q_pos, block_size, kb), q_pos
 
 
-def _products(n_parts: int) -> tuple[tuple[int, int], ...]:
-    """(A part, B part) products: hi.hi, or hi.hi + hi.lo + lo.hi for fp32's two parts."""
-    return ((0, 0),) if n_parts == 1 else ((0, 0), (0, 1), (1, 0))
-
-
 def _parts_shape(n_parts: int, shape: tuple) -> tuple:
     """SMEM shape of a tile held as ``n_parts`` bf16 parts: a leading parts axis for fp32 only, so the
     16-bit kernels are the same Mosaic modules as before fp32 support (no size-1 axis to slice)."""
     return shape if n_parts == 1 else (n_parts, *shape)
 
 
-def _parts(ref, n_parts: int) -> list:
-    """The per-part views of a :func:`_parts_shape` SMEM ref."""
-    return [ref] if n_parts == 1 else [ref.at[a] for a in range(n_parts)]
-
-
-def _row_limits(lims, m, bs, g, layout=plgpu.Layout.WGMMA):
-    """[m, bs] int32 tile (registers in ``layout``) whose row r holds lims[r // g] (a select ladder over
-    the row groups)."""
-    row = plgpu.broadcasted_iota(jnp.int32, (m, bs), 0, layout=layout)
-    out = jnp.full((m, bs), lims[-1], jnp.int32)
-    for i in range(len(lims) - 2, -1, -1):
-        out = jnp.where(row < (i + 1) * g, lims[i], out)
-    return out
-
-
 def _scores(q_tiles, k_tiles, shape, n_parts):
     """S = Q K^T over the parts' products into a fresh fp32 accumulator."""
     def qk(acc_ref):
-        for a, c in _products(n_parts):
+        for a, c in products(n_parts):
             plgpu.wgmma(acc_ref, q_tiles[a], k_tiles[c].transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
 
 
-def _p_operands(p, p_smem, n_parts, dtype):
-    """P as the PV wgmma's A operand(s): bf16 parts of the fp32 probabilities (split in the kernel for
-    fp32), through SMEM when ``p_smem`` is given (interpret mode), else registers."""
-    p_parts = bf16_split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
-    if p_smem is None:
-        return p_parts
-    p_refs = _parts(p_smem, n_parts)
-    for a in range(n_parts):
-        p_refs[a][...] = p_parts[a]
-    plgpu.commit_smem()
-    return p_refs
-
-
 def _pv(p_parts, v_tiles, shape, n_parts):
     """P V over the parts' products into a fresh fp32 accumulator."""
     def pv(acc_ref):
-        for a, c in _products(n_parts):
+        for a, c in products(n_parts):
             plgpu.wgmma(acc_ref, p_parts[a], v_tiles[c])
         return acc_ref[...]
 
@@ -474,11 +437,11 @@ def _wgmma_tile(plan: KVMajorPlan, dtype):
         scores_done()
         if lims is not None:  # only tiles holding a query whose own block this is
             col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(col <= _row_limits(lims, m, bs, gp), s, -jnp.inf)
+            s = jnp.where(col <= row_limits(lims, m, bs, gp), s, -jnp.inf)
         mx = s.max(axis=1)
         p = jnp.exp2(s - lax.broadcast_in_dim(mx, s.shape, [0]))
         l = p.sum(axis=1)
-        acc = _pv(_p_operands(p, p_smem, n_parts, dtype), v_tiles, (m, plan.h), n_parts)
+        acc = _pv(p_operands(p, p_smem, n_parts, dtype), v_tiles, (m, plan.h), n_parts)
         o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(o_smem.dtype)
         return (mx + jnp.log2(l)) * LN2
 
@@ -488,8 +451,6 @@ def _wgmma_tile(plan: KVMajorPlan, dtype):
 def _tile_maths(plan: KVMajorPlan, dtype):
     """The tile maths of the plan's target: wgmma (here) or tcgen05 (:mod:`.blackwell`)."""
     if plan.mma == "tcgen05":
-        from m3jax.pallas.sparse_attention import blackwell
-
         return blackwell.tcgen05_tile(plan, dtype)
     return _wgmma_tile(plan, dtype)
 
@@ -509,7 +470,7 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
         o32_smem = extra.pop(0) if n_parts == 2 else None  # fp32 partials: their own tile
         p_smem = extra.pop(0) if plan.stage_p else None
         mma_refs = extra  # the tile maths' own scratch (Blackwell: TMEM and its barriers)
-        q_rings, k_tiles, v_tiles = _parts(q_smem, n_parts), _parts(k_smem, n_parts), _parts(v_smem, n_parts)
+        q_rings, k_tiles, v_tiles = parts(q_smem, n_parts), parts(k_smem, n_parts), parts(v_smem, n_parts)
         n_items = nitems_ref[0]
 
         @plgpu.nd_loop((n_items,), collective_axes="sm")
@@ -680,13 +641,13 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
         def load_kv(j, slot):
             blk = blk_ref[bb, hh, tt, j]
             at = (bb, pl.ds(blk * bs, bs), hh)
-            k_tiles, v_tiles = _parts(k_smem.at[slot], n_parts), _parts(v_smem.at[slot], n_parts)
+            k_tiles, v_tiles = parts(k_smem.at[slot], n_parts), parts(v_smem.at[slot], n_parts)
             for c in range(n_parts):
                 plgpu.copy_gmem_to_smem(k_refs[c].at[at], k_tiles[c], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_refs[c].at[at], v_tiles[c], v_bar.at[slot])
 
         # The token's gp rows repeated to fill the m-row tile (no uninitialised rows in the MMA).
-        q_tiles = _parts(q_smem, n_parts)
+        q_tiles = parts(q_smem, n_parts)
         for i in range(m // gp):
             for a in range(n_parts):
                 plgpu.copy_gmem_to_smem(q_refs[a].at[bb, tt, pl.ds(hh * gp, gp)], q_tiles[a].at[pl.ds(i * gp, gp)],
@@ -709,7 +670,7 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
 
             lim = qp - blk_ref[bb, hh, tt, j] * bs
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _scores(q_tiles, _parts(k_smem.at[slot], n_parts), (m, bs), n_parts)
+            s = _scores(q_tiles, parts(k_smem.at[slot], n_parts), (m, bs), n_parts)
             col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
             s = jnp.where(col <= lim, s * scale, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -717,11 +678,11 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p_ops = _p_operands(p, p_smem, n_parts, dtype)
+            p_ops = p_operands(p, p_smem, n_parts, dtype)
             plgpu.barrier_wait(v_bar.at[slot])
             # A fresh accumulator + add (rather than ``run_state(ACC.init(acc))``) keeps one code path
             # that GPU interpret mode can run.
-            acc = acc + _pv(p_ops, _parts(v_smem.at[slot], n_parts), (m, plan.h), n_parts)
+            acc = acc + _pv(p_ops, parts(v_smem.at[slot], n_parts), (m, plan.h), n_parts)
             if stages == 1:
                 @pl.when(j + 1 < nv)
                 def _():
