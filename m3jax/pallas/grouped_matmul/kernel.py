@@ -187,11 +187,11 @@ def _dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
     """
     bk, bn = q_smem.shape
     layout = plgpu.Layout.WGMMA_8BIT
-    q = plgpu.load(q_smem, (), layout=layout).astype(jnp.float16).astype(jnp.float32)
+    q = plgpu.load(q_smem, layout=layout).astype(jnp.float16).astype(jnp.float32)
     row = plgpu.broadcasted_iota(jnp.int32, (bk, bn), 0, layout=layout)
     scale = None
     for j in range(bk // group):
-        e = plgpu.load(s_smem.at[j], (), layout=layout.reduce(0)).astype(jnp.int32)
+        e = plgpu.load(s_smem.at[j], layout=layout.reduce(0)).astype(jnp.int32)
         bits = jnp.where(e == 0, jnp.int32(0x00400000), e << 23)
         sj = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.float32)[None, :], (bk, bn)),
                                layout)
