@@ -278,7 +278,8 @@ def check_pallas_mesh(sizes=(1, 2, 4)):
 def check_decode_kernels(sizes=(8,)):
     """The paged decode kernels context parallel (parallel.msa_decode_sharded, and the full-attention
     decode, parallel.dense_decode_sharded) on a page-striped, page-split cache equal the single-device
-    kernels on the same cache: identical selections, fp32 outputs within 1e-5. Two sequences at positions chosen so that the own block falls on different
+    kernels on the same cache: identical selections, fp32 outputs within 1e-5, also with fp8 index-key
+    pages. Two sequences at positions chosen so that the own block falls on different
     devices and one device holds no visible block of the short sequence."""
     import jax.numpy as jnp
 
@@ -317,6 +318,15 @@ def check_decode_kernels(sizes=(8,)):
                 d = jax.jit(lambda *a: parallel.dense_decode_sharded(kernels.dense_decode, *a, t))(q, kv_sh, table, q_pos)
             out[f"dense_n{n}"] = rel_l2(d, d0)
             ok &= out[f"dense_n{n}"] <= TOL
+            # fp8 index-key pages (index_cache_dtype="float8_e4m3fn") go into the kernels as stored
+            kv8 = LayerCache(kv.k, kv.v, kv.ik.astype(jnp.float8_e4m3fn))
+            o8, s8 = kernels.decode(q, iq, kv8, table, q_pos, t)
+            kv8_sh = jax.device_put(kv8, sh.cache_shardings(sh.PagedCache([kv8], table), mesh).layers[0])
+            with jax.set_mesh(mesh):
+                o, s = jax.jit(lambda *a: parallel.msa_decode_sharded(kernels.decode, *a, t))(q, iq, kv8_sh, table, q_pos)
+            r = {"rel_l2": rel_l2(o, o8), "selection_equal": bool(np.array_equal(np.sort(s, -1), np.sort(s8, -1)))}
+            out[f"fp8_index_n{n}"] = r
+            ok &= r["rel_l2"] <= TOL and r["selection_equal"]
     return ok, out
 
 
