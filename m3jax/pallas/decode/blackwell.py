@@ -53,8 +53,8 @@ from m3jax.pallas.decode.kernel import (
     _attention_call,
     _attention_plan,
     _attention_refs,
+    _cta_start,
     _kv_pipeline,
-    _load_q,
     _normalisers,
     _online_softmax,
     _p_parts,
@@ -69,6 +69,9 @@ from m3jax.pallas.decode.kernel import (
     _score_scratch,
     _score_shapes,
     _score_stages,
+    _softmax_start,
+    _step_operands,
+    _store_split,
     _visible,
 )
 
@@ -201,32 +204,23 @@ def sparse_decode_attention_tcgen05(
         raise ValueError(f"Q * G = {plan.rows} query rows exceed the {ATTENTION_ROWS}-row tcgen05 tile")
     m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
     layout = plgpu.Layout.TCGEN05  # the TMEM-native layout (one row per thread) cannot be stored to swizzled SMEM (P)
-    rows_layout = layout.reduce(1)
     pieces = [(c, min(PIECE, h - c)) for c in range(0, h, PIECE)]
 
     def body(*refs):
         q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
             _attention_refs(plan, refs))
         q_smem, p_smem, q_bar, s_bar, o_bar, s_tmem, o_tmem = scratch
-        bi = lax.axis_index("b")
-        hk = lax.axis_index("k")
-        si = lax.axis_index("s")
-        seq_len = len_gmem[bi]
-        first = si * plan.chunk
-        _load_q(plan, q_gmem, q_smem, q_bar, bi, hk)
+        bi, hk, si, seq_len, first = _cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
         for c, w in pieces:  # O starts at 0 (TMEM is not initialised; alpha = 0 would keep a NaN)
             plgpu.async_store_tmem(o_tmem.at[:, pl.ds(c, w)],
                                    plgpu.layout_cast(jnp.zeros((m_pad, w), jnp.float32), layout))
         plgpu.commit_tmem()
 
-        m0 = plgpu.layout_cast(jnp.full((m_pad,), -jnp.inf, jnp.float32), rows_layout)
-        l0 = plgpu.layout_cast(jnp.full((m_pad,), 0.0, jnp.float32), rows_layout)
+        m0, l0 = _softmax_start(plan, layout.reduce(1))
 
         def page_step(idx, *kv_and_carry):
             (i,) = idx
-            k_smems = kv_and_carry[:n_parts]
-            v_smems = kv_and_carry[n_parts : 2 * n_parts]
-            m_i, l_i = kv_and_carry[2 * n_parts]
+            k_smems, v_smems, (m_i, l_i) = _step_operands(plan, kv_and_carry)
             for n, (a, c) in enumerate(plan.prods):
                 plgpu.tcgen05_mma(s_tmem, q_smem.at[a], k_smems[c].transpose((1, 0)), accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(s_bar)
@@ -252,18 +246,13 @@ def sparse_decode_attention_tcgen05(
         m_i, l_i = _kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (m0, l0))
         inv, lse = _normalisers(m_i, l_i)
 
-        def store(o_smem, lse_smem):
+        def fill_o(o_smem):
             for c, w in pieces:
                 o = plgpu.async_load_tmem(o_tmem.at[:, pl.ds(c, w)], layout=layout)
                 o_smem[:, pl.ds(c, w)] = o * lax.broadcast_in_dim(inv, o.shape, [0])
             plgpu.wait_load_tmem()
-            lse_smem[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[bi, hk, si])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[bi, hk, si])
-            plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(store, plgpu.SMEM((m_pad, h), jnp.float32), plgpu.SMEM((m_pad,), jnp.float32))
+        _store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
 
     scratch = [
         plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),

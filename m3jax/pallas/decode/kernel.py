@@ -516,10 +516,45 @@ def _attention_refs(plan: _AttentionPlan, refs):
     return (q_gmem, k_gmem, v_gmem, *refs[3 * n : 3 * n + 6], refs[3 * n + 6 :])
 
 
-def _load_q(plan: _AttentionPlan, q_gmem, q_smem, q_bar, bi, hk) -> None:
+def _cta_start(plan: _AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
+    """This CTA's (batch, KV head, split) ids, its sequence length and first union entry; its Q rows
+    loaded into SMEM."""
+    bi = lax.axis_index("b")
+    hk = lax.axis_index("k")
+    si = lax.axis_index("s")
+    seq_len = len_gmem[bi]
     for p in range(plan.n_parts):
         plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, hk], q_smem.at[p], q_bar)
     plgpu.barrier_wait(q_bar)
+    return bi, hk, si, seq_len, si * plan.chunk
+
+
+def _softmax_start(plan: _AttentionPlan, rows_layout):
+    """Running max (-inf) and sum (0) per query row, in ``rows_layout``."""
+    m0 = plgpu.layout_cast(jnp.full((plan.m_pad,), -jnp.inf, jnp.float32), rows_layout)
+    l0 = plgpu.layout_cast(jnp.full((plan.m_pad,), 0.0, jnp.float32), rows_layout)
+    return m0, l0
+
+
+def _step_operands(plan: _AttentionPlan, kv_and_carry):
+    """A pipeline step's (K part tiles, V part tiles, carry)."""
+    n = plan.n_parts
+    return kv_and_carry[:n], kv_and_carry[n : 2 * n], kv_and_carry[2 * n]
+
+
+def _store_split(plan: _AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si) -> None:
+    """This split's normalised output and LSE to GMEM by TMA; ``fill_o(o_smem)`` writes the output
+    into the fp32 [M_pad, H] staging tile."""
+
+    def store(o_smem, lse_smem):
+        fill_o(o_smem)
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[bi, hk, si])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[bi, hk, si])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((plan.m_pad, plan.h), jnp.float32), plgpu.SMEM((plan.m_pad,), jnp.float32))
 
 
 def _visible(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk):
@@ -624,28 +659,18 @@ def sparse_decode_attention_kernel(
     """
     plan = _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config, m_tile=64)
     m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
-    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
     def body(*refs):
         q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
             _attention_refs(plan, refs))
         q_smem, p_smem, q_bar = scratch
-        bi = lax.axis_index("b")
-        hk = lax.axis_index("k")
-        si = lax.axis_index("s")
-        seq_len = len_gmem[bi]
-        first = si * plan.chunk
-        _load_q(plan, q_gmem, q_smem, q_bar, bi, hk)
-
-        m0 = plgpu.layout_cast(jnp.full((m_pad,), -jnp.inf, jnp.float32), wgmma_rows)
-        l0 = plgpu.layout_cast(jnp.full((m_pad,), 0.0, jnp.float32), wgmma_rows)
+        bi, hk, si, seq_len, first = _cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
+        m0, l0 = _softmax_start(plan, plgpu.Layout.WGMMA.reduce(1))
         acc0 = plgpu.layout_cast(jnp.full((m_pad, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
         def page_step(idx, *kv_and_carry):
             (i,) = idx
-            k_smems = kv_and_carry[:n_parts]
-            v_smems = kv_and_carry[n_parts : 2 * n_parts]
-            acc, m_i, l_i = kv_and_carry[2 * n_parts]
+            k_smems, v_smems, (acc, m_i, l_i) = _step_operands(plan, kv_and_carry)
 
             def qk(acc_ref):
                 for a, c in plan.prods:
@@ -677,15 +702,10 @@ def sparse_decode_attention_kernel(
         inv, lse = _normalisers(m_i, l_i)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 
-        def store(o_smem, lse_smem):
+        def fill_o(o_smem):
             o_smem[...] = out
-            lse_smem[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[bi, hk, si])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[bi, hk, si])
-            plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(store, plgpu.SMEM((m_pad, h), jnp.float32), plgpu.SMEM((m_pad,), jnp.float32))
+        _store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
 
     scratch = [
         plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),
