@@ -35,7 +35,7 @@ Design (Hopper, ``Target.HOPPER``):
 * MXFP8 weights (``grouped_matmul_mxfp8``): ``rhs`` float8_e4m3fn with uint8 E8M0 scales per 32
   inputs. The pipeline brings in the fp8 tile and its two scale rows per K step (1 + 1/32 bytes per
   weight instead of 2); the warpgroup dequantises the tile in registers into one of two bf16 SMEM
-  tiles (``_dequantize_tile``), which the MMA reads; the MMA wait that frees the pipeline's buffers
+  tiles (``tiles.dequantize_tile``), which the MMA reads; the MMA wait that frees the pipeline's buffers
   (one step late) frees that tile too. Same schedule, store and MMA paths (wgmma and tcgen05).
 * Backward (``jax.custom_vjp``): ``d lhs = d out . rhs[g]^T`` is this kernel again with the RHS
   tiles read transposed (``transpose_rhs``: ``[bn, bk]`` tiles of ``rhs [G, N', K']``, no copy),
@@ -73,6 +73,8 @@ from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
+from m3jax.pallas.grouped_matmul import persistent
+from m3jax.pallas.grouped_matmul.tiles import dequantize_tile
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
@@ -81,12 +83,20 @@ ROW_CHUNK = 8  # rows per aligned TMA store chunk
 class GroupedMatmulConfig:
     """Tile configuration. ``block_m``: rows per tile (64 or 128); ``block_n``: output columns per
     CTA (64..256, multiple of 64); ``block_k``: K per pipeline step (64 = one 128-byte swizzled
-    bf16 row); ``max_concurrent_steps``: K steps in flight (capped by SMEM)."""
+    bf16 row); ``max_concurrent_steps``: K steps in flight (capped by SMEM).
+
+    ``schedule``: ``"pipeline"`` (this module: one warpgroup per CTA, a CTA per work item, tiles
+    aligned to ``block_m``) or ``"warp_specialized"`` (:mod:`.persistent`: one CTA per SM, a TMA
+    producer warpgroup and two consumer warpgroups of ``block_n / 2`` columns each, group-aligned
+    tiles; Hopper only). ``split_k``: K parts of each work item, summed in fp32 by XLA
+    (``"warp_specialized"`` only; for decode, where the few rows per expert give too few items)."""
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     max_concurrent_steps: int = 4
+    schedule: str = "pipeline"
+    split_k: int = 1
 
 
 def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConfig | None = None) -> str | None:
@@ -94,16 +104,26 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
     c = config or GroupedMatmulConfig()
     if c.block_m not in (64, 128):
         return f"block_m={c.block_m} must be 64 or 128"
+    if c.schedule == "warp_specialized":
+        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
+    if c.schedule != "pipeline":
+        return f"schedule={c.schedule!r} must be 'pipeline' or 'warp_specialized'"
+    if c.split_k != 1:
+        return f"split_k={c.split_k}: the pipeline schedule does not split K"
     if c.block_n % 64 or not 64 <= c.block_n <= 256:
         return f"block_n={c.block_n} must be a multiple of 64 in [64, 256]"
-    if c.block_k != 64:
-        return f"block_k={c.block_k} must be 64 (one 128-byte swizzled bf16 row)"
     if current_target().mma == "tcgen05" and c.block_m == 64 and c.block_n < 128:
         # a 64-row tcgen05 MMA splits N over two lane groups, each at least one 128-byte swizzle wide
         return f"block_n={c.block_n} must be >= 128 with block_m=64 on tcgen05"
     if c.block_m * c.block_n > 128 * 128:
         return (f"block_m * block_n = {c.block_m * c.block_n} > 16384: the fp32 accumulator would need more "
                 "than 128 registers per thread of one warpgroup")
+    return _shared_reason(m, k, n, g, c)
+
+
+def _shared_reason(m: int, k: int, n: int, g: int, c: GroupedMatmulConfig) -> str | None:
+    if c.block_k != 64:
+        return f"block_k={c.block_k} must be 64 (one 128-byte swizzled bf16 row)"
     if k % c.block_k:
         return f"K={k} must be a multiple of block_k={c.block_k}"
     if n % c.block_n:
@@ -173,39 +193,17 @@ def _store_rows(o_smem, out_ref, *, t0, lo, hi, col0, block_m, block_n):
         put(b + j, 1, (b + j >= a) & (b + j < hi))
 
 
-def _dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
-    """fp8 e4m3 weight tile ``q_smem [bk, bn]`` times its E8M0 scales ``s_smem [bk / group, bn]`` (SMEM)
-    -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it.
-
-    In registers, WGMMA_8BIT layout (4-byte SMEM loads of the fp8 tile; the decode kernel's fp8 key
-    pages take the same road): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16 needs PTX ISA
-    9.2) -> f32, times 2^(e - 127) built from the exponent bits (e = 0 is the subnormal 2^-127, bits
-    0x00400000; e = 255 gives inf as ``dequantize_mxfp8``'s ldexp), one scale row per ``group`` rows
-    broadcast down the columns. An e4m3 value (3 mantissa bits) times a power of two is exact in bf16
-    (8 bits) above bf16's normal range floor, so the MMA sees exactly the weights a dequantise-on-load
-    model holds in bf16.
-    """
-    bk, bn = q_smem.shape
-    layout = plgpu.Layout.WGMMA_8BIT
-    q = plgpu.load(q_smem, layout=layout).astype(jnp.float16).astype(jnp.float32)
-    row = plgpu.broadcasted_iota(jnp.int32, (bk, bn), 0, layout=layout)
-    scale = None
-    for j in range(bk // group):
-        e = plgpu.load(s_smem.at[j], layout=layout.reduce(0)).astype(jnp.int32)
-        bits = jnp.where(e == 0, jnp.int32(0x00400000), e << 23)
-        sj = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.float32)[None, :], (bk, bn)),
-                               layout)
-        scale = sj if scale is None else jnp.where(row >= j * group, sj, scale)
-    w_smem[...] = (q * scale).astype(w_smem.dtype)
-    plgpu.commit_smem()
-
-
-def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, transpose_rhs=False, interpret=None,
-                 rhs_scales=None):
-    """sched int32 [V, 4] (``tile_schedule``); lhs bf16 [M, K] (M >= block_m); rhs bf16 [G, K, N], or
+def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, transpose_rhs=False,
+                 interpret=None, rhs_scales=None):
+    """The groups cover rows [0, m_used) of lhs bf16 [M, K] (M >= block_m; rows past m_used come out
+    unspecified, the callers cut them); rhs bf16 [G, K, N], or
     [G, N, K] with ``transpose_rhs`` (the backward's d lhs = d out . rhs^T, without a transpose copy), or
     float8_e4m3fn [G, K, N] with ``rhs_scales`` uint8 [G, K / group, N] (MXFP8: dequantised per tile in
-    the kernel, :func:`_dequantize_tile`)."""
+    the kernel, :func:`.tiles.dequantize_tile`). ``config.schedule`` picks the kernel."""
+    if config.schedule == "warp_specialized":
+        return persistent.kernel_call(group_sizes, m_used, lhs, rhs, out_dtype=out_dtype, config=config,
+                                      transpose_rhs=transpose_rhs, interpret=interpret, rhs_scales=rhs_scales)
+    sched = tile_schedule(group_sizes, m_used, config.block_m)
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -253,7 +251,7 @@ def _kernel_call(sched, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, tra
             if not mxfp8:
                 return b_smem.transpose((1, 0)) if transpose_rhs else b_smem
             w = w_smem.at[lax.rem(kk, 2)]
-            _dequantize_tile(b_smem, s_smem, w, group)
+            dequantize_tile(b_smem, s_smem, w, group)
             return w
 
         def mma_tcgen05(acc_tmem, mma_bar, w_smem=None):
@@ -329,8 +327,7 @@ def _forward(lhs, rhs, group_sizes, out_dtype, config, interpret, transpose_rhs=
     m_pad = max(m, bm)  # TMA boxes of block_m rows need at least block_m rows
     if m_pad != m:
         lhs = jnp.pad(lhs, [(0, m_pad - m), (0, 0)])
-    sched = tile_schedule(group_sizes, m, bm)
-    out = _kernel_call(sched, lhs, rhs, out_dtype=out_dtype, config=config, transpose_rhs=transpose_rhs,
+    out = _kernel_call(group_sizes, m, lhs, rhs, out_dtype=out_dtype, config=config, transpose_rhs=transpose_rhs,
                        interpret=interpret)
     return out[:m] if m_pad != m else out
 
@@ -408,7 +405,10 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
     group = k // k_groups
     if c.block_k % group:
         return f"scale group of {group} inputs must divide block_k={c.block_k} (one K step holds whole groups)"
-    return unsupported_reason(m, k, n, g, c)
+    reason = unsupported_reason(m, k, n, g, c)
+    if reason is None and c.schedule == "warp_specialized":
+        return persistent.unsupported_reason(k, n, c, mxfp8=True)
+    return reason
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -416,7 +416,7 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
     """``ragged_dot(lhs, dequantize(values, scales), group_sizes)`` with the weights read as MXFP8.
 
     The fp8 tiles and their scale rows come in by TMA (1 + 1/32 bytes per weight instead of 2) and are
-    dequantised to bf16 in the kernel (:func:`_dequantize_tile`) for the bf16 MMA, fp32 accumulation;
+    dequantised to bf16 in the kernel (:func:`.tiles.dequantize_tile`) for the bf16 MMA, fp32 accumulation;
     the dequantised weights are exactly a bf16 dequantise-on-load model's, so the two agree up to
     accumulation order. fp32 ``lhs`` runs the kernel on its three bf16 pieces (``bf16_split``) and
     sums in fp32: fp32-exact against fp32 weights that are exactly the dequantised ones. Forward only
@@ -442,12 +442,11 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     pad = -m % 8 if m > 8 else 0  # as grouped_matmul: the TMA store's 8-row tiling
     m_pad = max(m + pad, config.block_m)
-    sched = tile_schedule(group_sizes, m, config.block_m)
     pieces = bf16_split(lhs, 3) if lhs.dtype == jnp.float32 else (lhs.astype(jnp.bfloat16),)
     out = None
     for piece in pieces:
         piece = jnp.pad(piece, ((0, m_pad - m), (0, 0)))
-        part = _kernel_call(sched, piece, values, out_dtype=jnp.float32 if len(pieces) > 1 else out_dtype,
+        part = _kernel_call(group_sizes, m, piece, values, out_dtype=jnp.float32 if len(pieces) > 1 else out_dtype,
                             config=config, interpret=interpret, rhs_scales=scales)
         out = part if out is None else out + part
     return out[:m].astype(out_dtype)

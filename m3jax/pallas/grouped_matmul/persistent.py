@@ -1,0 +1,240 @@
+"""Persistent, warp-specialised grouped GEMM (Hopper): ``GroupedMatmulConfig(schedule="warp_specialized")``.
+
+Same contract as the pipeline kernel (:mod:`.kernel`: ``out[r] = lhs[r] @ rhs[g(r)]``, rows past the
+groups' sum zero, bf16 / fp8 + E8M0 weights, ``transpose_rhs`` for the backward); what changes is
+how the work is cut and who does what in a CTA.
+
+* Group-aligned row tiles (:func:`aligned_schedule`). Group ``g``'s rows ``[start, end)`` are cut
+  into ``cdiv(size, block_m)`` tiles that start at its first row; only a group's last tile holds
+  rows it does not own (multiplied, not stored). The pipeline kernel aligns tiles to multiples of
+  ``block_m`` and visits a straddled tile once per group: at M3's prefill (32,768 rows over 128
+  experts, ~256 rows each, 128-row tiles) that is ~383 tiles of MMA work for 256 tiles of rows,
+  against ~2.5 tiles per expert (~320) here. TMA reads a tile at any row; the tile start is
+  clamped to ``M - block_m`` so the box stays inside ``lhs`` (rows ``[lo, hi)`` still lie inside).
+* Persistent grid. One CTA per SM (at most one per work item) loops (``plgpu.nd_loop``) over the
+  work items (visit, N tile, K split), K split then N tile varying fastest, so the CTAs running
+  together share an expert's weights and a row tile; the live count comes from the schedule, so
+  a decode step does not walk the static bound of ``cdiv(M, block_m) + G`` visits.
+* Warp specialisation (``plgpu.emit_pipeline_warp_specialized``). The last of three warpgroups
+  issues the TMA copies (40 registers) and runs up to ``max_concurrent_steps`` K steps ahead of the
+  consumers, across items (it loads the next item while the consumers store this one). Two
+  consumer warpgroups each own half of the CTA's ``block_n`` columns: their own fp32 register
+  accumulator ``[block_m, block_n / 2]``, ``wgmma`` then ``wgmma_wait(1)`` so a stage is released
+  (``delay_release=1``) only after the MMA that read it retired.
+* MXFP8 weights. Each consumer dequantises its half of the fp8 tile (``tiles.dequantize_tile``)
+  into its own pair of bf16 SMEM tiles, then issues the MMA; its MMA of the previous step and the
+  other consumer's MMA run on the tensor cores during the conversion, which the single-warpgroup
+  kernel serialises with its own MMA issue. Its ``block_n / 2`` must be a multiple of 128 (a 128-byte
+  fp8 swizzle atom per consumer).
+* Store. Each consumer casts its accumulator into its own SMEM tile and TMA-stores rows ``[lo, hi)``
+  as a sum of powers of two (at most ``log2(block_m) + 1`` conditional copies; the visits of one
+  row tile own disjoint rows, so they never race). Zero-group visits store zeros, loading nothing.
+* Split-K (``split_k > 1``, decode). Each item contracts ``K / split_k``; the items write fp32
+  partials ``[split_k, M, N]`` that XLA sums. A decode step has a few rows per expert: its
+  (visit, N tile) items alone leave SMs idle, and the weight stream (the bytes floor) needs all of
+  them reading.
+
+Hopper only: the consumers issue wgmma (``unsupported_reason`` refuses a tcgen05 target).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import swizzle_transforms
+from m3jax.pallas.grouped_matmul.tiles import dequantize_tile
+
+CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
+PRODUCER_REGISTERS = 40
+ROW_ALIGN = 8  # a row tile starts at a multiple of this (the SMEM tiling's rows)
+
+
+def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """(int32 [V, 4]: per visit (group, row0, lo, hi), rows ``[lo, hi)`` of the tile at ``row0``; int32
+    [1]: how many visits are live (they come first, group by group).
+
+    Group ``g``'s tiles start at its first row rounded down to a multiple of 8 (a TMA copy into the
+    8-row-tiled SMEM layout starts at such a row) and step by ``block_m``. Group ``G`` is the zero
+    group (rows ``[sum, m)``). Each of the G + 1 groups has ``cdiv(size + 7, block_m)`` visits at
+    most, hence the static bound V.
+    """
+    g = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1], ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    base = starts // ROW_ALIGN * ROW_ALIGN
+    count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
+    cum = jnp.cumsum(count)
+    visit = jnp.arange(-(-(m + (g + 1) * (ROW_ALIGN - 1)) // block_m) + g + 1, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(cum, visit, side="right").astype(jnp.int32), g)
+    row0 = base[grp] + (visit - (cum[grp] - count[grp])) * block_m
+    lo = jnp.maximum(starts[grp], row0)
+    hi = jnp.minimum(row0 + block_m, ends[grp])
+    live = visit < cum[-1]
+    zero = jnp.zeros_like(visit)
+    sched = jnp.stack([grp] + [jnp.where(live, x, zero) for x in (row0, lo, hi)], axis=1)
+    return sched.astype(jnp.int32), cum[-1:].astype(jnp.int32)
+
+
+def unsupported_reason(k: int, n: int, config, mxfp8: bool = False) -> str | None:
+    """This schedule's own limits (the caller checks the shared ones: block_m, block_k, K, N)."""
+    bm, bn = config.block_m, config.block_n
+    if current_target().mma != "wgmma":
+        return "schedule='warp_specialized' issues wgmma (Hopper only)"
+    half = bn // CONSUMERS
+    if bn % (64 * CONSUMERS) or not 128 <= bn <= 512:
+        return f"block_n={bn} must be a multiple of 128 in [128, 512] (two consumer warpgroups of >= 64 columns)"
+    if mxfp8 and half % 128:
+        return f"block_n={bn}: each consumer's fp8 half ({half} columns) must be a multiple of 128 (one fp8 swizzle atom)"
+    if bm * half > 128 * 128:
+        return (f"block_m * block_n / 2 = {bm * half} > 16384: a consumer's fp32 accumulator would need more than "
+                "128 registers per thread")
+    if config.split_k < 1 or k % (config.split_k * config.block_k):
+        return f"K={k} must be a multiple of split_k * block_k = {config.split_k} * {config.block_k}"
+    return None
+
+
+def _stages(k_steps: int, config, rhs_itemsize: int, scale_rows: int, part_itemsize: int) -> int:
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    stage = bm * bk * 2 + bk * bn * rhs_itemsize + scale_rows * bn
+    fixed = bm * bn * part_itemsize  # the consumers' output tiles
+    if scale_rows:
+        fixed += CONSUMERS * 2 * bk * (bn // CONSUMERS) * 2  # each consumer's two bf16 weight tiles
+    fit = (current_target().smem_bytes - 4096 - fixed) // stage
+    return max(1, min(config.max_concurrent_steps, fit, k_steps))
+
+
+def _store_ladder(o_smem, dst, *, row0, lo, hi, col0, rows, cols):
+    """TMA rows [lo, hi) of the tile at row0 as a sum of powers of two (largest first)."""
+    start, count = lo - row0, hi - lo
+    size = rows
+    while size:
+        @pl.when((count & size) != 0)
+        def _(start=start, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, size)], dst.at[pl.ds(row0 + start, size), pl.ds(col0, cols)])
+
+        start = start + (count & size)
+        size //= 2
+
+
+def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=False, interpret=None, rhs_scales=None):
+    """``out [M_rows, N]`` (``lhs [M_rows, K]``, M_rows >= block_m; rows >= m unspecified) as
+    :func:`.kernel._kernel_call`, on this schedule; ``m`` is the rows the groups cover."""
+    m_rows, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split_k
+    bw = bn // CONSUMERS
+    n_tiles, k_part = n // bn, k // split
+    mxfp8 = rhs_scales is not None
+    group = k // rhs_scales.shape[1] if mxfp8 else 0
+    part_dtype = jnp.dtype(jnp.float32 if split > 1 else out_dtype)
+    steps = _stages(k_part // bk, config, rhs.dtype.itemsize, bk // group if mxfp8 else 0, part_dtype.itemsize)
+    delay = 1 if steps > 1 else 0
+    sched, live = aligned_schedule(group_sizes, m, bm)
+    per_visit = n_tiles * split
+    n_ctas = min(current_target().num_sms, sched.shape[0] * per_visit)
+
+    lhs_spec = plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=swizzle_transforms(bk), delay_release=delay)
+    if transpose_rhs:
+        rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=swizzle_transforms(bk), delay_release=delay)
+    else:
+        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=swizzle_transforms(bn, rhs.dtype.itemsize),
+                                   delay_release=delay)
+    in_specs = [lhs_spec, rhs_spec]
+    if mxfp8:  # read into registers by the consumer, released with the step's other buffers
+        in_specs.append(plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0), delay_release=delay))
+
+    def pipeline(step, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k_part // bk,), memory_registers=PRODUCER_REGISTERS, in_specs=in_specs, wg_axis="wg",
+            num_compute_wgs=CONSUMERS, max_concurrent_steps=steps, compute_context=context)
+
+    def body(sched_ref, live_ref, lhs_ref, rhs_ref, *refs):
+        scale_ref, out_ref = refs if mxfp8 else (None, refs[0])
+        operands = [lhs_ref, rhs_ref.at[0]] + ([scale_ref.at[0]] if mxfp8 else [])
+        ignore = lambda *_, **__: None  # noqa: E731  (the allocations depend on the specs only)
+
+        def scoped(allocs, o_smem, w_smem=None):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((live_ref[0] * per_visit,), collective_axes="sm")
+            def _item(info):
+                (item,) = info.index
+                v, rest = lax.div(item, per_visit), lax.rem(item, per_visit)
+                ni, ks = lax.div(rest, split), lax.rem(rest, split)
+                grp, row0, lo, hi = (sched_ref[v, i] for i in range(4))
+                # inside lhs (m_rows and block_m are multiples of 8); [lo, hi) stays inside the tile
+                row0 = pl.multiple_of(jnp.minimum(row0, m_rows - bm), ROW_ALIGN)
+                col0, k0 = ni * bn, ks * k_part
+                dst = out_ref.at[ks] if split > 1 else out_ref
+
+                def store(values):  # a consumer's [bm, bw] columns
+                    o = o_smem.at[wg]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its previous item's store left the tile
+                    o[...] = values.astype(part_dtype)
+                    plgpu.commit_smem()
+                    _store_ladder(o, dst, row0=row0, lo=lo, hi=hi, col0=col0 + wg * bw, rows=bm, cols=bw)
+
+                def step(idx, a_smem, b_smem, *rest):
+                    acc_ref = rest[-1]
+                    (kk,) = idx
+                    cols = pl.ds(pl.multiple_of(wg * bw, bw), bw)  # whole swizzle atoms
+                    if mxfp8:
+                        w = w_smem.at[wg, lax.rem(kk, 2)]  # step kk - 2's MMA, its last reader, retired
+                        dequantize_tile(b_smem.at[:, cols], rest[0].at[:, cols], w, group)
+                    elif transpose_rhs:
+                        w = b_smem.at[cols].transpose((1, 0))
+                    else:
+                        w = b_smem.at[:, cols]
+                    plgpu.wgmma(acc_ref, a_smem, w)
+                    plgpu.wgmma_wait(delay)
+                    return acc_ref
+
+                def context(run):
+                    def acc_scope(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...])
+
+                    pl.run_scoped(acc_scope, plgpu.ACC((bm, bw), jnp.float32))
+
+                @pl.when(grp < g)
+                def _():
+                    a = lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, k_part)]
+                    if transpose_rhs:
+                        b = rhs_ref.at[grp, pl.ds(col0, bn), pl.ds(k0, k_part)]
+                    else:
+                        b = rhs_ref.at[grp, pl.ds(k0, k_part), pl.ds(col0, bn)]
+                    args = [a, b]
+                    if mxfp8:
+                        args.append(scale_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)])
+                    pipeline(step, context)(*args, allocations=allocs)
+
+                @pl.when((grp == g) & (wg < CONSUMERS))
+                def _():
+                    store(jnp.zeros((bm, bw), part_dtype))
+
+            plgpu.wait_smem_to_gmem(0)  # the last stores, before the CTA exits
+
+        scratch = {"allocs": pipeline(ignore, ignore).get_allocations(*operands),
+                   "o_smem": plgpu.SMEM((CONSUMERS, bm, bw), part_dtype)}
+        if mxfp8:
+            scratch["w_smem"] = plgpu.SMEM((CONSUMERS, 2, bk, bw), jnp.bfloat16, transforms=swizzle_transforms(bw))
+        pl.run_scoped(scoped, **scratch, collective_axes="wg")
+
+    out_shape = (split, m_rows, n) if split > 1 else (m_rows, n)
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
+        grid=(n_ctas,),
+        grid_names=("sm",),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+    )
+    out = kern(sched, live, lhs, rhs, *((rhs_scales,) if mxfp8 else ()))
+    return out.sum(0).astype(out_dtype) if split > 1 else out

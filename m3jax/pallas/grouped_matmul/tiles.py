@@ -1,0 +1,39 @@
+"""What the grouped GEMM's two schedules share: the MXFP8 weight tile dequantised in registers.
+
+Both the non-persistent pipeline (:mod:`.kernel`) and the persistent warp-specialised kernel
+(:mod:`.persistent`) dequantise an fp8 weight tile into a bf16 SMEM tile that the MMA reads.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from m3jax.pallas._backend import plgpu
+
+
+def dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
+    """fp8 e4m3 weight tile ``q_smem [bk, bn]`` times its E8M0 scales ``s_smem [bk / group, bn]`` (SMEM)
+    -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it.
+
+    In registers, WGMMA_8BIT layout (4-byte SMEM loads of the fp8 tile; the decode kernel's fp8 key
+    pages take the same road): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16 needs PTX ISA
+    9.2) -> f32, times 2^(e - 127) built from the exponent bits (e = 0 is the subnormal 2^-127, bits
+    0x00400000; e = 255 gives inf as ``dequantize_mxfp8``'s ldexp), one scale row per ``group`` rows
+    broadcast down the columns. An e4m3 value (3 mantissa bits) times a power of two is exact in bf16
+    (8 bits) above bf16's normal range floor, so the MMA sees exactly the weights a dequantise-on-load
+    model holds in bf16.
+    """
+    bk, bn = q_smem.shape
+    layout = plgpu.Layout.WGMMA_8BIT
+    q = plgpu.load(q_smem, layout=layout).astype(jnp.float16).astype(jnp.float32)
+    row = plgpu.broadcasted_iota(jnp.int32, (bk, bn), 0, layout=layout)
+    scale = None
+    for j in range(bk // group):
+        e = plgpu.load(s_smem.at[j], layout=layout.reduce(0)).astype(jnp.int32)
+        bits = jnp.where(e == 0, jnp.int32(0x00400000), e << 23)
+        sj = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.float32)[None, :], (bk, bn)),
+                               layout)
+        scale = sj if scale is None else jnp.where(row >= j * group, sj, scale)
+    w_smem[...] = (q * scale).astype(w_smem.dtype)
+    plgpu.commit_smem()
