@@ -11,11 +11,15 @@ one layer) and records, for every MSA layer:
 * ``margin`` fp32 [B, K, T] — score of the last block that made it minus the best block that did
   not (NaN when every visible block fits), i.e. how close the selection is to flipping;
 * ``block_scores`` fp32 [B, K, T, nb] when ``keep_scores=True``;
+* ``mass_by_distance`` / ``selected_mass_by_distance`` fp32 [nb] — dense softmax mass at block
+  distance d = own block - key block, summed over batch, query heads and queries, and the part of it
+  inside the selected blocks (:meth:`ProbeResult.recall_by_distance`);
 
 and for every MoE layer ``experts`` int32 [B, T, k] (routed expert ids). Cross-group and
 cross-layer Jaccard overlap and distance-from-query histograms are computed from the selections.
-The residual stream is the model's own (same functions), so ``result.logits`` equals
-``m3jax.forward``'s. Interventions are config fields, e.g.
+The residual stream is the model's own (same functions, the kernels on ``attention_impl="pallas"``),
+so ``result.logits`` equals ``m3jax.forward``'s. The dense side never builds more than one
+[heads, query chunk, key tile] array: 128K tokens probe on one GPU. Interventions are config fields, e.g.
 ``model.config.replace_text(index_topk_blocks=8)``, ``msa_force_in=((layer, block),)``, or a layer
 switched to dense by editing ``layer_types`` (:func:`with_dense_layers`).
 """
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax.cache import cached_index_keys
-from m3jax.config import FULL_ATTENTION, M3Config
+from m3jax.config import FULL_ATTENTION, M3Config, UnsupportedConfigError
 from m3jax.layers import rms_norm, rope_angles
 from m3jax.model import attention, decoder_layer, lm_head, project_qkv, text_hidden
 from m3jax.moe import route
@@ -50,6 +54,8 @@ class LayerProbe:
     margin: np.ndarray | None = None
     block_scores: np.ndarray | None = None
     experts: np.ndarray | None = None
+    mass_by_distance: np.ndarray | None = None
+    selected_mass_by_distance: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -82,6 +88,31 @@ class ProbeResult:
                     self.layers[layers[a]].block_indices, self.layers[layers[b]].block_indices
                 )
         return layers, out
+
+    def recall_by_distance(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dense mass [nb], recall [nb]) by block distance d = own block - key block, over batch, query
+        heads and queries: the dense softmax mass at distance d (summed), and the share of it inside the
+        selected blocks (NaN where the dense mass is 0)."""
+        p = self.layers[layer]
+        mass = p.mass_by_distance.astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return mass, np.where(mass > 0, p.selected_mass_by_distance / mass, np.nan)
+
+    def selection_map(self, layer: int, group: int = 0, batch: int = 0, rows: int = 128, cols: int = 128) -> np.ndarray:
+        """[rows, cols] share of (query, key block) pairs selected, queries and key blocks pooled into
+        at most rows x cols cells (a 128K x 2048 selection is too large to draw or store)."""
+        sel = self.layers[layer].block_indices[batch, group]  # [T, topk]
+        t = sel.shape[0]
+        nb = -(-t // self.block_size)
+        rows, cols = min(rows, t), min(cols, nb)
+        r = np.repeat(np.arange(t) * rows // t, sel.shape[1])
+        c = sel.ravel()
+        keep = c >= 0
+        counts = np.zeros((rows, cols))
+        np.add.at(counts, (r[keep], c[keep] * cols // nb), 1)
+        per_row = np.bincount(np.arange(t) * rows // t, minlength=rows)[:, None]
+        per_col = np.bincount(np.arange(nb) * cols // nb, minlength=cols)[None, :]
+        return counts / (per_row * per_col)
 
     def distance_histogram(self, layer: int) -> np.ndarray:
         """counts[d] = selected blocks at distance d = own block - block (0 = the query's own block)."""
@@ -125,54 +156,127 @@ def with_dense_layers(cfg: M3Config, layers) -> M3Config:
     return cfg.replace_text(layer_types=tuple(types))
 
 
-def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_scores: bool):
-    """The attention block with the probe's metrics: (out [B, T, D], metrics dict)."""
-    t = cfg.text
-    sparse = t.is_sparse_attention(layer)
-    q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse)
-    bs = t.index_block_size
-    if not sparse:
-        o, merge = msa.map_query_chunks(
-            lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs), cfg.attention_chunk, positions, q
-        )
-        return jnp.einsum("btnh,nhd->btd", merge(o, 1), lp["attn"]["wo"]), {}
-    b, _, n, hd = q.shape
-    kh = k.shape[2]
+def dense_block_mass(q, k, v, q_pos, block_size: int, key_tile: int = 4096):
+    """Dense causal attention of one query chunk, streamed over key tiles (no [C, S] array).
 
-    def chunk_fn(qp, qc, iqc):
+    q [B, C, N, H] at q_pos [B, C]; k, v [B, S, K, H] (key s at position s). Each tile of ``key_tile``
+    keys (rounded to whole blocks) gives its softmax-normalised output, LSE and per-block mass; the
+    tiles are merged by :func:`m3jax.msa.reference.lse_merge`, and a tile's block mass is rescaled by
+    exp(lse_tile - lse). Tiles wholly after the chunk's last query are skipped (``lax.cond``), so the
+    work is the causal half. Returns (o fp32 [B, C, N, H], mass fp32 [B, N, C, nb]): mass[b, n, c, j]
+    is query head n's dense softmax mass in key block j (rows sum to 1).
+    """
+    b, c, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    nb = -(-s_len // block_size)
+    per_tile = max(1, min(key_tile // block_size, nb))
+    tile, n_tiles = per_tile * block_size, -(-nb // per_tile)
+    pad = n_tiles * tile - s_len  # padded keys sit after every query: masked as future keys
+
+    def tiles(x):  # [B, S, K, H] -> [n_tiles, B, tile, K, H]
+        x = jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        return jnp.moveaxis(x.reshape(b, n_tiles, tile, kh, h), 1, 0)
+
+    qg = q.reshape(b, c, kh, g, h).astype(jnp.float32)
+    last = jnp.max(q_pos)
+
+    def one(args):
+        start, kt, vt = args
+
+        def compute():
+            logits = jnp.einsum("bckgh,bskh->bkgcs", qg, kt.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
+            ok = (start + jnp.arange(tile))[None, None, :] <= q_pos[:, :, None]  # [B, C, tile]
+            logits = jnp.where(ok[:, None, None], logits, msa.NEG_INF)
+            p = msa._softmax_or_zero(logits)  # [B, K, G, C, tile]
+            o = jnp.einsum("bkgcs,bskh->bckgh", p, vt.astype(jnp.float32), precision=msa.HIGHEST)
+            lse = jnp.moveaxis(jax.nn.logsumexp(logits, axis=-1), 3, 1).reshape(b, c, n)
+            mass = p.reshape(b, n, c, per_tile, block_size).sum(-1)
+            return o.reshape(b, c, n, h), lse, mass
+
+        def empty():
+            return (jnp.zeros((b, c, n, h), jnp.float32), jnp.full((b, c, n), msa.NEG_INF),
+                    jnp.zeros((b, n, c, per_tile), jnp.float32))
+
+        return jax.lax.cond(start <= last, compute, empty)
+
+    starts = jnp.arange(n_tiles, dtype=jnp.int32) * tile
+    o_t, lse_t, mass_t = jax.lax.map(one, (starts, tiles(k), tiles(v)))
+    o, lse = msa.lse_merge(o_t, lse_t, axis=0)
+    w = jnp.exp(lse_t - lse[None])  # [n_tiles, B, C, N]: 0 for skipped tiles
+    mass = mass_t * jnp.moveaxis(w, 3, 2)[..., None]  # [n_tiles, B, N, C, per_tile]
+    mass = jnp.moveaxis(mass, 0, 3).reshape(b, n, c, n_tiles * per_tile)[..., :nb]
+    return o, mass
+
+
+def _by_distance(values, q_pos, valid, block_size: int):
+    """Sum of values [B, C, nb] (per query and key block) over batch and valid queries, binned by the
+    block distance own block - key block: fp32 [nb] (future blocks dropped)."""
+    nb = values.shape[-1]
+    d = (q_pos // block_size)[:, :, None] - jnp.arange(nb)[None, None, :]
+    keep = (d >= 0) & valid[:, :, None]
+    return jnp.zeros(nb, jnp.float32).at[jnp.where(keep, d, 0).ravel()].add(jnp.where(keep, values, 0.0).ravel())
+
+
+def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_scores: bool, key_tile: int):
+    """The attention block with the probe's metrics: (out [B, T, D], metrics dict).
+
+    Selections come from the model's own path: the kernels over the whole sequence when
+    ``cfg.attention_impl == "pallas"``, else the jnp reference per query chunk. The metrics against
+    dense attention are then computed per query chunk, streamed over key tiles (:func:`dense_block_mass`).
+    """
+    t = cfg.text
+    if not t.is_sparse_attention(layer):
+        return attention(x, lp, angles, positions, cfg, layer)[0], {}
+    q, k, v, iq, ik = project_qkv(x, lp, angles, t, True)
+    bs = t.index_block_size
+    b, s_len, n, _ = q.shape
+    kh = k.shape[2]
+    nb = -(-s_len // bs)
+    valid = jnp.ones(positions.shape, jnp.bool_)  # map_query_chunks pads with False: padding rows are not summed
+    kernels_path = cfg.attention_impl == "pallas"
+    if kernels_path:
+        reason = kernels.unsupported_reason(t, q.dtype)
+        if reason:
+            raise UnsupportedConfigError(f"probe with attention_impl='pallas': {reason}")
+        o_model, sel_model = msa_layer.attention(q, k, v, iq, ik, positions, cfg, layer)
+        extra = (o_model, jnp.swapaxes(sel_model, 1, 2))  # per query along axis 1, as map_query_chunks splits
+    else:
+        extra = ()
+
+    def chunk_fn(qp, qc, iqc, vc, *model_chunk):
         scores = msa_layer.scores(iqc, ik, qp, t)
-        sel = msa_layer.select_from_scores(scores, qp, t, layer)
-        o_sparse = msa.sparse_attention(qc, k, v, sel, qp, bs)
-        o_dense = msa.dense_mask_attention(qc, k, v, None, qp, bs)
-        # Dense softmax mass inside the selected blocks, per query head.
-        qg = qc.reshape(b, -1, kh, n // kh, hd).astype(jnp.float32)
-        logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * hd**-0.5
-        s_len = k.shape[1]
-        logits = jnp.where((jnp.arange(s_len)[None, :] <= qp[:, :, None])[:, None, None], logits, -jnp.inf)
-        p = jax.nn.softmax(logits, axis=-1)
-        nbk = scores.shape[-1]
-        hit = jax.nn.one_hot(sel, nbk + 1, dtype=jnp.bool_)[..., :nbk].any(-2)  # [B, K, C, nb]
-        mask = jnp.repeat(hit, bs, axis=-1)[..., :s_len]
-        recall = jnp.sum(jnp.where(mask[:, :, None], p, 0.0), -1).reshape(b, n, -1)
+        if kernels_path:
+            o_sparse, sel = model_chunk[0], jnp.swapaxes(model_chunk[1], 1, 2)
+        else:
+            sel = msa_layer.select_from_scores(scores, qp, t, layer)
+            o_sparse = msa.sparse_attention(qc, k, v, sel, qp, bs)
+        o_dense, mass = dense_block_mass(qc, k, v, qp, bs, key_tile)  # mass [B, N, C, nb]
+        hit = jax.nn.one_hot(sel, nb + 1, dtype=jnp.bool_)[..., :nb].any(-2)  # [B, K, C, nb]
+        mass_g = mass.reshape(b, kh, n // kh, -1, nb)
+        recall = jnp.sum(jnp.where(hit[:, :, None], mass_g, 0.0), -1).reshape(b, n, -1)
         diff = (o_sparse - o_dense).astype(jnp.float32)
-        err = jnp.sqrt(jnp.sum(diff**2, (2, 3)) / jnp.maximum(jnp.sum(o_dense.astype(jnp.float32) ** 2, (2, 3)), 1e-30))
-        out = (o_sparse, sel, recall, err, selection_margin(scores, sel, qp, bs))
+        err = jnp.sqrt(jnp.sum(diff**2, (2, 3)) / jnp.maximum(jnp.sum(o_dense**2, (2, 3)), 1e-30))
+        by_dist = (_by_distance(mass.sum(1), qp, vc, bs),  # summed over query heads
+                   _by_distance(jnp.where(hit[:, :, None], mass_g, 0.0).sum((1, 2)), qp, vc, bs))
+        out = (o_sparse, sel, recall, err, selection_margin(scores, sel, qp, bs), by_dist)
         return out + ((scores,) if keep_scores else ())
 
-    outs, merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, positions, q, iq)
+    outs, merge = msa.map_query_chunks(chunk_fn, cfg.attention_chunk, positions, q, iq, valid, *extra)
     metrics = {"block_indices": merge(outs[1], 2), "recall": merge(outs[2], 2), "output_error": merge(outs[3], 1),
-               "margin": merge(outs[4], 2)}
+               "margin": merge(outs[4], 2), "mass_by_distance": outs[5][0].sum(0),
+               "selected_mass_by_distance": outs[5][1].sum(0)}
     if keep_scores:
-        metrics["block_scores"] = merge(outs[5], 2)
+        metrics["block_scores"] = merge(outs[6], 2)
     return jnp.einsum("btnh,nhd->btd", merge(outs[0], 1), lp["attn"]["wo"]), metrics
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer", "keep_scores"))
-def _probe_layer(lp, h, positions, cfg: M3Config, layer: int, keep_scores: bool):
+@functools.partial(jax.jit, static_argnames=("cfg", "layer", "keep_scores", "key_tile"))
+def _probe_layer(lp, h, positions, cfg: M3Config, layer: int, keep_scores: bool, key_tile: int):
     """One decoder layer of the model (its own function) with the probe's attention hook."""
     t = cfg.text
     angles = rope_angles(positions, t.rotary_dim, t.rope_theta)
-    attend = functools.partial(_probe_attention, keep_scores=keep_scores)
+    attend = functools.partial(_probe_attention, keep_scores=keep_scores, key_tile=key_tile)
     observe = (lambda y: route(y.reshape(-1, y.shape[-1]), lp["moe"], t)[0].reshape(*y.shape[:2], -1)) \
         if t.is_moe(layer) else None
     h, aux, _ = decoder_layer(h, lp, angles, positions, cfg, layer, attend=attend, observe_mlp_input=observe)
@@ -200,7 +304,7 @@ def _shared_layer_step(cfg: M3Config, layer: int) -> tuple[M3Config, int]:
 
 
 def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False, progress: bool = False,
-          share_compilation: bool = False) -> ProbeResult:
+          share_compilation: bool = False, key_tile: int = 4096) -> ProbeResult:
     """Run ``model`` on ``input_ids`` [B, T] (text) layer by layer and collect the MSA diagnostics.
 
     ``share_compilation=True`` compiles one step per layer kind instead of one per layer (and keeps
@@ -208,12 +312,19 @@ def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False
     A model placed on a mesh (``model.mesh``: ``load_pretrained(..., mesh=)`` / ``init_random(..., mesh=)``)
     runs every layer under that mesh with its sharded parameters (expert-parallel MoE, XLA-partitioned
     attention): the same numbers as on one device.
+
+    The model's ``attention_impl`` decides where the selections come from: ``"pallas"`` runs the MSA
+    layers through the kernels (the index kernels' selections, the kernels' output in the residual
+    stream, cuDNN for the full-attention layers of a 16-bit model on the GPU), anything else the jnp
+    reference. The metrics against dense attention are the same on both: per query chunk of
+    ``query_chunk`` rows, dense softmax streamed over ``key_tile`` keys (:func:`dense_block_mass`),
+    so the largest intermediate is [heads, query_chunk, key_tile] and 128K tokens fit one GPU.
     """
     with use_mesh(getattr(model, "mesh", None)):
-        return _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilation)
+        return _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilation, key_tile)
 
 
-def _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilation) -> ProbeResult:
+def _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilation, key_tile) -> ProbeResult:
     cfg = dataclasses.replace(model.config, attention_chunk=query_chunk)
     ids = np.asarray(input_ids)
     ids = ids[None] if ids.ndim == 1 else ids
@@ -228,7 +339,7 @@ def _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilati
         it = tqdm(it, total=len(params["layers"]), desc="probe", unit="layer")
     for i, lp in it:
         cfg_i, i_step = _shared_layer_step(cfg, i) if share_compilation else (cfg, i)
-        h, metrics = _probe_layer(lp, h, positions, cfg_i, i_step, keep_scores)
+        h, metrics = _probe_layer(lp, h, positions, cfg_i, i_step, keep_scores, key_tile)
         layers[i] = LayerProbe(i, **{k: np.asarray(v) for k, v in metrics.items()})
     h = rms_norm(h, params["final_norm"], cfg.text.rms_norm_eps)
     return ProbeResult(np.asarray(lm_head(model.params, h)), layers, cfg.text.index_block_size)

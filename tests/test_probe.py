@@ -68,3 +68,61 @@ def test_force_blocks_in_and_out(setup):
     assert not (sel2[..., own > 0, :] == 0).any(), "block 0 forced out of layer 2 (except its own queries)"
     base = m3jax.forward(model, ids, return_block_indices=True)
     assert same_sets(np.asarray(base.block_indices[3 - 1]), sel2) > 0  # the intervention changed something
+
+
+@pytest.mark.parametrize("key_tile", [4, 12, 4096])
+def test_dense_block_mass_equals_dense_softmax(key_tile):
+    # The streamed pass (key tiles merged by LSE, future tiles skipped) against the dense [C, S] softmax.
+    import jax
+    import jax.numpy as jnp
+
+    from m3jax.msa import reference as msa
+    from m3jax.probe import dense_block_mass
+
+    b, s, c, n, kh, h, bs = 2, 37, 9, 4, 2, 8, 4
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=shape), jnp.float32) for shape in ((b, c, n, h), (b, s, kh, h), (b, s, kh, h)))
+    q_pos = jnp.asarray([np.arange(10, 10 + c), np.arange(28, 28 + c)], jnp.int32)  # the second ends at key 36
+    o, mass = dense_block_mass(q, k, v, q_pos, bs, key_tile)
+    assert_close(o, msa.dense_mask_attention(q, k, v, None, q_pos, bs), "float32", "streamed dense output")
+    logits = jnp.einsum("bcnh,bsnh->bncs", q, jnp.repeat(k, n // kh, 2), precision=msa.HIGHEST) * h**-0.5
+    p = jax.nn.softmax(jnp.where(jnp.arange(s) <= q_pos[:, None, :, None], logits, -jnp.inf), -1)
+    want = jnp.pad(p, [(0, 0)] * 3 + [(0, 3)]).reshape(b, n, c, -1, bs).sum(-1)
+    np.testing.assert_allclose(mass, want, atol=1e-6)
+
+
+def test_streamed_recall_equals_dense_recall(setup):
+    # Recall from the streamed pass equals the dense recall (share of the [C, S] softmax inside the
+    # selected blocks) for any key tiling, and the by-distance sums account for all of the mass.
+    model, ids = setup
+    small = probe(model, ids, query_chunk=16, key_tile=4)
+    whole = probe(model, ids, query_chunk=64, key_tile=4096)
+    t = model.config.text
+    n_rows = ids.shape[0] * t.num_attention_heads * ids.shape[1]
+    for i in small.msa_layers:
+        a, b = small.layers[i], whole.layers[i]
+        np.testing.assert_array_equal(a.block_indices, b.block_indices)
+        np.testing.assert_allclose(a.recall, b.recall, atol=1e-5)
+        mass, recall = small.recall_by_distance(i)
+        np.testing.assert_allclose(mass.sum(), n_rows, rtol=1e-5)  # every query row's mass sums to 1
+        np.testing.assert_allclose(a.selected_mass_by_distance.sum(), a.recall.sum(), rtol=1e-5)
+        np.testing.assert_allclose(recall[0], 1.0, atol=1e-6)  # the own block is always selected
+        np.testing.assert_allclose(mass, whole.layers[i].mass_by_distance, rtol=1e-5)
+        sel_map = small.selection_map(i, group=1, rows=8, cols=4)
+        assert sel_map.shape == (8, 4) and (sel_map >= 0).all() and (sel_map <= 1).all()
+
+
+def test_probe_on_the_kernels_path():
+    # attention_impl="pallas": selections and the MSA output from the kernels (interpret mode here),
+    # the metrics from the same streamed pass; in fp32 both paths select the same blocks.
+    cfg = tiny_config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, index_n_heads=2,
+                      index_head_dim=64, index_block_size=16, index_topk_blocks=2, num_hidden_layers=2,
+                      layer_types=("full_attention", "minimax_m3_sparse"), mlp_layer_types=("dense", "dense"))
+    model = m3jax.init_random(cfg, seed=0)
+    ids = np.random.default_rng(0).integers(3, 90, (1, 64))
+    ref = probe(model, ids, query_chunk=32)
+    pal = probe(m3jax.M3Model(cfg.replace(attention_impl="pallas"), model.params), ids, query_chunk=32, key_tile=32)
+    assert same_sets(pal.layers[1].block_indices, ref.layers[1].block_indices) == 0
+    np.testing.assert_allclose(pal.layers[1].recall, ref.layers[1].recall, atol=1e-5)
+    np.testing.assert_allclose(pal.layers[1].output_error, ref.layers[1].output_error, atol=1e-4)
+    assert_close(pal.logits, ref.logits, "float32", "kernels-path probe logits")
