@@ -6,11 +6,17 @@
   query's future, so the window gives the full forward pass's maths while a chunk costs what it
   reads, not the whole capacity; buckets (of at least ``MIN_KEY_WINDOW`` tokens) keep the compiled
   shapes to O(log capacity).
-* Decode runs all sequences together, one token each, with static shapes: one compiled step embeds,
-  runs the layers, samples, and advances positions and the PRNG key on the device (compiled once
-  per sampling mode, reused for every token). The host dispatches step n+1 before it reads step
-  n's tokens, so the device never waits for Python; streaming and stop tokens see each token one
-  step late, and the step dispatched after the last kept token is discarded.
+* Decode runs all sequences together, one token each per step, with static shapes: one compiled
+  program runs ``decode_steps_per_call`` steps (a ``lax.fori_loop``; each step embeds, runs the
+  layers, samples, and advances positions and the PRNG key on the device) and hands back that many
+  tokens per row. The host dispatches call c+1 before it reads call c's tokens, so the device never
+  waits for Python and the host pays its per-call cost once per N tokens; streaming and stop tokens
+  see tokens in groups of N. Tokens after a row's stop token (and steps past ``max_new_tokens``) are
+  computed and discarded: the cache of such a row holds their keys beyond its kept tokens, which
+  nothing reads (the next ``generate`` prefills the row again).
+* Every program (each prefill window, decode per sampling mode) is compiled through
+  :func:`m3jax.aot.compile`: with a disk cache on, a second process reads the exported program
+  instead of tracing and lowering the model again.
 * Sampling follows the model card by default (temperature 1.0, top-p 0.95, top-k 40);
   temperature 0 is greedy.
 """
@@ -28,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from m3jax import aot
 from m3jax.cache import PagedCache, init_cache
 from m3jax.config import M3Config
 from m3jax.model import lm_head, text_hidden
@@ -92,29 +99,50 @@ def key_window_pages(end: int, block_size: int, max_pages: int) -> int:
     return min(w, max_pages)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "key_pages"), donate_argnames=("cache",))
-def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, cfg: M3Config, key_pages: int):
+def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, *, cfg: M3Config, key_pages: int):
     """One prefill chunk of one sequence. embeds [1, C, D] at positions start..start+C-1 of sequence
-    ``row``, all below ``key_pages * block``; returns (fp32 logits [V] at chunk index ``last``, MSA
-    selections, cache). Only the row's first ``key_pages`` pages are written and read."""
+    ``row``, all below ``key_pages * block``; returns (fp32 logits [V] at chunk index ``last``, cache).
+    Only the row's first ``key_pages`` pages are written and read. (The MSA selections are not
+    returned: nothing in generation reads them, and they would be one more output per chunk.)"""
     c = embeds.shape[1]
     positions = (start + jnp.arange(c, dtype=jnp.int32))[None]
     page_table = jax.lax.dynamic_slice(cache.page_table, (row, 0), (1, key_pages))
-    h, selections, cache = text_hidden(params, embeds, positions, cfg, cache, page_table)
-    return lm_head(params, h[0, last]), selections, cache
+    h, _, cache = text_hidden(params, embeds, positions, cfg, cache, page_table)
+    return lm_head(params, h[0, last]), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def decode_step(params, cache: PagedCache, tokens, positions, key, cfg: M3Config, sampling: SamplingParams):
-    """One token for every sequence, sampled on the device. tokens, positions: int32 [B]; key: the
-    PRNG key before this step. Returns (next tokens [B], positions + 1, next key, fp32 logits [B, V],
-    cache). The key is split as the host loop did before (key, sub = split(key); sample with sub),
-    so a seed gives the same tokens as sampling step by step on the host."""
-    embeds = params["text"]["embed"][tokens][:, None]
-    h, _, cache = text_hidden(params, embeds, positions[:, None], cfg, cache, cache.page_table)
-    logits = lm_head(params, h[:, 0])
-    key, sub = jax.random.split(key)
-    return sample(logits, sub, sampling), positions + 1, key, logits, cache
+def decode_steps(params, cache: PagedCache, tokens, positions, key_data, *, cfg: M3Config,
+                 sampling: SamplingParams, steps: int, with_logits: bool):
+    """``steps`` decode steps for every sequence, sampled on the device. tokens, positions: int32 [B]
+    (the last sampled token and its position); key_data: uint32 raw PRNG key before these steps.
+    Returns (tokens [B, steps], the last of them [B], positions + steps, key data, fp32 logits
+    [steps, B, V] or None, cache).
+    Each step splits the key as the host loop did (key, sub = split(key); sample with sub), so a
+    seed gives the same tokens whatever ``steps`` is. Positions past the cache's last slot (only
+    in steps whose tokens the host discards) are held at that slot, so no step reads pages beyond the
+    page table; such a step's keys land in a slot no kept token attends to."""
+    last_slot = cache.page_table.shape[1] * cache.layers[0].k.shape[1] - 1
+    b = tokens.shape[0]
+
+    def step(i, carry):
+        tokens, positions, key, out, logits_out, cache = carry
+        embeds = params["text"]["embed"][tokens][:, None]
+        h, _, cache = text_hidden(params, embeds, positions[:, None], cfg, cache, cache.page_table)
+        logits = lm_head(params, h[:, 0])
+        key, sub = jax.random.split(key)
+        tokens = sample(logits, sub, sampling)
+        out = jax.lax.dynamic_update_slice(out, tokens[:, None], (0, i))
+        if with_logits:
+            logits_out = jax.lax.dynamic_update_slice(logits_out, logits[None], (i, 0, 0))
+        return tokens, jnp.minimum(positions + 1, last_slot), key, out, logits_out, cache
+
+    vocab = params["text"]["embed"].shape[0]
+    out = jnp.zeros((b, steps), jnp.int32)
+    logits_out = jnp.zeros((steps, b, vocab), jnp.float32) if with_logits else None
+    key = jax.random.wrap_key_data(key_data)
+    tokens, positions, key, out, logits_out, cache = jax.lax.fori_loop(
+        0, steps, step, (tokens, positions, key, out, logits_out, cache))
+    return out, tokens, positions, jax.random.key_data(key), logits_out, cache
 
 
 @dataclasses.dataclass
@@ -125,12 +153,20 @@ class GenerationResult:
     timings: dict[str, float]
 
 
+# Decode steps per compiled call by default: the host's per-call cost (dispatch, reading the tokens)
+# is paid once per 8 tokens, while a stop token wastes at most 2 calls (the one that found it and the
+# one in flight), ~24 ms of a 1.5 ms step.
+DECODE_STEPS_PER_CALL = 8
+
+
 class Engine:
-    """Holds a model, its cache and the compiled steps; ``generate`` takes prompts of any lengths."""
+    """Holds a model, its cache and the compiled programs; ``generate`` takes prompts of any lengths.
+    ``decode_steps_per_call`` (N): decode steps one compiled call runs (tokens come back N at a time)."""
 
     def __init__(self, params: dict, cfg: M3Config, *, batch: int, capacity: int, prefill_chunk: int = 512,
-                 cache_dtype=None, mesh=None):
-        for name, value in (("batch", batch), ("capacity", capacity), ("prefill_chunk", prefill_chunk)):
+                 cache_dtype=None, mesh=None, decode_steps_per_call: int = DECODE_STEPS_PER_CALL):
+        for name, value in (("batch", batch), ("capacity", capacity), ("prefill_chunk", prefill_chunk),
+                            ("decode_steps_per_call", decode_steps_per_call)):
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
         if capacity > cfg.text.max_position_embeddings:
@@ -140,6 +176,7 @@ class Engine:
         self.params, self.cfg = params, cfg
         self.batch, self.capacity = batch, capacity
         self.chunk = min(prefill_chunk, capacity)
+        self.steps_per_call = decode_steps_per_call
         dtype = cache_dtype or params["text"]["embed"].dtype
         self.cache = init_cache(cfg, batch, capacity, dtype) if mesh is None else None
         # With a mesh (m3jax.sharding): parameters placed by the rule table, cache pages split over the
@@ -151,9 +188,10 @@ class Engine:
             self.params = sharding.shard_params(params, cfg, mesh)
             self.cache = sharding.init_sharded_cache(cfg, batch, capacity, dtype, mesh)
         self.max_pages = self.cache.page_table.shape[1]
-        self._prefill_compiled: dict[int, Callable] = {}
-        # Ahead-of-time executables take inputs exactly as lowered: chunk embeddings go in replicated.
+        # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated, and the
+        # decode loop's small arrays on the engine's devices (nothing moves host-to-device per call).
         self._embeds_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._small_sharding = self.cache.page_table.sharding
 
     def _under_mesh(fn):  # noqa: N805  (method decorator: run under the engine's mesh, if any)
         @functools.wraps(fn)
@@ -170,32 +208,42 @@ class Engine:
         bs = self.cfg.text.index_block_size
         return [key_window_pages(start + self.chunk, bs, self.max_pages) for start in range(0, prompt_len, self.chunk)]
 
+    def _out_tree(self, *outputs):
+        """Output pytree of a program returning ``outputs`` and then the cache (declared, so that a
+        program read from the AOT cache needs no trace)."""
+        return jax.tree.structure((*outputs, self.cache))
+
     def _prefill_step(self, key_pages: int) -> Callable:
-        """The prefill chunk compiled for one key window. Compiled ahead of time (not through the jit
-        cache) so that warmup can build every window without running a chunk per window."""
-        fn = self._prefill_compiled.get(key_pages)
-        if fn is None:
-            embed = self.params["text"]["embed"]
-            embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._embeds_sharding)
-            i32 = jax.ShapeDtypeStruct((), jnp.int32)
-            fn = prefill_chunk.lower(self.params, self.cache, embeds, i32, i32, i32, cfg=self.cfg,
-                                     key_pages=key_pages).compile()
-            self._prefill_compiled[key_pages] = fn
-        return fn
+        """The prefill chunk compiled for one key window (ahead of time: warmup builds every window
+        without running a chunk per window)."""
+        embed = self.params["text"]["embed"]
+        embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._embeds_sharding)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)  # host scalars
+        return aot.compile("prefill_chunk", prefill_chunk, (self.params, self.cache, embeds, i32, i32, i32),
+                           out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
+                           donate_argnums=(1,))
+
+    def _decode_program(self, sampling: SamplingParams, with_logits: bool) -> Callable:
+        """``decode_steps`` for ``steps_per_call`` steps in ``sampling``'s mode (compiled once per mode)."""
+        b = self.batch
+        i32 = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self._small_sharding)
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._small_sharding)
+        return aot.compile("decode_steps", decode_steps, (self.params, self.cache, i32, i32, key),
+                           out_tree=self._out_tree(0, 0, 0, 0, 0 if with_logits else None),
+                           static={"cfg": self.cfg, "sampling": sampling, "steps": self.steps_per_call,
+                                   "with_logits": with_logits},
+                           donate_argnums=(1,))
 
     @_under_mesh
-    def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams()) -> float:
+    def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),
+               keep_logits: bool = False) -> float:
         """Compile the prefill chunk for every key window a prompt of up to ``max_prompt_len`` tokens
-        (default: the capacity) uses, and the decode step for ``sampling`` (one dummy call), so that
-        timings after it measure running, not compiling. The dummy decode writes position 0 of each
-        row, which the real prefill rewrites before anything reads it. Returns the seconds spent."""
+        (default: the capacity) uses, and the decode program for ``sampling`` (and ``keep_logits``),
+        so that timings after it measure running, not compiling. Nothing runs. Returns the seconds spent."""
         t0 = time.perf_counter()
         for w in sorted(set(self._windows(min(max_prompt_len or self.capacity, self.capacity)))):
             self._prefill_step(w)
-        zeros = jnp.zeros((self.batch,), jnp.int32)
-        tokens, *_, self.cache = decode_step(self.params, self.cache, zeros, zeros, jax.random.key(0), self.cfg,
-                                             sampling)
-        jax.block_until_ready(tokens)
+        self._decode_program(sampling, keep_logits)
         return time.perf_counter() - t0
 
     @_under_mesh
@@ -218,9 +266,8 @@ class Engine:
             if n < self.chunk:  # pad to the compiled chunk; pad rows land beyond the prompt and are rewritten later
                 piece = jnp.concatenate([piece, jnp.zeros((self.chunk - n, piece.shape[1]), piece.dtype)])
             piece = jax.device_put(piece[None], self._embeds_sharding)
-            logits, _, self.cache = self._prefill_step(window)(
-                self.params, self.cache, piece, jnp.int32(row), jnp.int32(start), jnp.int32(n - 1)
-            )
+            logits, self.cache = self._prefill_step(window)(
+                self.params, self.cache, piece, np.int32(row), np.int32(start), np.int32(n - 1))
             if on_progress:
                 on_progress(n)
         return logits
@@ -265,48 +312,60 @@ class Engine:
         timings["ttft_s"] = time.perf_counter() - t0
         timings["prefill_tokens"] = sum(lens)
 
-        positions = jnp.asarray(np.array(lens + [0] * (self.batch - n), np.int32))
+        positions = jax.device_put(np.array(lens + [0] * (self.batch - n), np.int32), self._small_sharding)
+        tokens = jax.device_put(tokens, self._small_sharding)
+        key_data = jax.device_put(jax.random.key_data(key), self._small_sharding)
+        decode = self._decode_program(sampling, keep_logits) if max_new_tokens > 1 else None
         t1 = time.perf_counter()
         generated, step_logits, steps = self._decode(
-            tokens, positions, key, logits, n, max_new_tokens, sampling, eos_ids, keep_logits, on_token
+            decode, tokens, positions, key_data, logits, n, max_new_tokens, eos_ids, keep_logits, on_token
         )
         timings["decode_steps"] = steps
         timings["decode_s"] = time.perf_counter() - t1
         return GenerationResult(lens, generated, step_logits, timings)
 
-    def _decode(self, tokens, positions, key, logits, n, max_new_tokens, sampling, eos_ids, keep_logits, on_token):
-        """The decode loop: tokens [B] (sampled from the prefill's ``logits``), positions [B] and key
-        on the device. Step n+1 is dispatched before step n's tokens are read (``jax.device_get``, the
-        loop's only device-to-host transfer; nothing goes host-to-device), so the device runs step
-        after step while the host streams and checks stop tokens one step behind. Once every row
-        has stopped, the step already in flight is discarded; it never runs past the capacity
-        ``generate`` checked (at most max_new_tokens - 1 steps are dispatched). Returns (generated
-        ids per row, per-step logits or None, steps dispatched); returns after the last dispatched
-        step has finished, so the caller's wall time covers every step it counts."""
+    def _decode(self, decode, tokens, positions, key_data, logits, n, max_new_tokens, eos_ids, keep_logits, on_token):
+        """The decode loop. ``tokens`` [B] (sampled from the prefill's ``logits``), ``positions`` [B]
+        and ``key_data`` are on the device; ``decode`` is the compiled program of N steps. Call c+1 is
+        dispatched before call c's tokens [B, N] are read (``jax.device_get``, the loop's only
+        device-to-host transfer besides the logits it is asked to keep; nothing goes host-to-device),
+        so the device runs call after call while the host streams and checks stop tokens a call
+        behind. ceil((max_new_tokens - 1) / N) calls at most: the last may run steps past
+        max_new_tokens, whose tokens are discarded (as are a row's tokens after its stop token); once
+        every row has stopped, the call in flight is discarded. Returns (generated ids per row,
+        per-step logits or None, decode steps run); returns after the last dispatched call has
+        finished, so the caller's wall time covers every step it counts."""
         generated = [[] for _ in range(n)]
+        step_logits = [] if keep_logits else None
+        if max_new_tokens == 0:
+            return generated, step_logits, 0
         done = [False] * n
-        step_logits = [jax.device_get(logits)[:n]] if keep_logits else None
-        steps = 0
+        calls = -(-(max_new_tokens - 1) // self.steps_per_call) if max_new_tokens > 1 else 0
+        pending = (tokens[:, None], logits[None] if keep_logits else None)  # the first token: one "step"
         latest = tokens
-        for step in range(max_new_tokens):
-            last = step == max_new_tokens - 1
-            if not last:
-                next_tokens, positions, key, next_logits, self.cache = decode_step(
-                    self.params, self.cache, tokens, positions, key, self.cfg, sampling
-                )
-                latest = next_tokens
-                steps += 1
-            host_tokens = jax.device_get(tokens)
-            if keep_logits and step > 0:
-                step_logits.append(jax.device_get(logits)[:n])
-            for b in range(n):
-                if not done[b]:
-                    generated[b].append(int(host_tokens[b]))
-                    if on_token:
-                        on_token(b, int(host_tokens[b]))
-                    done[b] = int(host_tokens[b]) in eos_ids
-            if all(done) or last:
+        steps = 0
+        for call in range(calls + 1):
+            if call < calls:  # dispatch the next call before reading this one
+                out, tokens, positions, key_data, next_logits, self.cache = decode(
+                    self.params, self.cache, tokens, positions, key_data)
+                latest = out
+                steps += self.steps_per_call
+            host_tokens = jax.device_get(pending[0])
+            host_logits = jax.device_get(pending[1]) if keep_logits else None
+            for j in range(host_tokens.shape[1]):
+                if all(done):
+                    break
+                if keep_logits:
+                    step_logits.append(host_logits[j, :n])
+                for b in range(n):
+                    if not done[b]:
+                        token = int(host_tokens[b, j])
+                        generated[b].append(token)
+                        if on_token:
+                            on_token(b, token)
+                        done[b] = token in eos_ids or len(generated[b]) == max_new_tokens
+            if all(done) or call == calls:
                 break
-            tokens, logits = next_tokens, next_logits
+            pending = (out, next_logits)
         jax.block_until_ready(latest)
         return generated, step_logits, steps

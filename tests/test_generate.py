@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import m3jax
+from m3jax import aot, generate
 from m3jax import engine as eng
-from m3jax import generate
 from m3jax.engine import Engine, SamplingParams, sample
 from tests.conftest import rel_l2, tiny_config
 
@@ -19,14 +19,19 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("name,chunk", [("text_mixed", 16), ("text_wide_block", 48), ("text_wide_block", 512)])
-def test_cached_greedy_equals_oracle_full_forward(oracle_dir, name, chunk):
+@pytest.mark.parametrize("name,chunk,steps_per_call", [("text_mixed", 16, 1), ("text_wide_block", 48, 3),
+                                                       ("text_wide_block", 512, eng.DECODE_STEPS_PER_CALL)])
+def test_cached_greedy_equals_oracle_full_forward(oracle_dir, name, chunk, steps_per_call):
+    """Greedy fp32 through the decode loop equals transformers, at two prefill chunk sizes, one
+    decode step per call and several (3 does not divide the 31 decode steps: the last call's extra
+    steps are discarded)."""
     fx = np.load(oracle_dir / name / "fixture.npz")
     model = m3jax.load_pretrained(oracle_dir / name, dtype="float32", progress=False)
     ids, ref_ids = fx["input_ids"], fx["greedy_ids"]
     n = ref_ids.shape[1]
     assert n >= 32 and ids.shape[1] > model.config.text.index_topk_blocks * model.config.text.index_block_size
-    e = Engine(model.params, model.config, batch=ids.shape[0], capacity=ids.shape[1] + n, prefill_chunk=chunk)
+    e = Engine(model.params, model.config, batch=ids.shape[0], capacity=ids.shape[1] + n, prefill_chunk=chunk,
+               decode_steps_per_call=steps_per_call)
     res = e.generate([list(r) for r in ids], max_new_tokens=n, sampling=GREEDY, keep_logits=True)
     np.testing.assert_array_equal(np.array(res.generated), ref_ids)
     steps = np.stack(res.step_logits, axis=1)
@@ -43,19 +48,19 @@ def test_batch_of_different_lengths_and_static_decode():
     model = m3jax.init_random(cfg, seed=1)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 80, n).tolist() for n in (23, 9, 17)]
-    e = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)
+    e = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8, decode_steps_per_call=4)
     res = e.generate(prompts, max_new_tokens=12, sampling=GREEDY, keep_logits=True)
-    compiled = eng.decode_step._cache_size()
+    compiled = len(aot._memo)
     for b, p in enumerate(prompts):
         full = np.asarray(m3jax.forward(model, np.array([p + res.generated[b]])).logits)[0]
         steps = np.stack([s[b] for s in res.step_logits])
         assert rel_l2(steps, full[len(p) - 1 : len(p) - 1 + 12]) <= 1e-5, f"sequence {b}"
-    e2 = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)
-    e2.generate(prompts, max_new_tokens=20, sampling=GREEDY, seed=3)
-    assert eng.decode_step._cache_size() == compiled, "decode step recompiled for a new token or engine"
+    e2 = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8, decode_steps_per_call=4)
+    e2.generate(prompts, max_new_tokens=20, sampling=GREEDY, seed=3, keep_logits=True)
+    assert len(aot._memo) == compiled, "a program recompiled for a new token or engine"
     # Sampling runs inside the step: one more compile per sampling mode, none per token.
-    e2.generate(prompts, max_new_tokens=20, sampling=SamplingParams(0.8, 0.9, 5), seed=3)
-    assert eng.decode_step._cache_size() == compiled + 1
+    e2.generate(prompts, max_new_tokens=20, sampling=SamplingParams(0.8, 0.9, 5), seed=3, keep_logits=True)
+    assert len(aot._memo) == compiled + 1
 
 
 def test_sampling_rules():
@@ -114,7 +119,7 @@ def test_on_device_sampling_equals_host_loop_and_stops_one_step_late():
     want = _host_loop_tokens(e, prompts, 10, sampling, seed=5)
     res = e.generate(prompts, max_new_tokens=10, sampling=sampling, seed=5)
     np.testing.assert_array_equal(np.array(res.generated), want)
-    assert res.timings["decode_steps"] == 9
+    assert res.timings["decode_steps"] == 9 if e.steps_per_call == 1 else 2 * e.steps_per_call  # 2 calls of 8
     # Stop tokens: row 0 stops at the first token that does not occur before it; the other rows run
     # on unless they meet that token too.
     stop_at = next(i for i in range(1, 10) if want[0, i] not in want[0, :i])
@@ -125,10 +130,38 @@ def test_on_device_sampling_equals_host_loop_and_stops_one_step_late():
         assert res.generated[b] == row[: row.index(eos) + 1 if eos in row else 10], f"row {b}"
 
 
-def test_decode_loop_reads_each_token_once_and_sends_nothing(monkeypatch):
-    """Per token, the decode loop's only host transfer is the one-step-behind read of the tokens
-    (jax.device_get of [B] ids): nothing goes host-to-device (the transfer guard refuses implicit
-    transfers; on a GPU it also refuses implicit device-to-host reads such as np.asarray)."""
+def test_steps_per_call_give_the_same_tokens_and_logits():
+    """One decode step per call and 4: the same tokens and step logits, greedy and sampled with a
+    seed, for 11 new tokens (10 decode steps: the third call of 4 runs 2 steps past the last kept
+    token, and the longest row fills the capacity exactly, so those run at positions past the last
+    page's last slot), and with a stop token inside a call. (Shapes and modes of
+    test_batch_of_different_lengths_and_static_decode: the N=4 programs are shared.)"""
+    cfg = tiny_config(index_block_size=4, index_topk_blocks=2)
+    model = m3jax.init_random(cfg, seed=2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 80, n).tolist() for n in (53, 9, 17)]
+    engines = {n: Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8, decode_steps_per_call=n)
+               for n in (1, 4)}
+    for sampling in (GREEDY, SamplingParams(0.8, 0.9, 5)):
+        res = {n: e.generate(prompts, max_new_tokens=11, sampling=sampling, seed=5, keep_logits=True)
+               for n, e in engines.items()}
+        assert res[1].timings["decode_steps"] == 10 and res[4].timings["decode_steps"] == 12
+        assert res[1].generated == res[4].generated and all(len(g) == 11 for g in res[4].generated)
+        np.testing.assert_allclose(np.stack(res[4].step_logits), np.stack(res[1].step_logits), rtol=1e-6, atol=1e-6)
+        # Row 1 stops at its 7th token (in the second call of 4); the others run on unless they meet it.
+        row = res[1].generated[1]
+        eos = row[6] if row[6] not in row[:6] else next(t for t in range(cfg.text.vocab_size) if t not in row[:6])
+        stopped = engines[4].generate(prompts, max_new_tokens=11, sampling=sampling, seed=5, eos_ids=(eos,),
+                                      keep_logits=True)
+        for b, full in enumerate(res[1].generated):
+            assert stopped.generated[b] == full[: full.index(eos) + 1 if eos in full else 11], (sampling, b)
+
+
+def test_decode_loop_reads_each_call_once_and_sends_nothing(monkeypatch):
+    """Per call of N steps, the decode loop's only host transfer is the one-call-behind read of its
+    tokens (jax.device_get of [B, N] ids; first the prefill's token, [B, 1]): nothing goes
+    host-to-device (the transfer guard refuses implicit transfers; on a GPU it also refuses implicit
+    device-to-host reads such as np.asarray)."""
     cfg = tiny_config(index_block_size=4, index_topk_blocks=2)
     model = m3jax.init_random(cfg, seed=1)
     e = Engine(model.params, cfg, batch=3, capacity=64, prefill_chunk=8)
@@ -142,8 +175,9 @@ def test_decode_loop_reads_each_token_once_and_sends_nothing(monkeypatch):
             return decode(self, *args)
 
     monkeypatch.setattr(Engine, "_decode", guarded)
-    res = e.generate([[1, 2, 3], [4, 5]], max_new_tokens=8, sampling=SamplingParams(0.8, 0.9, 5))
-    assert len(res.generated[0]) == 8 and reads == [(3,)] * 8
+    res = e.generate([[1, 2, 3], [4, 5]], max_new_tokens=10, sampling=SamplingParams(0.8, 0.9, 5))
+    n = e.steps_per_call
+    assert len(res.generated[0]) == 10 and reads == [(3, 1)] + [(3, n)] * -(-9 // n)
 
 
 @pytest.mark.oracle
@@ -228,8 +262,8 @@ def test_causal_attention_equals_dense_mask(s_len, q_start, key_block):
 
 def test_memory_plan_m3_width_1m_fits_h200(monkeypatch):
     """The 1M-token run at M3 widths (3 layers, kernels path on the GPU) fits a 139 GiB H200."""
-    from m3jax.memory import GiB, activation_bytes, weight_bytes
     from m3jax.cache import cache_bytes
+    from m3jax.memory import GiB, activation_bytes, weight_bytes
 
     cfg = m3jax.preset("m3_width").replace(attention_impl="pallas")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
