@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
@@ -109,9 +110,19 @@ def mosaic_kernel(body, *, interpret: bool | None = None, detect_races: bool = T
     """
     if interpret is None:
         interpret = not on_gpu()
-    if interpret:
-        kwargs["interpret"] = interpret_params(detect_races)
-    return plgpu.kernel(body, **kwargs)
+    if not interpret:
+        return plgpu.kernel(body, **kwargs)
+    kernel = plgpu.kernel(body, interpret=interpret_params(detect_races), **kwargs)
+
+    # The interpreter runs the kernel's MMAs as XLA dots on the default device; on a GPU (the
+    # Blackwell variants interpreted on an H200) an fp32 dot would run as TF32 and the simulation would
+    # no longer be exact. Tracing under "highest" keeps every simulated MMA at fp32.
+    @functools.wraps(kernel)
+    def exact(*args, **kw):
+        with jax.default_matmul_precision("highest"):
+            return kernel(*args, **kw)
+
+    return exact
 
 
 def interpret_races_found() -> bool:
