@@ -1,21 +1,38 @@
-"""MoE grouped matmul at M3 shapes: the Mosaic GPU kernel vs ``jax.lax.ragged_dot`` vs a dense bf16
-``jnp.dot`` of the same useful FLOPs.
+"""MoE grouped GEMM at M3 shapes, both kernel schedules, bf16 and MXFP8 weights: prefill against a
+dense ``jnp.dot`` of the same FLOPs, decode against the weight-bytes floor.
 
-8192 tokens x top-4 = 32768 rows routed over 128 experts by a random router (sigmoid scores of
-random logits, top-4), bf16 operands, fp32 accumulation, bf16 out. Two GEMMs of an expert MLP:
-gate/up (K = 6144 -> N = 3072) and down (K = 3072 -> N = 6144). Timing: CUPTI
-(``jax.experimental.mosaic.gpu.profiler.measure``, every kernel of the call, median of the
-iterations) when available, else wall clock with ``block_until_ready``. The kernel's result is
-checked against ``ragged_dot`` (relative L2) in the same run.
+Weights: random MXFP8 experts (float8_e4m3fn values + E8M0 scales per 32 inputs) and the same weights
+dequantised to bf16, so the bf16 and MXFP8 kernels multiply equal weights (their ratio is the cost of
+reading fp8 + converting it in the kernel). Two GEMMs of an expert MLP: gate/up (K = 6144 -> N = 3072)
+and down (K = 3072 -> N = 6144), 128 experts.
 
-    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py [--out benchmarks/RESULTS.md]
-    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --dry     # CPU: interpret mode, tiny shapes
+* Prefill: 8192 tokens x top-4 = 32768 rows from a random router (sigmoid scores, top-4). Each
+  variant: device ms, TFLOP/s, ratio to one dense bf16 ``[M, K] x [K, N]`` ``jnp.dot`` (target >= 0.75
+  for bf16), MXFP8 / bf16 of the same variant (target <= 1.1).
+* Decode: 1 and 8 tokens x top-4. Floor = bytes of the experts' weights the rows touch (bf16: 2 bytes,
+  MXFP8: 1 + 1/32 per weight) / the device's copy bandwidth (read + write of a 4 GiB elementwise pass,
+  same process). Each variant: ms, ms / floor, MXFP8 / bf16 of the same variant, and MXFP8 / the bf16
+  default (the MoE layer's decode config today; target <= 0.6).
+* Every result: relative L2 against ``jax.lax.ragged_dot`` on the dequantised weights.
+
+Variants: ``pipeline`` (the one-warpgroup kernel, non-persistent grid; the MoE layer's configs today:
+block_m 128 / block_n 128 in prefill, block_m 64 in decode) and ``warp_specialized`` (persistent, TMA
+producer + two consumer warpgroups, group-aligned tiles, ``split_k`` for decode). Timing: CUPTI
+(``jax.experimental.mosaic.gpu.profiler.measure``, median), wall clock off the GPU.
+
+Prints the tables; writes ``$OUT/moe_grouped_matmul.md`` and ``.json`` (``$OUT`` default benchmarks/out):
+
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py            # H200: < 4 minutes
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --quick    # H200: every variant, small shapes, < 1 minute
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --dry      # CPU: interpret mode, tiny shapes
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,15 +41,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.msa_index import _time_ms
-from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, grouped_matmul
+from m3jax.pallas.grouped_matmul import (
+    GroupedMatmulConfig,
+    dequantize_mxfp8,
+    grouped_matmul,
+    grouped_matmul_mxfp8,
+    mxfp8_unsupported_reason,
+    unsupported_reason,
+)
 
-M3 = dict(tokens=8192, topk=4, experts=128, cases=(("gate/up", 6144, 3072), ("down", 3072, 6144)))
-DRY = dict(tokens=48, topk=4, experts=8, cases=(("gate/up", 128, 128), ("down", 128, 256)))
-CONFIGS = {
-    "bm128_bn128": GroupedMatmulConfig(block_m=128, block_n=128),
-    "bm64_bn256": GroupedMatmulConfig(block_m=64, block_n=256),
+WS = "warp_specialized"
+M3 = {"tokens": 8192, "topk": 4, "experts": 128, "cases": (("gate/up", 6144, 3072), ("down", 3072, 6144)), "decode": (1, 8)}
+QUICK = {"tokens": 512, "topk": 4, "experts": 16, "cases": (("gate/up", 1024, 512),), "decode": (1, 8)}
+DRY = {"tokens": 24, "topk": 2, "experts": 4, "cases": (("gate/up", 128, 256),), "decode": (1,)}
+
+
+def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4):
+    return GroupedMatmulConfig(block_m=bm, block_n=bn, schedule=schedule, split_k=split_k, max_concurrent_steps=steps)
+
+
+# name -> config; the first of each is the MoE layer's config today (m3jax.moe._grouped_matmul_config)
+PREFILL = {
+    "pipeline bm128 bn128 (default)": _cfg(128, 128),
+    "pipeline bm64 bn256": _cfg(64, 256),
+    "ws bm128 bn256": _cfg(128, 256, WS),
+    "ws bm128 bn128": _cfg(128, 128, WS),
+    "ws bm64 bn256": _cfg(64, 256, WS),
 }
-DRY_CONFIGS = {"bm64_bn128": GroupedMatmulConfig(block_m=64, block_n=128, max_concurrent_steps=2)}
+DECODE = {
+    "pipeline bm64 bn128 (default)": _cfg(64, 128),
+    "ws bm64 bn256 split1": _cfg(64, 256, WS, 1),
+    "ws bm64 bn256 split2": _cfg(64, 256, WS, 2),
+    "ws bm64 bn256 split4": _cfg(64, 256, WS, 4),
+    "ws bm64 bn256 split8": _cfg(64, 256, WS, 8),
+}
+DRY_PREFILL = {"pipeline bm64 bn128 (default)": _cfg(64, 128, steps=2), "ws bm64 bn256": _cfg(64, 256, WS, steps=2)}
+DRY_DECODE = {"pipeline bm64 bn128 (default)": _cfg(64, 128, steps=2), "ws bm64 bn256 split2": _cfg(64, 256, WS, 2, 2)}
 
 
 def router_group_sizes(tokens: int, topk: int, experts: int, seed: int = 0) -> jax.Array:
@@ -47,74 +91,195 @@ def _rel_l2(got, ref) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def bench(shape: dict, configs: dict, iters: int, ragged_iters: int) -> list[tuple]:
+def random_mxfp8(g: int, k: int, n: int, seed: int = 1):
+    """fp8 values over e4m3's range and E8M0 exponents 2^-10..2^-6 (outputs of order 10 for unit rows)."""
+    kv, ks = jax.random.split(jax.random.key(seed))
+    values = jnp.clip(16 * jax.random.normal(kv, (g, k, n), jnp.float32), -448, 448).astype(jnp.float8_e4m3fn)
+    scales = jax.random.randint(ks, (g, k // 32, n), 117, 122).astype(jnp.uint8)
+    return values, scales
+
+
+def copy_bandwidth(gib: float, iters: int) -> float:
+    """Bytes per second (read + write) of an elementwise pass over ``gib`` GiB of bf16."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    ms = _time_ms(jax.jit(lambda x: x * 2), x, iters=iters)
+    return 2 * x.nbytes / (ms / 1e3)
+
+
+def _variant(lhs, values, scales, w_bf16, gs, cfg, iters: int, ref) -> dict:
+    """bf16 and MXFP8 times of one config (None where the config does not take the shape)."""
+    m, k = lhs.shape
+    g, _, n = values.shape
+    out = {}
+    runs = {"bf16": (unsupported_reason(m, k, n, g, cfg),
+                     jax.jit(lambda a, w, s, cfg=cfg: grouped_matmul(a, w, s, config=cfg)), (lhs, w_bf16, gs)),
+            "mxfp8": (mxfp8_unsupported_reason(m, k, n, g, scales.shape[1], cfg),
+                      jax.jit(lambda a, v, c, s, cfg=cfg: grouped_matmul_mxfp8(a, v, c, s, config=cfg)),
+                      (lhs, values, scales, gs))}
+    for name, (reason, f, args) in runs.items():
+        if reason:
+            out[name] = {"ms": None, "note": reason}
+            continue
+        try:
+            ms = _time_ms(f, *args, iters=iters)
+            out[name] = {"ms": ms, "rel_l2": _rel_l2(f(*args), ref)}
+        except Exception as e:  # noqa: BLE001  (a variant that fails on this device is reported, not fatal)
+            out[name] = {"ms": None, "note": f"failed: {type(e).__name__}: {str(e)[:120]}"}
+        print(f"    {name}: {out[name]}", flush=True)
+    return out
+
+
+def bench_prefill(shape, variants, iters: int) -> list[dict]:
     gs = router_group_sizes(shape["tokens"], shape["topk"], shape["experts"])
     m, g = shape["tokens"] * shape["topk"], shape["experts"]
-    sizes = np.asarray(gs)
-    print(f"group sizes: min {sizes.min()} median {int(np.median(sizes))} max {sizes.max()} sum {sizes.sum()}",
-          flush=True)
     rows = []
-    for name, k, n in shape["cases"]:
-        k1, k2 = jax.random.split(jax.random.key(1))
-        lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
-        rhs = (jax.random.normal(k2, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-        flops = 2 * m * k * n
-        desc = f"{name}: M={m} (T={shape['tokens']} x top-{shape['topk']}) K={k} N={n} G={g}"
-
-        dense_w = rhs[0]
-        dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-        dense_ms = _time_ms(dense, lhs, dense_w, iters=iters)
-        ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s))
-        try:  # dense-emulated on cuDNN < 9.22: slow and memory-hungry
-            ragged_ms = _time_ms(ragged, lhs, rhs, gs, iters=ragged_iters)
-            ref, note = ragged(lhs, rhs, gs), ""
-        except Exception as e:  # noqa: BLE001
-            ragged_ms, ref, note = float("nan"), None, f"failed: {type(e).__name__}: {str(e)[:80]}"
-        rows.append((desc, "dense jnp.dot (same FLOPs)", dense_ms, flops, dense_ms, ragged_ms, ""))
-        rows.append((desc, "jax.lax.ragged_dot", ragged_ms, flops, dense_ms, ragged_ms, note))
-        for cname, cfg in configs.items():
-            f = jax.jit(lambda a, b, s, cfg=cfg: grouped_matmul(a, b, s, config=cfg))
-            ms = _time_ms(f, lhs, rhs, gs, iters=iters)
-            note = ""
-            if ref is not None:
-                err = _rel_l2(np.asarray(f(lhs, rhs, gs), np.float32), np.asarray(ref, np.float32))
-                note = f"rel. L2 vs ragged_dot {err:.1e}"
-            rows.append((desc, f"pallas grouped_matmul {cname}", ms, flops, dense_ms, ragged_ms, note))
-            print(f"  {name} {cname}: {ms:.3f} ms", flush=True)
+    for case, k, n in shape["cases"]:
+        values, scales = random_mxfp8(g, k, n)
+        w = jax.jit(lambda v, s: dequantize_mxfp8(v, s, jnp.bfloat16))(values, scales)
+        lhs = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.bfloat16)
+        dense_ms = _time_ms(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+                                    .astype(jnp.bfloat16)), lhs, w[0], iters=iters)
+        ref = jax.lax.ragged_dot(lhs, w, gs, preferred_element_type=jnp.float32)
+        print(f"prefill {case}: M={m} K={k} N={n} G={g}, dense {dense_ms:.3f} ms", flush=True)
+        for name, cfg in variants.items():
+            print(f"  {name}", flush=True)
+            rows.append({"case": case, "m": m, "k": k, "n": n, "g": g, "variant": name, "dense_ms": dense_ms,
+                         "flops": 2 * m * k * n, **_variant(lhs, values, scales, w, gs, cfg, iters, ref)})
+        del values, scales, w, lhs, ref
     return rows
 
 
-def table(rows) -> str:
-    out = ["| case | impl | ms | TFLOP/s | vs dense | speed-up vs ragged_dot | notes |",
-           "|---|---|---|---|---|---|---|"]
-    for desc, impl, ms, flops, dense_ms, ragged_ms, notes in rows:
-        out.append(f"| {desc} | {impl} | {ms:.3g} | {flops / ms / 1e9:.0f} | {dense_ms / ms:.2f} | "
-                   f"{ragged_ms / ms:.1f} | {notes} |")
-    return "\n".join(out) + "\n"
+def bench_decode(shape, variants, iters: int, bandwidth: float) -> list[dict]:
+    g = shape["experts"]
+    rows = []
+    for case, k, n in shape["cases"]:
+        values, scales = random_mxfp8(g, k, n)
+        w = jax.jit(lambda v, s: dequantize_mxfp8(v, s, jnp.bfloat16))(values, scales)
+        for tokens in shape["decode"]:
+            gs = router_group_sizes(tokens, shape["topk"], g, seed=tokens)
+            m = tokens * shape["topk"]
+            touched = int(np.count_nonzero(np.asarray(gs)))
+            floor = {"bf16": 1e3 * touched * k * n * 2 / bandwidth,
+                     "mxfp8": 1e3 * touched * k * n * (1 + 1 / 32) / bandwidth}
+            lhs = jax.random.normal(jax.random.key(3), (m, k), jnp.float32).astype(jnp.bfloat16)
+            ref = jax.lax.ragged_dot(lhs, w, gs, preferred_element_type=jnp.float32)
+            print(f"decode {case}: {tokens} token(s), {touched} experts, floor bf16 {floor['bf16']:.4f} ms "
+                  f"mxfp8 {floor['mxfp8']:.4f} ms", flush=True)
+            for name, cfg in variants.items():
+                print(f"  {name}", flush=True)
+                rows.append({"case": case, "tokens": tokens, "m": m, "k": k, "n": n, "experts": touched,
+                             "variant": name, "floor_ms": floor,
+                             **_variant(lhs, values, scales, w, gs, cfg, iters, ref)})
+        del values, scales, w
+    return rows
+
+
+def _f(x, fmt=".3f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _ratio(a, b) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def summary(prefill: list[dict], decode: list[dict]) -> dict:
+    """The numbers that decide the defaults and the targets, per case (best variant of each kind)."""
+    out = {}
+    for case in sorted({r["case"] for r in prefill}):
+        rs = [r for r in prefill if r["case"] == case]
+
+        def best(kind, schedule, rs=rs):
+            c = [(r[kind]["ms"], r["variant"]) for r in rs if r[kind]["ms"] is not None
+                 and r["variant"].startswith(schedule)]
+            return min(c) if c else (None, None)
+
+        b_old, b_new, m_old, m_new = best("bf16", "pipeline"), best("bf16", "ws"), best("mxfp8", "pipeline"), best(
+            "mxfp8", "ws")
+        best_bf16 = min(x for x in (b_old[0], b_new[0]) if x is not None)
+        out[f"prefill {case}"] = {
+            "bf16 vs dense: pipeline / ws (target >= 0.75)": [_ratio(rs[0]["dense_ms"], b_old[0]),
+                                                              _ratio(rs[0]["dense_ms"], b_new[0])],
+            "bf16 best variants": [b_old[1], b_new[1]],
+            "mxfp8 / best bf16: pipeline / ws (target <= 1.1)": [_ratio(m_old[0], best_bf16), _ratio(m_new[0], best_bf16)],
+            "mxfp8 best variants": [m_old[1], m_new[1]],
+        }
+    for key in sorted({(r["case"], r["tokens"]) for r in decode}):
+        rs = [r for r in decode if (r["case"], r["tokens"]) == key]
+        default_bf16 = rs[0]["bf16"]["ms"]
+        c = [(r["mxfp8"]["ms"], r["variant"]) for r in rs if r["mxfp8"]["ms"] is not None]
+        b = [(r["bf16"]["ms"], r["variant"]) for r in rs if r["bf16"]["ms"] is not None]
+        out[f"decode {key[0]} {key[1]} token(s)"] = {
+            "best mxfp8": min(c) if c else None, "best bf16": min(b) if b else None,
+            "best mxfp8 / default bf16 (target <= 0.6)": _ratio(min(c)[0], default_bf16) if c else None,
+            "best mxfp8 / mxfp8 floor": _ratio(min(c)[0], rs[0]["floor_ms"]["mxfp8"]) if c else None,
+        }
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# MoE grouped GEMM, {res['mode']}: {res['device']}, jax {res['jax']}, {res['date']}", "",
+             (f"Command: `{res['command']}`. Copy bandwidth (read + write): {res['bandwidth'] / 1e9:,.0f} GB/s. "
+             "bf16 = the MXFP8 weights dequantised (equal weights); ms = device time (CUPTI) on the GPU."), "",
+             "## Prefill", "",
+             "| case | variant | bf16 ms | bf16 TFLOP/s | bf16 vs dense | mxfp8 ms | mxfp8 / bf16 | rel L2 bf16 / mxfp8 | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["prefill"]:
+        b, x = r["bf16"], r["mxfp8"]
+        tf = None if b["ms"] is None else r["flops"] / b["ms"] / 1e9
+        lines.append(
+            f"| {r['case']} M={r['m']} K={r['k']} N={r['n']} G={r['g']} (dense {r['dense_ms']:.3f} ms) | {r['variant']} | "
+            f"{_f(b['ms'])} | {_f(tf, '.0f')} | {_f(_ratio(r['dense_ms'], b['ms']), '.2f')} | {_f(x['ms'])} | "
+            f"{_f(_ratio(x['ms'], b['ms']), '.2f')} | {_f(b.get('rel_l2'), '.1e')} / {_f(x.get('rel_l2'), '.1e')} | "
+            f"{b.get('note', '')} {x.get('note', '')} |")
+    lines += ["", "## Decode", "",
+              ("| case | variant | bf16 ms | bf16 / floor | mxfp8 ms | mxfp8 / floor | mxfp8 / bf16 | mxfp8 / default bf16 | "
+              "rel L2 bf16 / mxfp8 | notes |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    default = {}
+    for r in res["decode"]:
+        default.setdefault((r["case"], r["tokens"]), r["bf16"]["ms"])
+        b, x, fl = r["bf16"], r["mxfp8"], r["floor_ms"]
+        lines.append(
+            f"| {r['case']} {r['tokens']} token(s), {r['experts']} experts (floor bf16 {fl['bf16']:.4f} / mxfp8 "
+            f"{fl['mxfp8']:.4f} ms) | {r['variant']} | {_f(b['ms'], '.4f')} | {_f(_ratio(b['ms'], fl['bf16']), '.2f')} | "
+            f"{_f(x['ms'], '.4f')} | {_f(_ratio(x['ms'], fl['mxfp8']), '.2f')} | {_f(_ratio(x['ms'], b['ms']), '.2f')} | "
+            f"{_f(_ratio(x['ms'], default[(r['case'], r['tokens'])]), '.2f')} | "
+            f"{_f(b.get('rel_l2'), '.1e')} / {_f(x.get('rel_l2'), '.1e')} | {b.get('note', '')} {x.get('note', '')} |")
+    lines += ["", "## Summary", "", "```", json.dumps(res["summary"], indent=1, default=str), "```"]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="results file (default benchmarks/RESULTS.md; "
-                    "--dry writes only when --out is given)")
-    ap.add_argument("--dry", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
-    ap.add_argument("--iters", type=int, default=20)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="every variant at small shapes (GPU correctness check)")
+    mode.add_argument("--dry", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args(argv)
-    shape, configs = (DRY, DRY_CONFIGS) if args.dry else (M3, CONFIGS)
-    iters = 1 if args.dry else args.iters
-    rows = bench(shape, configs, iters=iters, ragged_iters=1 if args.dry else 3)
-    dev = jax.devices()[0]
-    cmd = "python benchmarks/moe_grouped_matmul.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
-    text = (f"\n## MoE grouped matmul — {datetime.date.today().isoformat()}, {dev.device_kind} "
-            f"({jax.default_backend()}), jax {jax.__version__}\n\n"
-            f"Command: `{cmd}`. bf16 in, fp32 accumulate, bf16 out; group sizes from a random top-{shape['topk']} "
-            f"router; dense = one [M, K] x [K, N] bf16 `jnp.dot`; ratios from times in this run.\n\n")
-    text += table(rows)
-    print(text)
-    out = args.out if (args.out or args.dry) else Path(__file__).with_name("RESULTS.md")
-    if out is not None:
-        with open(out, "a") as f:
-            f.write(text)
+    if args.dry:
+        shape, pre, dec, iters, name, gib = DRY, DRY_PREFILL, DRY_DECODE, 1, "dry", 1 / 64
+    elif args.quick:
+        shape, pre, dec, iters, name, gib = QUICK, PREFILL, DECODE, 3, "quick", 1.0
+    else:
+        shape, pre, dec, iters, name, gib = M3, PREFILL, DECODE, args.iters, "M3 shapes", 4.0
+    bandwidth = copy_bandwidth(gib, iters=max(iters, 3))
+    print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s", flush=True)
+    prefill = [] if args.skip_prefill else bench_prefill(shape, pre, iters)
+    decode = [] if args.skip_decode else bench_decode(shape, dec, iters, bandwidth)
+    res = {"mode": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": "python benchmarks/moe_grouped_matmul.py" + "".join(" " + a for a in sys.argv[1:]),
+           "bandwidth": bandwidth, "prefill": prefill, "decode": decode}
+    res["summary"] = summary(prefill, decode)
+    md = markdown(res)
+    print(md)
+    out = Path(os.environ.get("OUT", "benchmarks/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    stem = {"dry": "moe_grouped_matmul_dry", "quick": "moe_grouped_matmul_quick"}.get(name, "moe_grouped_matmul")
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
 
 
 if __name__ == "__main__":

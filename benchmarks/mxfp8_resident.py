@@ -17,8 +17,9 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
    routing over the 128 experts): gate [T*4, 6144] x [128, 6144, 3072] and down [T*4, 3072] x
    [128, 3072, 6144], the bf16 kernel against the MXFP8 kernel; target <= 1.1x of bf16;
 4. the routed experts' gate GEMM of one decode token alone (4 rows, 4 experts) at tile widths 64 / 128
-   and 4 / 8 pipeline stages, bf16 and MXFP8 kernels: how the kernels' config should be set for decode
-   (the MoE block runs block_m 64, block_n 128, 4 stages);
+   and 4 / 8 pipeline stages, and on the persistent warp-specialised schedule (block_n 256, split_k 1 / 2
+   / 4 / 8), bf16 and MXFP8 kernels: how the kernels' config should be set for decode (the MoE block
+   runs block_m 64, block_n 128, 4 stages, the pipeline schedule);
 5. agreement: every MXFP8 result against the bf16 one on the same (dequantised) weights (relative L2;
    equal weights, so accumulation order and bf16 output rounding only).
 
@@ -183,19 +184,21 @@ def decode_gemm_configs(cfg, mx, bf, iters: int) -> list[dict]:
     out = []
     if not on_gpu():
         return out
-    for bn in (64, 128):
-        for steps in (4, 8):
-            c = GroupedMatmulConfig(block_m=64, block_n=bn, max_concurrent_steps=steps)
-            fb = jax.jit(functools.partial(grouped_matmul, config=c))
-            fm = jax.jit(functools.partial(grouped_matmul_mxfp8, config=c))
-            row = {"block_n": bn, "steps": steps, "bf16": timed(lambda fb=fb: fb(x, wb, sizes), iters),
-                   "mxfp8": timed(lambda fm=fm: fm(x, wm.values, wm.scales, sizes), iters)}
-            row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
-            # HBM bytes of the weights the 4 experts' tiles read, per ms of device time
-            row["gb_s_bf16"] = k * wb.shape[1] * wb.shape[2] * 2 / best(row["bf16"]) / 1e6
-            row["gb_s_mxfp8"] = k * wb.shape[1] * wb.shape[2] * (1 + 1 / 32) / best(row["mxfp8"]) / 1e6
-            print(json.dumps(row), flush=True)
-            out.append(row)
+    configs = [GroupedMatmulConfig(block_m=64, block_n=bn, max_concurrent_steps=steps) for bn in (64, 128)
+               for steps in (4, 8)]
+    configs += [GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=s) for s in (1, 2, 4, 8)]
+    for c in configs:
+        fb = jax.jit(functools.partial(grouped_matmul, config=c))
+        fm = jax.jit(functools.partial(grouped_matmul_mxfp8, config=c))
+        row = {"block_n": c.block_n, "steps": c.max_concurrent_steps, "schedule": c.schedule, "split_k": c.split_k,
+               "bf16": timed(lambda fb=fb: fb(x, wb, sizes), iters),
+               "mxfp8": timed(lambda fm=fm: fm(x, wm.values, wm.scales, sizes), iters)}
+        row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
+        # HBM bytes of the weights the 4 experts' tiles read, per ms of device time
+        row["gb_s_bf16"] = k * wb.shape[1] * wb.shape[2] * 2 / best(row["bf16"]) / 1e6
+        row["gb_s_mxfp8"] = k * wb.shape[1] * wb.shape[2] * (1 + 1 / 32) / best(row["mxfp8"]) / 1e6
+        print(json.dumps(row), flush=True)
+        out.append(row)
     return out
 
 
@@ -238,9 +241,11 @@ def markdown(res: dict) -> str:
                      f"**{r['ratio']:.2f}** | {r['tflops_mxfp8']:.0f} / {r['tflops_bf16']:.0f} | {r['rel_err']:.1e} |")
     if res["decode_gemm_configs"]:
         lines += ["", "## Routed gate GEMM of one decode token by kernel config (block_m 64)", "",
-                  "| block_n | stages | mxfp8 ms | bf16 ms | ratio | weight GB/s mxfp8 / bf16 |", "|---|---|---|---|---|---|"]
+                  "| schedule | split_k | block_n | stages | mxfp8 ms | bf16 ms | ratio | weight GB/s mxfp8 / bf16 |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in res["decode_gemm_configs"]:
-            lines.append(f"| {r['block_n']} | {r['steps']} | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | {r['ratio']:.2f} | "
+            lines.append(f"| {r['schedule']} | {r['split_k']} | {r['block_n']} | {r['steps']} | {_ms(r['mxfp8'])} | "
+                         f"{_ms(r['bf16'])} | {r['ratio']:.2f} | "
                          f"{r['gb_s_mxfp8']:.0f} / {r['gb_s_bf16']:.0f} |")
     for r in res["moe_decode"]:
         if r["kernels_mxfp8"]:

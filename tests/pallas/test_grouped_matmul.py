@@ -1,5 +1,8 @@
 """Grouped matmul (MoE ragged dot): Mosaic GPU kernel vs ``jax.lax.ragged_dot``, its tile schedule,
-the MoE layer with moe_impl="pallas" vs "ragged_dot", and the CUDA lowering at M3 shapes.
+the MoE layer with moe_impl="pallas" vs "ragged_dot", and the CUDA lowering at M3 shapes. The kernel
+bodies run for both schedules (``GroupedMatmulConfig.schedule``): the one-warpgroup pipeline and the
+persistent warp-specialised kernel (in interpret mode a warpgroup is one thread, so a missing
+warpgroup barrier between producer and consumers would only show on a GPU).
 
 Off-GPU the kernel runs in Mosaic GPU interpret mode with the race detector on (``mosaic_kernel``).
 Shapes are tiny (K = N = 128, 64-row tiles) to keep the file fast on a CPU.
@@ -18,6 +21,7 @@ from m3jax.pallas.grouped_matmul import (
     grouped_matmul,
     grouped_matmul_mxfp8,
     mxfp8_unsupported_reason,
+    persistent,
     tile_schedule,
     unsupported_reason,
 )
@@ -25,6 +29,8 @@ from m3jax.pallas.grouped_matmul import reference as gmm_reference
 from tests.conftest import assert_close
 
 CFG = GroupedMatmulConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
+WS = GroupedMatmulConfig(block_m=64, block_n=128, max_concurrent_steps=2, schedule="warp_specialized")
+SCHEDULES = {"pipeline": CFG, "warp_specialized": WS}
 
 # name -> (M, group sizes): rows sorted by group, sum <= M.
 PATTERNS = {
@@ -75,26 +81,65 @@ def test_tile_schedule_covers_each_row_once(m, sizes, bm):
     assert (seen == 1).all()
 
 
+@pytest.mark.parametrize("m,sizes,bm", [
+    (120, [0, 30, 0, 0, 50, 40], 64), (180, [10, 150, 20], 64), (150, [20, 30, 25], 128),
+    (7, [3, 0, 2], 64), (300, [0] * 5, 128), (256, [64, 64, 64, 64], 64), (200, [5, 70, 0, 60, 40], 128),
+])
+def test_aligned_schedule_covers_each_row_once(m, sizes, bm):
+    # the warp-specialised schedule: tiles start at a multiple of 8 inside or just before the group
+    sched, live = (np.asarray(x) for x in persistent.aligned_schedule(jnp.asarray(sizes, jnp.int32), m, bm))
+    ends = np.cumsum(sizes)
+    owner = np.full(m, len(sizes))  # the zero group past the sum
+    for g, (s, e) in enumerate(zip(ends - sizes, ends)):
+        owner[s:e] = g
+    seen = np.zeros(m, int)
+    for v, (g, row0, lo, hi) in enumerate(sched):
+        assert (hi > lo) == (v < live[0]), "the live visits come first"
+        if hi <= lo:
+            continue
+        assert row0 % 8 == 0 and row0 <= lo < hi <= min(row0 + bm, m)
+        assert (owner[lo:hi] == g).all()
+        seen[lo:hi] += 1
+    assert (seen == 1).all()
+    per_group = np.bincount(sched[: live[0], 0], minlength=len(sizes) + 1)
+    covered = np.append(sizes, m - sum(sizes))
+    assert (per_group <= -(-(covered + 7) // bm)).all(), "a group's tiles are its rows', not the straddled tiles'"
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_kernel_matches_ragged_dot(pattern, dtype):
+def test_kernel_matches_ragged_dot(pattern, dtype, schedule):
     m, sizes = PATTERNS[pattern]
-    _check(*_inputs(m, 128, 128, sizes, dtype))
+    _check(*_inputs(m, 128, 128, sizes, dtype), cfg=SCHEDULES[schedule])
 
 
-def test_two_n_tiles_128_row_tiles_fp32_out():
-    # block_m 128 (tiles straddling several groups), 2 N tiles, bf16 in / fp32 out.
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_two_n_tiles_128_row_tiles_fp32_out(schedule):
+    # block_m 128 (tiles straddling several groups), 2 N tiles (warp-specialised: one CTA N tile of
+    # 256, two consumers of 128 columns), three K steps, bf16 in / fp32 out.
     lhs, rhs, gs = _inputs(200, 192, 256, [5, 70, 0, 60, 40], jnp.bfloat16, seed=1)
-    _check(lhs, rhs, gs, cfg=GroupedMatmulConfig(block_m=128, block_n=128, max_concurrent_steps=3),
-           out_dtype=jnp.float32)
+    bn = 256 if schedule == "warp_specialized" else 128
+    cfg = GroupedMatmulConfig(block_m=128, block_n=bn, max_concurrent_steps=3, schedule=schedule)
+    _check(lhs, rhs, gs, cfg=cfg, out_dtype=jnp.float32)
 
 
-def test_fewer_rows_than_a_tile_single_k_step():
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_fewer_rows_than_a_tile_single_k_step(schedule):
     # M < block_m (padded), K = block_k (one pipeline step, no delayed release).
-    _check(*_inputs(40, 64, 128, [10, 25], jnp.bfloat16, seed=2))
+    _check(*_inputs(40, 64, 128, [10, 25], jnp.bfloat16, seed=2), cfg=SCHEDULES[schedule])
 
 
-def test_gradients_match_ragged_dot():
+def test_split_k_decode_rows():
+    # decode-like: a few rows per expert, K split in two (fp32 partials summed outside), K / 2 = 2 steps
+    _check(*_inputs(12, 256, 128, [1, 0, 3, 2, 0, 4], jnp.bfloat16, seed=7),
+           cfg=GroupedMatmulConfig(block_m=64, block_n=128, max_concurrent_steps=2, schedule="warp_specialized",
+                                   split_k=2))
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_gradients_match_ragged_dot(schedule):
+    cfg = SCHEDULES[schedule]
     lhs, rhs, gs = _inputs(96, 128, 128, [40, 0, 50], jnp.float32, seed=3)
     ct = jax.random.normal(jax.random.key(4), (96, 128), jnp.float32)
 
@@ -104,7 +149,7 @@ def test_gradients_match_ragged_dot():
     # fp32 products at full precision on both sides: XLA's default on the GPU rounds them to TF32
     # (3e-4 here on the H200), which the CPU does not.
     with jax.default_matmul_precision("highest"):
-        got = jax.grad(loss(lambda a, b: grouped_matmul(a, b, gs, config=CFG)), argnums=(0, 1))(lhs, rhs)
+        got = jax.grad(loss(lambda a, b: grouped_matmul(a, b, gs, config=cfg)), argnums=(0, 1))(lhs, rhs)
         ref = jax.grad(loss(lambda a, b: jax.lax.ragged_dot(a, b, gs)), argnums=(0, 1))(lhs, rhs)
     assert not _backend.interpret_races_found()
     for g, r in zip(got, ref):
@@ -120,6 +165,17 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
     with pytest.raises(ValueError, match="multiple of block_n"):
         grouped_matmul(*_inputs(64, 128, 192, [64], jnp.bfloat16))
     assert "registers" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(block_m=128, block_n=256))
+    ws = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
+    assert unsupported_reason(256, 128, 256, 2, ws) is None  # two consumers of 128 columns each
+    assert "registers" in unsupported_reason(256, 128, 512, 2, GroupedMatmulConfig(
+        block_m=128, block_n=512, schedule="warp_specialized"))
+    assert "split_k" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(split_k=2))
+    assert "split_k * block_k" in unsupported_reason(256, 192, 256, 2, GroupedMatmulConfig(
+        block_n=256, schedule="warp_specialized", split_k=2))
+    assert "fp8 swizzle atom" in mxfp8_unsupported_reason(256, 128, 256, 2, 4, GroupedMatmulConfig(
+        block_n=128, schedule="warp_specialized"))
+    with _backend.lowering_for(_backend.BLACKWELL):
+        assert "Hopper only" in unsupported_reason(256, 128, 256, 2, ws)
 
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
     ok_x, ok_w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
@@ -158,17 +214,27 @@ def test_m3config_moe_impl_is_validated_and_not_serialised():
         tiny_config().replace(moe_impl="megablox")
 
 
+M3_CONFIGS = {  # per schedule: the prefill tile and the decode tile
+    "pipeline": (GroupedMatmulConfig(), GroupedMatmulConfig(block_m=64)),
+    "warp_specialized": (GroupedMatmulConfig(block_n=256, schedule="warp_specialized"),
+                         GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=4)),
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_cuda_at_m3_shapes(dtype):
+def test_lowers_for_cuda_at_m3_shapes(dtype, schedule):
     # M3 expert GEMM (gate/up): 8192 tokens x top-4 rows, D = 6144 -> F = 3072, 128 experts. Lowered
     # for CUDA on the CPU (Pallas -> Mosaic GPU custom call); no GPU needed, nothing compiled.
     args = (jax.ShapeDtypeStruct((32768, 6144), dtype), jax.ShapeDtypeStruct((128, 6144, 3072), dtype),
             jax.ShapeDtypeStruct((128,), jnp.int32))
-    f = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, interpret=False))
+    cfg = M3_CONFIGS[schedule][0]
+    f = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, config=cfg, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     if dtype == jnp.bfloat16:  # the backward (forward output unused under grad of a sum): d lhs kernel
-        grad = jax.jit(jax.grad(lambda a, b, s: jnp.sum(grouped_matmul(a, b, s, interpret=False)), argnums=(0, 1)))
+        grad = jax.jit(jax.grad(lambda a, b, s: jnp.sum(grouped_matmul(a, b, s, config=cfg, interpret=False)),
+                                argnums=(0, 1)))
         text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
 
@@ -196,13 +262,22 @@ def _check_mxfp8(lhs, values, scales, gs, cfg=CFG):
     assert_close(got, ref, "bfloat16" if lhs.dtype == jnp.bfloat16 else "float32", "grouped_matmul_mxfp8 vs reference")
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_mxfp8_kernel_matches_dequantised_reference(dtype):
+def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule):
     # the fp8 tiles dequantised in the kernel (two scale rows per 64-deep K step, two K steps, tiles
-    # straddling groups, empty groups)
+    # straddling groups, empty groups); warp-specialised: each consumer dequantises its 128 columns
     m, sizes = PATTERNS["empty_groups"]
-    lhs, _, gs = _inputs(m, 128, 128, sizes, dtype)
-    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 128), gs)
+    n = 256 if schedule == "warp_specialized" else 128
+    cfg = GroupedMatmulConfig(block_m=64, block_n=n, max_concurrent_steps=2, schedule=schedule)
+    lhs, _, gs = _inputs(m, 128, n, sizes, dtype)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, n), gs, cfg=cfg)
+
+
+def test_mxfp8_split_k_decode_rows():
+    lhs, _, gs = _inputs(9, 256, 256, [2, 0, 1, 0, 5], jnp.bfloat16, seed=8)
+    cfg = GroupedMatmulConfig(block_m=64, block_n=256, max_concurrent_steps=2, schedule="warp_specialized", split_k=2)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(gs), 256, 256, seed=2), gs, cfg=cfg)
 
 
 def test_mxfp8_reference_is_the_checkpoint_dequantisation():
@@ -217,13 +292,13 @@ def test_mxfp8_reference_is_the_checkpoint_dequantisation():
     assert "must divide block_k" in mxfp8_unsupported_reason(64, 256, 128, 2, 2)  # groups of 128 inputs
 
 
-def test_mxfp8_lowers_for_cuda_at_m3_shapes():
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     # M3's expert down projection (F = 3072 -> D = 6144) for a 4096-token prefill chunk, and decode rows
     # (64-row tiles): fp8 tiles + scale rows by TMA, dequantised in registers, wgmma (sm_90a).
-    for m, bm in ((16384, 128), (32, 64)):
+    for m, cfg in zip((16384, 32), M3_CONFIGS[schedule]):
         args = (jax.ShapeDtypeStruct((m, 3072), jnp.bfloat16), jax.ShapeDtypeStruct((128, 3072, 6144), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((128, 96, 6144), jnp.uint8), jax.ShapeDtypeStruct((128,), jnp.int32))
-        cfg = GroupedMatmulConfig(block_m=bm)
         with _backend.lowering_for(_backend.HOPPER):
             f = jax.jit(lambda a, b, c, s, cfg=cfg: grouped_matmul_mxfp8(a, b, c, s, config=cfg))
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

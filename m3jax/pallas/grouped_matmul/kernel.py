@@ -46,10 +46,11 @@ Limits (``unsupported_reason``): ``K % block_k == 0``, ``N % block_n == 0``, ``b
 128, ``block_n`` a multiple of 64 up to 256 and ``block_m * block_n <= 128 * 128`` (one
 warpgroup holds the fp32 accumulator in 128 registers per thread).
 
-What remains for peak (H200): a persistent grid over the SMs (``plgpu.nd_loop``) with warp
-specialisation (a TMA producer warpgroup and two consumer warpgroups, so one tile's epilogue
-overlaps the next tile's loads and ``block_m=128, block_n=256`` fits in registers), and sorting
-visits so that the few straddling tiles do not sit at the end of the launch.
+The persistent, warp-specialised variant (``GroupedMatmulConfig(schedule="warp_specialized")``,
+:mod:`.persistent`: one CTA per SM over the work items, a TMA producer warpgroup and two consumer
+warpgroups, group-aligned row tiles, split-K for decode) has the same signature and reference; this
+pipeline schedule stays the default until the H200 run of ``benchmarks/moe_grouped_matmul.py``
+shows where the other is faster.
 
 Blackwell (``current_target().mma == "tcgen05"``): the schedule, the pipeline and the masked store
 stay; the MMA is ``plgpu.tcgen05_mma`` into a TMEM accumulator, each step's MMA committed to one of

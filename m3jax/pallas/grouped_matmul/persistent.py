@@ -157,7 +157,9 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     def body(sched_ref, live_ref, lhs_ref, rhs_ref, *refs):
         scale_ref, out_ref = refs if mxfp8 else (None, refs[0])
         operands = [lhs_ref, rhs_ref.at[0]] + ([scale_ref.at[0]] if mxfp8 else [])
-        ignore = lambda *_, **__: None  # noqa: E731  (the allocations depend on the specs only)
+
+        def ignore(*_, **__):  # the allocations depend on the specs only
+            return None
 
         def scoped(allocs, o_smem, w_smem=None):
             wg = lax.axis_index("wg")
