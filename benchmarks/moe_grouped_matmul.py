@@ -52,7 +52,7 @@ from m3jax.pallas.grouped_matmul import (
 
 WS = "warp_specialized"
 M3 = {"tokens": 8192, "topk": 4, "experts": 128, "cases": (("gate/up", 6144, 3072), ("down", 3072, 6144)), "decode": (1, 8)}
-QUICK = {"tokens": 512, "topk": 4, "experts": 16, "cases": (("gate/up", 1024, 512),), "decode": (1, 8)}
+QUICK = {"tokens": 512, "topk": 4, "experts": 16, "cases": (("gate/up", 1024, 512),), "decode": (8,)}
 DRY = {"tokens": 24, "topk": 2, "experts": 4, "cases": (("gate/up", 128, 256),), "decode": (1,)}
 
 
