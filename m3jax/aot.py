@@ -174,18 +174,26 @@ def _decode(data: bytes, key: str) -> export.Exported:
         _get_vjp=None)
 
 
+class OutTreeError(ValueError):
+    """A program's outputs are not the pytree its caller declared (a bug in the caller, not a cache miss)."""
+
+
 def _export(fn: Callable, leaves: list, in_tree, out_tree, static: dict, name: str) -> export.Exported:
     def flat(*xs):
         out = fn(*jax.tree.unflatten(in_tree, xs), **static)
         out_leaves, tree = jax.tree.flatten(out)
         if tree != out_tree:
-            raise ValueError(f"{name} returned {tree}, declared {out_tree}")
+            raise OutTreeError(f"{name} returned {tree}, declared {out_tree}")
         return tuple(out_leaves)
 
     flat.__name__ = name
     checks = [export.DisabledSafetyCheck.custom_call(c) for c in SAFE_CUSTOM_CALLS]
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    exp = export.export(jax.jit(flat), platforms=(export.default_export_platform(),), disabled_checks=checks)(*specs)
+    from m3jax.pallas import _backend
+
+    # The kernels' launcher decides the platform (tests lower the GPU kernels on a CPU host).
+    platform = "cuda" if _backend.on_gpu() else export.default_export_platform()
+    exp = export.export(jax.jit(flat), platforms=(platform,), disabled_checks=checks)(*specs)
     if exp.ordered_effects or exp.unordered_effects or exp.nr_devices != 1:
         raise ValueError("the program has effects or spans several devices")
     return exp
@@ -251,6 +259,8 @@ def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | No
         if compiled is None:
             try:
                 data = _encode(key, _export(fn, leaves, in_tree, out_tree, static, name))
+            except OutTreeError:
+                raise
             except Exception as e:  # noqa: BLE001  (export refused: custom call, effects; compile the plain way)
                 _warn(f"{name} cannot be exported ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                       "it is compiled without the AOT cache")

@@ -31,9 +31,16 @@ as transformers' ``dtype="auto"``); random ``--config`` presets run in bfloat16.
 keeps an MXFP8 checkpoint's quantised weights fp8 + scales on the device (``load_pretrained(...,
 weights="mxfp8")``; random presets are drawn so), and the memory plan counts them at 1 + 1/32 bytes.
 
+Decode runs ``--decode-steps-per-call`` steps (default 8) in one compiled call: the host reads and
+streams the tokens of one call while the device runs the next; a stop token ends the text at once,
+and the steps computed past it are discarded.
+
 Compiled executables go to JAX's persistent compilation cache in ``$M3JAX_CACHE_DIR`` or
-``~/.cache/m3jax/jax_cache`` (``--no-compile-cache``: off), so a second run of the same command skips
-XLA's compile (tracing and lowering still run); the report's ``compile_cache`` counts the hits.
+``~/.cache/m3jax/jax_cache``, and the engine's programs (each prefill window, decode) are also kept
+exported (StableHLO with the Mosaic GPU kernels) in its ``aot/`` folder (:mod:`m3jax.aot`), so a
+second run of the same command neither traces nor lowers the model, and XLA finds the executables it
+compiled. ``--no-compile-cache`` turns both off; the report's ``compile_cache`` counts the hits of
+each (``aot``: programs read back / exported and written / not cacheable, e.g. under a mesh).
 
 Bad arguments, checkpoints and configs end in one ``error:`` line and exit status 2 (``--debug`` or
 ``M3JAX_DEBUG=1`` for the traceback). Prompt and output paths are checked before anything is loaded.
@@ -55,11 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
-from m3jax import cli, processing, sharding
+from m3jax import aot, cli, processing, sharding
 from m3jax import plan as device_planner
 from m3jax.checkpoint import checkpoint_dtype
 from m3jax.config import describe_presets, load_config, preset
-from m3jax.engine import Engine, SamplingParams
+from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams
 from m3jax.memory import GiB, device_memory, max_fitting_ctx, plan
 from m3jax.model import scatter_media
 from m3jax.params import init_random_on_device
@@ -123,6 +130,9 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
+    ap.add_argument("--decode-steps-per-call", type=cli.positive_int, default=DECODE_STEPS_PER_CALL, metavar="N",
+                    help="decode steps one compiled call runs (tokens stream N at a time; the host's per-call cost "
+                         "is paid once per N tokens; 1 = a call per token)")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "dense_mask", "pallas"])
     ap.add_argument("--devices", type=cli.positive_int, default=None,
                     help="devices to run on, the first N visible (default: all of them, or D*M with --mesh); "
@@ -136,8 +146,8 @@ def parse_args(argv=None):
                     help="run past the config's max_position_embeddings (RoPE extrapolation: quality unknown)")
     ap.add_argument("--quiet", action="store_true", help="no streaming text, no progress bars")
     ap.add_argument("--no-compile-cache", action="store_true",
-                    help="do not use JAX's persistent compilation cache (default: on, in $M3JAX_CACHE_DIR or "
-                         "~/.cache/m3jax/jax_cache)")
+                    help="do not use JAX's persistent compilation cache nor the exported-program cache in its aot/ "
+                         "folder (default: both on, in $M3JAX_CACHE_DIR or ~/.cache/m3jax/jax_cache)")
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     try:
@@ -352,12 +362,15 @@ def persistent_compile_cache(path: Path | None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    with persistent_compile_cache(None if args.no_compile_cache else compile_cache_dir()) as cache_stats:
+    cache_dir = None if args.no_compile_cache else compile_cache_dir()
+    with (persistent_compile_cache(cache_dir) as cache_stats,
+          aot.disk_cache(None if cache_dir is None else cache_dir / "aot") as aot_stats):
         report = _generate(args)
-    report["compile_cache"] = cache_stats
+    report["compile_cache"] = {**cache_stats, "aot": aot_stats}
     if not args.quiet and cache_stats["dir"]:
         print(f"compile cache {cache_stats['dir']}: {cache_stats['hits']} hits, {cache_stats['misses']} compiled "
-              f"and written", file=sys.stderr)
+              f"and written; exported programs: {aot_stats['hits']} read, {aot_stats['misses']} written, "
+              f"{aot_stats['uncached']} not cacheable", file=sys.stderr)
     if args.output_json:
         args.output_json.write_text(json.dumps(report, indent=2))
     return report
@@ -437,7 +450,8 @@ def _generate(args) -> dict:
     load_s = time.perf_counter() - t0
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
-    engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk, mesh=mesh)
+    engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk, mesh=mesh,
+                    decode_steps_per_call=args.decode_steps_per_call)
     compile_s = engine.warmup(len(ids), args.sampling)
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
@@ -489,6 +503,7 @@ def _generate(args) -> dict:
             "prefill_tok_per_s": t["prefill_tokens"] / t["ttft_s"],
             "decode_ms_per_token": 1e3 * t["decode_s"] / steps,
             "decode_steps": t["decode_steps"],
+            "decode_steps_per_call": args.decode_steps_per_call,
         },
         "memory_plan": memory_plan.pop("text"),
         "memory_plan_per_device": memory_plan,

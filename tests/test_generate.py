@@ -399,21 +399,26 @@ def test_chunk_attention_lowers_to_two_unmasked_cudnn_calls():
 
 
 def test_cli_compile_cache_second_run_hits(tmp_path, monkeypatch):
-    """The CLI writes every executable to the persistent cache (M3JAX_CACHE_DIR here); a second run,
-    with JAX's in-memory caches cleared as in a new process, compiles nothing. The previous JAX
-    settings come back after each run; --no-compile-cache leaves them alone."""
+    """The CLI writes every executable to the persistent cache (M3JAX_CACHE_DIR here) and the engine's
+    programs, exported, to its aot/ folder; a second run, with the in-memory caches cleared as in a
+    new process, reads the programs back (no trace) and compiles nothing. The previous JAX settings
+    come back after each run; --no-compile-cache turns both off and leaves the settings alone."""
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path / "cache"))
     argv = ["--config", "m3_tiny", "--prompt-ids", "1,2,3", "--ctx", "64", "--max-new-tokens", "3",
             "--temperature", "0", "--quiet"]
     jax.clear_caches()
+    aot.clear()
     first = generate.main(argv)["compile_cache"]
     assert first["dir"] == str(tmp_path / "cache") and first["misses"] > 0 and any((tmp_path / "cache").iterdir())
+    assert first["aot"] == {"dir": str(tmp_path / "cache" / "aot"), "hits": 0, "misses": 2, "uncached": 0}
     assert jax.config.jax_compilation_cache_dir is None
     jax.clear_caches()
+    aot.clear()
     second = generate.main(argv)["compile_cache"]
     assert second["hits"] >= first["misses"] and second["misses"] == 0, second
+    assert second["aot"]["hits"] == 2 and second["aot"]["misses"] == 0, second
     off = generate.main([*argv, "--no-compile-cache"])["compile_cache"]
-    assert off == {"dir": None, "hits": 0, "misses": 0}
+    assert off == {"dir": None, "hits": 0, "misses": 0, "aot": {"dir": None, "hits": 0, "misses": 0, "uncached": 0}}
 
 
 def test_chunk_attention_refuses_gradients():

@@ -1,0 +1,150 @@
+"""The exported-program cache (m3jax.aot): a second engine on the same cache folder runs the stored
+programs without tracing the model, gives the same tokens and logits, and bad entries are rebuilt
+with a warning, never a crash. The Mosaic GPU kernels survive export (lowered for CUDA on this host)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import m3jax
+from m3jax import aot
+from m3jax import engine as eng
+from m3jax.engine import Engine, SamplingParams
+from tests.conftest import tiny_config
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _run(cfg, params, folder, **kw):
+    """One engine generating through the exported programs in ``folder``, none in memory (as in a new
+    process); returns (result, aot stats)."""
+    aot.clear()
+    with aot.disk_cache(folder) as stats:
+        e = Engine(params, cfg, batch=2, capacity=48, prefill_chunk=16, decode_steps_per_call=4)
+        res = e.generate([[5, 6, 7, 8, 9, 10, 11], [3, 4]], max_new_tokens=6, keep_logits=True, **kw)
+    return res, stats
+
+
+def _untraceable(*args, **kwargs):
+    raise AssertionError("traced the model: the program should have come from the cache")
+
+
+def test_second_engine_reads_the_exported_programs(tmp_path, monkeypatch):
+    cfg = tiny_config(index_block_size=4, index_topk_blocks=2, num_hidden_layers=2, layer_types=(
+        "full_attention", "minimax_m3_sparse"), mlp_layer_types=("dense", "sparse"))
+    params = m3jax.init_random(cfg, seed=4).params
+    sampling = SamplingParams(0.8, 0.9, 5)
+    first, st1 = _run(cfg, params, tmp_path, sampling=sampling, seed=3)
+    assert st1["misses"] == 2 and st1["hits"] == 0 and st1["uncached"] == 0  # one prefill window, decode
+    assert len(list(tmp_path.glob("*.m3aot"))) == 2
+    monkeypatch.setattr(eng, "prefill_chunk", _untraceable)
+    monkeypatch.setattr(eng, "decode_steps", _untraceable)
+    second, st2 = _run(cfg, params, tmp_path, sampling=sampling, seed=3)
+    assert st2["hits"] == 2 and st2["misses"] == 0
+    assert second.generated == first.generated
+    np.testing.assert_array_equal(np.stack(second.step_logits), np.stack(first.step_logits))
+    aot.clear()
+
+
+def _axpy(state, x, *, a):
+    return {"y": a * x + state["y"]}
+
+
+def test_bad_entries_are_rebuilt_with_a_warning(tmp_path):
+    """A torn entry, another program's entry under this one's name, garbage, and an entry whose
+    module is not StableHLO (checksum fixed): each is reported and rebuilt, the result unchanged."""
+    state, x = {"y": jnp.arange(4.0)}, jnp.ones(4)
+    out_tree = jax.tree.structure({"y": 0})
+
+    def run(a=2.0):
+        aot.clear()
+        with aot.disk_cache(tmp_path) as stats:
+            call = aot.compile("axpy", _axpy, (state, x), out_tree=out_tree, static={"a": a})
+        return np.asarray(call(state, x)["y"]), stats
+
+    want, _ = run()
+    run(a=3.0)
+    entries = {_key_of(p): p for p in tmp_path.glob("axpy-*.m3aot")}
+    good = {k: p.read_bytes() for k, p in entries.items()}
+    aot.clear()
+    with aot.disk_cache(tmp_path):
+        key = aot.program_key("axpy", jax.tree.leaves((state, x)), jax.tree.structure((state, x)), {"a": 2.0})
+    path, other = entries[key], next(p for k, p in entries.items() if k != key)
+    cases = {
+        "torn": good[key][: len(good[key]) // 2],
+        "foreign": good[_key_of(other)],  # another program's entry under this name
+        "garbage": b"\x00\xff not a cache entry",
+        "bad module": _with_module(good[key], b"ML\xefR not a module"),
+    }
+    for name, data in cases.items():
+        path.write_bytes(data)
+        aot._warned.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, stats = run()
+        np.testing.assert_array_equal(got, want)
+        assert stats["misses"] == 1 and stats["hits"] == 0, (name, stats)
+        assert any("m3jax.aot" in str(w.message) and str(path) in str(w.message) for w in caught), name
+        assert aot._decode(path.read_bytes(), key) is not None, name  # rebuilt
+    aot.clear()
+
+
+def _with_module(entry: bytes, module: bytes) -> bytes:
+    """``entry`` with its module replaced and the checksum fixed: parses, but is not StableHLO."""
+    import hashlib
+    import json
+
+    head = json.loads(entry.partition(b"\n")[0])
+    head["module_sha256"] = hashlib.sha256(module).hexdigest()
+    return json.dumps(head).encode() + b"\n" + module
+
+
+def _key_of(path) -> str:
+    import json
+
+    return json.loads(path.read_bytes().partition(b"\n")[0])["key"]
+
+
+def test_mosaic_gpu_kernels_survive_export():
+    """The decode program on the kernels path, lowered for CUDA here (the Hopper target): exported,
+    stored and read back, its module keeps the Mosaic GPU custom calls, and it lowers again for CUDA
+    through Exported.call, as a hit does on the GPU."""
+    from m3jax.pallas import _backend
+
+    cfg = tiny_config(num_attention_heads=16, head_dim=64, rotary_dim=32, index_head_dim=64, index_block_size=64,
+                      index_topk_blocks=2).replace(attention_impl="pallas", moe_impl="ragged_dot")
+    params = m3jax.init_random(cfg, seed=0, dtype="bfloat16").params
+    cache = eng.init_cache(cfg, 1, 256, jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((1,), jnp.int32)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    args = (params, cache, b, b, key)
+    leaves, in_tree = jax.tree.flatten(args)
+    static = {"cfg": cfg, "sampling": GREEDY, "steps": 2, "with_logits": False}
+    out_tree = jax.tree.structure((0, 0, 0, 0, None, cache))
+    with _backend.lowering_for(_backend.HOPPER):
+        exp = aot._export(eng.decode_steps, leaves, in_tree, out_tree, static, "decode_steps")
+        back = aot._decode(aot._encode("k", exp), "k")
+        assert back.platforms == ("cuda",) and back.mlir_module().count("stablehlo.custom_call @mosaic_gpu_v2") >= 2
+        text = jax.jit(back.call).trace(*leaves).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") >= 2
+
+
+def test_no_disk_cache_without_a_folder(tmp_path):
+    """Outside disk_cache nothing is written; a program is compiled once per process."""
+    f = lambda x, *, k: x * k
+    x = jnp.ones(3)
+    run = aot.compile("times", f, (x,), out_tree=jax.tree.structure(0), static={"k": 2})
+    assert aot.compile("times", f, (x,), out_tree=jax.tree.structure(0), static={"k": 2}) is run
+    np.testing.assert_array_equal(run(x), 2 * np.ones(3))
+    with aot.disk_cache(tmp_path) as stats:
+        np.testing.assert_array_equal(aot.compile("times", f, (x,), out_tree=jax.tree.structure(0),
+                                                  static={"k": 3})(x), 3 * np.ones(3))
+    assert stats["misses"] == 1 and len(list(tmp_path.iterdir())) == 1
+    with pytest.raises(aot.OutTreeError, match="declared"), aot.disk_cache(tmp_path):
+        aot.compile("pair", lambda x: (x, x), (x,), out_tree=jax.tree.structure(0))
+    aot.clear()
