@@ -93,6 +93,40 @@ def needle_row(stream: np.ndarray, ctx: int, depth: float, rng, encode) -> Needl
     return NeedleRow(np.concatenate([tokens, query]), value, at + len(prefix), control, depth, key, secret)
 
 
+@dataclasses.dataclass
+class MultiNeedleRow:
+    tokens: np.ndarray  # int32 [ctx]: haystack with one needle line per depth, then every query in turn
+    keys: list[str]
+    secrets: list[int]
+    depths: list[float]
+    value_at: list[int]  # row position of each needle's first value token
+    query_value_at: list[int]  # row position of each query's first value token
+    value_len: list[int]
+
+
+def multi_needle_row(stream: np.ndarray, ctx: int, depths, rng, encode) -> MultiNeedleRow:
+    """One row holding a ``\\nKEY k = v\\n`` line per depth (distinct keys) in a random window of
+    ``stream``, ending with the queries ``\\nKEY k = v`` of all of them in the needles' order: one long
+    forward pass checks retrieval from several distances (the long-context probe's row)."""
+    from m3jax.train import KEY_RANGE, draw_keys, kv_line, plant
+
+    keys = draw_keys(rng, encode, len(depths))
+    secrets = [int(x) for x in rng.integers(*KEY_RANGE, len(depths))]
+    parts = [kv_line(encode, k, v) for k, v in zip(keys, secrets)]
+    lines = [np.concatenate(x) for x in parts]
+    queries = [np.concatenate(x[:2]) for x in parts]
+    m = ctx - sum(map(len, lines)) - sum(map(len, queries))
+    if m < 1:
+        raise ValueError(f"ctx={ctx} is too short for {len(depths)} needle lines and their queries")
+    start = int(rng.integers(0, len(stream) - m + 1))
+    events = [(int(round(d * m)), ln, np.zeros(len(ln), bool)) for d, ln in zip(depths, lines)]
+    hay, _, at = plant(stream[start : start + m], events)
+    ends = np.cumsum([0] + [len(q) for q in queries])
+    return MultiNeedleRow(
+        np.concatenate([hay, *queries]), keys, secrets, list(depths), [a + len(x[0]) for a, x in zip(at, parts)],
+        [int(len(hay) + e + len(x[0])) for e, x in zip(ends, parts)], [len(x[1]) for x in parts])
+
+
 def _depth_label(depth: float, given: bool) -> str:
     if given:
         return f"{depth:g}"

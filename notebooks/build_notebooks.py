@@ -76,8 +76,9 @@ NOTEBOOKS = {
     ],
 }
 
-ABLATIONS_SETUP = """# Reads the results of experiments/2026-11-29_block_topk/sweep.py (committed under its results/).
-# When they are missing (or QUICK = True) a --quick sweep runs here first on a tiny random model:
+ABLATIONS_SETUP = """# Reads the committed results of the block x top-k sweep: the 2026-12-01 retrieval sweep (the retrained
+# m3-small at 16K, key/value needles) once its results/quality.jsonl is there, else the 2026-11-29 one.
+# When neither is there (or QUICK = True) a --quick sweep runs here first on a tiny random model:
 # CPU, 1-2 minutes, and its numbers are noise: only the plumbing is real.
 QUICK = False
 import json
@@ -91,7 +92,9 @@ from IPython.display import Image, Markdown, display
 
 import m3jax
 
-EXP = Path(m3jax.__file__).resolve().parent.parent / "experiments" / "2026-11-29_block_topk"
+EXPERIMENTS = Path(m3jax.__file__).resolve().parent.parent / "experiments"
+SWEEPS = [EXPERIMENTS / "2026-12-01_block_topk_retrieval", EXPERIMENTS / "2026-11-29_block_topk"]
+EXP = next((e for e in SWEEPS if (e / "results" / "quality.jsonl").exists()), SWEEPS[-1])
 SWEEP = [sys.executable, str(EXP / "sweep.py")]
 results = EXP / "results"
 if QUICK or not (results / "quality.jsonl").exists():
@@ -103,21 +106,23 @@ rows = [json.loads(l) for l in (results / "quality.jsonl").read_text().splitline
 ok = [r for r in rows if "error" not in r]
 setup_id = ok[-1]["setup_id"]  # the latest setup, as sweep.py --plot shows it
 cells = {r["cell"]: r for r in ok if r["setup_id"] == setup_id}
-print(f"{results}: {len(cells)} cells of setup {setup_id}")
+print(f"{EXP.name} -> {results}: {len(cells)} cells of setup {setup_id}")
 print(json.dumps(cells["dense"]["setup"] if "dense" in cells else ok[-1]["setup"], indent=1))"""
 
 NOTEBOOKS_02 = {
     "02_ablations.ipynb": [
         ("md", "# 02 — Ablations: MSA block size × top-k\n\nHow much quality does MSA give up against dense attention "
                "as the block size and the number of selected blocks change, and what does each choice buy in speed? "
-               "Cells come from `experiments/2026-11-29_block_topk/sweep.py` (README there: hypothesis, commands, "
-               "metric definitions). Quality is measured on held-out long documents over the second half of the "
+               "Cells come from `experiments/2026-12-01_block_topk_retrieval/sweep.py` (the retrained m3-small at 16K) "
+               "when its results are committed, else `experiments/2026-11-29_block_topk/sweep.py` (READMEs there: "
+               "hypothesis, commands, metric definitions). Quality is measured on held-out long documents over the second half of the "
                "context, where the selection matters; the dense baseline is top-k over every block (exactly dense "
                "causal attention)."),
         ("code", ABLATIONS_SETUP),
         ("md", "## All cells\n\nΔ ll is the mean per-token log-likelihood minus the dense baseline's (negative = "
                "worse). Recall: share of the dense softmax mass inside the selected blocks. Needle: greedy retrieval "
-               "of a planted `SECRET_nnnn = \"value\"` line, the value's log-likelihood gain over a haystack without "
+               "of a planted key/value line (`KEY <k> = <v>` in the 2026-12-01 sweep, the format the model trained on; "
+               "`SECRET_nnnn = \"value\"` in the 2026-11-29 one), the value's log-likelihood gain over a haystack without "
                "the needle, and how often the selection at the answer holds the needle's block."),
         ("code", "display(Markdown((plots / 'summary.md').read_text()))"),
         ("md", "## Quality over the grid"),
@@ -139,8 +144,62 @@ NOTEBOOKS_02 = {
                  "else:\n    print('no speed results yet: run sweep.py --speed on a GPU')"),
     ],
 }
+LONG_SETUP = """# Reads the committed results of experiments/2026-12-01_probe_long/probe_long.py: the longest-context
+# JSON under its results/ (probe_128k.json from the H200 once committed). No model runs here.
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+import m3jax
+
+EXP = Path(m3jax.__file__).resolve().parent.parent / "experiments" / "2026-12-01_probe_long"
+spec = importlib.util.spec_from_file_location("probe_long", EXP / "probe_long.py")
+probe_long = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = probe_long
+spec.loader.exec_module(probe_long)
+runs = [json.loads(p.read_text()) for p in sorted((EXP / "results").glob("probe_*.json"))]
+res = max(runs, key=lambda r: r["ctx"])
+figs = probe_long.figures(res)
+plt.close("all")  # each figure is shown in its own section below, not all here
+mem = res["memory"].get("peak_bytes_in_use")
+print(f"{Path(res['checkpoint']).name} at {res['ctx']} tokens on {res['device']} ({res['attention_impl']} path, "
+      f"{res['dtype']}): probe {res['seconds']['probe']} s, peak memory "
+      + (f"{mem / 2**30:.1f} GiB" if mem else "n/a (CPU)"))"""
+
+NOTEBOOKS_04 = {
+    "04_long_context.ipynb": [
+        ("md", "# 04 — MSA at long context\n\nOne probe pass over a long held-out row with key/value needles planted "
+               "at several depths and queried at the end (`experiments/2026-12-01_probe_long`, README there: hypothesis, "
+               "commands). On the GPU the selections come from the index kernels (the model's own path), and the "
+               "recall of the dense attention mass is computed per query chunk, streamed over key tiles, so no "
+               "[T, T] array exists. This notebook only reads the committed JSON."),
+        ("code", LONG_SETUP),
+        ("md", "## Summary: recall per MSA layer, and the needles\n\nRecall: share of each query head's dense softmax "
+               "mass inside its group's selected blocks. A needle is retrieved when greedy decoding reproduces its "
+               "value; *block sel.* is how often the selection at the value-predicting positions holds the needle's "
+               "block (mean over KV groups)."),
+        ("code", "display(Markdown(probe_long.summary_markdown(res)))"),
+        ("md", "## Selection maps\n\nShare of (query, key block) pairs selected, queries and blocks pooled into at "
+               "most 128 x 128 cells (log colour scale); the red lines are the needles' blocks. The bright diagonal is "
+               "the forced own block; columns are blocks many queries come back to."),
+        ("code", "figs['selection_maps']"),
+        ("md", "## Recall vs query-to-block distance\n\nFor each log2 bin of the distance between a query's block "
+               "and a key block: the share of the dense mass there that the selection keeps (left), how the dense "
+               "mass spreads over distance (middle), and where the selected blocks lie (right)."),
+        ("code", "figs['recall_vs_distance']"),
+        ("md", "## Needle blocks at the answer"),
+        ("code", "figs['needles']"),
+        ("code", "for n in res['needles']:\n"
+                 "    print(f\"depth {n['depth']:>5}: {n['distance_blocks']:>5} blocks back, retrieved {n['correct']}, \"\n"
+                 "          f\"recall at the answer {[round(v, 2) for v in n['recall_at_answer'].values()]}\")"),
+    ],
+}
 NOTEBOOKS = {**{k: v for k, v in NOTEBOOKS.items() if k < "02"}, **NOTEBOOKS_02,
-             **{k: v for k, v in NOTEBOOKS.items() if k > "02"}}
+             **{k: v for k, v in NOTEBOOKS.items() if k > "02"}, **NOTEBOOKS_04}
 
 
 def build(names=None):

@@ -11,7 +11,8 @@ NB_DIR = Path(__file__).parent.parent / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 # Notebooks whose plots must reach the output (02 shows the block x top-k sweep's PNGs; when the sweep's
 # results/ are not committed yet it runs a --quick sweep on a tiny random model first).
-MUST_SHOW_IMAGES = {"02_ablations.ipynb"}
+# 04 shows the committed long-context probe's selection maps, recall vs distance and needles.
+MUST_SHOW_IMAGES = {"02_ablations.ipynb", "04_long_context.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

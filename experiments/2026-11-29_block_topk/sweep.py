@@ -275,7 +275,9 @@ def run_quality(args) -> list[dict]:
     ckpt = Path(args.checkpoint).resolve() if args.checkpoint else None
     mesh = None if args.no_mesh else _mesh(args.devices)
     if ckpt is not None:
-        model = m3jax.load_pretrained(ckpt, dtype=args.dtype, progress=False, mesh=mesh)
+        # the reference path on every device: the dense cell's top-k is beyond the kernels (m3jax.probe
+        # takes its selections from the kernels when a model runs attention_impl="pallas")
+        model = m3jax.load_pretrained(ckpt, dtype=args.dtype, attention_impl="reference", progress=False, mesh=mesh)
     else:
         model = m3jax.init_random(m3jax.preset(args.preset), seed=args.seed, dtype=args.dtype, mesh=mesh)
     t = model.config.text

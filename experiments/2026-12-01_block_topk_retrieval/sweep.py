@@ -1,7 +1,7 @@
 """MSA block size x top-k on the retrieval-trained m3-small at 16K: needle accuracy, recall of the dense
 attention mass and log-likelihood against dense, per cell. See README.md beside this file.
 
-    python experiments/2026-12-01_block_topk_retrieval/sweep.py                 # GPU: quality grid at 16K
+    python experiments/2026-12-01_block_topk_retrieval/sweep.py --checkpoint DIR --max-seconds 230   # GPU, 16K
     python experiments/2026-12-01_block_topk_retrieval/sweep.py --speed         # GPU: MSA-step speed, 128K
     python experiments/2026-12-01_block_topk_retrieval/sweep.py --plot          # heatmaps + summary.md
     python experiments/2026-12-01_block_topk_retrieval/sweep.py --quick --out /tmp/btr   # CPU smoke run
@@ -12,7 +12,13 @@ resumable JSONL records, the speed runner and the plots. What is new is the need
 ``KEY <k> = <v>`` line of ``m3jax.train --data retrieval`` (the format the model was trained on),
 built by :func:`m3jax.needle.needle_row` at several depths, in held-out text, with a control row
 (same haystack and query, no needle). Each finished cell is one JSON line in ``<out>/quality.jsonl``
-keyed by (setup id, cell): rerunning the same command skips finished cells.
+keyed by (setup id, cell): rerunning the same command skips finished cells. Cells run most telling
+first (dense, the native cell, the equal-budget cut, then the rest of the grid), and ``--max-seconds``
+starts no new cell past that budget, so a call of fixed length gives the most useful partial grid and
+the next call continues it.
+
+Every cell runs on the jnp reference path whatever the device: the dense cell (top-k over every
+block) and top-k above 64 are outside what the kernels take, and one path keeps the cells comparable.
 """
 
 from __future__ import annotations
@@ -55,10 +61,22 @@ def make_needles(stream: np.ndarray, ctx: int, n: int, depths, seed: int, encode
     return [bt.Needle(r.tokens, r.control, r.value, r.value_at) for r in rows]
 
 
+def cell_order(cells: list, native_block: int, native_topk: int, budget: int) -> list:
+    """Dense, the native cell, the equal-budget cut (by block size), then the rest in grid order."""
+    def rank(c):
+        if c.topk is None:
+            return 0
+        if (c.block_size, c.topk) == (native_block, native_topk):
+            return 1
+        return 2 if c.budget == budget else 3
+    return sorted(cells, key=rank)  # stable: grid order inside a rank
+
+
 def run_quality(args) -> list[dict]:
+    t_start = time.time()
     ckpt = Path(args.checkpoint).resolve() if args.checkpoint else None
     if ckpt is not None:
-        model = m3jax.load_pretrained(ckpt, dtype=args.dtype, progress=False)
+        model = m3jax.load_pretrained(ckpt, dtype=args.dtype, attention_impl="reference", progress=False)
     else:  # CPU smoke run: a tiny random model, UTF-8 bytes as token ids
         cfg = m3jax.preset("m3_tiny")
         model = m3jax.init_random(cfg, seed=args.seed, dtype=args.dtype)
@@ -78,10 +96,14 @@ def run_quality(args) -> list[dict]:
     out = Path(args.out) / "quality.jsonl"
     done = bt.finished(out, setup_id)
     cells = bt.grid_cells(args.blocks, args.topks, args.budget)
-    todo = [c for c in cells if c.name not in done]
+    todo = cell_order([c for c in cells if c.name not in done], t.index_block_size, t.index_topk_blocks, args.budget)
     print(f"quality: setup {setup_id} ({setup}), {len(cells) - len(todo)} of {len(cells)} cells done", flush=True)
     rows = []
-    for c in todo:
+    for n, c in enumerate(todo):
+        if args.max_seconds and time.time() - t_start > args.max_seconds:
+            print(f"--max-seconds {args.max_seconds} spent: {len(todo) - n} cells left "
+                  f"({', '.join(x.name for x in todo[n:])}); the same command continues", flush=True)
+            break
         t0 = time.time()
         m = bt.cell_model(model, c, ctx)
         row = {"cell": c.name, "setup_id": setup_id, "setup": setup, "block_size": m.config.text.index_block_size,
@@ -98,7 +120,8 @@ def run_quality(args) -> list[dict]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="HF checkpoint (default: the built-in m3-small)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="HF checkpoint (default: the built-in m3-small; --quick: a tiny random model unless given)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--plots", default=str(HERE / "plots"))
     ap.add_argument("--ctx", type=int, default=None, help="tokens per row (default 16384; --quick 256)")
@@ -108,6 +131,11 @@ def parse_args(argv=None):
     ap.add_argument("--tail-start", type=float, default=0.5, help="doc metrics over positions >= this share of ctx")
     ap.add_argument("--batch", type=int, default=None, help="rows per probe pass (default 2; --quick all)")
     ap.add_argument("--query-chunk", type=int, default=256)
+    ap.add_argument("--blocks", type=int, nargs="+", default=None, help="block sizes (default 32 64 128 256)")
+    ap.add_argument("--topks", type=int, nargs="+", default=None, help="top-k values (default 2 4 8 16 32 64)")
+    ap.add_argument("--budget", type=int, default=None, help="equal-budget cut, block x top-k tokens (0: none)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new cell after this many seconds (finished cells are kept; rerun to continue)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny random model, ctx 256, a 2 x 2 grid (CPU)")
@@ -115,12 +143,14 @@ def parse_args(argv=None):
     ap.add_argument("--plot", action="store_true", help="plots + summary.md from --out into --plots")
     args = ap.parse_args(argv)
     q = args.quick
-    if q:
-        args.checkpoint = None
+    if args.checkpoint is None and not q:
+        args.checkpoint = str(DEFAULT_CHECKPOINT)
     args.ctx = args.ctx or (256 if q else 16384)
     args.n_needles = args.n_needles if args.n_needles is not None else (2 if q else 10)
     args.batch = args.batch or (args.n_docs + 2 * args.n_needles if q else 2)
-    args.blocks, args.topks, args.budget = (QUICK_BLOCKS, QUICK_TOPKS, QUICK_BUDGET) if q else (BLOCKS, TOPKS, BUDGET)
+    blocks, topks, budget = (QUICK_BLOCKS, QUICK_TOPKS, QUICK_BUDGET) if q else (BLOCKS, TOPKS, BUDGET)
+    args.blocks, args.topks = args.blocks or blocks, args.topks or topks
+    args.budget = budget if args.budget is None else args.budget
     return args
 
 
