@@ -26,9 +26,10 @@ how the work is cut and who does what in a CTA.
   other consumer's MMA run on the tensor cores during the conversion, which the single-warpgroup
   kernel serialises with its own MMA issue. Its ``block_n / 2`` must be a multiple of 128 (a 128-byte
   fp8 swizzle atom per consumer).
-* Store. Each consumer casts its accumulator into its own SMEM tile and TMA-stores rows ``[lo, hi)``
-  as a sum of powers of two (at most ``log2(block_m) + 1`` conditional copies; the visits of one
-  row tile own disjoint rows, so they never race). Zero-group visits store zeros, loading nothing.
+* Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows at a time (a 128-row
+  tile in two pieces: the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``),
+  and TMA-stores the piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional
+  copies per piece; the visits of one row tile own disjoint rows, so they never race). Zero-group visits store zeros, loading nothing.
 * Split-K (``split_k > 1``, decode). Each item contracts ``K / split_k``; the items write fp32
   partials ``[split_k, M, N]`` that XLA sums. A decode step has a few rows per expert: its
   (visit, N tile) items alone leave SMs idle, and the weight stream (the bytes floor) needs all of
@@ -50,6 +51,7 @@ from m3jax.pallas.grouped_matmul.tiles import dequantize_tile
 CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
 PRODUCER_REGISTERS = 40
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (the SMEM tiling's rows)
+EPI_ROWS = 64  # rows of a consumer's output staging tile: a 128-row tile is stored in two pieces
 
 
 def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
@@ -101,16 +103,18 @@ def unsupported_reason(k: int, n: int, config, mxfp8: bool = False) -> str | Non
 def _stages(k_steps: int, config, rhs_itemsize: int, scale_rows: int, part_itemsize: int) -> int:
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     stage = bm * bk * 2 + bk * bn * rhs_itemsize + scale_rows * bn
-    fixed = bm * bn * part_itemsize  # the consumers' output tiles
+    fixed = min(bm, EPI_ROWS) * bn * part_itemsize  # the consumers' output staging tiles
     if scale_rows:
         fixed += CONSUMERS * 2 * bk * (bn // CONSUMERS) * 2  # each consumer's two bf16 weight tiles
-    fit = (current_target().smem_bytes - 4096 - fixed) // stage
+    # 1 KiB for the barriers and alignment (lowering measured 80 bytes beyond the buffers; it refuses overflow)
+    fit = (current_target().smem_bytes - 1024 - fixed) // stage
     return max(1, min(config.max_concurrent_steps, fit, k_steps))
 
 
 def _store_ladder(o_smem, dst, *, row0, lo, hi, col0, rows, cols):
-    """TMA rows [lo, hi) of the tile at row0 as a sum of powers of two (largest first)."""
-    start, count = lo - row0, hi - lo
+    """TMA rows [lo, hi) of the ``rows``-row tile at row0 as a sum of powers of two (largest first);
+    nothing when hi <= lo."""
+    start, count = lo - row0, jnp.maximum(hi - lo, 0)
     size = rows
     while size:
         @pl.when((count & size) != 0)
@@ -129,6 +133,7 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split_k
     bw = bn // CONSUMERS
+    epi = min(bm, EPI_ROWS)
     n_tiles, k_part = n // bn, k // split
     mxfp8 = rhs_scales is not None
     group = k // rhs_scales.shape[1] if mxfp8 else 0
@@ -175,12 +180,14 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                 col0, k0 = ni * bn, ks * k_part
                 dst = out_ref.at[ks] if split > 1 else out_ref
 
-                def store(values):  # a consumer's [bm, bw] columns
+                def store(values):  # a consumer's [bm, bw] columns, epi rows at a time
                     o = o_smem.at[wg]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its previous item's store left the tile
-                    o[...] = values.astype(part_dtype)
-                    plgpu.commit_smem()
-                    _store_ladder(o, dst, row0=row0, lo=lo, hi=hi, col0=col0 + wg * bw, rows=bm, cols=bw)
+                    for c in range(0, bm, epi):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece's store left the tile
+                        o[...] = values[c : c + epi].astype(part_dtype)
+                        plgpu.commit_smem()
+                        _store_ladder(o, dst, row0=row0 + c, lo=jnp.maximum(lo, row0 + c),
+                                      hi=jnp.minimum(hi, row0 + c + epi), col0=col0 + wg * bw, rows=epi, cols=bw)
 
                 def step(idx, a_smem, b_smem, *rest):
                     acc_ref = rest[-1]
@@ -223,7 +230,7 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
             plgpu.wait_smem_to_gmem(0)  # the last stores, before the CTA exits
 
         scratch = {"allocs": pipeline(ignore, ignore).get_allocations(*operands),
-                   "o_smem": plgpu.SMEM((CONSUMERS, bm, bw), part_dtype)}
+                   "o_smem": plgpu.SMEM((CONSUMERS, epi, bw), part_dtype)}
         if mxfp8:
             scratch["w_smem"] = plgpu.SMEM((CONSUMERS, 2, bk, bw), jnp.bfloat16, transforms=swizzle_transforms(bw))
         pl.run_scoped(scoped, **scratch, collective_axes="wg")
