@@ -2,12 +2,15 @@
 device times next to their floors, decode wall time against device time, and the 60-layer extrapolation.
 
 ``m3jax/configs/m3_width.json`` is M3 with 3 of its 60 decoder layers (layer 0 full attention + dense MLP,
-layers 1-2 MSA + MoE, no vision tower), random bf16 weights. One command, one process:
+layers 1-2 MSA + MoE, no vision tower), random bf16 weights. One command:
 
-1. the generate CLI (``m3jax.generate.main``, kernels attention path: Mosaic GPU MSA kernels, cuDNN for
-   the full-attention layer, grouped-GEMM MoE) at ``--ctx``: compile, TTFT, prefill tok/s, decode
-   ms/token, peak memory and compile-cache hits (``--repeat-generate`` runs it a second time with
-   JAX's in-memory caches cleared, as a new process would: the compile a second run pays);
+1. the generate CLI (``python -m m3jax.generate`` in a process of its own, before this one touches
+   the GPU; kernels attention path: Mosaic GPU MSA kernels, cuDNN for the full-attention layer,
+   grouped-GEMM MoE) at ``--ctx``, on a compile cache of its own (empty at first): compile, TTFT,
+   prefill tok/s, decode ms/token, peak memory, compile-cache hits and exported programs read /
+   written, and the process's wall time to its report (``--repeat-generate`` runs the same command
+   a second time, in a new process on the same cache: what a second run pays before its first
+   token);
 2. the device's copy bandwidth (a 4 GiB copy; read + write bytes / time);
 3. per layer (one of each kind: layer 2 is layer 1's kind), on a cache of ``--ctx`` random tokens:
    device time (CUPTI kernel time, as ``jax.experimental.mosaic.gpu.profiler.measure`` counts it)
@@ -18,9 +21,9 @@ layers 1-2 MSA + MoE, no vision tower), random bf16 weights. One command, one pr
 4. the full-attention prefill chunk at the end of the context against cuDNN's own rate: the chunk
    attention (:func:`m3jax.model.cudnn_causal_attention`) and cuDNN without a mask on the same q, k,
    v (the rate it reaches on this shape), floor = causal FLOPs / that rate;
-5. the engine's decode loop (``Engine._decode``, what ``generate`` runs) at B=1 and B=8 from position
-   ``ctx - decode_tokens - 1`` of a zero cache: wall ms/token against the device time per step
-   (CUPTI over the same loop);
+5. the engine's decode loop (``Engine._decode``, what ``generate`` runs) at B=1 and B=8 and at 1 and
+   the default decode steps per call, from position ``ctx - decode_tokens - 1`` of a zero cache:
+   wall ms per step against the device time per step (CUPTI over the same loop);
 6. the extrapolation to 60 layers (3 full attention + 57 MSA/MoE) from the device times, one GPU and 8
    GPUs pipeline-parallel.
 
@@ -28,7 +31,8 @@ It prints the tables and writes ``$OUT/generate_m3_width_<ctx>.md`` and ``.json`
 benchmarks/out). On one H200 each of these takes under 6 minutes (the 1M one without the CLI part,
 which alone takes a few minutes there):
 
-    PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 131072 --repeat-generate
+    PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 131072 --only-generate --repeat-generate
+    PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 131072 --skip-generate
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 1000000 --skip-generate
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 1000000 --only-generate
     PYTHONPATH=. python benchmarks/generate_m3_width.py --dry      # CPU: tiny widths end to end (no CUPTI:
@@ -47,6 +51,7 @@ import functools
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,10 +62,9 @@ import jax
 import jax.numpy as jnp
 
 import m3jax
-from m3jax import generate
 from m3jax.cache import LayerCache, cache_bytes
 from m3jax.config import M3Config, preset
-from m3jax.engine import Engine, SamplingParams, key_window_pages
+from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams, key_window_pages
 from m3jax.layers import rope_angles
 from m3jax.memory import weight_bytes
 from m3jax.model import causal_attention, cudnn_causal_attention, decoder_layer
@@ -220,6 +224,21 @@ def layer_times(cfg: M3Config, params: dict, ctx: int, chunk: int, iters: int, l
     return rows
 
 
+def generate_run(argv: list[str], env: dict, report: Path) -> dict:
+    """One ``python -m m3jax.generate`` process: its report's timings and cache counts, the process's
+    wall time, and its time to the first token (that wall time less the decode loop's)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "m3jax.generate", *argv, "--quiet", "--output-json", str(report)],
+                   env=env, check=True)
+    wall = time.perf_counter() - t0
+    r = json.loads(report.read_text())
+    tm, cc = r["timings"], r["compile_cache"]
+    return {**tm, "cache_hits": cc["hits"], "cache_misses": cc["misses"], "programs_read": cc["aot"]["hits"],
+            "programs_written": cc["aot"]["misses"], "process_s": wall,
+            "to_first_token_s": wall - tm["decode_ms_per_token"] * tm["decode_steps"] / 1e3,
+            "peak_gib": r["peak_device_memory_bytes"] / 2**30}
+
+
 def _threaded(step, lp: dict, kv: LayerCache):
     """call(h, page_table, start) -> hidden: ``step`` of one layer with its donated cache threaded
     through the calls."""
@@ -289,24 +308,28 @@ def full_attention_vs_cudnn(cfg: M3Config, ctx: int, chunk: int, iters: int) -> 
             "ratio": best(t_ours) / floor_ms, "rel_err_vs_fp32_reference": err}
 
 
-def engine_decode(cfg: M3Config, params: dict, ctx: int, chunk: int, batch: int, tokens: int) -> dict:
-    """The engine's decode loop (``Engine._decode``: one compiled step per token, tokens read one step
-    behind) for ``batch`` rows from position ``ctx - tokens - 1`` of a zero cache (attention time does
-    not depend on the values; MSA selections tie, which costs the kernels the same): wall ms per token
-    against the device time per step (CUPTI over the same loop) and kernels per step."""
-    e = Engine(params, cfg, batch=batch, capacity=ctx, prefill_chunk=chunk)
-    pos = jnp.full((batch,), ctx - tokens - 1, jnp.int32)
+def engine_decode(cfg: M3Config, params: dict, ctx: int, chunk: int, batch: int, tokens: int,
+                  steps_per_call: int) -> dict:
+    """The engine's decode loop (``Engine._decode``: calls of ``steps_per_call`` steps, tokens read a
+    call behind) for ``batch`` rows from position ``ctx - tokens - 1`` of a zero cache (attention time
+    does not depend on the values; MSA selections tie, which costs the kernels the same): wall ms per
+    step against the device time per step (CUPTI over the same loop) and kernels per step."""
+    e = Engine(params, cfg, batch=batch, capacity=ctx, prefill_chunk=chunk, decode_steps_per_call=steps_per_call)
+    decode = e._decode_program(GREEDY, False)
+    small = e._small_sharding
+    pos = jax.device_put(jnp.full((batch,), ctx - tokens - 1, jnp.int32), small)
+    zeros = jax.device_put(jnp.zeros((batch,), jnp.int32), small)
+    key = jax.device_put(jax.random.key_data(jax.random.key(0)), small)
 
     def run(n):
-        return e._decode(jnp.zeros((batch,), jnp.int32), pos, jax.random.key(0), None, batch, n, GREEDY, (), False,
-                         None)
+        return e._decode(decode, zeros, pos, key, None, batch, n, (), False, None)
 
-    run(2)  # compile
+    run(steps_per_call + 1)  # one call, warm
     t0 = time.perf_counter()
     _, _, steps = run(tokens)
     wall = 1e3 * (time.perf_counter() - t0) / steps
-    row = {"batch": batch, "steps": steps, "wall_ms_per_token": wall, "device_ms_per_step": None,
-           "kernels_per_step": None}
+    row = {"batch": batch, "steps_per_call": steps_per_call, "steps": steps, "wall_ms_per_token": wall,
+           "device_ms_per_step": None, "kernels_per_step": None}
     if on_gpu():
         kernels = cupti_kernels(lambda: run(tokens)[0])
         row.update(device_ms_per_step=sum(ms for _, ms in kernels) / steps, kernels_per_step=len(kernels) / steps)
@@ -327,7 +350,8 @@ def extrapolate(runs: list[dict], rows: list[dict], decode_rows: list[dict], ctx
     msa = next(r for r in rows if r["kind"].startswith("MSA"))
     full_dec, msa_dec = best(full["decode"]), best(msa["decode"])
     slice_dec = full_dec + 2 * msa_dec  # m3_width: layer 0 full attention, layers 1-2 MSA
-    b1 = next((d for d in decode_rows if d["batch"] == 1 and "error" not in d), None)
+    b1 = next((d for d in decode_rows if d["batch"] == 1 and "error" not in d
+               and d["steps_per_call"] == DECODE_STEPS_PER_CALL), None)
     step = None if b1 is None else (b1["device_ms_per_step"] or b1["wall_ms_per_token"])
     other_decode = 0.0 if step is None else max(step - slice_dec, 0.0)
     other_prefill = max(runs[0]["ttft_s"] - full["prefill_s"] - 2 * msa["prefill_s"], 0.0) if runs else 0.0
@@ -361,10 +385,12 @@ def markdown(res: dict) -> str:
              f"Command: `{res['command']}`", ""]
     if res["generate"]:
         lines += [f"`python -m m3jax.generate {' '.join(res['generate_argv'])}`:", "",
-                  "| run | compile s | cache hits / compiled | TTFT s | prefill tok/s | decode ms/token | peak GiB |",
-                  "|---|---|---|---|---|---|---|"]
+                  ("| run (new process) | to first token s | compile s | cache hits / compiled | programs read / "
+                   "exported | TTFT s | prefill tok/s | decode ms/step | peak GiB |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for n, r in enumerate(res["generate"], 1):
-            lines.append(f"| {n} | {r['compile_s']:.1f} | {r['cache_hits']} / {r['cache_misses']} | {r['ttft_s']:.1f} | "
+            lines.append(f"| {n} | {r['to_first_token_s']:.1f} | {r['compile_s']:.1f} | {r['cache_hits']} / "
+                         f"{r['cache_misses']} | {r['programs_read']} / {r['programs_written']} | {r['ttft_s']:.1f} | "
                          f"{r['prefill_tok_per_s']:,.0f} | {r['decode_ms_per_token']:.2f} | {r['peak_gib']:.1f} |")
         lines.append("")
     if not res.get("layers"):
@@ -391,15 +417,17 @@ def markdown(res: dict) -> str:
                f"{_ms(res['dense_decode']['in_place'])} ms, gathered + fp32 dense mask (before) "
                f"{_ms(res['dense_decode']['gathered'])} ms; in place vs the fp32 reference: relative L2 error "
                f"{res['dense_decode']['rel_err']:.1e}."), "",
-              "| decode batch | wall ms/token | device ms/step | wall / device | kernels/step |", "|---|---|---|---|---|"]
+              "| decode batch | steps per call | wall ms/step | device ms/step | wall / device | kernels/step |",
+              "|---|---|---|---|---|---|"]
     for d in res["decode"]:
         if "error" in d:
-            lines.append(f"| {d['batch']} | {d['error']} | | | |")
+            lines.append(f"| {d['batch']} | {d['steps_per_call']} | {d['error']} | | | |")
             continue
         dev = "n/a" if d["device_ms_per_step"] is None else f"{d['device_ms_per_step']:.3f}"
         ratio = "n/a" if d["wall_over_device"] is None else f"**{d['wall_over_device']:.2f}**"
         kern = "n/a" if d["kernels_per_step"] is None else f"{d['kernels_per_step']:.0f}"
-        lines.append(f"| {d['batch']} | {d['wall_ms_per_token']:.3f} | {dev} | {ratio} | {kern} |")
+        lines.append(f"| {d['batch']} | {d['steps_per_call']} | {d['wall_ms_per_token']:.3f} | {dev} | {ratio} | "
+                     f"{kern} |")
     ex = res["extrapolation"]
     lines += ["", (f"Extrapolated from the device times to 60 layers ({FULL_LAYERS} full attention + {MSA_LAYERS} "
               f"MSA/MoE, each at its kind's time; embedding, lm_head and sampling {ex['other_decode_ms']:.2f} ms/token "
@@ -423,7 +451,6 @@ def check_cuda_lowering(ctx: int, chunk: int) -> dict[str, int]:
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     from m3jax.pallas import _backend
-    from m3jax.pallas.sparse_attention import kernel as sa_kernel
     from m3jax.params import param_specs
 
     cfg = preset("m3_width").replace(attention_impl="pallas")
@@ -433,7 +460,7 @@ def check_cuda_lowering(ctx: int, chunk: int) -> dict[str, int]:
     abstract = lambda s: jax.ShapeDtypeStruct(s.shape, s.resolve_dtype(bf16))
     pages = -(-ctx // t.index_block_size)
     counts = {}
-    with mock.patch.object(_backend, "on_gpu", lambda: True), mock.patch.object(sa_kernel, "on_gpu", lambda: True):
+    with mock.patch.object(_backend, "on_gpu", lambda: True):  # the kernels ask through the module
         for i in range(t.num_hidden_layers):
             lp = jax.tree.map(abstract, specs[i], is_leaf=lambda x: hasattr(x, "resolve_dtype"))
             kv_shape = (pages, t.index_block_size, t.num_key_value_heads, t.head_dim)
@@ -466,6 +493,9 @@ def main(argv=None):
     ap.add_argument("--layers", default="0,1", help="layers timed one by one (m3_width: 0 full attention, 1-2 MSA)")
     ap.add_argument("--decode-batches", default="1,8", help="batches of the engine decode-loop measurement")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per engine decode-loop measurement")
+    ap.add_argument("--decode-steps-per-call", default=f"1,{DECODE_STEPS_PER_CALL}",
+                    help="decode steps per compiled call measured in the engine decode loop (default: 1 and the "
+                         "engine's default)")
     ap.add_argument("--attention-impl", default=None,
                     help="default pallas; --dry: reference (the whole model with the kernels in GPU interpret "
                          "mode takes many minutes to compile on a CPU; --dry checks their CUDA lowering instead)")
@@ -473,17 +503,16 @@ def main(argv=None):
     part.add_argument("--skip-generate", action="store_true", help="no generate CLI run")
     part.add_argument("--only-generate", action="store_true", help="the generate CLI run only")
     ap.add_argument("--repeat-generate", action="store_true",
-                    help="run the CLI twice (the second with JAX's in-memory caches cleared, as a new process)")
+                    help="run the CLI twice, each in a new process, on one compile cache (empty for the first)")
     args = ap.parse_args(argv)
     ctx = args.ctx or (1024 if args.dry else 131072)
     chunk = args.prefill_chunk or (256 if args.dry else 4096)
     impl = args.attention_impl or ("reference" if args.dry else "pallas")
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
-    dev = jax.devices()[0]
     res = {"ctx": ctx, "prefill_chunk": chunk, "attention_impl": impl,
            "widths": "tiny widths (--dry)" if args.dry else "M3 widths, 3 layers", "date": str(datetime.date.today()),
-           "device": f"{dev.device_kind} ({dev.platform})", "jax": jax.__version__, "generate": [],
+           "jax": jax.__version__, "generate": [],
            "command": " ".join(["python benchmarks/generate_m3_width.py", *(sys.argv[1:] if argv is None else argv)])}
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -495,17 +524,13 @@ def main(argv=None):
             cfg = preset("m3_width")
             model_args = ["--config", "m3_width"]
         res["generate_argv"] = generate_argv(model_args, ctx, chunk, args.max_new_tokens, impl)
+        env = dict(os.environ, M3JAX_CACHE_DIR=str(Path(tmp) / "cache"))  # empty for the first run
         for n in range(0 if args.skip_generate else 2 if args.repeat_generate else 1):
-            jax.clear_caches()  # the second run compiles as a new process would: persistent cache only
-            report = generate.main([*res["generate_argv"], "--quiet"])
-            tm, cc = report["timings"], report["compile_cache"]
-            res["generate"].append({**tm, "cache_hits": cc["hits"], "cache_misses": cc["misses"],
-                                    "peak_gib": report["peak_device_memory_bytes"] / 2**30})
-            print(f"generate run {n + 1}: compile {tm['compile_s']:.1f} s ({cc['hits']} cache hits), TTFT "
-                  f"{tm['ttft_s']:.2f} s, prefill {tm['prefill_tok_per_s']:,.0f} tok/s, decode "
-                  f"{tm['decode_ms_per_token']:.2f} ms/token", flush=True)
-            del report
-            gc.collect()
+            res["generate"].append(generate_run(res["generate_argv"], env, Path(tmp) / f"run{n}.json"))
+            print(f"generate run {n + 1}: " + json.dumps(res["generate"][-1]), flush=True)
+    # Only now does this process take the GPU (JAX preallocates most of its memory): the CLI runs had it.
+    dev = jax.devices()[0]
+    res["device"] = f"{dev.device_kind} ({dev.platform})"
 
     if not args.only_generate:
         cfg = cfg.replace(attention_impl=impl)
@@ -518,14 +543,15 @@ def main(argv=None):
         res["dense_decode"] = dense_decode_vs_gather(cfg, ctx, args.iters)
         res["decode"] = []
         for b in args.decode_batches.split(","):
-            try:
-                res["decode"].append(engine_decode(cfg, params, ctx, chunk, int(b), args.decode_tokens))
-            except jax.errors.JaxRuntimeError as e:  # B=8 at 1M: 55 GB of cache + the decode transients
-                if "RESOURCE_EXHAUSTED" not in str(e):
-                    raise
-                res["decode"].append({"batch": int(b), "error": "out of device memory"})
-                print(f"decode B={b}: out of device memory", flush=True)
-            gc.collect()  # the engine's cache
+            for n in (int(x) for x in args.decode_steps_per_call.split(",")):
+                try:
+                    res["decode"].append(engine_decode(cfg, params, ctx, chunk, int(b), args.decode_tokens, n))
+                except jax.errors.JaxRuntimeError as e:  # B=8 at 1M: 55 GB of cache + the decode transients
+                    if "RESOURCE_EXHAUSTED" not in str(e):
+                        raise
+                    res["decode"].append({"batch": int(b), "steps_per_call": n, "error": "out of device memory"})
+                    print(f"decode B={b}: out of device memory", flush=True)
+                gc.collect()  # the engine's cache
         del params
         res["extrapolation"] = extrapolate(res["generate"], res["layers"], res["decode"], ctx, chunk)
     section = markdown(res)
