@@ -25,7 +25,12 @@ outside :data:`SAFE_CUSTOM_CALLS` (interpret-mode kernels call back into Python)
 write, other format, another key) is reported with a warning and rebuilt.
 
 Compiled programs are also kept in memory for the process (a second engine reuses them);
-:func:`clear` drops those (a benchmark's "second run" in one process).
+:func:`clear` drops those (a benchmark's "second run" in one process). Nothing is evicted from the
+folder: entries of older sources are never read again, and the folder can be deleted at any time.
+
+A hit does not trace the model, so the kernels' self-check (:mod:`m3jax.selfcheck`, consulted while
+tracing) is not asked again: the stored program is the one built when the checks had passed for the
+same sources, JAX version and device kind, which is what their verdicts are keyed on too.
 """
 
 from __future__ import annotations
@@ -255,7 +260,8 @@ def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | No
                 compiled = _compile_exported(exp, leaves, donated)
                 _count("hits")
             except Exception as e:  # noqa: BLE001  (a parseable entry XLA refuses: rebuild it, never fail the run)
-                _warn(f"the cache entry {path} did not compile ({type(e).__name__}: {e}); it is rebuilt")
+                _warn(f"the cache entry {path} did not compile ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]}); it is rebuilt")
         if compiled is None:
             try:
                 data = _encode(key, _export(fn, leaves, in_tree, out_tree, static, name))
@@ -265,10 +271,15 @@ def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | No
                 _warn(f"{name} cannot be exported ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                       "it is compiled without the AOT cache")
             else:
-                _write(path, data)
-                # Compile the module as a later run will read it back, so that run hits JAX's cache.
-                compiled = _compile_exported(_decode(data, key), leaves, donated)
-                _count("misses")
+                try:
+                    # Compile the module as a later run will read it back, so that run hits JAX's cache.
+                    compiled = _compile_exported(_decode(data, key), leaves, donated)
+                except Exception as e:  # noqa: BLE001  (never fail the run for the cache: compile the plain way)
+                    _warn(f"{name} was exported but its module did not compile ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}); it is compiled without the AOT cache")
+                else:
+                    _write(path, data)
+                    _count("misses")
     if compiled is None:
         compiled = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums).lower(*args).compile()
         if _dir is not None:
