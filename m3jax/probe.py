@@ -108,8 +108,7 @@ class ProbeResult:
         r = np.repeat(np.arange(t) * rows // t, sel.shape[1])
         c = sel.ravel()
         keep = c >= 0
-        counts = np.zeros((rows, cols))
-        np.add.at(counts, (r[keep], c[keep] * cols // nb), 1)
+        counts = np.bincount(r[keep] * cols + c[keep] * cols // nb, minlength=rows * cols).reshape(rows, cols)
         per_row = np.bincount(np.arange(t) * rows // t, minlength=rows)[:, None]
         per_col = np.bincount(np.arange(nb) * cols // nb, minlength=cols)[None, :]
         return counts / (per_row * per_col)

@@ -66,4 +66,3 @@ def test_probe_long_cpu(tmp_path):
     names = {p.name for p in out.iterdir()}
     assert {"probe_384_selection_maps.png", "probe_384_recall_vs_distance.png", "probe_384_needles.png",
             "probe_384_summary.md"} <= names
-    assert mod.main(["--plot", str(out / "probe_384.json"), "--out", str(tmp_path / "replot")]) == 0
