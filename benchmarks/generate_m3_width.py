@@ -32,6 +32,7 @@ benchmarks/out). On one H200 each of these takes under 6 minutes (the 1M one wit
 which alone takes a few minutes there):
 
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 131072 --only-generate --repeat-generate
+    PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 131072 --only-decode
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 131072 --skip-generate
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 1000000 --skip-generate
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 1000000 --only-generate
@@ -379,6 +380,21 @@ def _ms(t: dict) -> str:
     return f"{dev} ({t['wall_ms']:.3f})"
 
 
+def _decode_table(rows: list[dict]) -> list[str]:
+    lines = ["| decode batch | steps per call | wall ms/step | device ms/step | wall / device | kernels/step |",
+             "|---|---|---|---|---|---|"]
+    for d in rows:
+        if "error" in d:
+            lines.append(f"| {d['batch']} | {d['steps_per_call']} | {d['error']} | | | |")
+            continue
+        dev = "n/a" if d["device_ms_per_step"] is None else f"{d['device_ms_per_step']:.3f}"
+        ratio = "n/a" if d["wall_over_device"] is None else f"**{d['wall_over_device']:.2f}**"
+        kern = "n/a" if d["kernels_per_step"] is None else f"{d['kernels_per_step']:.0f}"
+        lines.append(f"| {d['batch']} | {d['steps_per_call']} | {d['wall_ms_per_token']:.3f} | {dev} | {ratio} | "
+                     f"{kern} |")
+    return lines
+
+
 def markdown(res: dict) -> str:
     ctx, gb = res["ctx"], 1e9
     lines = [f"## Generation at {res['widths']}, {ctx:,} context — {res['date']}, {res['device']}, jax {res['jax']}", "",
@@ -394,7 +410,7 @@ def markdown(res: dict) -> str:
                          f"{r['prefill_tok_per_s']:,.0f} | {r['decode_ms_per_token']:.2f} | {r['peak_gib']:.1f} |")
         lines.append("")
     if not res.get("layers"):
-        return "\n".join(lines)
+        return "\n".join(lines + (_decode_table(res["decode"]) + [""] if res.get("decode") else []))
     bw = res["copy_bandwidth"]
     lines += [(f"Copy bandwidth (read + write, same process): {bw / 1e9:,.0f} GB/s. Times: device ms from CUPTI "
                "(wall ms in brackets)."), "",
@@ -416,18 +432,7 @@ def markdown(res: dict) -> str:
               (f"Full-attention decode attention at position {ctx - 1:,}: pages read in place "
                f"{_ms(res['dense_decode']['in_place'])} ms, gathered + fp32 dense mask (before) "
                f"{_ms(res['dense_decode']['gathered'])} ms; in place vs the fp32 reference: relative L2 error "
-               f"{res['dense_decode']['rel_err']:.1e}."), "",
-              "| decode batch | steps per call | wall ms/step | device ms/step | wall / device | kernels/step |",
-              "|---|---|---|---|---|---|"]
-    for d in res["decode"]:
-        if "error" in d:
-            lines.append(f"| {d['batch']} | {d['steps_per_call']} | {d['error']} | | | |")
-            continue
-        dev = "n/a" if d["device_ms_per_step"] is None else f"{d['device_ms_per_step']:.3f}"
-        ratio = "n/a" if d["wall_over_device"] is None else f"**{d['wall_over_device']:.2f}**"
-        kern = "n/a" if d["kernels_per_step"] is None else f"{d['kernels_per_step']:.0f}"
-        lines.append(f"| {d['batch']} | {d['steps_per_call']} | {d['wall_ms_per_token']:.3f} | {dev} | {ratio} | "
-                     f"{kern} |")
+               f"{res['dense_decode']['rel_err']:.1e}."), "", *_decode_table(res["decode"])]
     ex = res["extrapolation"]
     lines += ["", (f"Extrapolated from the device times to 60 layers ({FULL_LAYERS} full attention + {MSA_LAYERS} "
               f"MSA/MoE, each at its kind's time; embedding, lm_head and sampling {ex['other_decode_ms']:.2f} ms/token "
@@ -502,6 +507,8 @@ def main(argv=None):
     part = ap.add_mutually_exclusive_group()
     part.add_argument("--skip-generate", action="store_true", help="no generate CLI run")
     part.add_argument("--only-generate", action="store_true", help="the generate CLI run only")
+    part.add_argument("--only-decode", action="store_true",
+                      help="the engine decode-loop table only (wall / device per batch and steps per call)")
     ap.add_argument("--repeat-generate", action="store_true",
                     help="run the CLI twice, each in a new process, on one compile cache (empty for the first)")
     args = ap.parse_args(argv)
@@ -525,7 +532,7 @@ def main(argv=None):
             model_args = ["--config", "m3_width"]
         res["generate_argv"] = generate_argv(model_args, ctx, chunk, args.max_new_tokens, impl)
         env = dict(os.environ, M3JAX_CACHE_DIR=str(Path(tmp) / "cache"))  # empty for the first run
-        for n in range(0 if args.skip_generate else 2 if args.repeat_generate else 1):
+        for n in range(0 if args.skip_generate or args.only_decode else 2 if args.repeat_generate else 1):
             res["generate"].append(generate_run(res["generate_argv"], env, Path(tmp) / f"run{n}.json"))
             print(f"generate run {n + 1}: " + json.dumps(res["generate"][-1]), flush=True)
     # Only now does this process take the GPU (JAX preallocates most of its memory): the CLI runs had it.
@@ -535,12 +542,13 @@ def main(argv=None):
     if not args.only_generate:
         cfg = cfg.replace(attention_impl=impl)
         params = init_random_on_device(cfg, seed=0, dtype=jnp.bfloat16)
-        res["copy_bandwidth"] = copy_bandwidth(0.25 if args.dry else 4.0)
-        print(f"copy bandwidth {res['copy_bandwidth'] / 1e9:,.0f} GB/s", flush=True)
-        layers = [int(x) for x in args.layers.split(",")]
-        res["layers"] = layer_times(cfg, params, ctx, chunk, args.iters, layers, res["copy_bandwidth"])
-        res["attention"] = full_attention_vs_cudnn(cfg, ctx, chunk, args.iters)
-        res["dense_decode"] = dense_decode_vs_gather(cfg, ctx, args.iters)
+        if not args.only_decode:
+            res["copy_bandwidth"] = copy_bandwidth(0.25 if args.dry else 4.0)
+            print(f"copy bandwidth {res['copy_bandwidth'] / 1e9:,.0f} GB/s", flush=True)
+            layers = [int(x) for x in args.layers.split(",")]
+            res["layers"] = layer_times(cfg, params, ctx, chunk, args.iters, layers, res["copy_bandwidth"])
+            res["attention"] = full_attention_vs_cudnn(cfg, ctx, chunk, args.iters)
+            res["dense_decode"] = dense_decode_vs_gather(cfg, ctx, args.iters)
         res["decode"] = []
         for b in args.decode_batches.split(","):
             for n in (int(x) for x in args.decode_steps_per_call.split(",")):
@@ -553,7 +561,8 @@ def main(argv=None):
                     print(f"decode B={b}: out of device memory", flush=True)
                 gc.collect()  # the engine's cache
         del params
-        res["extrapolation"] = extrapolate(res["generate"], res["layers"], res["decode"], ctx, chunk)
+        if not args.only_decode:
+            res["extrapolation"] = extrapolate(res["generate"], res["layers"], res["decode"], ctx, chunk)
     section = markdown(res)
     print(section)
     stem = out / f"generate_m3_width_{ctx}{'_dry' if args.dry else ''}"
