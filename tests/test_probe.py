@@ -89,6 +89,13 @@ def test_dense_block_mass_equals_dense_softmax(key_tile):
     p = jax.nn.softmax(jnp.where(jnp.arange(s) <= q_pos[:, None, :, None], logits, -jnp.inf), -1)
     want = jnp.pad(p, [(0, 0)] * 3 + [(0, 3)]).reshape(b, n, c, -1, bs).sum(-1)
     np.testing.assert_allclose(mass, want, atol=1e-6)
+    # Recall of a selection: the probe's former dense form (softmax masked to the selected blocks' keys)
+    # equals the streamed block mass summed over the selected blocks.
+    sel = jnp.asarray(r.integers(-1, -(-s // bs), (b, kh, c, 3)), jnp.int32)
+    hit = jax.nn.one_hot(sel, -(-s // bs) + 1, dtype=jnp.bool_)[..., :-1].any(-2)  # [B, K, C, nb]
+    hit = jnp.repeat(hit, n // kh, axis=1)
+    dense = jnp.sum(jnp.where(jnp.repeat(hit, bs, -1)[..., :s], p, 0.0), -1)
+    np.testing.assert_allclose(jnp.sum(jnp.where(hit, mass, 0.0), -1), dense, atol=1e-5)
 
 
 def test_streamed_recall_equals_dense_recall(setup):
