@@ -16,14 +16,17 @@ and down (K = 3072 -> N = 6144), 128 experts.
 * Every result: relative L2 against ``jax.lax.ragged_dot`` on the dequantised weights.
 
 Variants: ``pipeline`` (the one-warpgroup kernel, non-persistent grid; the MoE layer's configs today:
-block_m 128 / block_n 128 in prefill, block_m 64 in decode) and ``warp_specialized`` (persistent, TMA
-producer + two consumer warpgroups, group-aligned tiles, ``split_k`` for decode). Timing: CUPTI
+block_m 128 / block_n 128 in prefill, block_m 64 in decode) and ``ws`` (``warp_specialized``:
+persistent, TMA producer + two consumer warpgroups, group-aligned tiles, ``split_k`` for decode;
+``ws-rows``: the consumers split the rows, ``wg_split="m"``, bf16 only). Timing: CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``, median), wall clock off the GPU.
 
 Prints the tables; writes ``$OUT/moe_grouped_matmul.md`` and ``.json`` (``$OUT`` default benchmarks/out):
 
-    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py            # H200: < 4 minutes
-    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --quick    # H200: every variant, small shapes, < 1 minute
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py            # H200: ~3-4 minutes (~70 kernel compiles)
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode   # or in two runs, each ~2 minutes
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-prefill
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --quick    # H200: every prefill variant, 3 decode ones, small shapes, < 1 minute
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --dry      # CPU: interpret mode, tiny shapes
 """
 
@@ -56,8 +59,9 @@ QUICK = {"tokens": 512, "topk": 4, "experts": 16, "cases": (("gate/up", 1024, 51
 DRY = {"tokens": 24, "topk": 2, "experts": 4, "cases": (("gate/up", 128, 256),), "decode": (1,)}
 
 
-def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4):
-    return GroupedMatmulConfig(block_m=bm, block_n=bn, schedule=schedule, split_k=split_k, max_concurrent_steps=steps)
+def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4, wg_split="n"):
+    return GroupedMatmulConfig(block_m=bm, block_n=bn, schedule=schedule, split_k=split_k, max_concurrent_steps=steps,
+                               wg_split=wg_split)
 
 
 # name -> config; the first of each is the MoE layer's config today (m3jax.moe._grouped_matmul_config)
@@ -67,6 +71,8 @@ PREFILL = {
     "ws bm128 bn256": _cfg(128, 256, WS),
     "ws bm128 bn128": _cfg(128, 128, WS),
     "ws bm64 bn256": _cfg(64, 256, WS),
+    "ws-rows bm128 bn256": _cfg(128, 256, WS, wg_split="m"),
+    "ws-rows bm128 bn128": _cfg(128, 128, WS, wg_split="m"),
 }
 DECODE = {
     "pipeline bm64 bn128 (default)": _cfg(64, 128),
@@ -74,8 +80,12 @@ DECODE = {
     "ws bm64 bn256 split2": _cfg(64, 256, WS, 2),
     "ws bm64 bn256 split4": _cfg(64, 256, WS, 4),
     "ws bm64 bn256 split8": _cfg(64, 256, WS, 8),
+    "ws bm64 bn256 split4 8 stages": _cfg(64, 256, WS, 4, steps=8),
 }
-DRY_PREFILL = {"pipeline bm64 bn128 (default)": _cfg(64, 128, steps=2), "ws bm64 bn256": _cfg(64, 256, WS, steps=2)}
+QUICK_DECODE = {name: DECODE[name] for name in ("pipeline bm64 bn128 (default)", "ws bm64 bn256 split1",
+                                                "ws bm64 bn256 split4")}
+DRY_PREFILL = {"pipeline bm64 bn128 (default)": _cfg(64, 128, steps=2), "ws bm64 bn256": _cfg(64, 256, WS, steps=2),
+               "ws-rows bm128 bn128": _cfg(128, 128, WS, steps=2, wg_split="m")}
 DRY_DECODE = {"pipeline bm64 bn128 (default)": _cfg(64, 128, steps=2), "ws bm64 bn256 split2": _cfg(64, 256, WS, 2, 2)}
 
 
@@ -260,7 +270,7 @@ def main(argv=None):
     if args.dry:
         shape, pre, dec, iters, name, gib = DRY, DRY_PREFILL, DRY_DECODE, 1, "dry", 1 / 64
     elif args.quick:
-        shape, pre, dec, iters, name, gib = QUICK, PREFILL, DECODE, 3, "quick", 1.0
+        shape, pre, dec, iters, name, gib = QUICK, PREFILL, QUICK_DECODE, 3, "quick", 1.0
     else:
         shape, pre, dec, iters, name, gib = M3, PREFILL, DECODE, args.iters, "M3 shapes", 4.0
     bandwidth = copy_bandwidth(gib, iters=max(iters, 3))
@@ -277,6 +287,7 @@ def main(argv=None):
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
     stem = {"dry": "moe_grouped_matmul_dry", "quick": "moe_grouped_matmul_quick"}.get(name, "moe_grouped_matmul")
+    stem += "_decode" if args.skip_prefill else "_prefill" if args.skip_decode else ""
     (out / f"{stem}.md").write_text(md)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
     return res

@@ -30,7 +30,10 @@ from tests.conftest import assert_close
 
 CFG = GroupedMatmulConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
 WS = GroupedMatmulConfig(block_m=64, block_n=128, max_concurrent_steps=2, schedule="warp_specialized")
-SCHEDULES = {"pipeline": CFG, "warp_specialized": WS}
+# the consumers split the 128 rows (64 each, skipping a half without the visit's rows)
+WS_ROWS = GroupedMatmulConfig(block_m=128, block_n=128, max_concurrent_steps=2, schedule="warp_specialized",
+                              wg_split="m")
+SCHEDULES = {"pipeline": CFG, "warp_specialized": WS, "warp_specialized_rows": WS_ROWS}
 
 # name -> (M, group sizes): rows sorted by group, sum <= M.
 PATTERNS = {
@@ -106,9 +109,17 @@ def test_aligned_schedule_covers_each_row_once(m, sizes, bm):
     assert (per_group <= -(-(covered + 7) // bm)).all(), "a group's tiles are its rows', not the straddled tiles'"
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("pattern", list(PATTERNS))
+# every pattern and dtype on the pipeline, every pattern on the warp-specialised schedule (fp32 once:
+# the same kernel on K-concatenated bf16 pieces), and the row split's own cases (a straddling group,
+# rows past the sum, a 128-row tile with one idle consumer)
+KERNEL_CASES = ([(p, d, "pipeline") for d in (jnp.bfloat16, jnp.float32) for p in PATTERNS]
+                + [(p, jnp.bfloat16, "warp_specialized") for p in PATTERNS]
+                + [("sum_below_m", jnp.float32, "warp_specialized"),
+                   ("group_larger_than_tile", jnp.bfloat16, "warp_specialized_rows"),
+                   ("sum_below_m", jnp.float32, "warp_specialized_rows")])
+
+
+@pytest.mark.parametrize("pattern,dtype,schedule", KERNEL_CASES)
 def test_kernel_matches_ragged_dot(pattern, dtype, schedule):
     m, sizes = PATTERNS[pattern]
     _check(*_inputs(m, 128, 128, sizes, dtype), cfg=SCHEDULES[schedule])
@@ -117,14 +128,16 @@ def test_kernel_matches_ragged_dot(pattern, dtype, schedule):
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_two_n_tiles_128_row_tiles_fp32_out(schedule):
     # block_m 128 (tiles straddling several groups), 2 N tiles (warp-specialised: one CTA N tile of
-    # 256, two consumers of 128 columns), three K steps, bf16 in / fp32 out.
+    # 256, two consumers of 128 columns or of 64 rows), three K steps, bf16 in / fp32 out.
     lhs, rhs, gs = _inputs(200, 192, 256, [5, 70, 0, 60, 40], jnp.bfloat16, seed=1)
-    bn = 256 if schedule == "warp_specialized" else 128
-    cfg = GroupedMatmulConfig(block_m=128, block_n=bn, max_concurrent_steps=3, schedule=schedule)
+    cfg = GroupedMatmulConfig(block_m=128, block_n=128, max_concurrent_steps=3)
+    if schedule != "pipeline":
+        cfg = GroupedMatmulConfig(block_m=128, block_n=256, max_concurrent_steps=3, schedule="warp_specialized",
+                                  wg_split="m" if schedule == "warp_specialized_rows" else "n")
     _check(lhs, rhs, gs, cfg=cfg, out_dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized"])
 def test_fewer_rows_than_a_tile_single_k_step(schedule):
     # M < block_m (padded), K = block_k (one pipeline step, no delayed release).
     _check(*_inputs(40, 64, 128, [10, 25], jnp.bfloat16, seed=2), cfg=SCHEDULES[schedule])
@@ -176,6 +189,11 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
         block_n=128, schedule="warp_specialized"))
     with _backend.lowering_for(_backend.BLACKWELL):
         assert "Hopper only" in unsupported_reason(256, 128, 256, 2, ws)
+    rows = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized", wg_split="m")
+    assert unsupported_reason(256, 128, 256, 2, rows) is None  # two consumers of 64 x 256
+    assert "bf16 weights only" in mxfp8_unsupported_reason(256, 128, 256, 2, 4, rows)
+    assert "block_m=128" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(
+        block_m=64, block_n=256, schedule="warp_specialized", wg_split="m"))
 
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
     ok_x, ok_w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
@@ -218,6 +236,7 @@ M3_CONFIGS = {  # per schedule: the prefill tile and the decode tile
     "pipeline": (GroupedMatmulConfig(), GroupedMatmulConfig(block_m=64)),
     "warp_specialized": (GroupedMatmulConfig(block_n=256, schedule="warp_specialized"),
                          GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=4)),
+    "warp_specialized_rows": (GroupedMatmulConfig(block_n=256, schedule="warp_specialized", wg_split="m"),),
 }
 
 
@@ -262,8 +281,8 @@ def _check_mxfp8(lhs, values, scales, gs, cfg=CFG):
     assert_close(got, ref, "bfloat16" if lhs.dtype == jnp.bfloat16 else "float32", "grouped_matmul_mxfp8 vs reference")
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype,schedule", [(jnp.bfloat16, "pipeline"), (jnp.float32, "pipeline"),
+                                            (jnp.bfloat16, "warp_specialized")])
 def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule):
     # the fp8 tiles dequantised in the kernel (two scale rows per 64-deep K step, two K steps, tiles
     # straddling groups, empty groups); warp-specialised: each consumer dequantises its 128 columns
@@ -292,7 +311,7 @@ def test_mxfp8_reference_is_the_checkpoint_dequantisation():
     assert "must divide block_k" in mxfp8_unsupported_reason(64, 256, 128, 2, 2)  # groups of 128 inputs
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized"])
 def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     # M3's expert down projection (F = 3072 -> D = 6144) for a 4096-token prefill chunk, and decode rows
     # (64-row tiles): fp8 tiles + scale rows by TMA, dequantised in registers, wgmma (sm_90a).

@@ -90,7 +90,9 @@ class GroupedMatmulConfig:
     aligned to ``block_m``) or ``"warp_specialized"`` (:mod:`.persistent`: one CTA per SM, a TMA
     producer warpgroup and two consumer warpgroups of ``block_n / 2`` columns each, group-aligned
     tiles; Hopper only). ``split_k``: K parts of each work item, summed in fp32 by XLA
-    (``"warp_specialized"`` only; for decode, where the few rows per expert give too few items)."""
+    (``"warp_specialized"`` only; for decode, where the few rows per expert give too few items).
+    ``wg_split`` (``"warp_specialized"`` only): how the two consumers share the CTA tile, ``"n"``
+    (half the columns each) or ``"m"`` (64 rows each, bf16 weights, ``block_m=128``)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -98,6 +100,7 @@ class GroupedMatmulConfig:
     max_concurrent_steps: int = 4
     schedule: str = "pipeline"
     split_k: int = 1
+    wg_split: str = "n"
 
 
 def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConfig | None = None) -> str | None:
@@ -109,8 +112,8 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
         return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.schedule != "pipeline":
         return f"schedule={c.schedule!r} must be 'pipeline' or 'warp_specialized'"
-    if c.split_k != 1:
-        return f"split_k={c.split_k}: the pipeline schedule does not split K"
+    if c.split_k != 1 or c.wg_split != "n":
+        return f"split_k={c.split_k}, wg_split={c.wg_split!r}: the pipeline schedule has one warpgroup and no K split"
     if c.block_n % 64 or not 64 <= c.block_n <= 256:
         return f"block_n={c.block_n} must be a multiple of 64 in [64, 256]"
     if current_target().mma == "tcgen05" and c.block_m == 64 and c.block_n < 128:

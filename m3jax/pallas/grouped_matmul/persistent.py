@@ -18,18 +18,22 @@ how the work is cut and who does what in a CTA.
 * Warp specialisation (``plgpu.emit_pipeline_warp_specialized``). The last of three warpgroups
   issues the TMA copies (40 registers) and runs up to ``max_concurrent_steps`` K steps ahead of the
   consumers, across items (it loads the next item while the consumers store this one). Two
-  consumer warpgroups each own half of the CTA's ``block_n`` columns: their own fp32 register
-  accumulator ``[block_m, block_n / 2]``, ``wgmma`` then ``wgmma_wait(1)`` so a stage is released
-  (``delay_release=1``) only after the MMA that read it retired.
-* MXFP8 weights. Each consumer dequantises its half of the fp8 tile (``tiles.dequantize_tile``)
+  consumer warpgroups share the CTA tile, each with its own fp32 register accumulator, ``wgmma``
+  then ``wgmma_wait(1)`` so a stage is released (``delay_release=1``) only after the MMA that read
+  it retired. ``wg_split="n"``: each owns half of the ``block_n`` columns (``[block_m, block_n /
+  2]``). ``wg_split="m"`` (bf16 weights, ``block_m=128``): each owns 64 rows and all ``block_n``
+  columns (``m64n256`` MMAs at ``block_n=256``, the widest), and a consumer whose 64 rows hold none
+  of the visit's skips its MMAs: the tensor cores multiply a group's rows at 64-row granularity
+  while the CTA still loads 128-row tiles (half the weight reads per row of 64-row tiles).
+* MXFP8 weights (``wg_split="n"``). Each consumer dequantises its half of the fp8 tile (``tiles.dequantize_tile``)
   into its own pair of bf16 SMEM tiles, then issues the MMA; its MMA of the previous step and the
   other consumer's MMA run on the tensor cores during the conversion, which the single-warpgroup
   kernel serialises with its own MMA issue. Its ``block_n / 2`` must be a multiple of 128 (a 128-byte
   fp8 swizzle atom per consumer).
-* Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows at a time (a 128-row
-  tile in two pieces: the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``),
-  and TMA-stores the piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional
-  copies per piece; the visits of one row tile own disjoint rows, so they never race). Zero-group visits store zeros, loading nothing.
+* Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows x 128 columns at a time
+  (the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``), and TMA-stores the
+  piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional copies per piece;
+  the visits of one row tile own disjoint rows, so they never race). Zero-group visits store zeros, loading nothing.
 * Split-K (``split_k > 1``, decode). Each item contracts ``K / split_k``; the items write fp32
   partials ``[split_k, M, N]`` that XLA sums. A decode step has a few rows per expert: its
   (visit, N tile) items alone leave SMs idle, and the weight stream (the bytes floor) needs all of
@@ -51,7 +55,7 @@ from m3jax.pallas.grouped_matmul.tiles import dequantize_tile
 CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
 PRODUCER_REGISTERS = 40
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (the SMEM tiling's rows)
-EPI_ROWS = 64  # rows of a consumer's output staging tile: a 128-row tile is stored in two pieces
+EPI_ROWS, EPI_COLS = 64, 128  # a consumer's output staging tile; larger accumulators are stored in pieces
 
 
 def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
@@ -82,19 +86,35 @@ def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.
     return sched.astype(jnp.int32), cum[-1:].astype(jnp.int32)
 
 
+def consumer_tile(config) -> tuple[int, int]:
+    """(rows, columns) of one consumer warpgroup's accumulator."""
+    if config.wg_split == "m":
+        return config.block_m // CONSUMERS, config.block_n
+    return config.block_m, config.block_n // CONSUMERS
+
+
 def unsupported_reason(k: int, n: int, config, mxfp8: bool = False) -> str | None:
     """This schedule's own limits (the caller checks the shared ones: block_m, block_k, K, N)."""
     bm, bn = config.block_m, config.block_n
     if current_target().mma != "wgmma":
         return "schedule='warp_specialized' issues wgmma (Hopper only)"
-    half = bn // CONSUMERS
-    if bn % (64 * CONSUMERS) or not 128 <= bn <= 512:
+    if config.wg_split not in ("n", "m"):
+        return f"wg_split={config.wg_split!r} must be 'n' or 'm'"
+    rows, cols = consumer_tile(config)
+    if config.wg_split == "m":
+        if bm != 128:
+            return f"wg_split='m' needs block_m=128 (two consumers of 64 rows), not {bm}"
+        if mxfp8:
+            return "wg_split='m' takes bf16 weights only (each consumer converts its own fp8 columns: wg_split='n')"
+        if bn % 64 or not 64 <= bn <= 256:
+            return f"block_n={bn} must be a multiple of 64 in [64, 256] with wg_split='m'"
+    elif bn % (64 * CONSUMERS) or not 128 <= bn <= 512:
         return f"block_n={bn} must be a multiple of 128 in [128, 512] (two consumer warpgroups of >= 64 columns)"
-    if mxfp8 and half % 128:
-        return f"block_n={bn}: each consumer's fp8 half ({half} columns) must be a multiple of 128 (one fp8 swizzle atom)"
-    if bm * half > 128 * 128:
-        return (f"block_m * block_n / 2 = {bm * half} > 16384: a consumer's fp32 accumulator would need more than "
-                "128 registers per thread")
+    if mxfp8 and cols % 128:
+        return f"block_n={bn}: each consumer's fp8 half ({cols} columns) must be a multiple of 128 (one fp8 swizzle atom)"
+    if rows * cols > 128 * 128:
+        return (f"a consumer's {rows} x {cols} fp32 accumulator would need more than 128 registers per thread "
+                f"(block_m={bm}, block_n={bn}, wg_split={config.wg_split!r})")
     if config.split_k < 1 or k % (config.split_k * config.block_k):
         return f"K={k} must be a multiple of split_k * block_k = {config.split_k} * {config.block_k}"
     return None
@@ -103,9 +123,10 @@ def unsupported_reason(k: int, n: int, config, mxfp8: bool = False) -> str | Non
 def _stages(k_steps: int, config, rhs_itemsize: int, scale_rows: int, part_itemsize: int) -> int:
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     stage = bm * bk * 2 + bk * bn * rhs_itemsize + scale_rows * bn
-    fixed = min(bm, EPI_ROWS) * bn * part_itemsize  # the consumers' output staging tiles
+    rows, cols = consumer_tile(config)
+    fixed = CONSUMERS * min(rows, EPI_ROWS) * min(cols, EPI_COLS) * part_itemsize  # output staging tiles
     if scale_rows:
-        fixed += CONSUMERS * 2 * bk * (bn // CONSUMERS) * 2  # each consumer's two bf16 weight tiles
+        fixed += CONSUMERS * 2 * bk * cols * 2  # each consumer's two bf16 weight tiles
     # 1 KiB for the barriers and alignment (lowering measured 80 bytes beyond the buffers; it refuses overflow)
     fit = (current_target().smem_bytes - 1024 - fixed) // stage
     return max(1, min(config.max_concurrent_steps, fit, k_steps))
@@ -132,8 +153,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split_k
-    bw = bn // CONSUMERS
-    epi = min(bm, EPI_ROWS)
+    bh, bw = consumer_tile(config)
+    epi_r, epi_c = min(bh, EPI_ROWS), min(bw, EPI_COLS)
     n_tiles, k_part = n // bn, k // split
     mxfp8 = rhs_scales is not None
     group = k // rhs_scales.shape[1] if mxfp8 else 0
@@ -180,19 +201,27 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                 col0, k0 = ni * bn, ks * k_part
                 dst = out_ref.at[ks] if split > 1 else out_ref
 
-                def store(values):  # a consumer's [bm, bw] columns, epi rows at a time
+                # this consumer's rows and columns of the CTA tile; whether its rows hold any of [lo, hi)
+                by_rows = config.wg_split == "m"
+                r0 = pl.multiple_of(wg * bh, bh) if by_rows else 0
+                c0 = 0 if by_rows else pl.multiple_of(wg * bw, bw)  # whole swizzle atoms
+                active = (row0 + r0 < hi) & (row0 + r0 + bh > lo)
+
+                def store(values):  # a consumer's [bh, bw], one staging tile at a time
                     o = o_smem.at[wg]
-                    for c in range(0, bm, epi):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece's store left the tile
-                        o[...] = values[c : c + epi].astype(part_dtype)
-                        plgpu.commit_smem()
-                        _store_ladder(o, dst, row0=row0 + c, lo=jnp.maximum(lo, row0 + c),
-                                      hi=jnp.minimum(hi, row0 + c + epi), col0=col0 + wg * bw, rows=epi, cols=bw)
+                    for r in range(0, bh, epi_r):
+                        for c in range(0, bw, epi_c):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece left the tile
+                            o[...] = values[r : r + epi_r, c : c + epi_c].astype(part_dtype)
+                            plgpu.commit_smem()
+                            base = row0 + r0 + r
+                            _store_ladder(o, dst, row0=base, lo=jnp.maximum(lo, base), hi=jnp.minimum(hi, base + epi_r),
+                                          col0=col0 + c0 + c, rows=epi_r, cols=epi_c)
 
                 def step(idx, a_smem, b_smem, *rest):
                     acc_ref = rest[-1]
                     (kk,) = idx
-                    cols = pl.ds(pl.multiple_of(wg * bw, bw), bw)  # whole swizzle atoms
+                    cols = pl.ds(c0, bw)
                     if mxfp8:
                         w = w_smem.at[wg, lax.rem(kk, 2)]  # step kk - 2's MMA, its last reader, retired
                         dequantize_tile(b_smem.at[:, cols], rest[0].at[:, cols], w, group)
@@ -200,16 +229,17 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                         w = b_smem.at[cols].transpose((1, 0))
                     else:
                         w = b_smem.at[:, cols]
-                    plgpu.wgmma(acc_ref, a_smem, w)
+                    a = a_smem.at[pl.ds(r0, bh)] if by_rows else a_smem
+                    pl.when(active)(lambda: plgpu.wgmma(acc_ref, a, w))
                     plgpu.wgmma_wait(delay)
                     return acc_ref
 
                 def context(run):
                     def acc_scope(acc_ref):
                         run(acc_ref)
-                        store(acc_ref[...])
+                        pl.when(active)(lambda: store(acc_ref[...]))
 
-                    pl.run_scoped(acc_scope, plgpu.ACC((bm, bw), jnp.float32))
+                    pl.run_scoped(acc_scope, plgpu.ACC((bh, bw), jnp.float32))
 
                 @pl.when(grp < g)
                 def _():
@@ -223,14 +253,14 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                         args.append(scale_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)])
                     pipeline(step, context)(*args, allocations=allocs)
 
-                @pl.when((grp == g) & (wg < CONSUMERS))
+                @pl.when((grp == g) & (wg < CONSUMERS) & active)
                 def _():
-                    store(jnp.zeros((bm, bw), part_dtype))
+                    store(jnp.zeros((bh, bw), part_dtype))
 
             plgpu.wait_smem_to_gmem(0)  # the last stores, before the CTA exits
 
         scratch = {"allocs": pipeline(ignore, ignore).get_allocations(*operands),
-                   "o_smem": plgpu.SMEM((CONSUMERS, epi, bw), part_dtype)}
+                   "o_smem": plgpu.SMEM((CONSUMERS, epi_r, epi_c), part_dtype)}
         if mxfp8:
             scratch["w_smem"] = plgpu.SMEM((CONSUMERS, 2, bk, bw), jnp.bfloat16, transforms=swizzle_transforms(bw))
         pl.run_scoped(scoped, **scratch, collective_axes="wg")
