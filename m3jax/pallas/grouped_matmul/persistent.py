@@ -5,12 +5,13 @@ groups' sum zero, bf16 / fp8 + E8M0 weights, ``transpose_rhs`` for the backward)
 how the work is cut and who does what in a CTA.
 
 * Group-aligned row tiles (:func:`aligned_schedule`). Group ``g``'s rows ``[start, end)`` are cut
-  into ``cdiv(size, block_m)`` tiles that start at its first row; only a group's last tile holds
-  rows it does not own (multiplied, not stored). The pipeline kernel aligns tiles to multiples of
-  ``block_m`` and visits a straddled tile once per group: at M3's prefill (32,768 rows over 128
+  into tiles of ``block_m`` rows from ``start`` rounded down to a multiple of 8 (a TMA copy into
+  the 8-row-tiled SMEM layout starts at such a row); only the first 7 and the last tile's rows can
+  belong to other groups (multiplied, not stored). The pipeline kernel aligns tiles to multiples
+  of ``block_m`` and visits a straddled tile once per group: at M3's prefill (32,768 rows over 128
   experts, ~256 rows each, 128-row tiles) that is ~383 tiles of MMA work for 256 tiles of rows,
-  against ~2.5 tiles per expert (~320) here. TMA reads a tile at any row; the tile start is
-  clamped to ``M - block_m`` so the box stays inside ``lhs`` (rows ``[lo, hi)`` still lie inside).
+  against ~2.5 tiles per expert (~320) here. A tile start is clamped to ``M - block_m`` so the box
+  stays inside ``lhs`` (rows ``[lo, hi)`` still lie inside).
 * Persistent grid. One CTA per SM (at most one per work item) loops (``plgpu.nd_loop``) over the
   work items (visit, N tile, K split), K split then N tile varying fastest, so the CTAs running
   together share an expert's weights and a row tile; the live count comes from the schedule, so
@@ -25,15 +26,16 @@ how the work is cut and who does what in a CTA.
   columns (``m64n256`` MMAs at ``block_n=256``, the widest), and a consumer whose 64 rows hold none
   of the visit's skips its MMAs: the tensor cores multiply a group's rows at 64-row granularity
   while the CTA still loads 128-row tiles (half the weight reads per row of 64-row tiles).
-* MXFP8 weights (``wg_split="n"``). Each consumer dequantises its half of the fp8 tile (``tiles.dequantize_tile``)
-  into its own pair of bf16 SMEM tiles, then issues the MMA; its MMA of the previous step and the
-  other consumer's MMA run on the tensor cores during the conversion, which the single-warpgroup
-  kernel serialises with its own MMA issue. Its ``block_n / 2`` must be a multiple of 128 (a 128-byte
+* MXFP8 weights (``wg_split="n"``). Each consumer dequantises its half of the fp8 tile
+  (``tiles.dequantize_tile``) into its own pair of bf16 SMEM tiles, then issues the MMA; its MMA of
+  the previous step and the other consumer's MMA run on the tensor cores during the conversion,
+  which the single-warpgroup kernel can overlap with its own previous MMA only. Its ``block_n / 2`` must be a multiple of 128 (a 128-byte
   fp8 swizzle atom per consumer).
 * Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows x 128 columns at a time
   (the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``), and TMA-stores the
   piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional copies per piece;
-  the visits of one row tile own disjoint rows, so they never race). Zero-group visits store zeros, loading nothing.
+  the visits of one row tile own disjoint rows, so they never race). Zero-group visits store
+  zeros, loading nothing.
 * Split-K (``split_k > 1``, decode). Each item contracts ``K / split_k``; the items write fp32
   partials ``[split_k, M, N]`` that XLA sums. A decode step has a few rows per expert: its
   (visit, N tile) items alone leave SMs idle, and the weight stream (the bytes floor) needs all of
