@@ -241,15 +241,20 @@ class Engine:
         (default: the capacity) uses, and the decode program for ``sampling`` (and ``keep_logits``),
         and run one decode call (its first run loads the kernels), so that timings after it measure
         running, not compiling. The dummy call writes positions 0..N-1 of each row, which the real
-        prefill or decode rewrites before anything reads them. Returns the seconds spent."""
+        prefill or decode rewrites before anything reads them. Returns the seconds spent; their split
+        is in ``warmup_split`` (programs compiled or read back; the decode call)."""
         t0 = time.perf_counter()
         for w in sorted(set(self._windows(min(max_prompt_len or self.capacity, self.capacity)))):
             self._prefill_step(w)
+        decode = self._decode_program(sampling, keep_logits)
+        t1 = time.perf_counter()
         zeros = jax.device_put(np.zeros((self.batch,), np.int32), self._small_sharding)
         key = jax.device_put(np.zeros((2,), np.uint32), self._small_sharding)
-        out, *_, self.cache = self._decode_program(sampling, keep_logits)(self.params, self.cache, zeros, zeros, key)
+        out, *_, self.cache = decode(self.params, self.cache, zeros, zeros, key)
         jax.block_until_ready(out)
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.warmup_split = {"programs_s": t1 - t0, "first_decode_call_s": t2 - t1}
+        return t2 - t0
 
     @_under_mesh
     def prefill(self, row: int, prompt: Sequence[int] | jax.Array, on_progress: Callable[[int], None] | None = None):

@@ -499,6 +499,7 @@ def _generate(args) -> dict:
         "timings": {
             "load_s": load_s,
             "compile_s": compile_s,
+            **engine.warmup_split,
             "ttft_s": t["ttft_s"],
             "prefill_tok_per_s": t["prefill_tokens"] / t["ttft_s"],
             "decode_ms_per_token": 1e3 * t["decode_s"] / steps,
