@@ -794,6 +794,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-budget", type=cli.nonnegative_float, default=0.0,
                     help="seconds: time a few steps first, then set --steps to what fits (recorded in summary.json)")
+    ap.add_argument("--stop-after", type=cli.nonnegative_float, default=0.0,
+                    help="seconds: end the training loop at the first step past this wall time (the LR schedule "
+                         "still follows --steps), then evaluate and save as usual; 0 = run every step")
     ap.add_argument("--dense-warmup-frac", type=cli.fraction, default=0.0,
                     help="with --time-budget: the dense warm-up's share of the chosen steps")
     ap.add_argument("--data", choices=DATA_KINDS, default="stdlib",
@@ -918,6 +921,10 @@ def main(argv=None) -> int:
         print(f"step 0: held-out lm {lm0:.4f} kl {kl0:.4f} recall {rec0:.4f} answer ce {ans0:.4f}", flush=True)
     t_start = time.time()
     while int(state.step) < args.steps:
+        if args.stop_after and time.time() - t_start > args.stop_after:
+            print(f"--stop-after {args.stop_after:.0f}s: stopped at step {int(state.step)} of {args.steps}", flush=True)
+            save_state(mngr, state)
+            break
         s = int(state.step)
         mode = phases[0][0] if s < boundary else phases[-1][0]
         t0 = time.time()
@@ -946,7 +953,7 @@ def main(argv=None) -> int:
     save_pretrained(M3Model(cfg.replace(attention_impl="auto"), params), final,
                     dtype="bfloat16" if fmt == "mxfp8" else fmt, quantize_mxfp8_weights=fmt == "mxfp8")
     _write_tokenizer_files(tok, cfg, final)
-    summary = {"steps": int(state.step), "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
+    summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
                "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
                "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__}
