@@ -237,7 +237,7 @@ def generate_run(argv: list[str], env: dict, report: Path) -> dict:
     return {**tm, "cache_hits": cc["hits"], "cache_misses": cc["misses"], "programs_read": cc["aot"]["hits"],
             "programs_written": cc["aot"]["misses"], "process_s": wall,
             "to_first_token_s": wall - tm["decode_ms_per_token"] * tm["decode_steps"] / 1e3,
-            "peak_gib": r["peak_device_memory_bytes"] / 2**30}
+            "peak_gib": r["peak_device_memory_bytes"] / 2**30, "generated_ids": r["generated_ids"]}
 
 
 def _threaded(step, lp: dict, kv: LayerCache):
@@ -409,6 +409,9 @@ def markdown(res: dict) -> str:
                          f"{r['first_decode_call_s']:.1f}) | {r['cache_hits']} / "
                          f"{r['cache_misses']} | {r['programs_read']} / {r['programs_written']} | {r['ttft_s']:.1f} | "
                          f"{r['prefill_tok_per_s']:,.0f} | {r['decode_ms_per_token']:.2f} | {r['peak_gib']:.1f} |")
+        if len(res["generate"]) > 1:  # greedy: the programs read back must give the first run's tokens
+            same = all(r["generated_ids"] == res["generate"][0]["generated_ids"] for r in res["generate"])
+            lines += ["", f"Greedy tokens of every run equal the first run's: **{same}**."]
         lines.append("")
     if not res.get("layers"):
         return "\n".join(lines + (_decode_table(res["decode"]) + [""] if res.get("decode") else []))
