@@ -25,7 +25,7 @@ mkdir -p "$OUT/probe_long" "$OUT/btr"
 status=0
 
 echo "== probe at $PROBE_CTX ($(left) s left)"
-if ! timeout 190 python experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$PROBE_CTX" \
+if ! timeout 180 python experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$PROBE_CTX" \
         --out "$OUT/probe_long"; then
     echo "== the $PROBE_CTX probe failed or timed out: $FALLBACK_CTX instead ($(left) s left)"
     timeout 100 python experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$FALLBACK_CTX" \
@@ -33,7 +33,7 @@ if ! timeout 190 python experiments/2026-12-01_probe_long/probe_long.py --checkp
 fi
 
 echo "== fp8 vs bf16 index keys at $SWEEP_CTX ($(left) s left)"
-timeout 130 python experiments/2026-12-01_block_topk_retrieval/fp8_index.py --checkpoint "$CKPT" --ctx "$SWEEP_CTX" \
+timeout 150 python experiments/2026-12-01_block_topk_retrieval/fp8_index.py --checkpoint "$CKPT" --ctx "$SWEEP_CTX" \
     --trials 16 --out "$OUT/btr/fp8_index_$((SWEEP_CTX / 1024))k.json" || status=1
 
 SWEEP_SECONDS=$(( $(left) - 45 ))  # a cell started at the budget's end still finishes, and the plots run
