@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #17's GPU measurements on one checkpoint in one call of at most BUDGET seconds (default 560):
+# Issue #17's GPU measurements on one checkpoint in one call of at most BUDGET seconds (default 540; a 600 s device call):
 #   1. the 128K probe (experiments/2026-12-01_probe_long: kernels' selections, streamed dense recall),
 #      falling back to 32K when the 128K run fails or runs out of its time;
 #   2. fp8 vs bf16 index keys at 16K (fp8_index.py);
@@ -13,7 +13,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 CKPT=${1:-m3jax/assets/m3-small}
-BUDGET=${2:-560}
+BUDGET=${2:-540}
 PROBE_CTX=${PROBE_CTX:-131072}
 FALLBACK_CTX=${FALLBACK_CTX:-32768}
 SWEEP_CTX=${SWEEP_CTX:-16384}
