@@ -148,10 +148,10 @@ def prefill_gemms(cfg, mx, bf, chunk: int, iters: int) -> list[dict]:
     rows_n = chunk * k
     ids = jax.random.randint(jax.random.key(3), (rows_n,), 0, e)
     sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
-    config = _grouped_matmul_config(rows_n, e)
-    if on_gpu():
-        fb = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, config=config))
-        fm = jax.jit(lambda x, v, sc, s: grouped_matmul_mxfp8(x, v, sc, s, config=config))
+    if on_gpu():  # the MoE layer's configs (m3jax.moe._grouped_matmul_config) for these shapes
+        fb = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, config=_grouped_matmul_config(x.shape[0], w)))
+        fm = jax.jit(lambda x, v, sc, s: grouped_matmul_mxfp8(
+            x, v, sc, s, config=_grouped_matmul_config(x.shape[0], MXFP8Weight(v, sc))))
     else:  # the kernels in interpret mode would take minutes: the references' shapes end to end
         fb = jax.jit(jax.lax.ragged_dot)
         fm = jax.jit(lambda x, v, sc, s: jax.lax.ragged_dot(x, dequantize(MXFP8Weight(v, sc), x.dtype), s))

@@ -41,7 +41,7 @@ def _matmul(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str) -> jax.Array:
         from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
 
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        out = grouped_matmul_mxfp8(rows, one.values, one.scales, sizes, config=_grouped_matmul_config(rows.shape[0], 1))
+        out = grouped_matmul_mxfp8(rows, one.values, one.scales, sizes, config=_grouped_matmul_config(rows.shape[0], one))
         return out.reshape(*x.shape[:-1], -1)
     return x @ dequantize(w, x.dtype)
 
@@ -66,11 +66,13 @@ def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]
     return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
 
 
-def _grouped_matmul_config(m: int, g: int):
-    from m3jax.pallas.grouped_matmul import GroupedMatmulConfig
+def _grouped_matmul_config(m: int, w: jax.Array | MXFP8Weight):
+    """The kernel config for ``m`` rows times ``w [E, K, N]`` (tiles and schedule per regime)."""
+    from m3jax.pallas.grouped_matmul import layer_config
 
-    # Few rows per expert (decode, small batches): 64-row tiles waste less of each straddled tile.
-    return GroupedMatmulConfig(block_m=64 if m <= 64 * g else 128)
+    mx = isinstance(w, MXFP8Weight)
+    g, k, n = (w.values if mx else w).shape
+    return layer_config(m, k, n, g, w.scales.shape[1] if mx else None)
 
 
 _FALLBACK_WARNED: set[str] = set()
@@ -94,10 +96,10 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array | MXFP8Weight) -> st
 
     if isinstance(w, MXFP8Weight):
         (m, k), (g, _, n) = xs.shape, w.values.shape
-        reason = mxfp8_unsupported_reason(m, k, n, g, w.scales.shape[1], _grouped_matmul_config(m, g))
+        reason = mxfp8_unsupported_reason(m, k, n, g, w.scales.shape[1], _grouped_matmul_config(m, w))
     else:
         (m, k), (g, _, n) = xs.shape, w.shape
-        reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, g))
+        reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, w))
     shape_reason = reason
     if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.selfcheck, which warns)
         from m3jax.selfcheck import kernel_failure
@@ -124,13 +126,13 @@ def grouped_matmul(xs: jax.Array, w: jax.Array | MXFP8Weight, group_sizes: jax.A
         if use_kernel:
             from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
 
-            config = _grouped_matmul_config(xs.shape[0], w.values.shape[0])
+            config = _grouped_matmul_config(xs.shape[0], w)
             return grouped_matmul_mxfp8(xs, w.values, w.scales, group_sizes, config=config)
         w = dequantize(w, xs.dtype)
     if use_kernel:
         from m3jax.pallas.grouped_matmul import grouped_matmul as kernel
 
-        return kernel(xs, w, group_sizes, config=_grouped_matmul_config(xs.shape[0], w.shape[0]))
+        return kernel(xs, w, group_sizes, config=_grouped_matmul_config(xs.shape[0], w))
     return jax.lax.ragged_dot(xs, w, group_sizes)
 
 

@@ -341,3 +341,47 @@ def test_moe_layer_with_mxfp8_experts_pallas_matches_dequantised():
     ref = moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
     assert not _backend.interpret_races_found()
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 MoE pallas vs dequantised")
+
+
+def test_layer_config_per_regime(monkeypatch):
+    from m3jax.pallas.grouped_matmul import kernel, layer_config
+
+    assert layer_config(32768, 6144, 3072, 128) == GroupedMatmulConfig(block_m=128)  # today: the pipeline
+    assert layer_config(4, 6144, 3072, 128).block_m == 64
+    monkeypatch.setattr(kernel, "LAYER_SCHEDULE", {"prefill": "warp_specialized", "decode": "warp_specialized"})
+    prefill, prefill_mx = layer_config(32768, 6144, 3072, 128), layer_config(32768, 6144, 3072, 128, 192)
+    assert (prefill.schedule, prefill.wg_split, prefill_mx.wg_split) == ("warp_specialized", "m", "n")
+    decode = layer_config(4, 3072, 6144, 128)
+    assert (decode.schedule, decode.block_m, decode.split_k) == ("warp_specialized", 64, kernel.DECODE_SPLIT_K)
+    assert layer_config(4, 128, 256, 128).split_k == 2  # K = 128 takes two 64-deep parts at most
+    assert layer_config(4, 128, 128, 128).schedule == "pipeline"  # N = 128 is no multiple of block_n = 256
+
+
+def test_moe_layer_warp_specialized_matches_ragged_dot(monkeypatch):
+    # the MoE block on MXFP8 experts with the layer's configs switched to the warp-specialised schedule:
+    # 8 tokens x top-2 over 3 experts is the decode regime (split-K), the shared expert one group of 8 rows.
+    # The block's params are built here (a whole random model takes ~10 s to initialise on a CPU).
+    from m3jax.layers import MXFP8Weight, dequantize_tree
+    from m3jax.moe import moe_sorted
+    from m3jax.pallas.grouped_matmul import kernel
+    from tests.conftest import tiny_config
+
+    monkeypatch.setattr(kernel, "LAYER_SCHEDULE", {"prefill": "warp_specialized", "decode": "warp_specialized"})
+    monkeypatch.setattr(kernel, "DECODE_SPLIT_K", 2)  # fewer interpreted CTAs
+    cfg = tiny_config(hidden_size=256, intermediate_size=256, shared_intermediate_size=256, num_local_experts=3,
+                      num_experts_per_tok=2)
+    r = np.random.default_rng(3)
+
+    def mx(*lead, seed):  # one random expert, repeated; exponents lowered so that few gates hit the clamp
+        values, scales = _mxfp8_weights(1, 256, 256, seed=seed)
+        scales = jnp.where(scales[0] > 0, scales[0] - 12, 0).astype(jnp.uint8)
+        return MXFP8Weight(jnp.broadcast_to(values[0], (*lead, 256, 256)), jnp.broadcast_to(scales, (*lead, 8, 256)))
+
+    p = {"router": jnp.asarray(r.normal(size=(256, 3)), jnp.float32), "router_bias": jnp.zeros((3,), jnp.float32),
+         "gate": mx(3, seed=1), "up": mx(3, seed=2), "down": mx(3, seed=3),
+         "shared": {"gate": mx(seed=4), "up": mx(seed=5), "down": mx(seed=6)}}
+    x = jnp.asarray(r.normal(size=(8, 256)), jnp.bfloat16)
+    got = moe_sorted(x, p, cfg.text, impl="pallas")
+    ref = moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
+    assert not _backend.interpret_races_found()
+    assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MoE warp-specialised vs ragged_dot")

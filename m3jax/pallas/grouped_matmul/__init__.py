@@ -8,6 +8,9 @@ take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.rag
 ``grouped_matmul_mxfp8(lhs, values, scales, group_sizes, ...)``: the same with MXFP8 weights (float8_e4m3fn
 ``values [G, K, N]`` + uint8 E8M0 ``scales [G, K / 32, N]``), dequantised per tile in the kernel; its
 reference dequantises (``dequantize_mxfp8``) and multiplies. ``mxfp8_unsupported_reason`` its limits.
+
+``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`) or
+``"warp_specialized"`` (:mod:`.persistent`); ``layer_config`` is the MoE layer's choice per shape.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from m3jax.pallas.grouped_matmul import kernel as _kernel
 from m3jax.pallas.grouped_matmul import reference as _reference
 from m3jax.pallas.grouped_matmul.kernel import (
     GroupedMatmulConfig,
+    layer_config,
     mxfp8_unsupported_reason,
     tile_schedule,
     unsupported_reason,
 )
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8",
+__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "layer_config",
            "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 
 

@@ -103,6 +103,32 @@ class GroupedMatmulConfig:
     wg_split: str = "n"
 
 
+# The MoE layer's schedule per regime (decode: at most 64 rows per expert on average). The pipeline
+# until an H200 run of benchmarks/moe_grouped_matmul.py shows the warp-specialised one faster there
+# (prefill: time against the dense matmul; decode: against the weight-bytes floor), then switched
+# here; DECODE_SPLIT_K is the split that run measured best.
+LAYER_SCHEDULE = {"prefill": "pipeline", "decode": "pipeline"}
+DECODE_SPLIT_K = 4
+
+
+def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) -> GroupedMatmulConfig:
+    """The MoE layer's config for ``[m, k] x [g, k, n]`` (``k_groups``: MXFP8 weights' scale rows):
+    ``LAYER_SCHEDULE``'s for the regime, the pipeline's where that one cannot take the shape."""
+    decode = m <= 64 * g  # few rows per expert: 64-row tiles waste less of each tile
+    if LAYER_SCHEDULE["decode" if decode else "prefill"] == "warp_specialized":
+        if decode:
+            split = next(s for s in (DECODE_SPLIT_K, 2, 1) if k % (s * 64) == 0)
+            cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)
+        else:  # MXFP8: each consumer converts its own 128 fp8 columns
+            cfg = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized",
+                                      wg_split="n" if k_groups else "m")
+        reason = (mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) if k_groups
+                  else unsupported_reason(m, k, n, g, cfg))
+        if reason is None:
+            return cfg
+    return GroupedMatmulConfig(block_m=64 if decode else 128)
+
+
 def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConfig | None = None) -> str | None:
     """Why the kernel cannot take ``lhs [m, k] x rhs [g, k, n]`` (None when it can)."""
     c = config or GroupedMatmulConfig()
