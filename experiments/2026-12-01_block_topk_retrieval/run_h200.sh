@@ -18,6 +18,7 @@ PROBE_CTX=${PROBE_CTX:-131072}
 FALLBACK_CTX=${FALLBACK_CTX:-32768}
 SWEEP_CTX=${SWEEP_CTX:-16384}
 OUT=${OUT:-benchmarks/out}
+PY=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 END=$(( $(date +%s) + BUDGET ))
 left() { echo $(( END - $(date +%s) )); }
@@ -25,23 +26,23 @@ mkdir -p "$OUT/probe_long" "$OUT/btr"
 status=0
 
 echo "== probe at $PROBE_CTX ($(left) s left)"
-if ! timeout 180 python experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$PROBE_CTX" \
+if ! timeout 180 "$PY" experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$PROBE_CTX" \
         --out "$OUT/probe_long"; then
     echo "== the $PROBE_CTX probe failed or timed out: $FALLBACK_CTX instead ($(left) s left)"
-    timeout 100 python experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$FALLBACK_CTX" \
+    timeout 100 "$PY" experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$FALLBACK_CTX" \
         --out "$OUT/probe_long" || status=1
 fi
 
 echo "== fp8 vs bf16 index keys at $SWEEP_CTX ($(left) s left)"
-timeout 150 python experiments/2026-12-01_block_topk_retrieval/fp8_index.py --checkpoint "$CKPT" --ctx "$SWEEP_CTX" \
+timeout 150 "$PY" experiments/2026-12-01_block_topk_retrieval/fp8_index.py --checkpoint "$CKPT" --ctx "$SWEEP_CTX" \
     --trials 16 --out "$OUT/btr/fp8_index_$((SWEEP_CTX / 1024))k.json" || status=1
 
 SWEEP_SECONDS=$(( $(left) - 45 ))  # a cell started at the budget's end still finishes, and the plots run
 echo "== quality sweep at $SWEEP_CTX, new cells for ${SWEEP_SECONDS} s"
 if [ "$SWEEP_SECONDS" -gt 30 ]; then
-    timeout $(( SWEEP_SECONDS + 40 )) python experiments/2026-12-01_block_topk_retrieval/sweep.py \
+    timeout $(( SWEEP_SECONDS + 40 )) "$PY" experiments/2026-12-01_block_topk_retrieval/sweep.py \
         --checkpoint "$CKPT" --ctx "$SWEEP_CTX" --query-chunk 512 --out "$OUT/btr" --max-seconds "$SWEEP_SECONDS" \
         || status=1
 fi
-python experiments/2026-12-01_block_topk_retrieval/sweep.py --plot --out "$OUT/btr" --plots "$OUT/btr/plots" || status=1
+"$PY" experiments/2026-12-01_block_topk_retrieval/sweep.py --plot --out "$OUT/btr" --plots "$OUT/btr/plots" || status=1
 exit $status
