@@ -18,8 +18,9 @@ one layer) and records, for every MSA layer:
 and for every MoE layer ``experts`` int32 [B, T, k] (routed expert ids). Cross-group and
 cross-layer Jaccard overlap and distance-from-query histograms are computed from the selections.
 The residual stream is the model's own (same functions, the kernels on ``attention_impl="pallas"``),
-so ``result.logits`` equals ``m3jax.forward``'s. The dense side never builds more than one
-[heads, query chunk, key tile] array: 128K tokens probe on one GPU. Interventions are config fields, e.g.
+so ``result.logits`` equals ``m3jax.forward``'s. Per query chunk, dense attention is streamed over key
+tiles ([heads, chunk, key tile] at a time) and the index scores are [index heads, chunk, S]: no [T, T]
+array, sized for 128K tokens on one GPU. Interventions are config fields, e.g.
 ``model.config.replace_text(index_topk_blocks=8)``, ``msa_force_in=((layer, block),)``, or a layer
 switched to dense by editing ``layer_types`` (:func:`with_dense_layers`).
 """
