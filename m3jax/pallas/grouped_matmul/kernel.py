@@ -226,7 +226,7 @@ def _store_rows(o_smem, out_ref, *, t0, lo, hi, col0, block_m, block_n):
 def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMatmulConfig, transpose_rhs=False,
                  interpret=None, rhs_scales=None):
     """The groups cover rows [0, m_used) of lhs bf16 [M, K] (M >= block_m; rows past m_used come out
-    unspecified, the callers cut them); rhs bf16 [G, K, N], or
+    unspecified or not at all, the callers cut them); rhs bf16 [G, K, N], or
     [G, N, K] with ``transpose_rhs`` (the backward's d lhs = d out . rhs^T, without a transpose copy), or
     float8_e4m3fn [G, K, N] with ``rhs_scales`` uint8 [G, K / group, N] (MXFP8: dequantised per tile in
     the kernel, :func:`.tiles.dequantize_tile`). ``config.schedule`` picks the kernel."""

@@ -149,8 +149,8 @@ def _store_ladder(o_smem, dst, *, row0, lo, hi, col0, rows, cols):
 
 
 def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=False, interpret=None, rhs_scales=None):
-    """``out [M_rows, N]`` (``lhs [M_rows, K]``, M_rows >= block_m; rows >= m unspecified) as
-    :func:`.kernel._kernel_call`, on this schedule; ``m`` is the rows the groups cover."""
+    """``out [M_rows, N]`` (``lhs [M_rows, K]``, M_rows >= block_m; rows >= m unspecified; with split-K
+    ``[m, N]``) as :func:`.kernel._kernel_call`, on this schedule; ``m`` is the rows the groups cover."""
     m_rows, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -278,4 +278,5 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
         thread_name="wg",
     )
     out = kern(sched, live, lhs, rhs, *((rhs_scales,) if mxfp8 else ()))
-    return out.sum(0).astype(out_dtype) if split > 1 else out
+    # the partials' live rows only (a decode step's few rows sit in a block_m-row padded tile)
+    return out[:, :m].sum(0).astype(out_dtype) if split > 1 else out
