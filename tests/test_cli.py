@@ -192,6 +192,7 @@ def test_train_resume_without_a_checkpoint_says_so(tmp_path, capsys, monkeypatch
     (["--steps", "10", "--dense-warmup-steps", "20"], "--dense-warmup-steps 20 exceeds --steps 10"),
     (["--batch", "3", "--data-parallel", "2"], "--batch 3 does not split over --data-parallel 2"),
     (["--resume", "--overwrite"], "not allowed with argument"),
+    (["--stop-after", "-5"], "argument --stop-after: must be >= 0, got -5"),
 ])
 def test_train_refuses_bad_arguments_before_touching_out(tmp_path, capsys, argv, needle):
     _refused(tr.main, ["--out", str(tmp_path / "run")] + argv, capsys, needle)
