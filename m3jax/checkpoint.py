@@ -294,6 +294,15 @@ def _read_mxfp8(reader: CheckpointReader, name: str, hf_shape) -> tuple[np.ndarr
     return a, scale
 
 
+def require_mxfp8_storage(reader: CheckpointReader, plan: list[Entry]) -> None:
+    """Refuse ``weights="mxfp8"`` on a checkpoint whose weights are not stored as MXFP8 before anything
+    is loaded: every MXFP8 entry's first tensor and its scales are checked from the memory maps (headers
+    only, no data read), so the error names the file and tensor at once instead of midway through a load."""
+    for e in plan:
+        if e.mxfp8:
+            _read_mxfp8(reader, e.names[0], e.hf_shape())
+
+
 def _mxfp8_leaf(reader: CheckpointReader, e: Entry, index: tuple | None = None,
                 parts: tuple[str, ...] = ("values", "scales")) -> tuple[dict[str, np.ndarray], list[str]]:
     """An MXFP8 entry's ``parts`` ("values", "scales") in our layout, read without dequantising: the
@@ -375,6 +384,7 @@ def iter_checkpoint_arrays(
 
     reader = CheckpointReader(directory)
     plan = tensor_plan(cfg, weights)
+    require_mxfp8_storage(reader, plan)
     unexpected = {n for n in reader.names() if not IGNORED.search(n)}
     bar = tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress)
     for e in bar:

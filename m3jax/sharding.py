@@ -303,7 +303,15 @@ def load_sharded(
     """
     from tqdm.auto import tqdm
 
-    from m3jax.checkpoint import IGNORED, CheckpointError, CheckpointReader, _get, read_entry_shard, tensor_plan
+    from m3jax.checkpoint import (
+        IGNORED,
+        CheckpointError,
+        CheckpointReader,
+        _get,
+        read_entry_shard,
+        require_mxfp8_storage,
+        tensor_plan,
+    )
 
     reader = CheckpointReader(directory)
     plan = tensor_plan(cfg, weights)
@@ -316,6 +324,7 @@ def load_sharded(
     missing = sorted(n for e in plan for n in e.names if not reader.has(n))
     if missing:
         raise CheckpointError(f"{directory}: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    require_mxfp8_storage(reader, plan)
     unexpected = {n for n in reader.names() if not IGNORED.search(n)} - expected
     if unexpected:
         raise CheckpointError(

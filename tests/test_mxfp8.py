@@ -29,7 +29,7 @@ import m3jax
 from m3jax import memory
 from m3jax import plan as plan_cli
 from m3jax import sharding as sh
-from m3jax.checkpoint import CheckpointError, CheckpointReader
+from m3jax.checkpoint import CheckpointError, CheckpointReader, iter_checkpoint_arrays
 from m3jax.config import preset
 from m3jax.layers import MXFP8Weight
 from tests.conftest import FIXTURES, TOL, rel_l2, tiny_config
@@ -103,6 +103,13 @@ def test_weights_mxfp8_needs_an_mxfp8_checkpoint(wide_checkpoint, tmp_path):
     path = m3jax.save_pretrained(model, tmp_path / "bf16", dtype="bfloat16")
     with pytest.raises(CheckpointError, match="not MXFP8"):
         m3jax.load_pretrained(path, progress=False, weights="mxfp8")
+    # Refused before the first leaf is converted (the embedding comes first and is not MXFP8), on both
+    # loaders: a wrong choice costs no loading time.
+    arrays = iter_checkpoint_arrays(path, model.config, progress=False, weights="mxfp8")
+    with pytest.raises(CheckpointError, match="not MXFP8"):
+        next(arrays)
+    with pytest.raises(CheckpointError, match="not MXFP8"):
+        sh.load_sharded(path, model.config, sh.make_mesh(1), weights="mxfp8")
     with pytest.raises(ValueError, match="weights="):
         m3jax.load_pretrained(path, progress=False, weights="fp8")
 
