@@ -181,24 +181,25 @@ def dense_block_mass(q, k, v, q_pos, block_size: int, key_tile: int = 4096):
     qg = q.reshape(b, c, kh, g, h).astype(jnp.float32)
     last = jnp.max(q_pos)
 
+    def compute(start, kt, vt):
+        logits = jnp.einsum("bckgh,bskh->bkgcs", qg, kt.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
+        ok = (start + jnp.arange(tile))[None, None, :] <= q_pos[:, :, None]  # [B, C, tile]
+        logits = jnp.where(ok[:, None, None], logits, msa.NEG_INF)
+        p = msa._softmax_or_zero(logits)  # [B, K, G, C, tile]
+        o = jnp.einsum("bkgcs,bskh->bckgh", p, vt.astype(jnp.float32), precision=msa.HIGHEST)
+        lse = jnp.moveaxis(jax.nn.logsumexp(logits, axis=-1), 3, 1).reshape(b, c, n)
+        mass = p.reshape(b, n, c, per_tile, block_size).sum(-1)
+        return o.reshape(b, c, n, h), lse, mass
+
+    if n_tiles == 1:  # every key in one tile (short rows): the plain softmax, nothing to merge or skip
+        o, _, mass = compute(0, *(jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (k, v)))
+        return o, mass[..., :nb]
+
     def one(args):
         start, kt, vt = args
-
-        def compute():
-            logits = jnp.einsum("bckgh,bskh->bkgcs", qg, kt.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
-            ok = (start + jnp.arange(tile))[None, None, :] <= q_pos[:, :, None]  # [B, C, tile]
-            logits = jnp.where(ok[:, None, None], logits, msa.NEG_INF)
-            p = msa._softmax_or_zero(logits)  # [B, K, G, C, tile]
-            o = jnp.einsum("bkgcs,bskh->bckgh", p, vt.astype(jnp.float32), precision=msa.HIGHEST)
-            lse = jnp.moveaxis(jax.nn.logsumexp(logits, axis=-1), 3, 1).reshape(b, c, n)
-            mass = p.reshape(b, n, c, per_tile, block_size).sum(-1)
-            return o.reshape(b, c, n, h), lse, mass
-
-        def empty():
-            return (jnp.zeros((b, c, n, h), jnp.float32), jnp.full((b, c, n), msa.NEG_INF),
-                    jnp.zeros((b, n, c, per_tile), jnp.float32))
-
-        return jax.lax.cond(start <= last, compute, empty)
+        empty = lambda: (jnp.zeros((b, c, n, h), jnp.float32), jnp.full((b, c, n), msa.NEG_INF),  # noqa: E731
+                         jnp.zeros((b, n, c, per_tile), jnp.float32))
+        return jax.lax.cond(start <= last, lambda: compute(start, kt, vt), empty)
 
     starts = jnp.arange(n_tiles, dtype=jnp.int32) * tile
     o_t, lse_t, mass_t = jax.lax.map(one, (starts, tiles(k), tiles(v)))
