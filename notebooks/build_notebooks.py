@@ -138,6 +138,16 @@ NOTEBOOKS_02 = {
                  "    layers = sorted(r['per_layer'], key=int)\n"
                  "    ax.plot([int(l) for l in layers], [r['per_layer'][l]['recall_tail'] for l in layers], 'o-', label=r['cell'])\n"
                  "ax.set(xlabel='layer', ylabel='recall (tail)', ylim=(0, 1.02))\nax.legend(fontsize=7);"),
+        ("md", "## fp8 e4m3 index keys against bf16 (2026-12-01 sweep)\n\nFrom `fp8_index.py` on the same checkpoint: "
+               "share of selection rows with equal block sets, recall of the dense mass and needle accuracy per key dtype."),
+        ("code", "fp8 = sorted((SWEEPS[0] / 'results').glob('fp8_index_*.json'))\n"
+                 "for f in fp8:\n"
+                 "    r = json.loads(f.read_text())\n"
+                 "    print(f\"{f.name}: ctx {r['ctx']}, rows equal {r['rows_equal']:.4f} \"\n"
+                 "          f\"(per layer {', '.join(f'{k}: {v:.3f}' for k, v in r['rows_equal_per_layer'].items())})\")\n"
+                 "    for name in ('bfloat16', 'float8_e4m3fn'):\n"
+                 "        print(f\"  {name:>14}: recall {r[name]['recall_mean']:.4f}, needle accuracy {r[name]['needle_accuracy']:.2f}\")\n"
+                 "if not fp8:\n    print('no fp8_index results committed yet: run fp8_index.py (README of the 2026-12-01 sweep)')"),
         ("md", "## Speed of the whole MSA step vs cuDNN dense (128K context, M3 shapes)\n\nFrom `sweep.py --speed` on a "
                "GPU; block 32 is outside what the Pallas kernels take (recorded with the reason)."),
         ("code", "if (plots / 'speedup.png').exists():\n    display(Image(str(plots / 'speedup.png')))\n"
