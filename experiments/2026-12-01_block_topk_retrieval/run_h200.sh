@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #17's GPU measurements on one checkpoint in one call of at most BUDGET seconds (default 540; a 600 s device call):
 #   1. the 128K probe (experiments/2026-12-01_probe_long: kernels' selections, streamed dense recall),
-#      falling back to 32K when the 128K run fails or runs out of its time;
+#      falling back to 32K on the jnp reference path when the 128K run fails or runs out of its time;
 #   2. fp8 vs bf16 index keys at 16K (fp8_index.py);
 #   3. the block x top-k quality sweep at 16K with whatever time is left (resumable: the same command
 #      continues it), then its plots.
@@ -28,9 +28,9 @@ status=0
 echo "== probe at $PROBE_CTX ($(left) s left)"
 if ! timeout 180 "$PY" experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$PROBE_CTX" \
         --out "$OUT/probe_long"; then
-    echo "== the $PROBE_CTX probe failed or timed out: $FALLBACK_CTX instead ($(left) s left)"
+    echo "== the $PROBE_CTX probe failed or timed out: $FALLBACK_CTX on the reference path ($(left) s left)"
     timeout 100 "$PY" experiments/2026-12-01_probe_long/probe_long.py --checkpoint "$CKPT" --ctx "$FALLBACK_CTX" \
-        --out "$OUT/probe_long" || status=1
+        --attention-impl reference --out "$OUT/probe_long" || status=1
 fi
 
 echo "== fp8 vs bf16 index keys at $SWEEP_CTX ($(left) s left)"
