@@ -15,8 +15,9 @@
 # accuracy at 16K is 1.00 with native MSA (32 trials) and 1.00 all-dense (16 trials). Starting at 16K
 # directly (437 steps, the previous recipe) learned nothing: the answers' cost stayed at 3.3 nats.
 #
-#   bash scripts/build_m3_small.sh                # one H200: ~15 min in all (stage 2's end-of-run
-#                                                 # evaluation at 16K takes 2-3 min)
+#   bash scripts/build_m3_small.sh                # one H200: ~9 min for stage 1, ~8 for stage 2 (its
+#                                                 # end-of-run evaluation at 16K takes 2-3 min); run again
+#                                                 # after stage 1 alone and it goes on with stage 2
 #   INSTALL=0 RUN_DIR=/tmp/smoke STAGE1="--steps 2 --seq-len 256 --batch 2 --attention-chunk 256" \
 #     STAGE2="--steps 2 --seq-len 512 --batch 1 --attention-chunk 512" bash scripts/build_m3_small.sh   # CPU smoke
 #
@@ -29,14 +30,21 @@ cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/m3-small}
 PY=${PYTHON:-python}
 COMMON=(--config m3_small --data retrieval --kv-per-1k 8 --task-share 0.5 --tokenizer-from m3jax/assets/m3-small
-        --eval-batches 1 --ckpt-every 500)
-# shellcheck disable=SC2086  # STAGE1/STAGE2 are word lists on purpose
-"$PY" -m m3jax.train "${COMMON[@]}" --mode dense_warmup --steps 2500 --seq-len 1024 --batch 16 --attention-chunk 1024 \
-  --lr 2e-3 --warmup 50 --eval-every 500 --save-format float32 --out "$RUN_DIR/stage1" ${STAGE1:-} "$@"
+        --ckpt-every 500)
+# A finished stage 1 (its summary.json is written last) is not run again: each stage fits one
+# 10-minute GPU job, and stage 1's bf16 weights (36 MB) are what a second job needs to carry.
+if [ -f "$RUN_DIR/stage1/summary.json" ]; then
+  echo "stage 1 done earlier: $RUN_DIR/stage1/model"
+else
+  # shellcheck disable=SC2086  # STAGE1/STAGE2 are word lists on purpose
+  "$PY" -m m3jax.train "${COMMON[@]}" --mode dense_warmup --steps 2500 --seq-len 1024 --batch 16 --attention-chunk 1024 \
+    --lr 2e-3 --warmup 50 --eval-every 500 --eval-batches 2 --save-format bfloat16 --out "$RUN_DIR/stage1" --resume \
+    ${STAGE1:-} "$@"
+fi
 # shellcheck disable=SC2086
 "$PY" -m m3jax.train "${COMMON[@]}" --mode sparse --init-from "$RUN_DIR/stage1/model" --steps 420 --stop-after 290 \
-  --seq-len 16384 --batch 1 --attention-chunk 4096 --lr 1e-3 --warmup 20 --eval-every 100000 --save-format mxfp8 \
-  --out "$RUN_DIR/stage2" ${STAGE2:-} "$@"
+  --seq-len 16384 --batch 1 --attention-chunk 4096 --lr 1e-3 --warmup 20 --eval-every 100000 --eval-batches 1 \
+  --save-format mxfp8 --out "$RUN_DIR/stage2" --resume ${STAGE2:-} "$@"
 if [ "${INSTALL:-1}" = 1 ]; then
   mkdir -p m3jax/assets/m3-small
   cp "$RUN_DIR"/stage2/model/* "$RUN_DIR"/stage2/summary.json "$RUN_DIR"/stage2/train_log.csv \
