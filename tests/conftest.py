@@ -82,3 +82,16 @@ def tiny_text(**kw) -> TextConfig:
 def tiny_config(vision: bool = False, **text_kw) -> M3Config:
     v = VisionConfig(hidden_size=40, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2) if vision else None
     return M3Config(text=tiny_text(**text_kw), vision=v, image_token_id=90, video_token_id=91, projector_hidden_size=24)
+
+
+@pytest.fixture(scope="session")
+def byte_text_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random checkpoint (read-only for its users) whose text goes through the byte fallback:
+    vocab >= 256 so UTF-8 bytes are ids, media placeholders outside the byte range; MSA block 16, top-2."""
+    import m3jax
+
+    cfg = tiny_config(vocab_size=300, index_block_size=16, index_topk_blocks=2).replace(image_token_id=298,
+                                                                                        video_token_id=299)
+    path = tmp_path_factory.mktemp("byte_text") / "tiny"
+    m3jax.save_pretrained(m3jax.init_random(cfg, seed=0), path)
+    return path

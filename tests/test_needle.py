@@ -8,10 +8,8 @@ import json
 import numpy as np
 import pytest
 
-import m3jax
 from m3jax import needle
 from m3jax import train as tr
-from tests.conftest import tiny_config
 
 # Filler ids far above the UTF-8 byte ids of the planted lines: a token >= FILLER is text, below is planted.
 FILLER = 1000
@@ -87,18 +85,8 @@ def test_needle_row():
     assert abs(row.value_at - 150) < 25  # at the requested depth (a line is ~20 bytes)
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    # vocab >= 256 so the byte fallback encodes the text; media placeholders outside the byte range.
-    cfg = tiny_config(vocab_size=300, index_block_size=16, index_topk_blocks=2).replace(image_token_id=298,
-                                                                                        video_token_id=299)
-    path = tmp_path_factory.mktemp("needle") / "tiny"
-    m3jax.save_pretrained(m3jax.init_random(cfg, seed=0), path)
-    return path
-
-
-def test_needle_cli(tiny_ckpt, tmp_path):
-    argv = ["--checkpoint", str(tiny_ckpt), "--ctx", "192", "--trials", "4", "--seed", "1", "--depths", "0.2", "0.8"]
+def test_needle_cli(byte_text_checkpoint, tmp_path):
+    argv = ["--checkpoint", str(byte_text_checkpoint), "--ctx", "192", "--trials", "4", "--seed", "1", "--depths", "0.2", "0.8"]
     out = tmp_path / "n.json"
     res = needle.main(argv + ["--output-json", str(out)])
     saved = json.loads(out.read_text())

@@ -8,11 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
-import m3jax
-from tests.conftest import tiny_config
-
 EXP = Path(__file__).resolve().parent.parent / "experiments" / "2026-12-01_block_topk_retrieval"
 
 
@@ -27,25 +22,15 @@ def _load(name):
 sweep = _load("sweep")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    # vocab >= 256: the byte fallback encodes the held-out text; media placeholders outside the bytes
-    cfg = tiny_config(vocab_size=300, index_block_size=16, index_topk_blocks=2).replace(image_token_id=298,
-                                                                                        video_token_id=299)
-    path = tmp_path_factory.mktemp("btr") / "tiny"
-    m3jax.save_pretrained(m3jax.init_random(cfg, seed=0), path)
-    return path
-
-
 def test_cell_order_puts_dense_native_and_budget_first():
     cells = sweep.bt.grid_cells((16, 32), (2, 4, 8), 64)
     order = [c.name for c in sweep.cell_order(cells, 32, 4, 64)]
     assert order[:4] == ["dense", "b32_k4", "b16_k4", "b32_k2"] and sorted(order) == sorted(c.name for c in cells)
 
 
-def test_sweep_on_a_checkpoint_budget_resume_and_plot(ckpt, tmp_path):
+def test_sweep_on_a_checkpoint_budget_resume_and_plot(byte_text_checkpoint, tmp_path):
     out = tmp_path / "results"
-    argv = ["--quick", "--checkpoint", str(ckpt), "--ctx", "128", "--n-needles", "1", "--blocks", "16", "--topks", "2",
+    argv = ["--quick", "--checkpoint", str(byte_text_checkpoint), "--ctx", "128", "--n-needles", "1", "--blocks", "16", "--topks", "2",
             "--budget", "0", "--out", str(out)]
     assert sweep.main(argv + ["--max-seconds", "1e-9"]) == 0  # budget spent before the first cell: nothing run
     assert not (out / "quality.jsonl").exists()
@@ -64,10 +49,10 @@ def test_sweep_on_a_checkpoint_budget_resume_and_plot(ckpt, tmp_path):
     assert "| dense |" in summary and "| b16_k2 |" in summary and (plots / "quality_heatmaps.png").exists()
 
 
-def test_fp8_index_on_a_checkpoint(ckpt, tmp_path):
+def test_fp8_index_on_a_checkpoint(byte_text_checkpoint, tmp_path):
     fp8 = _load("fp8_index")
     out = tmp_path / "fp8.json"
-    assert fp8.main(["--checkpoint", str(ckpt), "--ctx", "128", "--n-docs", "1", "--trials", "2", "--out", str(out)]) == 0
+    assert fp8.main(["--checkpoint", str(byte_text_checkpoint), "--ctx", "128", "--n-docs", "1", "--trials", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert 0 <= res["rows_equal"] <= 1 and set(res["rows_equal_per_layer"]) == {"1", "2"}
     for name in ("bfloat16", fp8.FP8):
