@@ -2,7 +2,9 @@
 # The test command (README, .ci/run): builds the transformers oracle venv (Python 3.11, CPU torch)
 # on first use, regenerates the oracle fixtures, then runs the whole pytest suite with the current
 # Python (3.12, m3jax installed). Extra arguments go to pytest. A second oracle venv with torchvision
-# (tests/oracle/requirements-vision.txt) writes the image/video processor fixtures.
+# (tests/oracle/requirements-vision.txt) writes the image/video processor fixtures. pip keeps no
+# cache copy of the wheels (--no-cache-dir): on x86_64 the vision venv's torch is a CUDA build of
+# several GB, and a CI run once ran out of disk while installing it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/find_python.sh
@@ -11,7 +13,7 @@ if [ ! -x "$ORACLE/bin/python" ] || ! "$ORACLE/bin/python" -c "import torch, tra
   echo "== building the oracle venv in $ORACLE (Python 3.11, torch CPU, transformers)"
   "$(find_python 3.11)" -m venv "$ORACLE"
   "$ORACLE/bin/python" -m pip install -q --upgrade pip
-  "$ORACLE/bin/python" -m pip install -q -r tests/oracle/requirements.txt
+  "$ORACLE/bin/python" -m pip install -q --no-cache-dir -r tests/oracle/requirements.txt
 fi
 echo "== regenerating oracle fixtures"
 "$ORACLE/bin/python" tests/oracle/make_fixtures.py --out tests/fixtures
@@ -20,7 +22,7 @@ if [ ! -x "$VISION/bin/python" ] || ! "$VISION/bin/python" -c "import torch, tor
   echo "== building the vision oracle venv in $VISION (Python 3.11, torch + torchvision, transformers)"
   "$(find_python 3.11)" -m venv "$VISION"
   "$VISION/bin/python" -m pip install -q --upgrade pip
-  "$VISION/bin/python" -m pip install -q -r tests/oracle/requirements-vision.txt
+  "$VISION/bin/python" -m pip install -q --no-cache-dir -r tests/oracle/requirements-vision.txt
 fi
 echo "== regenerating processor fixtures (transformers' image/video processors)"
 "$VISION/bin/python" tests/oracle/make_processor_fixtures.py --out tests/fixtures/processor
