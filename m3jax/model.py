@@ -223,7 +223,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 
     stats = jnp.zeros((b, kh, g, c), jnp.float32)
     visible = jnp.clip(jnp.max(q_pos) // kb + 1, 1, n_blocks)
-    m, l, acc = jax.lax.fori_loop(0, visible, body, (stats - jnp.inf, stats, jnp.zeros((b, kh, g, c, h), jnp.float32)))
+    _, l, acc = jax.lax.fori_loop(0, visible, body, (stats - jnp.inf, stats, jnp.zeros((b, kh, g, c, h), jnp.float32)))
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, c, n, h).astype(q.dtype)
 

@@ -67,7 +67,6 @@ arguments end in one ``error:`` line and exit status 2 (``--debug`` for the trac
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import functools
@@ -900,12 +899,14 @@ def main(argv=None) -> int:
         task_evals = [retrieval_batch(held_stream, i, args.batch, args.seq_len, args.seed, encode, args.kv_per_1k,
                                       answers_only=True) for i in range(args.eval_batches)]
 
-    def evaluate(params):
-        """(held-out text lm, kl, recall, answer CE of the held-out retrieval rows or NaN)."""
+    def evaluate(params, rec=None):
+        """(held-out text lm, kl, recall, answer CE of the held-out retrieval rows or NaN). ``rec``: the
+        per-layer recall when the caller has it already (a probe pass at 16K takes tens of seconds)."""
         ms = [eval_step(params, b) for b in evals]
         lm = float(np.mean([m["lm"] for m in ms]))
         kl = float(np.mean([m["kl"] for m in ms]))
-        rec = mean_recall(params, cfg, probe_tokens) if cfg.text.has_sparse_layers else {}
+        if rec is None:
+            rec = mean_recall(params, cfg, probe_tokens) if cfg.text.has_sparse_layers else {}
         ans = float(np.mean([eval_step(params, b)["lm"] for b in task_evals])) if task_evals else float("nan")
         return lm, kl, float(np.mean(list(rec.values()))) if rec else float("nan"), ans
 
@@ -957,11 +958,12 @@ def main(argv=None) -> int:
                "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
                "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    rec = None
     if cfg.text.has_sparse_layers:
         untrained = with_index_branch(params, index_init)
-        summary["recall_trained_index"] = mean_recall(params, cfg, probe_tokens)
+        rec = summary["recall_trained_index"] = mean_recall(params, cfg, probe_tokens)
         summary["recall_initial_index"] = mean_recall(untrained, cfg, probe_tokens)
-    lm, kl, _, ans = evaluate(params)
+    lm, kl, _, ans = evaluate(params, rec)
     summary.update(heldout_lm=lm, heldout_kl=kl)
     if args.data == "retrieval":
         summary.update(heldout_answer_ce=ans, kv_per_1k=args.kv_per_1k, task_share=args.task_share,

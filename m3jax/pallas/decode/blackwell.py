@@ -95,7 +95,7 @@ def decode_index_scores_tcgen05(
     [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx], page_table int32 [B, max_pages], seq_lens
     int32 [B] -> fp32 [B, Hi, Q, max_pages], -inf for blocks with no visible key.
     """
-    b, q, hi, hx, num_pages, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size,
+    b, q, hi, hx, _, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size,
                                                            "tcgen05 M tiles of 64/128")
     n_rows = hi * q
     m_tile = 128 if bs % 128 == 0 else 64

@@ -162,7 +162,7 @@ def decode_index_scores_kernel(
       fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
       blocks with no visible key (future or unused pages).
     """
-    b, q, hi, hx, num_pages, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
+    b, q, hi, hx, _, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
     n_rows = hi * q
     n_pad = _round_up(n_rows, 8)
     if n_pad > 256:

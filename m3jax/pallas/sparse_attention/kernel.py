@@ -586,7 +586,7 @@ def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bo
     """LSE-combine of the partials (docs/MSA.md §1.5), XLA gather + reduce. Returns [B, T, N, H] (and LSE)."""
     kh, rows, h = o_stage.shape
     g = n_heads // kh
-    b, _, t, topk = epos.shape
+    b, _, t, _ = epos.shape
     o4 = o_stage.reshape(kh, rows // g, g, h)
     l3 = lse_stage.reshape(kh, rows // g, g)
     hi = jnp.arange(kh)[None, :, None, None]
