@@ -19,10 +19,13 @@ the devices and the kernels' target, so an entry is only ever read by the code t
 
 Programs are exported over their flat input leaves and return flat leaves; the caller declares the
 output pytree (``out_tree``), so a hit needs no trace at all. Programs over several devices (the
-engine under a mesh) are compiled directly, not cached: an export would carry abstract-mesh
-shardings that this format does not store. Neither are programs with effects or with custom calls
-outside :data:`SAFE_CUSTOM_CALLS` (interpret-mode kernels call back into Python). A bad entry (torn
-write, other format, another key) is reported with a warning and rebuilt.
+engine under a mesh) are exported with their inputs' shardings: the header keeps each one's abstract
+mesh (axis names, sizes and types, device kind) and partition spec, and the program is read back onto
+whichever devices its arguments sit on (the key holds their shardings, devices included). Programs
+with effects or with custom calls outside :data:`SAFE_CUSTOM_CALLS` are compiled directly, with one
+warning: interpret-mode kernels call back into Python, and cuDNN attention on several devices goes
+through ``custom_partitioning``, whose call holds a Python pointer. A bad entry (torn write, other
+format, another key) is reported with a warning and rebuilt.
 
 Compiled programs are also kept in memory for the process (a second engine reuses them);
 :func:`clear` drops those (a benchmark's "second run" in one process). Nothing is evicted from the
@@ -50,11 +53,10 @@ import jax
 import numpy as np
 from jax import export
 
-FORMAT = 1
+FORMAT = 2  # 2: shardings and the device count in the header
 # Custom calls besides jax.export's stable set (which has the Mosaic GPU kernels' mosaic_gpu_v2) that
-# may be stored: cuDNN's forward flash attention (single device: everything in its backend config).
-# Under a mesh it goes through custom_partitioning, whose call holds a Python pointer; meshes are not
-# cached.
+# may be stored: cuDNN's forward flash attention as one device runs it (everything in its backend
+# config). Under a mesh XLA partitions it through custom_partitioning, which export refuses.
 SAFE_CUSTOM_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaSoftmaxDropout",
                      "__cudnn$fmhaScaleBiasSoftmaxDropout", "__cudnn$fmhaSoftmaxF8")
 
@@ -68,7 +70,7 @@ _warned: set[str] = set()
 def disk_cache(path: Path | None):
     """Store and read exported programs in ``path`` while the block runs (None: memory only). Yields
     {"dir", "hits", "misses", "uncached"}: programs read from disk, exported and written, and compiled
-    without the cache (several devices, or export refused); programs already in memory count nowhere."""
+    without the cache (export refused); programs already in memory count nowhere."""
     global _dir, _stats
     stats = {"dir": None if path is None else str(path), "hits": 0, "misses": 0, "uncached": 0}
     saved = _dir, _stats
@@ -119,32 +121,52 @@ def _environment() -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "m3jax": source_hash()}
 
 
-def program_key(name: str, leaves: list, in_tree, static: dict) -> str:
-    """Hex key of program ``name`` for these input leaves (shape, dtype, sharding), input tree and
-    static arguments (their reprs: configs are frozen dataclasses), in this environment."""
+def program_key(name: str, leaves: list, in_tree, static: dict, out_shardings: tuple | None = None) -> str:
+    """Hex key of program ``name`` for these input leaves (shape, dtype, sharding), input tree, static
+    arguments (their reprs: configs are frozen dataclasses) and pinned output shardings (flat), in this
+    environment."""
     desc = {"name": name, "in_tree": str(in_tree), "static": {k: repr(v) for k, v in sorted(static.items())},
             "inputs": [[list(x.shape), str(x.dtype), str(getattr(x, "sharding", None))] for x in leaves],
             **_environment()}
+    if out_shardings is not None:
+        desc["out_shardings"] = [str(x) for x in out_shardings]
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
-
-
-def _single_device(leaves: list) -> bool:
-    """Whether every leaf is on one and the same device (a leaf without a sharding: the default one)."""
-    devices = set()
-    for x in leaves:
-        sharding = getattr(x, "sharding", None)
-        if sharding is not None:
-            devices |= sharding.device_set
-    return len(devices) <= 1
 
 
 def _aval_json(a) -> list:
     return [list(a.shape), np.dtype(a.dtype).name]
 
 
+def _sharding_json(s) -> dict | None:
+    """An export's NamedSharding over an abstract mesh as JSON (None: unspecified)."""
+    if s is None:
+        return None
+    mesh, dev = s.mesh, s.mesh.abstract_device
+    return {"axis_sizes": list(mesh.axis_sizes), "axis_names": list(mesh.axis_names),
+            "axis_types": [t.name for t in mesh.axis_types],
+            "device": None if dev is None else [dev.device_kind, dev.num_cores, dev.platform],
+            "spec": [None if p is None else [p] if isinstance(p, str) else list(p) for p in s.spec],
+            "reduced": sorted(s.spec.reduced), "unreduced": sorted(s.spec.unreduced), "memory_kind": s.memory_kind}
+
+
+def _sharding_from_json(h: dict | None):
+    if h is None:
+        return None
+    from jax._src import mesh as mesh_lib
+
+    dev = None if h["device"] is None else mesh_lib.AbstractDevice(*h["device"])
+    mesh = mesh_lib.AbstractMesh(tuple(h["axis_sizes"]), tuple(h["axis_names"]),
+                                 tuple(jax.sharding.AxisType[t] for t in h["axis_types"]), abstract_device=dev)
+    spec = jax.sharding.PartitionSpec(*[None if p is None else p[0] if len(p) == 1 else tuple(p) for p in h["spec"]],
+                                      reduced=frozenset(h["reduced"]), unreduced=frozenset(h["unreduced"]))
+    return jax.sharding.NamedSharding(mesh, spec, memory_kind=h["memory_kind"])
+
+
 def _encode(key: str, exp: export.Exported) -> bytes:
     header = {"format": FORMAT, "key": key, "fun_name": exp.fun_name,
               "in_avals": [_aval_json(a) for a in exp.in_avals], "out_avals": [_aval_json(a) for a in exp.out_avals],
+              "in_shardings": [_sharding_json(x) for x in exp._in_named_shardings],
+              "out_shardings": [_sharding_json(x) for x in exp._out_named_shardings], "nr_devices": exp.nr_devices,
               "platforms": list(exp.platforms), "calling_convention_version": exp.calling_convention_version,
               "module_kept_var_idx": list(exp.module_kept_var_idx), "uses_global_constants": exp.uses_global_constants,
               "disabled_custom_calls": [c.is_custom_call() for c in exp.disabled_safety_checks],
@@ -164,15 +186,25 @@ def _decode(data: bytes, key: str) -> export.Exported:
         raise ValueError("written for another program (key mismatch)")
     if hashlib.sha256(module).hexdigest() != h["module_sha256"]:
         raise ValueError("module bytes do not match their checksum (torn or altered file)")
-    aval = lambda s: jax.core.ShapedArray(tuple(s[0]), np.dtype(s[1]))
-    in_avals, out_avals = tuple(aval(a) for a in h["in_avals"]), tuple(aval(a) for a in h["out_avals"])
+    from jax._src import core
+
+    def avals(entries, shardings):  # an aval carries its sharding, as export's own reader builds them
+        out = []
+        for (shape, dtype), sharding in zip(entries, shardings, strict=True):
+            a = core.ShapedArray(tuple(shape), np.dtype(dtype))
+            out.append(a if sharding is None else core.update_aval_with_sharding(a, sharding))
+        return tuple(out)
+
+    in_sh = tuple(_sharding_from_json(x) for x in h["in_shardings"])
+    out_sh = tuple(_sharding_from_json(x) for x in h["out_shardings"])
+    in_avals, out_avals = avals(h["in_avals"], in_sh), avals(h["out_avals"], out_sh)
     n_in, n_out = len(in_avals), len(out_avals)
     return export.Exported(
         fun_name=h["fun_name"], in_tree=jax.tree.structure(((0,) * n_in, {})), in_avals=in_avals,
         out_tree=jax.tree.structure((0,) * n_out), out_avals=out_avals,
-        _in_named_shardings=(None,) * n_in, _out_named_shardings=(None,) * n_out,
+        _in_named_shardings=in_sh, _out_named_shardings=out_sh,
         in_shardings_hlo=(None,) * n_in, out_shardings_hlo=(None,) * n_out,
-        nr_devices=1, platforms=tuple(h["platforms"]), ordered_effects=(), unordered_effects=(),
+        nr_devices=h["nr_devices"], platforms=tuple(h["platforms"]), ordered_effects=(), unordered_effects=(),
         disabled_safety_checks=tuple(export.DisabledSafetyCheck.custom_call(c) for c in h["disabled_custom_calls"]),
         mlir_module_serialized=module, calling_convention_version=h["calling_convention_version"],
         module_kept_var_idx=tuple(h["module_kept_var_idx"]), uses_global_constants=h["uses_global_constants"],
@@ -183,7 +215,14 @@ class OutTreeError(ValueError):
     """A program's outputs are not the pytree its caller declared (a bug in the caller, not a cache miss)."""
 
 
-def _export(fn: Callable, leaves: list, in_tree, out_tree, static: dict, name: str) -> export.Exported:
+def _mesh_sharding(x):
+    """``x``'s sharding where it spans several devices (what the export records), else None."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+
+
+def _export(fn: Callable, leaves: list, in_tree, out_tree, static: dict, name: str,
+            out_shardings: tuple | None = None) -> export.Exported:
     def flat(*xs):
         out = fn(*jax.tree.unflatten(in_tree, xs), **static)
         out_leaves, tree = jax.tree.flatten(out)
@@ -193,14 +232,14 @@ def _export(fn: Callable, leaves: list, in_tree, out_tree, static: dict, name: s
 
     flat.__name__ = name
     checks = [export.DisabledSafetyCheck.custom_call(c) for c in SAFE_CUSTOM_CALLS]
-    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_mesh_sharding(x)) for x in leaves]
     from m3jax.pallas import _backend
 
     # The kernels' launcher decides the platform (tests lower the GPU kernels on a CPU host).
     platform = "cuda" if _backend.on_gpu() else export.default_export_platform()
-    exp = export.export(jax.jit(flat), platforms=(platform,), disabled_checks=checks)(*specs)
-    if exp.ordered_effects or exp.unordered_effects or exp.nr_devices != 1:
-        raise ValueError("the program has effects or spans several devices")
+    exp = export.export(jax.jit(flat, out_shardings=out_shardings), platforms=(platform,), disabled_checks=checks)(*specs)
+    if exp.ordered_effects or exp.unordered_effects:
+        raise ValueError("the program has effects")
     return exp
 
 
@@ -236,15 +275,21 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | None = None,
-            donate_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
+            donate_argnums: tuple[int, ...] = (), out_shardings=None) -> Callable[..., Any]:
     """``fn(*args, **static)`` compiled for the shapes, dtypes and shardings of ``args``: returns
     ``call(*args) -> outputs`` (a pytree of structure ``out_tree``), taking arguments structured as
     ``args``. ``donate_argnums`` index ``args`` (each argument's leaves are donated). Through the disk
-    cache of :func:`disk_cache` where the program can be exported (one device, no effects), else
-    ``jax.jit(fn).lower(...).compile()``; either way kept in memory for the process."""
+    cache of :func:`disk_cache` where the program can be exported (no effects, no unsafe custom call), else
+    ``jax.jit(fn).lower(...).compile()``; either way kept in memory for the process.
+
+    ``out_shardings`` (a pytree of shardings of structure ``out_tree``, or None: XLA chooses) pins the
+    outputs' placement. A program whose outputs come back as its next call's inputs needs it under a
+    mesh: the compiled call takes inputs only as lowered, and XLA may place the outputs of the exported
+    module otherwise than those of the traced function."""
     static = static or {}
     leaves, in_tree = jax.tree.flatten(args)
-    key = program_key(name, leaves, in_tree, static)
+    flat_out = None if out_shardings is None else tuple(out_tree.flatten_up_to(out_shardings))
+    key = program_key(name, leaves, in_tree, static, flat_out)
     run = _memo.get(key)
     if run is not None:
         return run
@@ -252,7 +297,7 @@ def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | No
     bounds = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in args])
     donated = tuple(i for a in donate_argnums for i in range(bounds[a], bounds[a + 1]))
     compiled = None
-    if _dir is not None and _single_device(leaves):
+    if _dir is not None:
         path = Path(_dir) / f"{name}-{key[:32]}.m3aot"
         exp = _read(path, key)
         if exp is not None:
@@ -264,7 +309,7 @@ def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | No
                       f"{str(e).splitlines()[0][:200]}); it is rebuilt")
         if compiled is None:
             try:
-                data = _encode(key, _export(fn, leaves, in_tree, out_tree, static, name))
+                data = _encode(key, _export(fn, leaves, in_tree, out_tree, static, name, flat_out))
             except OutTreeError:
                 raise
             except Exception as e:  # noqa: BLE001  (export refused: custom call, effects; compile the plain way)
@@ -281,7 +326,8 @@ def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | No
                     _write(path, data)
                     _count("misses")
     if compiled is None:
-        compiled = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums).lower(*args).compile()
+        compiled = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums,
+                           out_shardings=out_shardings).lower(*args).compile()
         if _dir is not None:
             _count("uncached")
         run = compiled

@@ -217,6 +217,14 @@ class Engine:
         program read from the AOT cache needs no trace)."""
         return jax.tree.structure((*outputs, self.cache))
 
+    def _out_shardings(self, *outputs):
+        """Under a mesh, where a program's ``outputs`` (shardings, None for an absent output) and then
+        the cache go: the cache and the decode loop's small arrays stay where they came in, since each
+        call's outputs are the next call's inputs; logits come back replicated. None on one device."""
+        if self.mesh is None:
+            return None
+        return (*outputs, jax.tree.map(lambda x: x.sharding, self.cache))
+
     def _prefill_step(self, key_pages: int) -> Callable:
         """The prefill chunk compiled for one key window (ahead of time: warmup builds every window
         without running a chunk per window)."""
@@ -227,7 +235,7 @@ class Engine:
             i32 = jax.ShapeDtypeStruct((), jnp.int32)  # host scalars
             fn = aot.compile("prefill_chunk", prefill_chunk, (self.params, self.cache, embeds, i32, i32, i32),
                              out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
-                             donate_argnums=(1,))
+                             donate_argnums=(1,), out_shardings=self._out_shardings(self._embeds_sharding))
             self._prefill_programs[key_pages] = fn
         return fn
 
@@ -240,7 +248,8 @@ class Engine:
                            out_tree=self._out_tree(0, 0, 0, 0, 0 if with_logits else None),
                            static={"cfg": self.cfg, "sampling": sampling, "steps": self.steps_per_call,
                                    "with_logits": with_logits},
-                           donate_argnums=(1,))
+                           donate_argnums=(1,), out_shardings=self._out_shardings(
+                               *(self._small_sharding,) * 4, self._embeds_sharding if with_logits else None))
 
     @_under_mesh
     def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),

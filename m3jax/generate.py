@@ -40,7 +40,8 @@ Compiled executables go to JAX's persistent compilation cache in ``$M3JAX_CACHE_
 exported (StableHLO with the Mosaic GPU kernels) in its ``aot/`` folder (:mod:`m3jax.aot`), so a
 second run of the same command neither traces nor lowers the model, and XLA finds the executables it
 compiled. ``--no-compile-cache`` turns both off; the report's ``compile_cache`` counts the hits of
-each (``aot``: programs read back / exported and written / not cacheable, e.g. under a mesh).
+each (``aot``: programs read back / exported and written / not cacheable: interpret-mode kernels, and
+cuDNN attention under a mesh).
 
 Bad arguments, checkpoints and configs end in one ``error:`` line and exit status 2 (``--debug`` or
 ``M3JAX_DEBUG=1`` for the traceback). Prompt and output paths are checked before anything is loaded.

@@ -2,7 +2,8 @@
 and (in a subprocess with 8 simulated CPU devices, tests/multidevice/sharding_checks.py) sharded forward /
 greedy decode equal to one device, sharded loading equal to unsharded loading, resident bytes equal to the
 plan, the prefill and decode kernels context parallel, ``python -m m3jax.generate`` on 8 and 2 devices and
-on a 2 x 4 data x model mesh token for token equal to 1, and the probe on a mesh equal to 1 device."""
+on a 2 x 4 data x model mesh token for token equal to 1, the exported-program cache under a mesh (a second
+engine reads the programs back without tracing, same tokens), and the probe on a mesh equal to 1 device."""
 
 from __future__ import annotations
 
@@ -136,8 +137,10 @@ def test_generate_plan_equals_plan_cli(capsys, hbm, dtype):
 @pytest.fixture(scope="module")
 def multidevice_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("multidevice") / "results.json"
+    # The generate CLI runs keep their compile caches in the test's folder: a hit from an earlier run
+    # in the user's cache would skip the tracing that the context-parallel checks count.
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu", M3JAX_CACHE_DIR=str(tmp_path_factory.mktemp("m3jax_cache")))
     proc = subprocess.run([sys.executable, "-m", "tests.multidevice.sharding_checks", str(out), "--devices", "8"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if not out.exists():
@@ -146,7 +149,7 @@ def multidevice_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", ["forward_divisible", "forward_replicated", "forward_mixed_4", "engine_divisible",
-                                   "engine_replicated", "engine_data", "loading", "context_parallel", "pallas_mesh",
+                                   "engine_replicated", "engine_data", "aot_mesh", "loading", "context_parallel", "pallas_mesh",
                                    "pallas_cuda_lowering", "decode_kernels", "prefill_kernels", "generate_cli",
                                    "generate_plan", "engine_pallas", "probe_mesh"])
 def test_on_8_cpu_devices(multidevice_results, check):

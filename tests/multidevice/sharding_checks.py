@@ -11,6 +11,7 @@ import contextlib
 import json
 import sys
 import tempfile
+from pathlib import Path
 import time
 import traceback
 
@@ -118,6 +119,49 @@ def check_engine(name, n=8, data=1):
     ok = res.generated == ref.generated and err <= TOL and "model" in cache_spec and seen["prefill_reference"] > 0
     return ok, {"tokens_equal": res.generated == ref.generated, "logits_rel_l2": err, "cache_spec": cache_spec,
                 "page_table_row0": np.asarray(e.cache.page_table)[0].tolist(), "context_parallel": dict(seen)}
+
+
+def check_aot_mesh(n=8, data=2):
+    """The exported-program cache under a mesh (m3jax.aot): a first engine on a data x model mesh exports
+    its programs with their shardings, a second one (nothing in memory, the model's tracing entry points
+    made to raise) reads them back and gives the same tokens and logits, equal to one device."""
+    import unittest.mock
+
+    from m3jax import aot
+    from m3jax import engine as eng
+
+    cfg = cfg_of("mixed")
+    model = m3jax.init_random(cfg, seed=2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4]]
+    kw = dict(batch=2, capacity=32, prefill_chunk=8, decode_steps_per_call=4)
+    ref = Engine(model.params, cfg, **kw).generate(prompts, max_new_tokens=6, sampling=GREEDY, keep_logits=True)
+
+    def run(folder):
+        aot.clear()
+        with aot.disk_cache(folder) as stats:
+            e = Engine(model.params, cfg, mesh=sh.make_mesh(n, data=data), **kw)
+            res = e.generate(prompts, max_new_tokens=6, sampling=GREEDY, keep_logits=True)
+        return res, dict(stats), str(e.cache.layers[0].k.sharding.spec)
+
+    def untraceable(*a, **k):
+        raise AssertionError("traced the model: the program should have come from the cache")
+
+    with tempfile.TemporaryDirectory() as folder:
+        first, st1, spec1 = run(folder)
+        with unittest.mock.patch.object(eng, "prefill_chunk", untraceable), \
+                unittest.mock.patch.object(eng, "decode_steps", untraceable):
+            second, st2, spec2 = run(folder)
+        entries = len(list(Path(folder).glob("*.m3aot")))
+    aot.clear()
+    out = {"first": st1, "second": st2, "entries": entries, "cache_spec": [spec1, spec2],
+           "tokens_equal_first": second.generated == first.generated, "tokens_equal_one_device": first.generated == ref.generated,
+           "logits_second_vs_first": rel_l2(np.stack(second.step_logits), np.stack(first.step_logits)),
+           "logits_vs_one_device": rel_l2(np.stack(first.step_logits), np.stack(ref.step_logits))}
+    ok = (st1["misses"] == entries > 0 and st1["hits"] == 0 and st1["uncached"] == 0
+          and st2["hits"] == entries and st2["misses"] == 0 and st2["uncached"] == 0)
+    ok &= out["tokens_equal_first"] and out["tokens_equal_one_device"] and out["logits_second_vs_first"] == 0.0
+    ok &= out["logits_vs_one_device"] <= TOL and spec1 == spec2 and "model" in spec1
+    return ok, out
 
 
 def check_loading(n=8):
@@ -626,6 +670,7 @@ CHECKS = {
     "engine_divisible": lambda: check_engine("divisible"),
     "engine_replicated": lambda: check_engine("replicated"),
     "engine_data": lambda: check_engine("mixed", data=2),  # batch 2 split over data 2, model 4
+    "aot_mesh": check_aot_mesh,
     "loading": check_loading,
     "context_parallel": check_context_parallel,
     "pallas_mesh": check_pallas_mesh,
