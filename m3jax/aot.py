@@ -21,7 +21,8 @@ Programs are exported over their flat input leaves and return flat leaves; the c
 output pytree (``out_tree``), so a hit needs no trace at all. Programs over several devices (the
 engine under a mesh) are exported with their inputs' shardings: the header keeps each one's abstract
 mesh (axis names, sizes and types, device kind) and partition spec, and the program is read back onto
-whichever devices its arguments sit on (the key holds their shardings, devices included). Programs
+whichever devices its arguments sit on (the key holds their shardings: mesh shape and specs, not which
+devices). Programs
 with effects or with custom calls outside :data:`SAFE_CUSTOM_CALLS` are compiled directly, with one
 warning: interpret-mode kernels call back into Python, and cuDNN attention on several devices goes
 through ``custom_partitioning``, whose call holds a Python pointer. A bad entry (torn write, other

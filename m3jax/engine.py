@@ -192,9 +192,10 @@ class Engine:
         # through aot.compile, whose key hashes every parameter leaf's shape and sharding (~1 ms per
         # chunk for m3-small's 188 leaves, more for M3's).
         self._prefill_programs: dict[int, Callable] = {}
-        # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated, and the
-        # decode loop's small arrays on the engine's devices (nothing moves host-to-device per call).
-        self._embeds_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated (and logits
+        # come out so under a mesh), and the decode loop's small arrays on the engine's devices (nothing
+        # moves host-to-device per call).
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._small_sharding = self.cache.page_table.sharding
 
     def _under_mesh(fn):  # noqa: N805  (method decorator: run under the engine's mesh, if any)
@@ -231,11 +232,11 @@ class Engine:
         fn = self._prefill_programs.get(key_pages)
         if fn is None:
             embed = self.params["text"]["embed"]
-            embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._embeds_sharding)
+            embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._replicated)
             i32 = jax.ShapeDtypeStruct((), jnp.int32)  # host scalars
             fn = aot.compile("prefill_chunk", prefill_chunk, (self.params, self.cache, embeds, i32, i32, i32),
                              out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
-                             donate_argnums=(1,), out_shardings=self._out_shardings(self._embeds_sharding))
+                             donate_argnums=(1,), out_shardings=self._out_shardings(self._replicated))
             self._prefill_programs[key_pages] = fn
         return fn
 
@@ -249,7 +250,7 @@ class Engine:
                            static={"cfg": self.cfg, "sampling": sampling, "steps": self.steps_per_call,
                                    "with_logits": with_logits},
                            donate_argnums=(1,), out_shardings=self._out_shardings(
-                               *(self._small_sharding,) * 4, self._embeds_sharding if with_logits else None))
+                               *(self._small_sharding,) * 4, self._replicated if with_logits else None))
 
     @_under_mesh
     def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),
@@ -292,7 +293,7 @@ class Engine:
             piece = embed[jnp.asarray(prompt[start : start + n])] if by_id else prompt[start : start + n]
             if n < self.chunk:  # pad to the compiled chunk; pad rows land beyond the prompt and are rewritten later
                 piece = jnp.concatenate([piece, jnp.zeros((self.chunk - n, piece.shape[1]), piece.dtype)])
-            piece = jax.device_put(piece[None], self._embeds_sharding)
+            piece = jax.device_put(piece[None], self._replicated)
             logits, self.cache = self._prefill_step(window)(
                 self.params, self.cache, piece, np.int32(row), np.int32(start), np.int32(n - 1))
             if on_progress:
