@@ -114,15 +114,29 @@ def mosaic_kernel(body, *, interpret: bool | None = None, detect_races: bool = T
         return plgpu.kernel(body, **kwargs)
     kernel = plgpu.kernel(body, interpret=interpret_params(detect_races), **kwargs)
 
-    # The interpreter runs the kernel's MMAs as XLA dots on the default device; on a GPU (the
-    # Blackwell variants interpreted on an H200) an fp32 dot would run as TF32 and the simulation would
-    # no longer be exact. Tracing under "highest" keeps every simulated MMA at fp32.
+    # The interpreter runs the kernel body as XLA ops on the default device. On a GPU (the Blackwell
+    # variants interpreted on an H200) an fp32 dot would run as TF32, so the body is traced under
+    # "highest"; and XLA may drop an f32 -> bf16 -> f32 round trip, so in-kernel splits ask
+    # `interpreting()` and round on the bits instead (_common.bf16_split_in_kernel).
     @functools.wraps(kernel)
     def exact(*args, **kw):
-        with jax.default_matmul_precision("highest"):
-            return kernel(*args, **kw)
+        global _interpreting
+        _interpreting += 1
+        try:
+            with jax.default_matmul_precision("highest"):
+                return kernel(*args, **kw)
+        finally:
+            _interpreting -= 1
 
     return exact
+
+
+_interpreting = 0  # > 0 while an interpret-mode kernel body is traced
+
+
+def interpreting() -> bool:
+    """Whether the kernel body being traced runs in interpret mode (as XLA ops, not Mosaic GPU)."""
+    return _interpreting > 0
 
 
 def interpret_races_found() -> bool:
