@@ -204,17 +204,29 @@ def _sparse_decode_attention():
 
 
 def _grouped_matmul():
-    from m3jax.pallas.grouped_matmul import grouped_matmul, grouped_matmul_mxfp8
+    from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_mxfp8, layer_config
 
-    # 6 experts, empty groups, rows past sum(group_sizes); K = N = 128. The bf16 kernel and the MXFP8
-    # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products).
+    # 6 experts, empty groups, rows past sum(group_sizes); K = 128, N = 256. The bf16 kernel and the MXFP8
+    # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products), each with
+    # the default tiles and with the MoE layer's prefill config (385 rows > 64 per expert: on Hopper the
+    # warp-specialised schedule, so its verdict also covers what the model runs for prefill).
     rng = np.random.default_rng(6)
-    lhs, rhs = _ints(rng, (160, 128)), _ints(rng, (6, 128, 128))
-    gs = jnp.asarray([0, 30, 0, 0, 70, 40], jnp.int32)
-    fp8, scales = rhs.astype(jnp.float8_e4m3fn), jnp.asarray(rng.integers(126, 129, (6, 4, 128)), jnp.uint8)
-    return (jnp.stack([grouped_matmul(lhs, rhs, gs), grouped_matmul_mxfp8(lhs, fp8, scales, gs)]),
-            jnp.stack([grouped_matmul(lhs, rhs, gs, implementation="reference"),
-                       grouped_matmul_mxfp8(lhs, fp8, scales, gs, implementation="reference")]))
+    m, k, n, g = 385, 128, 256, 6
+    lhs, rhs = _ints(rng, (m, k)), _ints(rng, (g, k, n))
+    gs = jnp.asarray([0, 130, 0, 0, 170, 60], jnp.int32)
+    fp8, scales = rhs.astype(jnp.float8_e4m3fn), jnp.asarray(rng.integers(126, 129, (g, k // 32, n)), jnp.uint8)
+    got, ref = [], []
+    for mx in (False, True):
+        configs = dict.fromkeys([GroupedMatmulConfig(), layer_config(m, k, n, g, k // 32 if mx else None)])
+        for config in configs:
+            if mx:
+                got.append(grouped_matmul_mxfp8(lhs, fp8, scales, gs, config=config))
+            else:
+                got.append(grouped_matmul(lhs, rhs, gs, config=config))
+        want = (grouped_matmul_mxfp8(lhs, fp8, scales, gs, implementation="reference") if mx
+                else grouped_matmul(lhs, rhs, gs, implementation="reference"))
+        ref += [want] * len(configs)
+    return jnp.stack(got), jnp.stack(ref)
 
 
 def _dirs(*ops: str) -> tuple[Path, ...]:

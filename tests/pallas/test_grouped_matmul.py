@@ -344,11 +344,13 @@ def test_moe_layer_with_mxfp8_experts_pallas_matches_dequantised():
 def test_layer_config_per_regime(monkeypatch):
     from m3jax.pallas.grouped_matmul import kernel, layer_config
 
-    assert layer_config(32768, 6144, 3072, 128) == GroupedMatmulConfig(block_m=128)  # today: the pipeline
-    assert layer_config(4, 6144, 3072, 128).block_m == 64
-    monkeypatch.setattr(kernel, "LAYER_SCHEDULE", {"prefill": "warp_specialized", "decode": "warp_specialized"})
+    # the H200's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill, pipelined decode in 64-row tiles
     prefill, prefill_mx = layer_config(32768, 6144, 3072, 128), layer_config(32768, 6144, 3072, 128, 192)
-    assert (prefill.schedule, prefill.wg_split, prefill_mx.wg_split) == ("warp_specialized", "m", "n")
+    assert prefill == prefill_mx == GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
+    assert layer_config(4, 6144, 3072, 128) == GroupedMatmulConfig(block_m=64)
+    with _backend.interpret_as(_backend.BLACKWELL):  # Hopper only: the pipeline's tcgen05 variant instead
+        assert layer_config(32768, 6144, 3072, 128) == GroupedMatmulConfig(block_m=128)
+    monkeypatch.setattr(kernel, "LAYER_SCHEDULE", {"prefill": "warp_specialized", "decode": "warp_specialized"})
     decode = layer_config(4, 3072, 6144, 128)
     assert (decode.schedule, decode.block_m, decode.split_k) == ("warp_specialized", 64, kernel.DECODE_SPLIT_K)
     assert layer_config(4, 128, 256, 128).split_k == 2  # K = 128 takes two 64-deep parts at most

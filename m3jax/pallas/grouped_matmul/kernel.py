@@ -48,9 +48,9 @@ warpgroup holds the fp32 accumulator in 128 registers per thread).
 
 The persistent, warp-specialised variant (``GroupedMatmulConfig(schedule="warp_specialized")``,
 :mod:`.persistent`: one CTA per SM over the work items, a TMA producer warpgroup and two consumer
-warpgroups, group-aligned row tiles, split-K for decode) has the same signature and reference; this
-pipeline schedule stays the default until the H200 run of ``benchmarks/moe_grouped_matmul.py``
-shows where the other is faster.
+warpgroups, group-aligned row tiles, split-K for decode) has the same signature and reference; the
+MoE layer runs it for prefill on Hopper (``LAYER_SCHEDULE``, measured on the H200) and this pipeline
+schedule for decode, on Blackwell, and as ``GroupedMatmulConfig()``'s default.
 
 Blackwell (``current_target().mma == "tcgen05"``): the schedule, the pipeline and the masked store
 stay; the MMA is ``plgpu.tcgen05_mma`` into a TMEM accumulator, each step's MMA committed to one of
@@ -103,11 +103,13 @@ class GroupedMatmulConfig:
     wg_split: str = "n"
 
 
-# The MoE layer's schedule per regime (decode: at most 64 rows per expert on average). The pipeline
-# until an H200 run of benchmarks/moe_grouped_matmul.py shows the warp-specialised one faster there
-# (prefill: time against the dense matmul; decode: against the weight-bytes floor), then switched
-# here; DECODE_SPLIT_K is the split that run measured best.
-LAYER_SCHEDULE = {"prefill": "pipeline", "decode": "pipeline"}
+# The MoE layer's schedule per regime (decode: at most 64 rows per expert on average), from the H200
+# run of benchmarks/moe_grouped_matmul.py (benchmarks/RESULTS.md, 2026-12-01, fifth session): at
+# 32,768 x 128 experts the warp-specialised schedule (bm128 bn256, consumers split N) takes 0.81-0.87x
+# the pipeline's time in bf16 and MXFP8; at 1 and 8 decode tokens the pipeline is as fast or faster
+# in bf16 and at 8 tokens in MXFP8, so decode keeps it. DECODE_SPLIT_K: the split for decode on the
+# warp-specialised schedule (split 4 or 8 was best at 1 MXFP8 token, depending on the projection).
+LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
 
 
@@ -119,9 +121,8 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) ->
         if decode:
             split = next(s for s in (DECODE_SPLIT_K, 2, 1) if k % (s * 64) == 0)
             cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)
-        else:  # MXFP8: each consumer converts its own 128 fp8 columns
-            cfg = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized",
-                                      wg_split="n" if k_groups else "m")
+        else:  # the consumers split N (faster than rows in bf16; MXFP8 needs it: each converts its own columns)
+            cfg = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
         reason = (mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) if k_groups
                   else unsupported_reason(m, k, n, g, cfg))
         if reason is None:
