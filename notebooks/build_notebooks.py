@@ -149,8 +149,12 @@ NOTEBOOKS_02 = {
                  "        print(f\"  {name:>14}: recall {r[name]['recall_mean']:.4f}, needle accuracy {r[name]['needle_accuracy']:.2f}\")\n"
                  "if not fp8:\n    print('no fp8_index results committed yet: run fp8_index.py (README of the 2026-12-01 sweep)')"),
         ("md", "## Speed of the whole MSA step vs cuDNN dense (128K context, M3 shapes)\n\nFrom `sweep.py --speed` on a "
-               "GPU; block 32 is outside what the Pallas kernels take (recorded with the reason)."),
-        ("code", "if (plots / 'speedup.png').exists():\n    display(Image(str(plots / 'speedup.png')))\n"
+               "GPU: random q/k/v and selections at M3 shapes, so the speed of a cell does not depend on the model; "
+               "when the shown sweep has no speed run of its own, the 2026-11-29 sweep's (re-timed on the H200 on "
+               "2026-12-01, every cell on the kernels) is shown."),
+        ("code", "speed = next((p for p in (plots / 'speedup.png', SWEEPS[-1] / 'plots' / 'speedup.png') if p.exists()), None)\n"
+                 "if speed:\n    print(speed.relative_to(EXPERIMENTS) if speed.is_relative_to(EXPERIMENTS) else speed.name)\n"
+                 "    display(Image(str(speed)))\n"
                  "else:\n    print('no speed results yet: run sweep.py --speed on a GPU')"),
     ],
 }
