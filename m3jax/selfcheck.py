@@ -215,17 +215,15 @@ def _grouped_matmul():
     lhs, rhs = _ints(rng, (m, k)), _ints(rng, (g, k, n))
     gs = jnp.asarray([0, 130, 0, 0, 170, 60], jnp.int32)
     fp8, scales = rhs.astype(jnp.float8_e4m3fn), jnp.asarray(rng.integers(126, 129, (g, k // 32, n)), jnp.uint8)
+    def run(mx, **kw):
+        return grouped_matmul_mxfp8(lhs, fp8, scales, gs, **kw) if mx else grouped_matmul(lhs, rhs, gs, **kw)
+
     got, ref = [], []
     for mx in (False, True):
-        configs = dict.fromkeys([GroupedMatmulConfig(), layer_config(m, k, n, g, k // 32 if mx else None)])
-        for config in configs:
-            if mx:
-                got.append(grouped_matmul_mxfp8(lhs, fp8, scales, gs, config=config))
-            else:
-                got.append(grouped_matmul(lhs, rhs, gs, config=config))
-        want = (grouped_matmul_mxfp8(lhs, fp8, scales, gs, implementation="reference") if mx
-                else grouped_matmul(lhs, rhs, gs, implementation="reference"))
-        ref += [want] * len(configs)
+        want = run(mx, implementation="reference")
+        for config in dict.fromkeys([GroupedMatmulConfig(), layer_config(m, k, n, g, k // 32 if mx else None)]):
+            got.append(run(mx, config=config))
+            ref.append(want)
     return jnp.stack(got), jnp.stack(ref)
 
 
