@@ -28,6 +28,11 @@ warning: interpret-mode kernels call back into Python, and cuDNN attention on se
 through ``custom_partitioning``, whose call holds a Python pointer. A bad entry (torn write, other
 format, another key) is reported with a warning and rebuilt.
 
+:func:`compile_all` builds several programs at once (the engine's warmup: a prefill program per key
+window and the decode program): tracing, export and lowering stay on the calling thread, one program
+after the other (they hold the GIL, and the mesh of ``jax.set_mesh`` belongs to that thread), and only
+XLA's compiles of the lowered modules run side by side on worker threads, which release the GIL.
+
 Compiled programs are also kept in memory for the process (a second engine reuses them);
 :func:`clear` drops those (a benchmark's "second run" in one process). Nothing is evicted from the
 folder: entries of older sources are never read again, and the folder can be deleted at any time.
@@ -39,7 +44,9 @@ same sources, JAX version and device kind, which is what their verdicts are keye
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -244,8 +251,8 @@ def _export(fn: Callable, leaves: list, in_tree, out_tree, static: dict, name: s
     return exp
 
 
-def _compile_exported(exp: export.Exported, leaves: list, donate_argnums: tuple[int, ...]) -> Callable:
-    return jax.jit(exp.call, donate_argnums=donate_argnums).lower(*leaves).compile()
+def _lower_exported(exp: export.Exported, leaves: list, donate_argnums: tuple[int, ...]):
+    return jax.jit(exp.call, donate_argnums=donate_argnums).lower(*leaves)
 
 
 def _read(path: Path, key: str) -> export.Exported | None:
@@ -275,6 +282,158 @@ def _write(path: Path, data: bytes) -> None:
         _warn(f"cannot write {path} ({e}); programs are not cached")
 
 
+def compile_threads() -> int:
+    """Worker threads that :func:`compile_all` gives XLA: ``$M3JAX_COMPILE_THREADS``, default the CPU
+    count up to 8 (1: one after the other)."""
+    raw = os.environ.get("M3JAX_COMPILE_THREADS", "")
+    if raw.strip():
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"M3JAX_COMPILE_THREADS={raw!r} is not an integer") from None
+        if n < 1:
+            raise ValueError(f"M3JAX_COMPILE_THREADS={raw!r} must be >= 1")
+        return n
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program to compile: the arguments of :func:`compile`."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    out_tree: Any
+    static: dict | None = None
+    donate_argnums: tuple[int, ...] = ()
+    out_shardings: Any = None
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A program traced and lowered (this thread), waiting for XLA: ``lowered`` is the exported module
+    read back (``source`` "hit") or just exported (``source`` "miss", ``data`` to be written once it
+    compiles); None where the program is in memory (``run``) or compiles the plain way."""
+
+    program: Program
+    key: str
+    leaves: list
+    donated: tuple[int, ...]
+    flat_out: tuple | None
+    run: Callable | None = None
+    lowered: Any = None
+    source: str = ""
+    path: Path | None = None
+    data: bytes | None = None
+    compiled: Any = None
+    error: Exception | None = None
+
+
+def _stage(p: Program, read: bool = True) -> _Staged:
+    leaves, in_tree = jax.tree.flatten(p.args)
+    flat_out = None if p.out_shardings is None else tuple(p.out_tree.flatten_up_to(p.out_shardings))
+    key = program_key(p.name, leaves, in_tree, p.static or {}, flat_out)
+    # Leaf indices of the donated arguments: the exported program takes the leaves flat.
+    bounds = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in p.args])
+    donated = tuple(i for a in p.donate_argnums for i in range(bounds[a], bounds[a + 1]))
+    st = _Staged(p, key, leaves, donated, flat_out, run=_memo.get(key))
+    if st.run is not None or _dir is None:
+        return st
+    st.path = Path(_dir) / f"{p.name}-{key[:32]}.m3aot"
+    exp = _read(st.path, key) if read else None
+    if exp is not None:
+        try:
+            st.lowered, st.source = _lower_exported(exp, leaves, donated), "hit"
+        except Exception as e:  # noqa: BLE001  (a parseable entry that does not lower: rebuild it)
+            _warn(f"the cache entry {st.path} did not compile ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                  "it is rebuilt")
+    if st.lowered is None:
+        try:
+            st.data = _encode(key, _export(p.fn, leaves, in_tree, p.out_tree, p.static or {}, p.name, flat_out))
+        except OutTreeError:
+            raise
+        except Exception as e:  # noqa: BLE001  (export refused: custom call, effects; compile the plain way)
+            _warn(f"{p.name} cannot be exported ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                  "it is compiled without the AOT cache")
+        else:
+            try:
+                # Compile the module as a later run will read it back, so that run hits JAX's cache.
+                st.lowered, st.source = _lower_exported(_decode(st.data, key), leaves, donated), "miss"
+            except Exception as e:  # noqa: BLE001  (never fail the run for the cache: compile the plain way)
+                _warn(f"{p.name} was exported but its module did not compile ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]}); it is compiled without the AOT cache")
+    return st
+
+
+def _xla_compile(st: _Staged) -> None:
+    """The part that runs on a worker thread: XLA's compile of the lowered module (no tracing, no
+    context the caller's thread holds); an error is kept for :func:`_finish`."""
+    try:
+        st.compiled = st.lowered.compile()
+    except Exception as e:  # noqa: BLE001  (reported and handled on the caller's thread)
+        st.error = e
+
+
+def _finish(st: _Staged) -> Callable:
+    p = st.program
+    if st.run is not None:
+        return st.run
+    if st.lowered is not None and st.compiled is None:
+        msg = f"{type(st.error).__name__}: {str(st.error).splitlines()[0][:200]}"
+        if st.source == "hit":  # a parseable entry XLA refuses: rebuild it, never fail the run
+            _warn(f"the cache entry {st.path} did not compile ({msg}); it is rebuilt")
+            st = _stage(p, read=False)
+            if st.lowered is not None:
+                _xla_compile(st)
+            return _finish(st)
+        _warn(f"{p.name} was exported but its module did not compile ({msg}); it is compiled without the AOT cache")
+        st.lowered = None
+    if st.compiled is None:  # not exportable (or no disk cache): jit as usual
+        compiled = jax.jit(functools.partial(p.fn, **(p.static or {})), donate_argnums=p.donate_argnums,
+                           out_shardings=p.out_shardings).lower(*p.args).compile()
+        if _dir is not None:
+            _count("uncached")
+        run = compiled
+    else:
+        if st.source == "hit":
+            _count("hits")
+        else:
+            _write(st.path, st.data)
+            _count("misses")
+
+        def run(*call_args, _compiled=st.compiled, _out_tree=p.out_tree):
+            return jax.tree.unflatten(_out_tree, _compiled(*jax.tree.leaves(call_args)))
+
+    _memo[st.key] = run
+    return run
+
+
+def compile_all(programs: list[Program], threads: int | None = None) -> list[Callable]:
+    """:func:`compile` for several programs, XLA compiling them side by side: each is traced, exported
+    or read back and lowered here, one after the other (tracing holds the GIL, and a mesh set with
+    ``jax.set_mesh`` is the calling thread's), then XLA compiles the lowered modules on up to
+    ``threads`` worker threads (default :func:`compile_threads`; XLA compiles outside the GIL). Then
+    each is written to the disk cache and kept in memory, in order. Returns the programs' calls in the
+    order given; a program listed twice is compiled once."""
+    staged: dict[str, _Staged] = {}
+    order = []
+    for p in programs:
+        st = _stage(p)
+        staged.setdefault(st.key, st)
+        order.append(st.key)
+    todo = [st for st in staged.values() if st.run is None and st.lowered is not None]
+    workers = min(len(todo), threads or compile_threads())
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-compile") as pool:
+            list(pool.map(_xla_compile, todo))
+    else:
+        for st in todo:
+            _xla_compile(st)
+    runs = {key: _finish(st) for key, st in staged.items()}
+    return [runs[key] for key in order]
+
+
 def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | None = None,
             donate_argnums: tuple[int, ...] = (), out_shardings=None) -> Callable[..., Any]:
     """``fn(*args, **static)`` compiled for the shapes, dtypes and shardings of ``args``: returns
@@ -287,54 +446,4 @@ def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | No
     outputs' placement. A program whose outputs come back as its next call's inputs needs it under a
     mesh: the compiled call takes inputs only as lowered, and XLA may place the outputs of the exported
     module otherwise than those of the traced function."""
-    static = static or {}
-    leaves, in_tree = jax.tree.flatten(args)
-    flat_out = None if out_shardings is None else tuple(out_tree.flatten_up_to(out_shardings))
-    key = program_key(name, leaves, in_tree, static, flat_out)
-    run = _memo.get(key)
-    if run is not None:
-        return run
-    # Leaf indices of the donated arguments: the exported program takes the leaves flat.
-    bounds = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in args])
-    donated = tuple(i for a in donate_argnums for i in range(bounds[a], bounds[a + 1]))
-    compiled = None
-    if _dir is not None:
-        path = Path(_dir) / f"{name}-{key[:32]}.m3aot"
-        exp = _read(path, key)
-        if exp is not None:
-            try:
-                compiled = _compile_exported(exp, leaves, donated)
-                _count("hits")
-            except Exception as e:  # noqa: BLE001  (a parseable entry XLA refuses: rebuild it, never fail the run)
-                _warn(f"the cache entry {path} did not compile ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:200]}); it is rebuilt")
-        if compiled is None:
-            try:
-                data = _encode(key, _export(fn, leaves, in_tree, out_tree, static, name, flat_out))
-            except OutTreeError:
-                raise
-            except Exception as e:  # noqa: BLE001  (export refused: custom call, effects; compile the plain way)
-                _warn(f"{name} cannot be exported ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                      "it is compiled without the AOT cache")
-            else:
-                try:
-                    # Compile the module as a later run will read it back, so that run hits JAX's cache.
-                    compiled = _compile_exported(_decode(data, key), leaves, donated)
-                except Exception as e:  # noqa: BLE001  (never fail the run for the cache: compile the plain way)
-                    _warn(f"{name} was exported but its module did not compile ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); it is compiled without the AOT cache")
-                else:
-                    _write(path, data)
-                    _count("misses")
-    if compiled is None:
-        compiled = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums,
-                           out_shardings=out_shardings).lower(*args).compile()
-        if _dir is not None:
-            _count("uncached")
-        run = compiled
-    else:
-        def run(*call_args, _compiled=compiled):
-            return jax.tree.unflatten(out_tree, _compiled(*jax.tree.leaves(call_args)))
-
-    _memo[key] = run
-    return run
+    return compile_all([Program(name, fn, args, out_tree, static, donate_argnums, out_shardings)])[0]

@@ -15,8 +15,9 @@
   computed and discarded: the cache of such a row holds their keys beyond its kept tokens, which
   nothing reads (the next ``generate`` prefills the row again).
 * Every program (each prefill window, decode per sampling mode) is compiled through
-  :func:`m3jax.aot.compile`: with a disk cache on, a second process reads the exported program
-  instead of tracing and lowering the model again.
+  :mod:`m3jax.aot`: with a disk cache on, a second process reads the exported program instead of
+  tracing and lowering the model again; ``warmup`` hands all of them to :func:`m3jax.aot.compile_all`,
+  so XLA compiles them side by side.
 * Sampling follows the model card by default (temperature 1.0, top-p 0.95, top-k 40);
   temperature 0 is greedy.
 """
@@ -189,7 +190,7 @@ class Engine:
             self.cache = sharding.init_sharded_cache(cfg, batch, capacity, dtype, mesh)
         self.max_pages = self.cache.page_table.shape[1]
         # This engine's prefill programs by key window: every chunk looks its program up here, not
-        # through aot.compile, whose key hashes every parameter leaf's shape and sharding (~1 ms per
+        # through the AOT cache, whose key hashes every parameter leaf's shape and sharding (~1 ms per
         # chunk for m3-small's 188 leaves, more for M3's).
         self._prefill_programs: dict[int, Callable] = {}
         # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated (and logits
@@ -226,31 +227,38 @@ class Engine:
             return None
         return (*outputs, jax.tree.map(lambda x: x.sharding, self.cache))
 
+    def _prefill_spec(self, key_pages: int) -> aot.Program:
+        """The prefill chunk for one key window, as the AOT cache compiles it."""
+        embed = self.params["text"]["embed"]
+        embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._replicated)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)  # host scalars
+        return aot.Program("prefill_chunk", prefill_chunk, (self.params, self.cache, embeds, i32, i32, i32),
+                           out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
+                           donate_argnums=(1,), out_shardings=self._out_shardings(self._replicated))
+
     def _prefill_step(self, key_pages: int) -> Callable:
         """The prefill chunk compiled for one key window (ahead of time: warmup builds every window
         without running a chunk per window)."""
         fn = self._prefill_programs.get(key_pages)
         if fn is None:
-            embed = self.params["text"]["embed"]
-            embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._replicated)
-            i32 = jax.ShapeDtypeStruct((), jnp.int32)  # host scalars
-            fn = aot.compile("prefill_chunk", prefill_chunk, (self.params, self.cache, embeds, i32, i32, i32),
-                             out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
-                             donate_argnums=(1,), out_shardings=self._out_shardings(self._replicated))
-            self._prefill_programs[key_pages] = fn
+            fn = self._prefill_programs[key_pages] = aot.compile_all([self._prefill_spec(key_pages)])[0]
         return fn
 
-    def _decode_program(self, sampling: SamplingParams, with_logits: bool) -> Callable:
-        """``decode_steps`` for ``steps_per_call`` steps in ``sampling``'s mode (compiled once per mode)."""
+    def _decode_spec(self, sampling: SamplingParams, with_logits: bool) -> aot.Program:
+        """``decode_steps`` for ``steps_per_call`` steps in ``sampling``'s mode, as the AOT cache compiles it."""
         b = self.batch
         i32 = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=self._small_sharding)
         key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._small_sharding)
-        return aot.compile("decode_steps", decode_steps, (self.params, self.cache, i32, i32, key),
+        return aot.Program("decode_steps", decode_steps, (self.params, self.cache, i32, i32, key),
                            out_tree=self._out_tree(0, 0, 0, 0, 0 if with_logits else None),
                            static={"cfg": self.cfg, "sampling": sampling, "steps": self.steps_per_call,
                                    "with_logits": with_logits},
                            donate_argnums=(1,), out_shardings=self._out_shardings(
                                *(self._small_sharding,) * 4, self._replicated if with_logits else None))
+
+    def _decode_program(self, sampling: SamplingParams, with_logits: bool) -> Callable:
+        """The decode program compiled (once per mode: the AOT cache keeps it in memory)."""
+        return aot.compile_all([self._decode_spec(sampling, with_logits)])[0]
 
     @_under_mesh
     def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),
@@ -262,9 +270,13 @@ class Engine:
         prefill or decode rewrites before anything reads them. Returns the seconds spent; their split
         is in ``warmup_split`` (programs compiled or read back; the decode call)."""
         t0 = time.perf_counter()
-        for w in sorted(set(self._windows(min(max_prompt_len or self.capacity, self.capacity)))):
-            self._prefill_step(w)
-        decode = self._decode_program(sampling, keep_logits)
+        # Traced one after the other, compiled by XLA side by side (aot.compile_all): at 1M tokens of M3
+        # widths that is ten prefill programs, one per key window, and the decode program.
+        windows = [w for w in sorted(set(self._windows(min(max_prompt_len or self.capacity, self.capacity))))
+                   if w not in self._prefill_programs]
+        *prefill, decode = aot.compile_all([*(self._prefill_spec(w) for w in windows),
+                                            self._decode_spec(sampling, keep_logits)])
+        self._prefill_programs.update(zip(windows, prefill))
         t1 = time.perf_counter()
         zeros = jax.device_put(np.zeros((self.batch,), np.int32), self._small_sharding)
         key = jax.device_put(np.zeros((2,), np.uint32), self._small_sharding)

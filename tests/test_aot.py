@@ -148,3 +148,56 @@ def test_no_disk_cache_without_a_folder(tmp_path):
     with pytest.raises(aot.OutTreeError, match="declared"), aot.disk_cache(tmp_path):
         aot.compile("pair", lambda x: (x, x), (x,), out_tree=jax.tree.structure(0))
     aot.clear()
+
+
+def test_warmup_compiles_side_by_side(tmp_path, monkeypatch):
+    """warmup hands its programs (a prefill chunk per key window, decode) to aot.compile_all, whose XLA
+    compiles run on worker threads: the same entries are written and the engine gives the same tokens
+    and logits as with the programs compiled one at a time, and generate compiles nothing more."""
+    import threading
+
+    cfg = tiny_config(index_block_size=4, index_topk_blocks=2, num_hidden_layers=2, layer_types=(
+        "full_attention", "minimax_m3_sparse"), mlp_layer_types=("dense", "sparse"))
+    params = m3jax.init_random(cfg, seed=5).params
+    xla_compile = aot._xla_compile
+    threads_seen = []
+
+    def recording(st):
+        threads_seen.append(threading.current_thread().name)
+        xla_compile(st)
+
+    monkeypatch.setattr(aot, "_xla_compile", recording)
+    monkeypatch.setattr(eng, "MIN_KEY_WINDOW", 16)  # a window per chunk: 4 prefill programs
+    out = {}
+    for threads in ("1", "3"):
+        monkeypatch.setenv("M3JAX_COMPILE_THREADS", threads)
+        threads_seen.clear()
+        aot.clear()
+        with aot.disk_cache(tmp_path / threads) as stats:
+            e = Engine(params, cfg, batch=2, capacity=64, prefill_chunk=16, decode_steps_per_call=4)
+            windows = set(e._windows(64))
+            e.warmup(keep_logits=True)
+            compiled = dict(stats)
+            res = e.generate([[5, 6, 7, 8, 9, 10, 11] * 5, [3, 4]], max_new_tokens=6, keep_logits=True)
+        assert len(windows) >= 3
+        assert compiled["misses"] == len(windows) + 1 and stats["misses"] == compiled["misses"], (threads, stats)
+        on_workers = [n for n in threads_seen if n.startswith("m3jax-compile")]
+        assert len(on_workers) == (0 if threads == "1" else len(windows) + 1), threads_seen
+        out[threads] = res
+    assert out["3"].generated == out["1"].generated
+    np.testing.assert_array_equal(np.stack(out["3"].step_logits), np.stack(out["1"].step_logits))
+    aot.clear()
+
+
+def test_compile_all_compiles_a_repeated_program_once(tmp_path, monkeypatch):
+    x = jnp.arange(3.0)
+    prog = aot.Program("times", lambda x, *, k: x * k, (x,), jax.tree.structure(0), {"k": 5})
+    aot.clear()
+    with aot.disk_cache(tmp_path) as stats:
+        a, b = aot.compile_all([prog, prog], threads=2)
+    assert a is b and stats["misses"] == 1
+    np.testing.assert_array_equal(a(x), 5 * np.arange(3.0))
+    monkeypatch.setenv("M3JAX_COMPILE_THREADS", "two")
+    with pytest.raises(ValueError, match="M3JAX_COMPILE_THREADS"):
+        aot.compile_threads()
+    aot.clear()
