@@ -15,7 +15,8 @@ layers 1-2 MSA + MoE, no vision tower), random bf16 weights. One command:
 3. per layer (one of each kind: layer 2 is layer 1's kind), on a cache of ``--ctx`` random tokens:
    device time (CUPTI kernel time, as ``jax.experimental.mosaic.gpu.profiler.measure`` counts it)
    and wall time of a prefill chunk at the first, middle and last chunk (key window bucketed as
-   the engine does) and of a decode step at the last position, and the decode step's bytes floor:
+   the engine does) and of a decode step at the last position (with its kernels by device time: where
+   the time above the floor goes), and the decode step's bytes floor:
    weights it touches (MoE: the experts a batch of one routes to) + cache it reads, at the copy
    bandwidth;
 4. the full-attention prefill chunk at the end of the context against cuDNN's own rate: the chunk
@@ -138,17 +139,28 @@ def cupti_kernels(run) -> list[tuple[str, float]]:
     return list(timings or [])
 
 
-def timed(call, iters: int) -> dict:
+def timed(call, iters: int, kernels: bool = False) -> dict:
     """``call()`` after one untimed call (compile): wall ms (median of ``iters`` calls, each waited for)
-    and device ms per call (CUPTI kernel time over ``iters`` more calls; None off the GPU)."""
+    and device ms per call (CUPTI kernel time over ``iters`` more calls; None off the GPU). ``kernels``:
+    also the per-call kernel breakdown, ``[[name, launches, ms], ...]`` by device time (GPU only)."""
     jax.block_until_ready(call())
     walls = []
     for _ in range(iters):
         t0 = time.perf_counter()
         jax.block_until_ready(call())
         walls.append(time.perf_counter() - t0)
-    device = sum(ms for _, ms in cupti_kernels(lambda: [call() for _ in range(iters)])) / iters if on_gpu() else None
-    return {"wall_ms": 1e3 * sorted(walls)[len(walls) // 2], "device_ms": device}
+    out = {"wall_ms": 1e3 * sorted(walls)[len(walls) // 2], "device_ms": None}
+    if on_gpu():
+        launches = cupti_kernels(lambda: [call() for _ in range(iters)])
+        out["device_ms"] = sum(ms for _, ms in launches) / iters
+        if kernels:
+            by_name: dict[str, list] = {}
+            for name, ms in launches:
+                entry = by_name.setdefault(name, [name, 0, 0.0])
+                entry[1] += 1 / iters
+                entry[2] += ms / iters
+            out["kernels"] = sorted(by_name.values(), key=lambda e: -e[2])
+    return out
 
 
 def best(t: dict) -> float:
@@ -206,7 +218,7 @@ def layer_times(cfg: M3Config, params: dict, ctx: int, chunk: int, iters: int, l
         for s in starts:
             w = key_window_pages(s + chunk, t.index_block_size, max_pages)
             chunks.append(timed(functools.partial(call, h, table[:, :w], jnp.int32(s)), iters))
-        decode = timed(functools.partial(call, h[:, :1], table, jnp.int32(ctx - 1)), iters)
+        decode = timed(functools.partial(call, h[:, :1], table, jnp.int32(ctx - 1)), iters, kernels=True)
         nbytes = decode_bytes(cfg, lp, i, ctx)
         first, mid, last = (best(c) for c in chunks)
         rows.append({
@@ -223,6 +235,23 @@ def layer_times(cfg: M3Config, params: dict, ctx: int, chunk: int, iters: int, l
         del call
         gc.collect()
     return rows
+
+
+def _kernel_lines(layers: list[dict], top: int = 12) -> list[str]:
+    """Per layer, the kernels of one decode step by device time (the ``top`` largest, then the rest in one
+    sum): where a layer's decode time above its bytes floor goes."""
+    lines = []
+    for r in layers:
+        ks = r["decode"].get("kernels")
+        if not ks:
+            continue
+        rest = ks[top:]
+        parts = [f"{name[:48]} {ms:.3f} ms" + (f" (x{n:.0f})" if round(n) != 1 else "") for name, n, ms in ks[:top]]
+        if rest:
+            parts.append(f"{len(rest)} other kernels {sum(e[2] for e in rest):.3f} ms")
+        lines += ["", (f"Kernels of one decode step of layer {r['layer']} ({r['kind']}; "
+                       f"{sum(e[1] for e in ks):.0f} launches, {r['decode']['device_ms']:.3f} ms): " + "; ".join(parts) + ".")]
+    return lines
 
 
 def generate_run(argv: list[str], env: dict, report: Path) -> dict:
@@ -426,6 +455,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['layer']} | {r['kind']} | {' / '.join(_ms(c) for c in r['prefill_chunk'])} | "
                      f"{r['prefill_s']:.1f} | {_ms(r['decode'])} | {r['decode_floor_ms']:.3f} "
                      f"({nb['weights'] / gb:.2f} + {nb['cache'] / gb:.2f}) | {ratio} |")
+    lines += _kernel_lines(res["layers"])
     a = res["attention"]
     lines += ["", (f"Full-attention chunk attention, queries {a['start']:,}..{a['start'] + res['prefill_chunk'] - 1:,} "
                    f"over {a['window']:,} keys: ours {_ms(a['ours'])} ms; cuDNN unmasked on the same q, k, v "
