@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +15,7 @@ import pytest
 
 from m3jax.config import M3Config, TextConfig, VisionConfig
 
+ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("M3JAX_FIXTURES", Path(__file__).parent / "fixtures"))
 ORACLE_CONFIGS = ("text_mixed", "text_wide_block", "image", "video", "mxfp8", "kernel_g8", "kernel_g2")
 
@@ -95,3 +101,59 @@ def byte_text_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("byte_text") / "tiny"
     m3jax.save_pretrained(m3jax.init_random(cfg, seed=0), path)
     return path
+
+
+class MultideviceRun:
+    """``tests/multidevice/sharding_checks.py`` on 8 simulated CPU devices, in a subprocess of its own
+    (the device count is fixed when JAX starts; this process keeps one device). Its output and the
+    generate CLI runs' compile caches live in a fresh folder: a hit from the user's cache would skip the
+    tracing that the context-parallel checks count."""
+
+    TIMEOUT_S = 1800
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="m3jax-multidevice-"))
+        self.out = self.folder / "results.json"
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
+                   JAX_PLATFORMS="cpu", M3JAX_CACHE_DIR=str(self.folder / "m3jax_cache"))
+        self.log = open(self.folder / "log.txt", "w")  # noqa: SIM115  (closed in close())
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.multidevice.sharding_checks", str(self.out),
+                                      "--devices", "8"], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._results = None
+
+    def results(self) -> dict:
+        if self._results is None:
+            try:
+                self.proc.wait(timeout=self.TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.log.flush()
+            if not self.out.exists():
+                log = (self.folder / "log.txt").read_text()[-6000:]
+                pytest.fail(f"multi-device checks did not run (exit {self.proc.returncode}):\n{log}")
+            self._results = json.loads(self.out.read_text())
+        return self._results
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+MULTIDEVICE_RUN = pytest.StashKey[MultideviceRun]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: deselected checks are not started
+def pytest_collection_modifyitems(config, items):
+    """Start the multi-device checks (~7 minutes on two cores) as soon as a collected test reads them,
+    so that they run beside the rest of the suite instead of after it."""
+    if any("multidevice_results" in getattr(item, "fixturenames", ()) for item in items):
+        config.stash[MULTIDEVICE_RUN] = MultideviceRun()
+
+
+def pytest_unconfigure(config):
+    run = config.stash.get(MULTIDEVICE_RUN, None)
+    if run is not None:
+        run.close()

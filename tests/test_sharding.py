@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -23,9 +20,7 @@ from m3jax import plan as plan_cli
 from m3jax import sharding as sh
 from m3jax.checkpoint import CheckpointReader, _convert, read_entry_shard, tensor_plan
 from m3jax.config import preset
-from tests.conftest import tiny_config
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import MULTIDEVICE_RUN, MultideviceRun, tiny_config
 
 
 class FakeMesh:
@@ -135,17 +130,13 @@ def test_generate_plan_equals_plan_cli(capsys, hbm, dtype):
 
 
 @pytest.fixture(scope="module")
-def multidevice_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("multidevice") / "results.json"
-    # The generate CLI runs keep their compile caches in the test's folder: a hit from an earlier run
-    # in the user's cache would skip the tracing that the context-parallel checks count.
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
-               JAX_PLATFORMS="cpu", M3JAX_CACHE_DIR=str(tmp_path_factory.mktemp("m3jax_cache")))
-    proc = subprocess.run([sys.executable, "-m", "tests.multidevice.sharding_checks", str(out), "--devices", "8"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if not out.exists():
-        pytest.fail(f"multi-device checks did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+def multidevice_results(request):
+    """The checks' results: started by conftest right after collection, so they run beside the tests
+    that come before this one; here they are waited for."""
+    run = request.config.stash.get(MULTIDEVICE_RUN, None)
+    if run is None:  # not started at collection (the fixture reached some other way): start it now
+        run = request.config.stash[MULTIDEVICE_RUN] = MultideviceRun()
+    return run.results()
 
 
 @pytest.mark.parametrize("check", ["forward_divisible", "forward_replicated", "forward_mixed_4", "engine_divisible",
