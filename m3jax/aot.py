@@ -318,9 +318,6 @@ class _Staged:
 
     program: Program
     key: str
-    leaves: list
-    donated: tuple[int, ...]
-    flat_out: tuple | None
     run: Callable | None = None
     lowered: Any = None
     source: str = ""
@@ -330,6 +327,18 @@ class _Staged:
     error: Exception | None = None
 
 
+def _brief(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _warn_rebuilt(path: Path, e: Exception) -> None:
+    _warn(f"the cache entry {path} did not compile ({_brief(e)}); it is rebuilt")
+
+
+def _warn_uncompiled(name: str, e: Exception) -> None:
+    _warn(f"{name} was exported but its module did not compile ({_brief(e)}); it is compiled without the AOT cache")
+
+
 def _stage(p: Program, read: bool = True) -> _Staged:
     leaves, in_tree = jax.tree.flatten(p.args)
     flat_out = None if p.out_shardings is None else tuple(p.out_tree.flatten_up_to(p.out_shardings))
@@ -337,7 +346,7 @@ def _stage(p: Program, read: bool = True) -> _Staged:
     # Leaf indices of the donated arguments: the exported program takes the leaves flat.
     bounds = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in p.args])
     donated = tuple(i for a in p.donate_argnums for i in range(bounds[a], bounds[a + 1]))
-    st = _Staged(p, key, leaves, donated, flat_out, run=_memo.get(key))
+    st = _Staged(p, key, run=_memo.get(key))
     if st.run is not None or _dir is None:
         return st
     st.path = Path(_dir) / f"{p.name}-{key[:32]}.m3aot"
@@ -346,23 +355,20 @@ def _stage(p: Program, read: bool = True) -> _Staged:
         try:
             st.lowered, st.source = _lower_exported(exp, leaves, donated), "hit"
         except Exception as e:  # noqa: BLE001  (a parseable entry that does not lower: rebuild it)
-            _warn(f"the cache entry {st.path} did not compile ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                  "it is rebuilt")
+            _warn_rebuilt(st.path, e)
     if st.lowered is None:
         try:
             st.data = _encode(key, _export(p.fn, leaves, in_tree, p.out_tree, p.static or {}, p.name, flat_out))
         except OutTreeError:
             raise
         except Exception as e:  # noqa: BLE001  (export refused: custom call, effects; compile the plain way)
-            _warn(f"{p.name} cannot be exported ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                  "it is compiled without the AOT cache")
+            _warn(f"{p.name} cannot be exported ({_brief(e)}); it is compiled without the AOT cache")
         else:
             try:
                 # Compile the module as a later run will read it back, so that run hits JAX's cache.
                 st.lowered, st.source = _lower_exported(_decode(st.data, key), leaves, donated), "miss"
             except Exception as e:  # noqa: BLE001  (never fail the run for the cache: compile the plain way)
-                _warn(f"{p.name} was exported but its module did not compile ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:200]}); it is compiled without the AOT cache")
+                _warn_uncompiled(p.name, e)
     return st
 
 
@@ -380,14 +386,13 @@ def _finish(st: _Staged) -> Callable:
     if st.run is not None:
         return st.run
     if st.lowered is not None and st.compiled is None:
-        msg = f"{type(st.error).__name__}: {str(st.error).splitlines()[0][:200]}"
         if st.source == "hit":  # a parseable entry XLA refuses: rebuild it, never fail the run
-            _warn(f"the cache entry {st.path} did not compile ({msg}); it is rebuilt")
+            _warn_rebuilt(st.path, st.error)
             st = _stage(p, read=False)
             if st.lowered is not None:
                 _xla_compile(st)
             return _finish(st)
-        _warn(f"{p.name} was exported but its module did not compile ({msg}); it is compiled without the AOT cache")
+        _warn_uncompiled(p.name, st.error)
         st.lowered = None
     if st.compiled is None:  # not exportable (or no disk cache): jit as usual
         compiled = jax.jit(functools.partial(p.fn, **(p.static or {})), donate_argnums=p.donate_argnums,
