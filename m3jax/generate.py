@@ -363,6 +363,10 @@ def persistent_compile_cache(path: Path | None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    try:  # read by the engine's warmup; a bad value is the user's, refused before anything loads
+        aot.compile_threads()
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
     cache_dir = None if args.no_compile_cache else compile_cache_dir()
     with (persistent_compile_cache(cache_dir) as cache_stats,
           aot.disk_cache(None if cache_dir is None else cache_dir / "aot") as aot_stats):

@@ -200,4 +200,8 @@ def test_compile_all_compiles_a_repeated_program_once(tmp_path, monkeypatch):
     monkeypatch.setenv("M3JAX_COMPILE_THREADS", "two")
     with pytest.raises(ValueError, match="M3JAX_COMPILE_THREADS"):
         aot.compile_threads()
+    from m3jax import cli, generate
+
+    with pytest.raises(cli.UsageError, match="M3JAX_COMPILE_THREADS"):  # the CLI refuses it in one line, first
+        generate.main(["--max-new-tokens", "1"])
     aot.clear()
