@@ -129,6 +129,16 @@ NOTEBOOKS_02 = {
         ("code", "display(Image(str(plots / 'quality_heatmaps.png')))"),
         ("md", "## Equal token budget: fewer large blocks or more small ones?"),
         ("code", "if (plots / 'equal_budget.png').exists():\n    display(Image(str(plots / 'equal_budget.png')))"),
+        ("md", "## Past the trained length: the same grid at 32K (2026-12-01 sweep)\n\nThe retrained m3-small saw 16K "
+               "rows in training. At 32K (`results/32k/`, README \"At 32K\") dense attention stops retrieving while every "
+               "MSA cell still does; accuracy then falls as the budget grows toward dense."),
+        ("code", "long = SWEEPS[0] / 'results' / '32k'\n"
+                 "if (long / 'quality.jsonl').exists():\n"
+                 "    plots_32k = Path('block_topk_plots_32k').resolve()\n"
+                 "    subprocess.run([sys.executable, str(SWEEPS[0] / 'sweep.py'), '--plot', '--out', str(long), '--plots', str(plots_32k)],\n"
+                 "                   check=True, capture_output=True)\n"
+                 "    display(Image(str(plots_32k / 'quality_heatmaps.png')))\n"
+                 "else:\n    print('no 32K results committed')"),
         ("md", "## Recall per MSA layer\n\nWhich layers lose attention mass first as top-k shrinks (native block size)."),
         ("code", "native = cells['dense']['native_block_size'] if 'dense' in cells else None\n"
                  "line = sorted((r for r in cells.values() if r.get('topk') and r['block_size'] == native), key=lambda r: r['topk'])\n"
