@@ -18,8 +18,9 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
    [128, 3072, 6144], the bf16 kernel against the MXFP8 kernel; target <= 1.1x of bf16;
 4. the routed experts' gate GEMM of one decode token alone (4 rows, 4 experts) at tile widths 64 / 128
    and 4 / 8 pipeline stages, and on the persistent warp-specialised schedule (block_n 256, split_k 1 / 2
-   / 4 / 8), bf16 and MXFP8 kernels: how the kernels' config should be set for decode (the MoE block
-   runs block_m 64, block_n 128, 4 stages, the pipeline schedule);
+   / 4 / 8 / 16), bf16 and MXFP8 kernels: how the kernels' config should be set for decode (the MoE block
+   runs ``m3jax.pallas.grouped_matmul.layer_config``'s choice: for this GEMM in MXFP8 the warp-specialised
+   schedule split over K, in bf16 the pipeline at block_m 64, block_n 128, 4 stages);
 5. agreement: every MXFP8 result against the bf16 one on the same (dequantised) weights (relative L2;
    equal weights, so accumulation order and bf16 output rounding only).
 
@@ -186,7 +187,8 @@ def decode_gemm_configs(cfg, mx, bf, iters: int) -> list[dict]:
         return out
     configs = [GroupedMatmulConfig(block_m=64, block_n=bn, max_concurrent_steps=steps) for bn in (64, 128)
                for steps in (4, 8)]
-    configs += [GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=s) for s in (1, 2, 4, 8)]
+    configs += [GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=s)
+                for s in (1, 2, 4, 8, 16)]
     for c in configs:
         fb = jax.jit(functools.partial(grouped_matmul, config=c))
         fm = jax.jit(functools.partial(grouped_matmul_mxfp8, config=c))

@@ -209,7 +209,9 @@ def _grouped_matmul():
     # 6 experts, empty groups, rows past sum(group_sizes); K = 128, N = 256. The bf16 kernel and the MXFP8
     # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products), each with
     # the default tiles and with the MoE layer's prefill config (385 rows > 64 per expert: on Hopper the
-    # warp-specialised schedule, so its verdict also covers what the model runs for prefill).
+    # warp-specialised schedule, so its verdict also covers what the model runs for prefill), and the MXFP8
+    # variant on 5 decode rows with the layer's decode config (two experts with rows fill no GPU: on Hopper
+    # the warp-specialised schedule split over K, as for one token's routed experts and the shared expert).
     rng = np.random.default_rng(6)
     m, k, n, g = 385, 128, 256, 6
     lhs, rhs = _ints(rng, (m, k)), _ints(rng, (g, k, n))
@@ -224,7 +226,10 @@ def _grouped_matmul():
         for config in dict.fromkeys([GroupedMatmulConfig(), layer_config(m, k, n, g, k // 32 if mx else None)]):
             got.append(run(mx, config=config))
             ref.append(want)
-    return jnp.stack(got), jnp.stack(ref)
+    dec, dec_gs = lhs[:5], jnp.asarray([0, 2, 0, 0, 3, 0], jnp.int32)
+    got.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, config=layer_config(5, k, n, g, k // 32)))
+    ref.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, implementation="reference"))
+    return jnp.concatenate([x.ravel() for x in got]), jnp.concatenate([x.ravel() for x in ref])
 
 
 def _dirs(*ops: str) -> tuple[Path, ...]:

@@ -348,6 +348,16 @@ def test_layer_config_per_regime(monkeypatch):
     prefill, prefill_mx = layer_config(32768, 6144, 3072, 128), layer_config(32768, 6144, 3072, 128, 192)
     assert prefill == prefill_mx == GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
     assert layer_config(4, 6144, 3072, 128) == GroupedMatmulConfig(block_m=64)
+    # MXFP8 decode: split K on the warp-specialised schedule where the pipeline's CTAs (min(m, g) x N / 128)
+    # are fewer than the SMs, into enough parts for two work items per SM (at most 16, K a multiple of 64 each)
+    sms = _backend.current_target().num_sms
+    one_token = layer_config(4, 6144, 3072, 128, 192)  # 4 x 24 = 96 pipeline CTAs < 132 SMs
+    assert (one_token.schedule, one_token.block_n) == ("warp_specialized", 256)
+    assert 4 * 12 * one_token.split_k >= 2 * sms > 4 * 12 * one_token.split_k // 2
+    assert layer_config(1, 3072, 6144, 1, 96).split_k == 16  # the shared expert: one group, capped at 16
+    assert layer_config(1, 192, 6144, 1, 6) == GroupedMatmulConfig(block_m=64)  # K = 3 x 64 splits in no power of 2
+    assert layer_config(32, 6144, 3072, 128, 192) == GroupedMatmulConfig(block_m=64)  # 32 x 24 CTAs fill it
+    assert layer_config(4, 3072, 6144, 128, 96) == GroupedMatmulConfig(block_m=64)  # 4 x 48 CTAs fill it
     with _backend.interpret_as(_backend.BLACKWELL):  # Hopper only: the pipeline's tcgen05 variant instead
         assert layer_config(32768, 6144, 3072, 128) == GroupedMatmulConfig(block_m=128)
     monkeypatch.setattr(kernel, "LAYER_SCHEDULE", {"prefill": "warp_specialized", "decode": "warp_specialized"})

@@ -49,8 +49,9 @@ warpgroup holds the fp32 accumulator in 128 registers per thread).
 The persistent, warp-specialised variant (``GroupedMatmulConfig(schedule="warp_specialized")``,
 :mod:`.persistent`: one CTA per SM over the work items, a TMA producer warpgroup and two consumer
 warpgroups, group-aligned row tiles, split-K for decode) has the same signature and reference; the
-MoE layer runs it for prefill on Hopper (``LAYER_SCHEDULE``, measured on the H200) and this pipeline
-schedule for decode, on Blackwell, and as ``GroupedMatmulConfig()``'s default.
+MoE layer runs it for prefill on Hopper (``LAYER_SCHEDULE``, measured on the H200) and, split over K,
+for MXFP8 decode GEMMs whose experts with rows are too few to fill the SMs; this pipeline schedule for
+the other decode GEMMs, on Blackwell, and as ``GroupedMatmulConfig()``'s default.
 
 Blackwell (``current_target().mma == "tcgen05"``): the schedule, the pipeline and the masked store
 stay; the MMA is ``plgpu.tcgen05_mma`` into a TMEM accumulator, each step's MMA committed to one of
@@ -111,12 +112,26 @@ class GroupedMatmulConfig:
 # warp-specialised schedule (split 4 or 8 was best at 1 MXFP8 token, depending on the projection).
 LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
+# MXFP8 decode where the pipeline's CTAs (one per 128 columns of each expert with rows, each converting
+# its whole K of fp8 tiles) are fewer than the SMs: one token's 4 routed experts, the shared expert's one
+# group. There the warp-specialised schedule splits K until there are MXFP8_DECODE_ITEMS_PER_SM work
+# items per SM (H200, RESULTS.md fifth session: one token's routed gate/up 0.086 ms at split 8 vs 0.142
+# on the pipeline; where the pipeline fills the SMs it stayed as fast or faster, down 0.086 both).
+MXFP8_DECODE_ITEMS_PER_SM = 2
+MXFP8_DECODE_MAX_SPLIT = 16
 
 
 def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) -> GroupedMatmulConfig:
     """The MoE layer's config for ``[m, k] x [g, k, n]`` (``k_groups``: MXFP8 weights' scale rows):
-    ``LAYER_SCHEDULE``'s for the regime, the pipeline's where that one cannot take the shape."""
+    ``LAYER_SCHEDULE``'s for the regime, split-K on the warp-specialised schedule for MXFP8 decode that
+    would leave SMs idle (``_mxfp8_decode_split``), the pipeline's where those cannot take the shape."""
     decode = m <= 64 * g  # few rows per expert: 64-row tiles waste less of each tile
+    if decode and k_groups:
+        split = _mxfp8_decode_split(m, k, n, g)
+        if split:
+            cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)
+            if mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) is None:
+                return cfg
     if LAYER_SCHEDULE["decode" if decode else "prefill"] == "warp_specialized":
         if decode:
             split = next(s for s in (DECODE_SPLIT_K, 2, 1) if k % (s * 64) == 0)
@@ -128,6 +143,21 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) ->
         if reason is None:
             return cfg
     return GroupedMatmulConfig(block_m=64 if decode else 128)
+
+
+def _mxfp8_decode_split(m: int, k: int, n: int, g: int) -> int | None:
+    """The K split for MXFP8 decode on the warp-specialised schedule (block_n 256), or None where the
+    pipeline's ``min(m, g) * n / 128`` CTAs already give every SM one (at most ``min(m, g)`` groups
+    have rows) or K cannot be split."""
+    sms = current_target().num_sms
+    experts = min(m, g)
+    if experts * (n // 128) >= sms:
+        return None
+    splits = [s for s in (2, 4, 8, 16) if s <= MXFP8_DECODE_MAX_SPLIT and k % (s * 64) == 0]
+    if not splits or n % 256:
+        return None  # (unsplit, the warp-specialised schedule was slower: 0.172 vs 0.142 ms)
+    want = MXFP8_DECODE_ITEMS_PER_SM * sms
+    return next((s for s in splits if experts * (n // 256) * s >= want), splits[-1])
 
 
 def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConfig | None = None) -> str | None:
