@@ -118,7 +118,7 @@ DECODE_SPLIT_K = 4
 # items per SM (H200, RESULTS.md fifth session: one token's routed gate/up 0.086 ms at split 8 vs 0.142
 # on the pipeline; where the pipeline fills the SMs it stayed as fast or faster, down 0.086 both).
 MXFP8_DECODE_ITEMS_PER_SM = 2
-MXFP8_DECODE_MAX_SPLIT = 16
+MXFP8_DECODE_SPLITS = (2, 4, 8, 16)
 
 
 def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) -> GroupedMatmulConfig:
@@ -148,13 +148,13 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) ->
 def _mxfp8_decode_split(m: int, k: int, n: int, g: int) -> int | None:
     """The K split for MXFP8 decode on the warp-specialised schedule (block_n 256), or None where the
     pipeline's ``min(m, g) * n / 128`` CTAs already give every SM one (at most ``min(m, g)`` groups
-    have rows) or K cannot be split."""
+    have rows) or K cannot be split. The caller checks the rest of the schedule's limits."""
     sms = current_target().num_sms
     experts = min(m, g)
     if experts * (n // 128) >= sms:
         return None
-    splits = [s for s in (2, 4, 8, 16) if s <= MXFP8_DECODE_MAX_SPLIT and k % (s * 64) == 0]
-    if not splits or n % 256:
+    splits = [s for s in MXFP8_DECODE_SPLITS if k % (s * 64) == 0]
+    if not splits:
         return None  # (unsplit, the warp-specialised schedule was slower: 0.172 vs 0.142 ms)
     want = MXFP8_DECODE_ITEMS_PER_SM * sms
     return next((s for s in splits if experts * (n // 256) * s >= want), splits[-1])
