@@ -1,0 +1,135 @@
+"""What the in-kernel MXFP8 dequantisation costs the grouped GEMM, part by part (GPU).
+
+``grouped_matmul_mxfp8`` converts each fp8 weight tile into a bf16 SMEM tile (``tiles.dequantize_tile``)
+in the warpgroups that issue the MMAs, between their MMAs. This runs the MoE layer's routed gate GEMM at
+M3 widths (``[rows, 6144] x [128, 6144, 3072]``: a 4,096-token prefill chunk's 16,384 rows, uniform
+routing; 1 and 8 decode tokens) with the layer's configs (``layer_config``), the conversion swapped for
+stand-ins, most of which compute wrong weights, to see where the time goes:
+
+  shipped     tiles.dequantize_tile
+  select      shipped, with each scale's bits chosen by compare and select (the code before 2026-12-02)
+  cvt_only    e4m3 -> f16 -> f32 -> bf16 without the scale (wrong weights)
+  store_only  a constant bf16 tile written: the SMEM stores and fence alone (wrong weights)
+  nothing     no conversion: the MMA reads a stale tile; the loads, pipeline and MMAs alone (wrong weights)
+
+against the bf16 kernel of the same config on the dequantised weights (the baseline, same process).
+Device ms from CUPTI; "max |diff|" is against the bf16 kernel (0 or bf16 rounding for the exact
+variants). jit caches are cleared between variants: a process otherwise keeps the kernel it traced first.
+
+    PYTHONPATH=. python benchmarks/mxfp8_dequant.py      # one H200: about a minute
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate_m3_width import best, on_gpu, timed
+
+from m3jax.pallas._backend import plgpu
+from m3jax.pallas.grouped_matmul import (
+    grouped_matmul,
+    grouped_matmul_mxfp8,
+    kernel,
+    layer_config,
+    persistent,
+    reference,
+    tiles,
+)
+
+LAYOUT = plgpu.Layout.WGMMA_8BIT
+EXPERTS, D, F = 128, 6144, 3072
+
+
+def _select(q_smem, s_smem, w_smem, group):
+    bk, bn = q_smem.shape
+    q = plgpu.load(q_smem, layout=LAYOUT).astype(jnp.float16).astype(jnp.float32)
+    row = plgpu.broadcasted_iota(jnp.int32, (bk, bn), 0, layout=LAYOUT)
+    scale = None
+    for j in range(bk // group):
+        e = plgpu.load(s_smem.at[j], layout=LAYOUT.reduce(0)).astype(jnp.int32)
+        bits = jnp.where(e == 0, jnp.int32(0x00400000), e << 23)
+        sj = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.float32)[None, :], (bk, bn)), LAYOUT)
+        scale = sj if scale is None else jnp.where(row >= j * group, sj, scale)
+    w_smem[...] = (q * scale).astype(w_smem.dtype)
+    plgpu.commit_smem()
+
+
+def _cvt_only(q_smem, s_smem, w_smem, group):
+    w_smem[...] = plgpu.load(q_smem, layout=LAYOUT).astype(jnp.float16).astype(jnp.float32).astype(w_smem.dtype)
+    plgpu.commit_smem()
+
+
+def _store_only(q_smem, s_smem, w_smem, group):
+    w_smem[...] = plgpu.layout_cast(jnp.full(q_smem.shape, 1.0, w_smem.dtype), LAYOUT)
+    plgpu.commit_smem()
+
+
+def _nothing(q_smem, s_smem, w_smem, group):
+    pass
+
+
+VARIANTS = {"shipped": tiles.dequantize_tile, "select": _select, "cvt_only": _cvt_only,
+            "store_only": _store_only, "nothing": _nothing}
+
+
+def _use(fn) -> None:
+    persistent.dequantize_tile = kernel.dequantize_tile = fn
+    jax.clear_caches()
+
+
+def gemm_row(label: str, m: int, values, scales, w_bf16) -> dict:
+    """The routed gate GEMM of ``m`` rows: the bf16 kernel, then each variant of the MXFP8 one."""
+    if m > EXPERTS:
+        sizes = jnp.bincount(jax.random.randint(jax.random.key(3), (m,), 0, EXPERTS), length=EXPERTS)
+    else:  # each routed row its own expert
+        sizes = jnp.zeros((EXPERTS,), jnp.int32).at[jnp.arange(m) * 7 % EXPERTS].add(1)
+    sizes = sizes.astype(jnp.int32)
+    x = (0.5 * jax.random.normal(jax.random.key(9), (m, D))).astype(jnp.bfloat16)
+    cb, cm = layer_config(m, D, F, EXPERTS), layer_config(m, D, F, EXPERTS, D // 32)
+    fb = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, config=cb))
+    base = best(timed(lambda: fb(x, w_bf16, sizes), 5))
+    want = fb(x, w_bf16, sizes).astype(jnp.float32)
+    row = {"gemm": label, "bf16_ms": base, "bf16_config": str(cb), "mxfp8_config": str(cm)}
+    for name, fn in VARIANTS.items():
+        _use(fn)
+        fm = jax.jit(lambda x, v, sc, s: grouped_matmul_mxfp8(x, v, sc, s, config=cm))
+        ms = best(timed(lambda fm=fm: fm(x, values, scales, sizes), 5))
+        err = float(jnp.max(jnp.abs(fm(x, values, scales, sizes).astype(jnp.float32) - want)))
+        row[name] = {"ms": ms, "ratio": ms / base, "max_abs_diff": err}
+    _use(VARIANTS["shipped"])
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    if not on_gpu():
+        sys.exit("benchmarks/mxfp8_dequant.py measures GPU kernels: run it on a GPU")
+    out = Path(os.environ.get("OUT", "benchmarks/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    values = (jax.random.normal(jax.random.key(0), (EXPERTS, D, F)) * 64).astype(jnp.float8_e4m3fn)
+    scales = jax.random.randint(jax.random.key(1), (EXPERTS, D // 32, F), 110, 125).astype(jnp.uint8)
+    w_bf16 = reference.dequantize_mxfp8(values, scales).astype(jnp.bfloat16)
+    rows = [gemm_row(label, m, values, scales, w_bf16)
+            for label, m in (("prefill, 16,384 rows", 16384), ("decode, 1 token", 4), ("decode, 8 tokens", 32))]
+    title = (f"MXFP8 grouped GEMM, in-kernel dequantisation by part ({datetime.date.today()}, "
+             f"{jax.devices()[0].device_kind}, jax {jax.__version__}); device ms (ratio to bf16)")
+    lines = [title, "", "| GEMM | bf16 | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 2) + "|"]
+    for r in rows:
+        cells = [f"{r[v]['ms']:.3f} ({r[v]['ratio']:.2f})" for v in VARIANTS]
+        lines.append(f"| {r['gemm']} | {r['bf16_ms']:.3f} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    (out / "mxfp8_dequant.md").write_text("\n".join(lines) + "\n")
+    (out / "mxfp8_dequant.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
