@@ -11,8 +11,9 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
    shared expert), device time (CUPTI kernel time, as ``generate_m3_width.py`` measures it), and the
    whole MSA + MoE decoder layer's decode step at the last position of a ``--ctx`` cache; target for
    the MoE decode: <= 0.6x of bf16. The shared expert alone three ways: MXFP8 through the grouped-GEMM
-   kernel as one group (what the MoE block runs), MXFP8 dequantised at use by XLA (what the attention
-   and dense MLP weights get: does XLA fuse the dequantisation into the dot?), bf16;
+   kernel as one group (what ``m3jax.moe.linear`` runs for every MXFP8 weight outside the routed experts
+   up to 64 rows: the shared expert, attention and index projections, dense MLP), MXFP8 dequantised at use
+   by XLA (what they get above 64 rows), bf16;
 3. the prefill grouped GEMMs of a ``--chunk``-token chunk (4 routed rows per token, uniform random
    routing over the 128 experts): gate [T*4, 6144] x [128, 6144, 3072] and down [T*4, 3072] x
    [128, 3072, 6144], the bf16 kernel against the MXFP8 kernel; target <= 1.1x of bf16;

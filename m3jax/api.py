@@ -80,8 +80,8 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
     ``dtype="auto"`` runs in the checkpoint's own dtype (:func:`m3jax.checkpoint.checkpoint_dtype`).
     With ``mesh`` (``m3jax.sharding.make_mesh``) each device reads only its shard from the files.
     ``weights="mxfp8"`` keeps an MXFP8 checkpoint's quantised weights as fp8 values + E8M0 scales on the
-    device (:class:`m3jax.layers.MXFP8Weight`; the MoE grouped GEMM reads them as they are, the other
-    matmuls dequantise at use); ``"dequantize"`` (default) holds them in ``dtype``."""
+    device (:class:`m3jax.layers.MXFP8Weight`; the MoE grouped GEMM reads them as they are, and so do the
+    other matmuls at decode row counts, :func:`m3jax.moe.linear`; elsewhere they dequantise at use); ``"dequantize"`` (default) holds them in ``dtype``."""
     if dtype not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"dtype={dtype!r}; choose 'auto', 'bfloat16' or 'float32'")
     cfg = load_config(path)

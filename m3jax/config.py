@@ -221,7 +221,9 @@ class M3Config:
     # "mxfp8" when the checkpoint stores float8 weights with E8M0 block scales (dequantised on load).
     quantization: str | None = None
     attention_impl: AttentionImpl = "auto"
-    moe_impl: MoeImpl = "auto"  # run-time choice like attention_impl: never written to config.json
+    # The grouped-GEMM kernel for the MoE experts and, with MXFP8 weights, for the other matmuls at decode
+    # rows (m3jax.moe.linear). A run-time choice like attention_impl: never written to config.json.
+    moe_impl: MoeImpl = "auto"
     # Query rows processed together by the reference attention; bounds memory at long context.
     attention_chunk: int = 256
 

@@ -21,31 +21,33 @@ from m3jax import sharding
 from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config, TextConfig
 from m3jax.layers import apply_rope, matmul_precision, rms_norm, rope_angles
-from m3jax.moe import dense_mlp, dequantize_layer, moe_sorted
+from m3jax.moe import dense_mlp, dequantize_layer, linear, moe_sorted
 from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.vision import Grid, encode_media
 
 
-def _qk_heads(x, w, norm_w, angles, eps):
-    """Project [B, T, D] @ [D, heads, H], per-head Gemma RMSNorm, then partial RoPE."""
-    y = jnp.einsum("btd,dnh->btnh", x, w)
+def _norm_rope(y, norm_w, angles, eps):
+    """Per-head Gemma RMSNorm, then partial RoPE, of projected heads [B, T, heads, H]."""
     return apply_rope(rms_norm(y, norm_w, eps), angles)
 
 
-def index_branch(x: jax.Array, p: dict, angles: jax.Array, cfg: TextConfig) -> tuple[jax.Array, jax.Array]:
-    """MSA index q/k. x: [B, T, D] -> iq [B, T, Hi, Hx], ik [B, T, Hx] (post norm and RoPE)."""
-    iq = _qk_heads(x, p["wq"], p["q_norm"], angles, cfg.rms_norm_eps)
-    ik = _qk_heads(x, p["wk"][:, None, :], p["k_norm"], angles, cfg.rms_norm_eps)[:, :, 0]
+def index_branch(x: jax.Array, p: dict, angles: jax.Array, cfg: TextConfig,
+                 impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array]:
+    """MSA index q/k. x: [B, T, D] -> iq [B, T, Hi, Hx], ik [B, T, Hx] (post norm and RoPE).
+    ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
+    iq = _norm_rope(linear(x, p["wq"], impl), p["q_norm"], angles, cfg.rms_norm_eps)
+    ik = _norm_rope(linear(x, p["wk"], impl)[:, :, None], p["k_norm"], angles, cfg.rms_norm_eps)[:, :, 0]
     return iq, ik
 
 
-def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, sparse: bool):
-    """q [B,T,N,H], k, v [B,T,K,H] (q/k normed and rotated) and, on MSA layers, iq [B,T,Hi,Hx], ik [B,T,Hx]."""
+def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, sparse: bool, impl: str = "ragged_dot"):
+    """q [B,T,N,H], k, v [B,T,K,H] (q/k normed and rotated) and, on MSA layers, iq [B,T,Hi,Hx], ik [B,T,Hx].
+    ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
     p = lp["attn"]
-    q = _qk_heads(x, p["wq"], p["q_norm"], angles, cfg.rms_norm_eps)
-    k = _qk_heads(x, p["wk"], p["k_norm"], angles, cfg.rms_norm_eps)
-    v = jnp.einsum("btd,dkh->btkh", x, p["wv"])
-    iq, ik = index_branch(x, lp["index"], angles, cfg) if sparse else (None, None)
+    q = _norm_rope(linear(x, p["wq"], impl), p["q_norm"], angles, cfg.rms_norm_eps)
+    k = _norm_rope(linear(x, p["wk"], impl), p["k_norm"], angles, cfg.rms_norm_eps)
+    v = linear(x, p["wv"], impl)
+    iq, ik = index_branch(x, lp["index"], angles, cfg, impl) if sparse else (None, None)
     return q, k, v, iq, ik
 
 
@@ -69,25 +71,29 @@ def attention(
     """
     t = cfg.text
     sparse = t.is_sparse_attention(layer)
-    q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse)
+    q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse, cfg.moe_impl)
+
+    def out(o):  # [B, T, N, H] @ wo [N, H, D]
+        return linear(o, lp["attn"]["wo"], cfg.moe_impl, in_axes=2)
+
     if kv is not None:
         kv = kv.write(page_table, q_pos, k, v, ik)
         if sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
             o, block_idx = msa_layer.decode(q, iq, kv, page_table, q_pos, cfg, layer)
-            return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
+            return out(o), block_idx, kv
         if not sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
             o = msa_layer.dense_decode(q, kv, page_table, q_pos, cfg)
-            return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), None, kv
+            return out(o), None, kv
         if sparse and msa_layer.context_parallel(cfg, kv, page_table, q):  # no key window gathered
             o, block_idx = msa_layer.paged_attention(q, iq, kv, page_table, q_pos, cfg, layer)
-            return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
+            return out(o), block_idx, kv
         k, v, ik_all = kv.gather(page_table)
         ik = ik_all if sparse else None
     if sparse:
         o, block_idx = msa_layer.attention(q, k, v, iq, ik, q_pos, cfg, layer)
     else:
         o, block_idx = _dense_layer_attention(q, k, v, q_pos, cfg), None
-    return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), block_idx, kv
+    return out(o), block_idx, kv
 
 
 def _dense_layer_attention(q, k, v, q_pos, cfg: M3Config) -> jax.Array:
@@ -233,7 +239,7 @@ def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int, moe_impl: str
     if cfg.is_moe(layer):
         b, n, d = y.shape
         return moe_sorted(y.reshape(b * n, d), lp["moe"], cfg, impl=moe_impl).reshape(b, n, d)
-    return dense_mlp(y, lp["mlp"], cfg)
+    return dense_mlp(y, lp["mlp"], cfg, moe_impl)
 
 
 def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None, attend=None,
@@ -246,8 +252,10 @@ def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_tab
     (the probe routes it); its result is returned as ``(aux, observed)``. Returns (h, aux, kv).
     """
     t = cfg.text
-    lp = dequantize_layer(lp, lp["input_norm"].dtype)  # MXFP8 weights: dequantised at use, experts kept fp8
-    with matmul_precision(lp["attn"]["wo"].dtype):  # fp32 weights: fp32 matmuls on the GPU too
+    dtype = lp["input_norm"].dtype  # the model's; MXFP8 weights are fp8 + scales
+    if attend is not None:  # a hook reads the attention weights as arrays (MoE weights stay MXFP8)
+        lp = dequantize_layer(lp, dtype)
+    with matmul_precision(dtype):  # fp32 weights: fp32 matmuls on the GPU too
         x = rms_norm(h, lp["input_norm"], t.rms_norm_eps)
         if attend is None:
             a, aux, kv = attention(x, lp, angles, q_pos, cfg, i, kv, page_table)

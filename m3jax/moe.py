@@ -6,15 +6,16 @@ production shape) and :func:`moe_dense_reference` (every expert on every token, 
 and only viable for tiny configs).
 
 MXFP8 weights (``load_pretrained(..., weights="mxfp8")``, :class:`m3jax.layers.MXFP8Weight`): the
-routed experts and the shared expert stay fp8 + scales into the grouped GEMM, whose kernel dequantises
-each tile (``grouped_matmul_mxfp8``; the shared expert is one group of every token), so a decode step
-reads them as fp8 whatever XLA fuses; on the ``ragged_dot`` path, under expert parallelism (the
-shared expert's weights split over the mesh) and for the dense layers' MLP they are dequantised inside
-jit (:func:`m3jax.layers.dequantize`).
+routed experts stay fp8 + scales into the grouped GEMM, whose kernel dequantises each tile
+(``grouped_matmul_mxfp8``), so a step reads them as fp8 whatever XLA fuses. The model's other MXFP8
+matmuls (the shared expert, the dense layers' MLP, the attention and index projections) go through
+:func:`linear`: the same kernel with one group at decode row counts, dequantised inside jit
+(:func:`m3jax.layers.dequantize`) otherwise, on the ``ragged_dot`` path and under tensor parallelism.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
@@ -25,32 +26,70 @@ from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, swiglu_oai
 
 
 def dequantize_layer(lp: dict, dtype) -> dict:
-    """A decoder layer's MXFP8 weights dequantised to ``dtype`` for XLA's matmuls (attention, index
-    branch, dense MLP), the MoE block's (routed and shared experts) kept MXFP8 for the grouped GEMM."""
+    """A decoder layer's MXFP8 weights dequantised to ``dtype`` for code that reads them as arrays (an
+    attention hook), the MoE block's kept MXFP8 for the grouped GEMM and :func:`linear`."""
     return dequantize_tree(lp, dtype, keep=lambda path: path[0].key == "moe")
 
 
-def _matmul(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str) -> jax.Array:
-    """``x [..., K] @ w [K, N]``; MXFP8 ``w``: the MXFP8 grouped GEMM with one group (every row) where
-    :func:`resolve_moe_impl` takes the kernel for ``impl``, else dequantised at use."""
+# Dense MXFP8 matmuls take the grouped-GEMM kernel (one group) up to this many rows: at decode it reads
+# the fp8 weights once (H200, benchmarks/RESULTS.md seventh and eighth sessions: the shared expert at 1
+# and 8 tokens 0.071-0.073 ms through it, 0.113 dequantised by XLA then multiplied). Past it the kernel's
+# in-tile conversion costs 1.5-1.65x a bf16 GEMM's time (prefill, same runs), while XLA's dequantisation
+# is one pass over the weight per call, small beside a GEMM of that many rows.
+MXFP8_KERNEL_MAX_ROWS = 64
+
+
+def linear(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str = "ragged_dot", in_axes: int = 1) -> jax.Array:
+    """``x [..., *in] @ w [*in, *out] -> [..., *out]``, contracting x's last ``in_axes`` axes with w's first.
+
+    An MXFP8 ``w`` runs the MXFP8 grouped GEMM with one group (every row) when :func:`_dense_kernel`
+    takes it for ``impl`` ("auto": on the GPU; "pallas": also in interpret mode off it) and these rows;
+    otherwise it is dequantised to ``x.dtype`` at use. Either way the product is that of the dequantised
+    weight, up to accumulation order."""
     if not isinstance(w, MXFP8Weight):
-        return x @ w
-    rows = x.reshape(-1, x.shape[-1])
-    one = MXFP8Weight(w.values[None], w.scales[None])
-    if impl != "ragged_dot" and resolve_moe_impl(impl, rows, one) == "pallas":
-        from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
+        return jnp.tensordot(x, w, axes=in_axes)
+    if w.group_axis != in_axes - 1:
+        raise ValueError(f"MXFP8 weight {w.values.shape} groups axis {w.group_axis}, not its last input axis "
+                         f"({in_axes - 1} with in_axes={in_axes})")
+    in_shape, out_shape = w.values.shape[:in_axes], w.values.shape[in_axes:]
+    k, n = math.prod(in_shape), math.prod(out_shape)
+    rows = x.reshape(-1, k)
+    values, scales = w.values.reshape(1, k, n), w.scales.reshape(1, -1, n)  # groups stay 32 consecutive inputs
+    if _dense_kernel(impl, rows.shape[0], k, n, scales.shape[1]):
+        from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8, layer_config
 
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        out = grouped_matmul_mxfp8(rows, one.values, one.scales, sizes, config=_grouped_matmul_config(rows.shape[0], one))
-        return out.reshape(*x.shape[:-1], -1)
-    return x @ dequantize(w, x.dtype)
+        config = layer_config(rows.shape[0], k, n, 1, scales.shape[1])
+        out = grouped_matmul_mxfp8(rows, values, scales, sizes, config=config)
+        return out.reshape(*x.shape[: x.ndim - in_axes], *out_shape)
+    return jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes)
+
+
+def _dense_kernel(impl: str, m: int, k: int, n: int, k_groups: int) -> bool:
+    """Whether :func:`linear` runs ``[m, k] x MXFP8 [k, n]`` through the kernel: ``impl`` "auto" on the GPU
+    or "pallas", at most MXFP8_KERNEL_MAX_ROWS rows, a shape the kernel takes, no tensor-parallel mesh
+    (the weight would be gathered to every device for the custom call), a kernel that passed its canary.
+    Shapes it cannot take are dequantised quietly, even for "pallas": that forces the MoE's kernel."""
+    if impl == "ragged_dot" or m > MXFP8_KERNEL_MAX_ROWS:
+        return False
+    from m3jax.pallas._backend import on_gpu
+    from m3jax.pallas.grouped_matmul import layer_config, mxfp8_unsupported_reason
+    from m3jax.selfcheck import kernel_failure
+
+    if impl == "auto" and not on_gpu():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and dict(mesh.shape).get(EXPERT_AXIS, 1) > 1:
+        return False
+    if mxfp8_unsupported_reason(m, k, n, 1, k_groups, layer_config(m, k, n, 1, k_groups)) is not None:
+        return False
+    return kernel_failure("grouped_matmul") is None
 
 
 def dense_mlp(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "ragged_dot") -> jax.Array:
-    """SwiGLU-OAI MLP. x: [..., D]; p: gate/up [D, F], down [F, D]. MXFP8 weights: through the MXFP8
-    kernel for ``impl`` "auto" / "pallas" where it runs (:func:`_matmul`), else dequantised at use."""
-    act = swiglu_oai(_matmul(x, p["gate"], impl), _matmul(x, p["up"], impl), cfg.swiglu_alpha, cfg.swiglu_limit)
-    return _matmul(act.astype(x.dtype), p["down"], impl)
+    """SwiGLU-OAI MLP. x: [..., D]; p: gate/up [D, F], down [F, D]. MXFP8 weights: :func:`linear`."""
+    act = swiglu_oai(linear(x, p["gate"], impl), linear(x, p["up"], impl), cfg.swiglu_alpha, cfg.swiglu_limit)
+    return linear(act.astype(x.dtype), p["down"], impl)
 
 
 def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]:

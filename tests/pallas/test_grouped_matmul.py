@@ -324,7 +324,7 @@ def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
 
 def test_moe_layer_with_mxfp8_experts_pallas_matches_dequantised():
     # the MoE block on MXFP8 params (param_specs(cfg, "mxfp8")): routed experts through the MXFP8 kernel,
-    # the shared expert dequantised at use; against the same weights dequantised and ragged_dot
+    # the shared expert too (m3jax.moe.linear: 20 rows); against the same weights dequantised and ragged_dot
     from m3jax.layers import MXFP8Weight, dequantize_tree
     from m3jax.moe import moe_sorted
     from m3jax.params import init_random_on_device
@@ -339,6 +339,72 @@ def test_moe_layer_with_mxfp8_experts_pallas_matches_dequantised():
     ref = moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
     assert not _backend.interpret_races_found()
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 MoE pallas vs dequantised")
+
+
+def _count_mxfp8_kernel_calls(monkeypatch) -> list:
+    import m3jax.pallas.grouped_matmul as gmm
+
+    calls, kernel = [], gmm.grouped_matmul_mxfp8
+
+    def counted(lhs, values, *args, **kw):
+        calls.append((lhs.shape, values.shape))
+        return kernel(lhs, values, *args, **kw)
+
+    monkeypatch.setattr(gmm, "grouped_matmul_mxfp8", counted)
+    return calls
+
+
+def test_linear_mxfp8_takes_the_kernel_at_decode_rows(monkeypatch):
+    # the MXFP8 matmuls outside the routed experts (m3jax.moe.linear): the kernel with one group up to
+    # MXFP8_KERNEL_MAX_ROWS rows, the weight dequantised at use past them, on "ragged_dot" and for "auto"
+    # off the GPU; every way the dequantised weight's product (bf16 accumulation-order tolerance)
+    from m3jax.layers import MXFP8Weight, dequantize
+    from m3jax.moe import MXFP8_KERNEL_MAX_ROWS, linear
+
+    calls = _count_mxfp8_kernel_calls(monkeypatch)
+    r = np.random.default_rng(3)
+    v2, s2 = _mxfp8_weights(1, 256, 256, seed=4)
+    weights = {  # x's trailing shape, the weight, in_axes: a [D, F] MLP weight, wq [D, N, H], wo [N, H, D]
+        "mlp": ((256,), MXFP8Weight(v2[0], s2[0]), 1),
+        "wq": ((256,), MXFP8Weight(v2[0].reshape(256, 4, 64), s2[0].reshape(8, 4, 64)), 1),
+        "wo": ((4, 64), MXFP8Weight(v2[0].reshape(4, 64, 256), s2[0].reshape(4, 2, 256)), 2),
+    }
+    for name, (trail, w, in_axes) in weights.items():
+        for rows, impl, kernel in ((3, "pallas", True), (MXFP8_KERNEL_MAX_ROWS + 1, "pallas", False),
+                                   (3, "ragged_dot", False), (3, "auto", False)):
+            x = jnp.asarray(r.normal(size=(1, rows, *trail)), jnp.bfloat16)
+            before = len(calls)
+            got = linear(x, w, impl, in_axes=in_axes)
+            assert (len(calls) > before) == kernel, (name, rows, impl)
+            want = jnp.tensordot(x, dequantize(w, jnp.bfloat16), axes=in_axes)
+            assert got.shape == want.shape == (1, rows, *w.values.shape[in_axes:])
+            assert_close(got.astype(jnp.float32), want.astype(jnp.float32), "bfloat16", f"linear {name} {rows} {impl}")
+    assert not _backend.interpret_races_found()
+    with pytest.raises(ValueError, match="not its last input axis"):  # wo contracted over its first axis only
+        linear(jnp.ones((2, 4), jnp.bfloat16), weights["wo"][1], "pallas", in_axes=1)
+
+
+def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
+    # a decode token through layer 0 (full attention + dense MLP) with every matmul weight MXFP8 and
+    # moe_impl="pallas": q/k/v/o and the MLP through the kernel; against the layer on the same weights
+    # dequantised, moe_impl="ragged_dot"
+    from m3jax.layers import dequantize_tree, rope_angles
+    from m3jax.model import decoder_layer
+    from m3jax.params import init_random_on_device
+    from tests.conftest import tiny_config
+
+    calls = _count_mxfp8_kernel_calls(monkeypatch)
+    cfg = tiny_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      dense_intermediate_size=256).replace(moe_impl="pallas")
+    lp = init_random_on_device(cfg, seed=2, dtype=jnp.bfloat16, scale=0.3, weights="mxfp8")["text"]["layers"][0]
+    h = jnp.asarray(np.random.default_rng(5).normal(size=(1, 1, 256)), jnp.bfloat16)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    angles = rope_angles(pos, cfg.text.rotary_dim, cfg.text.rope_theta)
+    got = decoder_layer(h, lp, angles, pos, cfg, 0)[0]
+    assert len(calls) == 7  # wq, wk, wv, wo, gate, up, down
+    ref = decoder_layer(h, dequantize_tree(lp, jnp.bfloat16), angles, pos, cfg.replace(moe_impl="ragged_dot"), 0)[0]
+    assert len(calls) == 7
+    assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 dense layer, kernel vs dequantised")
 
 
 def test_layer_config_per_regime(monkeypatch):
