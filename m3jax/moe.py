@@ -42,7 +42,7 @@ MXFP8_KERNEL_MAX_ROWS = 64
 def linear(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str = "ragged_dot", in_axes: int = 1) -> jax.Array:
     """``x [..., *in] @ w [*in, *out] -> [..., *out]``, contracting x's last ``in_axes`` axes with w's first.
 
-    An MXFP8 ``w`` runs the MXFP8 grouped GEMM with one group (every row) when :func:`_dense_kernel`
+    An MXFP8 ``w`` runs the MXFP8 grouped GEMM with one group (every row) when :func:`_dense_kernel_config`
     takes it for ``impl`` ("auto": on the GPU; "pallas": also in interpret mode off it) and these rows;
     otherwise it is dequantised to ``x.dtype`` at use. Either way the product is that of the dequantised
     weight, up to accumulation order."""
@@ -54,36 +54,40 @@ def linear(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str = "ragged_dot", i
     in_shape, out_shape = w.values.shape[:in_axes], w.values.shape[in_axes:]
     k, n = math.prod(in_shape), math.prod(out_shape)
     rows = x.reshape(-1, k)
-    values, scales = w.values.reshape(1, k, n), w.scales.reshape(1, -1, n)  # groups stay 32 consecutive inputs
-    if _dense_kernel(impl, rows.shape[0], k, n, scales.shape[1]):
-        from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8, layer_config
+    # one group of [k, n]: the scales' groups stay 32 consecutive inputs of the flattened input axes
+    one = MXFP8Weight(w.values.reshape(1, k, n), w.scales.reshape(1, -1, n))
+    config = _dense_kernel_config(impl, rows, one)
+    if config is not None:
+        from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
 
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        config = layer_config(rows.shape[0], k, n, 1, scales.shape[1])
-        out = grouped_matmul_mxfp8(rows, values, scales, sizes, config=config)
+        out = grouped_matmul_mxfp8(rows, one.values, one.scales, sizes, config=config)
         return out.reshape(*x.shape[: x.ndim - in_axes], *out_shape)
     return jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes)
 
 
-def _dense_kernel(impl: str, m: int, k: int, n: int, k_groups: int) -> bool:
-    """Whether :func:`linear` runs ``[m, k] x MXFP8 [k, n]`` through the kernel: ``impl`` "auto" on the GPU
-    or "pallas", at most MXFP8_KERNEL_MAX_ROWS rows, a shape the kernel takes, no tensor-parallel mesh
-    (the weight would be gathered to every device for the custom call), a kernel that passed its canary.
-    Shapes it cannot take are dequantised quietly, even for "pallas": that forces the MoE's kernel."""
+def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight):
+    """The kernel config :func:`linear` runs ``rows [m, k] x one [1, k, n]`` with, or None for XLA: ``impl``
+    "auto" on the GPU or "pallas", at most MXFP8_KERNEL_MAX_ROWS rows, a shape the kernel takes, no
+    tensor-parallel mesh (the weight would be gathered to every device for the custom call), a kernel
+    that passed its canary. Shapes it cannot take are dequantised quietly, even for "pallas": that forces
+    the MoE's kernel."""
+    m, k = rows.shape
     if impl == "ragged_dot" or m > MXFP8_KERNEL_MAX_ROWS:
-        return False
+        return None
     from m3jax.pallas._backend import on_gpu
-    from m3jax.pallas.grouped_matmul import layer_config, mxfp8_unsupported_reason
+    from m3jax.pallas.grouped_matmul import mxfp8_unsupported_reason
     from m3jax.selfcheck import kernel_failure
 
     if impl == "auto" and not on_gpu():
-        return False
+        return None
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and dict(mesh.shape).get(EXPERT_AXIS, 1) > 1:
-        return False
-    if mxfp8_unsupported_reason(m, k, n, 1, k_groups, layer_config(m, k, n, 1, k_groups)) is not None:
-        return False
-    return kernel_failure("grouped_matmul") is None
+        return None
+    config = _grouped_matmul_config(m, one)
+    if mxfp8_unsupported_reason(m, k, one.values.shape[2], 1, one.scales.shape[1], config) is not None:
+        return None
+    return config if kernel_failure("grouped_matmul") is None else None
 
 
 def dense_mlp(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "ragged_dot") -> jax.Array:
