@@ -210,8 +210,8 @@ def _grouped_matmul():
     # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products), each with
     # the default tiles and with the MoE layer's prefill config (385 rows > 64 per expert: on Hopper the
     # warp-specialised schedule, so its verdict also covers what the model runs for prefill), and the MXFP8
-    # variant on 5 decode rows with the layer's decode config (two experts with rows fill no GPU: on Hopper
-    # the warp-specialised schedule split over K, as for one token's routed experts and the shared expert).
+    # variant on 5 decode rows with the layer's decode config (the gemv schedule, split over K, as for a
+    # decode step's routed experts and the shared expert).
     rng = np.random.default_rng(6)
     m, k, n, g = 385, 128, 256, 6
     lhs, rhs = _ints(rng, (m, k)), _ints(rng, (g, k, n))

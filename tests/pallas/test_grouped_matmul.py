@@ -297,6 +297,53 @@ def test_mxfp8_split_k_decode_rows():
     _check_mxfp8(lhs, *_mxfp8_weights(len(gs), 256, 256, seed=2), gs, cfg=cfg)
 
 
+@pytest.mark.parametrize("dtype,m,sizes,split", [
+    # visits of 1, 2, 3-4 and 5-8 rows (each of the four row bodies), empty groups, a row past the sum
+    (jnp.bfloat16, 20, [1, 0, 2, 3, 0, 7, 5], 2),
+    # fp32 lhs (fp32 arithmetic, no bf16 pieces); a group of 11 rows in two visits, one group of 4
+    (jnp.float32, 15, [11, 0, 4], 1),
+])
+def test_mxfp8_gemv_matches_dequantised_reference(dtype, m, sizes, split):
+    # the decode GEMV: CUDA-core FMAs over fp8 rows, scales applied per 32-row partial sum; two N tiles,
+    # two K steps per part
+    lhs, _, gs = _inputs(m, 256, 512, sizes, dtype, seed=3)
+    cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=split)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 256, 512, seed=4), gs, cfg=cfg)
+
+
+@pytest.mark.parametrize("m,sizes", [(20, [1, 0, 2, 3, 0, 7, 5]), (30, [17, 0, 0, 9]), (3, [0, 0, 0])])
+def test_gemv_schedule_covers_each_row_once(m, sizes):
+    from m3jax.pallas.grouped_matmul import gemv
+
+    sched = np.asarray(gemv.schedule(jnp.asarray(sizes, jnp.int32), m))
+    assert sched.shape == (gemv.visits_bound(m, len(sizes)), 3)
+    seen = np.zeros(m, int)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for grp, lo, hi in sched:
+        assert 0 <= hi - lo <= gemv.ROWS
+        if hi > lo:
+            assert starts[grp] <= lo and hi <= starts[grp + 1]
+            seen[lo:hi] += 1
+    np.testing.assert_array_equal(seen, np.arange(m) < sum(sizes))
+
+
+@pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
+def test_mxfp8_gemv_lowers_for_cuda_at_m3_shapes(target):
+    # one decode token's routed gate (4 rows in 4 of 128 experts) and the shared expert's down projection
+    # (one group): no MMA, so one kernel for sm_90a and sm_100a
+    from m3jax.pallas.grouped_matmul import layer_config
+
+    for m, g, k, n in ((4, 128, 6144, 3072), (1, 1, 3072, 6144)):
+        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((g, k // 32, n), jnp.uint8), jax.ShapeDtypeStruct((g,), jnp.int32))
+        with _backend.lowering_for(getattr(_backend, target)):
+            cfg = layer_config(m, k, n, g, k // 32)
+            assert cfg.schedule == "gemv"
+            f = jax.jit(lambda a, b, c, s, cfg=cfg: grouped_matmul_mxfp8(a, b, c, s, config=cfg))
+            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+
+
 def test_mxfp8_reference_is_the_checkpoint_dequantisation():
     from m3jax.checkpoint import dequantize_mxfp8
 
@@ -414,16 +461,23 @@ def test_layer_config_per_regime(monkeypatch):
     prefill, prefill_mx = layer_config(32768, 6144, 3072, 128), layer_config(32768, 6144, 3072, 128, 192)
     assert prefill == prefill_mx == GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
     assert layer_config(4, 6144, 3072, 128) == GroupedMatmulConfig(block_m=64)
-    # MXFP8 decode: split K on the warp-specialised schedule where the pipeline's CTAs (min(m, g) x N / 128)
-    # are fewer than the SMs, into enough parts for two work items per SM (at most 16, K a multiple of 64 each)
+    # MXFP8 at decode rows (<= 64, <= 8 per group on average): the gemv schedule, K split into parts of
+    # 768 rows or more parts where too few CTAs would run (gemv.decode_split)
     sms = _backend.current_target().num_sms
-    one_token = layer_config(4, 6144, 3072, 128, 192)  # 4 x 24 = 96 pipeline CTAs < 132 SMs
-    assert (one_token.schedule, one_token.block_n) == ("warp_specialized", 256)
-    assert 4 * 12 * one_token.split_k >= 2 * sms > 4 * 12 * one_token.split_k // 2
-    assert layer_config(1, 3072, 6144, 1, 96).split_k == 16  # the shared expert: one group, capped at 16
-    assert layer_config(1, 192, 6144, 1, 6) == GroupedMatmulConfig(block_m=64)  # K = 3 x 64 splits in no power of 2
-    assert layer_config(32, 6144, 3072, 128, 192) == GroupedMatmulConfig(block_m=64)  # 32 x 24 CTAs fill it
-    assert layer_config(4, 3072, 6144, 128, 96) == GroupedMatmulConfig(block_m=64)  # 4 x 48 CTAs fill it
+    one_token = layer_config(4, 6144, 3072, 128, 192)
+    assert (one_token.schedule, one_token.block_n, one_token.split_k) == ("gemv", 256, 8)
+    assert layer_config(64, 3072, 6144, 128, 96) == GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv",
+                                                                        split_k=4)
+    shared = layer_config(1, 3072, 6144, 1, 96)  # one group: 24 N tiles, split until 2 CTAs per SM (or 32)
+    assert shared.schedule == "gemv" and 24 * shared.split_k >= min(2 * sms, 24 * 32)
+    assert layer_config(1, 192, 6144, 1, 6).split_k == 1  # K = 3 x 64 splits in no power of 2
+    # past the gemv's rows: the MMA kernels, split over K on the warp-specialised schedule where the
+    # pipeline's CTAs (min(m, g) x N / 128) are fewer than the SMs, into enough parts for two work items per SM
+    sixteen = layer_config(16, 6144, 3072, 1, 192)  # a dense weight's 16 rows: 24 pipeline CTAs
+    assert (sixteen.schedule, sixteen.block_n) == ("warp_specialized", 256)
+    assert 12 * sixteen.split_k >= 2 * sms > 12 * sixteen.split_k // 2 or sixteen.split_k == 16
+    assert layer_config(65, 6144, 3072, 128, 192) == GroupedMatmulConfig(block_m=64)  # 65 x 24 CTAs fill it
+    assert layer_config(4, 128, 128, 128, 4) == GroupedMatmulConfig(block_m=64)  # N = 128: no gemv tile
     with _backend.interpret_as(_backend.BLACKWELL):  # Hopper only: the pipeline's tcgen05 variant instead
         assert layer_config(32768, 6144, 3072, 128) == GroupedMatmulConfig(block_m=128)
     monkeypatch.setattr(kernel, "LAYER_SCHEDULE", {"prefill": "warp_specialized", "decode": "warp_specialized"})

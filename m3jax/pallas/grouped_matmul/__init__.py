@@ -9,8 +9,9 @@ take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.rag
 ``values [G, K, N]`` + uint8 E8M0 ``scales [G, K / 32, N]``), dequantised per tile in the kernel; its
 reference dequantises (``dequantize_mxfp8``) and multiplies. ``mxfp8_unsupported_reason`` its limits.
 
-``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`) or
-``"warp_specialized"`` (:mod:`.persistent`); ``layer_config`` is the MoE layer's choice per shape.
+``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`),
+``"warp_specialized"`` (:mod:`.persistent`) or, MXFP8 weights at decode rows, ``"gemv"`` (:mod:`.gemv`);
+``layer_config`` is the MoE layer's choice per shape.
 """
 
 from __future__ import annotations

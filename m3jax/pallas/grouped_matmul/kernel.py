@@ -53,6 +53,9 @@ MoE layer runs it for prefill on Hopper (``LAYER_SCHEDULE``, measured on the H20
 for MXFP8 decode GEMMs whose experts with rows are too few to fill the SMs; this pipeline schedule for
 the other decode GEMMs, on Blackwell, and as ``GroupedMatmulConfig()``'s default.
 
+MXFP8 at decode row counts runs a third schedule, ``GroupedMatmulConfig(schedule="gemv")`` (:mod:`.gemv`:
+CUDA-core FMAs over the fp8 rows, the scales applied to 32-row partial sums, no bf16 tile, no MMA).
+
 Blackwell (``current_target().mma == "tcgen05"``): the schedule, the pipeline and the masked store
 stay; the MMA is ``plgpu.tcgen05_mma`` into a TMEM accumulator, each step's MMA committed to one of
 two barriers and waited one step later (so the pipeline refills a buffer only after the MMA that read
@@ -75,7 +78,7 @@ from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
-from m3jax.pallas.grouped_matmul import persistent
+from m3jax.pallas.grouped_matmul import gemv, persistent
 from m3jax.pallas.grouped_matmul.tiles import dequantize_tile
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
@@ -118,14 +121,27 @@ DECODE_SPLIT_K = 4
 # items per SM (H200, RESULTS.md fifth session: one token's routed gate/up 0.086 ms at split 8 vs 0.142
 # on the pipeline; where the pipeline fills the SMs it stayed as fast or faster, down 0.086 both).
 MXFP8_DECODE_ITEMS_PER_SM = 2
+# MXFP8 at decode row counts runs the gemv schedule (:mod:`.gemv`, CUDA-core FMAs, no bf16 tile): up to
+# GEMV_MAX_ROWS rows and ROWS_PER_GEMV_GROUP rows per group on average (a group's rows go 8 per visit, and
+# each visit streams the group's weights). H200, benchmarks/mxfp8_gemv.py (RESULTS.md ninth session): at
+# 1 and 8 tokens the routed GEMMs 0.59-0.70x the bf16 kernel's time against 1.06-1.13x on the MMA
+# schedules; a dense weight's 16 rows (two visits) 0.032 ms against 0.031 on the split-K MMA schedule.
+GEMV_MAX_ROWS = 64
+ROWS_PER_GEMV_GROUP = 8
 MXFP8_DECODE_SPLITS = (2, 4, 8, 16)
 
 
 def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) -> GroupedMatmulConfig:
     """The MoE layer's config for ``[m, k] x [g, k, n]`` (``k_groups``: MXFP8 weights' scale rows):
+    the gemv schedule for MXFP8 at decode rows (``GEMV_MAX_ROWS``, ``ROWS_PER_GEMV_GROUP``), else
     ``LAYER_SCHEDULE``'s for the regime, split-K on the warp-specialised schedule for MXFP8 decode that
     would leave SMs idle (``_mxfp8_decode_split``), the pipeline's where those cannot take the shape."""
     decode = m <= 64 * g  # few rows per expert: 64-row tiles waste less of each tile
+    if k_groups and m <= min(GEMV_MAX_ROWS, ROWS_PER_GEMV_GROUP * g):
+        cfg = GroupedMatmulConfig(block_m=64, block_n=gemv.BLOCK_N, block_k=gemv.BLOCK_K, schedule="gemv",
+                                  split_k=gemv.decode_split(m, k, n, g))
+        if gemv.unsupported_reason(m, k, n, g, k_groups, cfg) is None:
+            return cfg
     if decode and k_groups:
         split = _mxfp8_decode_split(m, k, n, g)
         if split:
@@ -163,12 +179,14 @@ def _mxfp8_decode_split(m: int, k: int, n: int, g: int) -> int | None:
 def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConfig | None = None) -> str | None:
     """Why the kernel cannot take ``lhs [m, k] x rhs [g, k, n]`` (None when it can)."""
     c = config or GroupedMatmulConfig()
+    if c.schedule == "gemv":
+        return "the gemv schedule takes MXFP8 weights only (grouped_matmul_mxfp8)"
     if c.block_m not in (64, 128):
         return f"block_m={c.block_m} must be 64 or 128"
     if c.schedule == "warp_specialized":
         return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.schedule != "pipeline":
-        return f"schedule={c.schedule!r} must be 'pipeline' or 'warp_specialized'"
+        return f"schedule={c.schedule!r} must be 'pipeline', 'warp_specialized' or 'gemv' (MXFP8)"
     if c.split_k != 1 or c.wg_split != "n":
         return f"split_k={c.split_k}, wg_split={c.wg_split!r}: the pipeline schedule has one warpgroup and no K split"
     if c.block_n % 64 or not 64 <= c.block_n <= 256:
@@ -463,6 +481,8 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
     c = config or GroupedMatmulConfig()
     if k_groups < 1 or k % k_groups:
         return f"K={k} is not a whole number of scale groups ({k_groups} scale rows)"
+    if c.schedule == "gemv":
+        return gemv.unsupported_reason(m, k, n, g, k_groups, c)
     group = k // k_groups
     if c.block_k % group:
         return f"scale group of {group} inputs must divide block_k={c.block_k} (one K step holds whole groups)"
@@ -501,6 +521,9 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
     if reason:
         raise ValueError(f"grouped_matmul_mxfp8 kernel cannot take lhs {lhs.shape} x values {values.shape}: {reason}")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if config.schedule == "gemv":  # fp32 arithmetic on the CUDA cores: any lhs dtype in one call
+        return gemv.kernel_call(group_sizes, m, lhs, values, scales, out_dtype=out_dtype, config=config,
+                                interpret=interpret)
     pad = -m % 8 if m > 8 else 0  # as grouped_matmul: the TMA store's 8-row tiling
     m_pad = max(m + pad, config.block_m)
     pieces = bf16_split(lhs, 3) if lhs.dtype == jnp.float32 else (lhs.astype(jnp.bfloat16),)

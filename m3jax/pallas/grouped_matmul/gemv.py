@@ -1,0 +1,185 @@
+"""MXFP8 grouped GEMV for decode: ``GroupedMatmulConfig(schedule="gemv")``, same contract as :mod:`.kernel`.
+
+At decode a group (an expert, or the one group of a dense weight) has a few rows, so the MMA kernels'
+64-row tiles are almost empty and their time goes to converting every fp8 weight tile into a bf16 SMEM
+tile for the MMA (``benchmarks/mxfp8_dequant.py``: with that conversion removed they already run as fast
+as bf16; with it the scales cost most, a thread building one scale per 2 weights in the MMA layout).
+This kernel multiplies on the CUDA cores instead, in fp32, and never forms the bf16 tile:
+
+* Layout. A thread owns 2 adjacent output columns of a ``block_n = 256`` column tile and walks K
+  row by row: one 2-byte load of its fp8 pair, one e4m3x2 -> f16x2 conversion, two f16 -> f32
+  conversions, then one FMA per lhs row. The E8M0 scale multiplies the 32-row partial sums once per
+  scale group (a power of two: ``sum_k 2^e q_k x_k = 2^e sum_k q_k x_k`` up to rounding order), so a
+  weight costs a few instructions rather than the MMA path's conversion and SMEM round trip.
+* Rows. The schedule (:func:`schedule`) cuts each group's rows into visits of at most ``ROWS = 8``
+  from its first row; a visit's body is specialised for 1, 2, 4 or 8 rows (the smallest that holds
+  them; its lhs rows past the visit's are multiplied and not stored). The lhs rows (fp32: bf16
+  activations upcast exactly, fp32 ones taken as they are, so an fp32 model gets fp32 arithmetic)
+  come in by TMA beside the weight tile and are read as SMEM scalars.
+* Grid. One CTA (one warpgroup) per (visit, N tile, K part): the static visit bound is
+  ``cdiv(M, 8) + min(G, M)`` (at most M groups have rows), dead visits exit at once. K is split
+  (``split_k``, from :func:`decode_split`) into parts of ``MIN_K_PART`` rows, or more parts where
+  that leaves SMs without CTAs; several CTAs share an SM (small SMEM), so enough weight bytes are in flight to stream near the bandwidth floor;
+  the parts are fp32 partials ``[split_k, M, N]`` that XLA sums.
+* Pipeline. ``plgpu.emit_pipeline`` over the K part in ``block_k = 64`` row steps, unswizzled TMA
+  tiles (the loads are row vectors, no MMA reads them), the accumulators carried in registers.
+
+No MMA, so the same code runs on Hopper and Blackwell. Forward only, like the MXFP8 MMA kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+
+ROWS = 8  # lhs rows of one visit (fp32 accumulators per thread: 2 per row)
+ROW_BODIES = (1, 2, 4, 8)  # a visit runs the body for the smallest of these that holds its rows
+BLOCK_N = 256  # 128 threads x 2 columns; also the widest TMA box
+BLOCK_K = 64
+STAGES = 4
+MIN_K_PART = 768  # K rows per CTA at least (12 pipeline steps), where K allows splitting
+CTAS_PER_SM = 2  # and at least this many CTAs per SM over the groups that can have rows
+SPLITS = (1, 2, 4, 8, 16, 32)
+ROWS_PER_ITER = 4  # K rows per iteration of the loop over a scale group's rows
+_COLS = plgpu.Layout.WG_STRIDED((BLOCK_N,), 2)  # thread t: columns 2t, 2t + 1
+
+
+def _zeros(n: int) -> tuple:
+    return tuple(plgpu.layout_cast(jnp.zeros((BLOCK_N,), jnp.float32), _COLS) for _ in range(n))
+
+
+def schedule(group_sizes: jax.Array, m: int) -> jax.Array:
+    """int32 [cdiv(m, ROWS) + min(G, m), 3]: per visit (group, lo, hi), rows ``[lo, hi)`` of one group
+    (at most ROWS of them), group by group; dead visits have ``lo == hi``."""
+    g = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    count = (ends - starts + ROWS - 1) // ROWS
+    cum = jnp.cumsum(count)
+    visit = jnp.arange(visits_bound(m, g), dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(cum, visit, side="right").astype(jnp.int32), g - 1)
+    lo = starts[grp] + (visit - (cum[grp] - count[grp])) * ROWS
+    hi = jnp.minimum(lo + ROWS, ends[grp])
+    live = visit < cum[-1]
+    zero = jnp.zeros_like(visit)
+    return jnp.stack([grp, jnp.where(live, lo, zero), jnp.where(live, hi, zero)], axis=1).astype(jnp.int32)
+
+
+def visits_bound(m: int, g: int) -> int:
+    return -(-m // ROWS) + min(g, m)
+
+
+def decode_split(m: int, k: int, n: int, g: int) -> int:
+    """The K split (a power of two, K a multiple of split x BLOCK_K): as large as leaves each CTA at least
+    MIN_K_PART rows of K, and larger where that gives fewer than CTAS_PER_SM CTAs per SM over the groups
+    that can have rows (``min(m, g)``). H200, ``benchmarks/mxfp8_gemv.py`` (2026-12-02): one token's routed
+    gate and down were fastest at 768 rows per CTA (8 and 4 parts, 384 CTAs), 8 and 16 tokens' got faster
+    with each split down to 768, and the shared expert's one group needed the split to 16-32 to fill the
+    SMs (12 N tiles: split 8 took 0.041 ms for its three GEMMs, split 32 0.032)."""
+    splits = [s for s in SPLITS if k % (s * BLOCK_K) == 0]
+    if not splits:
+        return 1
+    by_k = [s for s in splits if s == 1 or k // s >= MIN_K_PART][-1]
+    want = CTAS_PER_SM * current_target().num_sms
+    tiles = min(m, g) * (n // BLOCK_N)
+    by_ctas = next((s for s in splits if tiles * s >= want), splits[-1])
+    return max(by_k, by_ctas)
+
+
+def unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int, config) -> str | None:
+    """Why this schedule cannot take ``[m, k] x (values [g, k, n], scales [g, k_groups, n])``."""
+    if g < 1 or m < 1:
+        return f"empty problem (M={m}, G={g})"
+    if config.block_n != BLOCK_N or config.block_k != BLOCK_K:
+        return f"block_n={config.block_n}, block_k={config.block_k}: the gemv schedule runs {BLOCK_N} x {BLOCK_K}"
+    if n % BLOCK_N:
+        return f"N={n} must be a multiple of {BLOCK_N}"
+    if config.split_k < 1 or k % (config.split_k * BLOCK_K):
+        return f"K={k} must be a multiple of split_k * block_k = {config.split_k} * {BLOCK_K}"
+    group = k // k_groups
+    if BLOCK_K % group or group % ROWS_PER_ITER:
+        return f"scale group of {group} inputs must divide block_k={BLOCK_K} and be a multiple of {ROWS_PER_ITER}"
+    return None
+
+
+def kernel_call(group_sizes, m: int, lhs, values, scales, *, out_dtype, config, interpret=None):
+    """``[m, N]``: rows ``[0, m)`` of ``ragged_dot(lhs [m, K], dequantize(values, scales), group_sizes)``, rows
+    past ``sum(group_sizes)`` zero. ``values`` float8_e4m3fn [G, K, N], ``scales`` uint8 [G, K / group, N]."""
+    k = lhs.shape[1]
+    n = values.shape[2]
+    group = k // scales.shape[1]
+    split, bn, bk = config.split_k, BLOCK_N, BLOCK_K
+    k_part = k // split
+    n_tiles = n // bn
+    per_visit = n_tiles * split
+    sched = schedule(group_sizes, m)
+    steps = max(1, min(STAGES, k_part // bk))
+    # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
+    # row counts are multiples of 8 (the TMA's 8-row tiling, as for the MMA kernels' stores)
+    m8 = -(-m // 8) * 8
+    x = jnp.pad(lhs.astype(jnp.float32), ((0, m8 + ROWS - m), (0, 0)))
+
+    def body(sched_ref, x_ref, q_ref, s_ref, out_ref):
+        pid = lax.axis_index("t")
+        v, rest = lax.div(pid, per_visit), lax.rem(pid, per_visit)
+        ni, ks = lax.div(rest, split), lax.rem(rest, split)
+        grp, lo, hi = (sched_ref[v, i] for i in range(3))
+        col0, k0 = ni * bn, ks * k_part
+        rows = hi - lo
+
+        def visit(n_rows):
+            def step(_, q_smem, s_smem, x_smem, acc):
+                acc = list(acc)
+                for j in range(bk // group):
+                    # a loop over the group's K rows, ROWS_PER_ITER unrolled: fully unrolled, the Mosaic
+                    # GPU layout inference takes minutes over the thousands of ops
+                    def k_rows(i, part, j=j):
+                        part = list(part)
+                        for u in range(ROWS_PER_ITER):
+                            kr = j * group + i * ROWS_PER_ITER + u
+                            q = plgpu.load(q_smem.at[kr], layout=_COLS).astype(jnp.float16).astype(jnp.float32)
+                            part = [p + q * x_smem[r, kr] for r, p in enumerate(part)]
+                        return tuple(part)
+
+                    part = lax.fori_loop(0, group // ROWS_PER_ITER, k_rows, _zeros(n_rows))
+                    e = plgpu.load(s_smem.at[j], layout=_COLS).astype(jnp.int32)
+                    # 2^(e - 127); e = 0 is the subnormal 2^-127 (bits 0x00400000), e = 255 inf
+                    scale = lax.bitcast_convert_type(jnp.maximum(e << 23, jnp.int32(0x00400000)), jnp.float32)
+                    acc = [a + p * scale for a, p in zip(acc, part)]
+                return tuple(acc)
+
+            in_specs = [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0)),
+                        plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0)),
+                        plgpu.BlockSpec((n_rows, bk), lambda kk: (0, kk))]
+            operands = (q_ref.at[grp, pl.ds(k0, k_part), pl.ds(col0, bn)],
+                        s_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)],
+                        x_ref.at[pl.ds(lo, n_rows), pl.ds(k0, k_part)])
+            acc = plgpu.emit_pipeline(step, grid=(k_part // bk,), in_specs=in_specs, max_concurrent_steps=steps,
+                                      init_carry=_zeros(n_rows))(*operands)
+
+            def store(o_smem):
+                for r in range(n_rows):
+                    o_smem[r] = acc[r]
+                plgpu.commit_smem()
+                for r in range(n_rows):
+                    pl.when(r < rows)(lambda r=r: plgpu.copy_smem_to_gmem(
+                        o_smem.at[pl.ds(r, 1)], out_ref.at[ks, pl.ds(lo + r, 1), pl.ds(col0, bn)]))
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(store, plgpu.SMEM((n_rows, bn), jnp.float32))
+
+        for n_rows in ROW_BODIES:
+            pl.when((rows > n_rows // 2) & (rows <= n_rows))(functools.partial(visit, n_rows))
+
+    kern = mosaic_kernel(body, interpret=interpret, out_type=jax.ShapeDtypeStruct((split, m8, n), jnp.float32),
+                         grid=(sched.shape[0] * per_visit,), grid_names=("t",))
+    out = kern(sched, x, values, scales)[:, :m].sum(0)
+    # rows past the groups' sum are written by no visit
+    covered = jnp.arange(m) < jnp.sum(jnp.maximum(group_sizes, 0))
+    return jnp.where(covered[:, None], out, 0).astype(out_dtype)
