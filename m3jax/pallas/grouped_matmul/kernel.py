@@ -116,8 +116,8 @@ class GroupedMatmulConfig:
 LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
 # MXFP8 decode where the pipeline's CTAs (one per 128 columns of each expert with rows, each converting
-# its whole K of fp8 tiles) are fewer than the SMs: one token's 4 routed experts, the shared expert's one
-# group. There the warp-specialised schedule splits K until there are MXFP8_DECODE_ITEMS_PER_SM work
+# its whole K of fp8 tiles) are fewer than the SMs, past the gemv schedule's rows (below; a dense weight's
+# 9-64 rows, one group). There the warp-specialised schedule splits K until there are MXFP8_DECODE_ITEMS_PER_SM work
 # items per SM (H200, RESULTS.md fifth session: one token's routed gate/up 0.086 ms at split 8 vs 0.142
 # on the pipeline; where the pipeline fills the SMs it stayed as fast or faster, down 0.086 both).
 MXFP8_DECODE_ITEMS_PER_SM = 2
