@@ -49,3 +49,14 @@ def test_mxfp8_weights():
     m, sizes = PATTERNS["group_larger_than_tile"]
     lhs, _, gs = _inputs(m, 128, 128, sizes, jnp.bfloat16)
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 128), gs)
+
+
+def test_mxfp8_decode_takes_the_gemv():
+    # MXFP8 decode rows on a B200 run the gemv schedule as on Hopper (no MMA in it; its K split from the
+    # target's 148 SMs), through the config the MoE layer picks
+    from m3jax.pallas.grouped_matmul import layer_config
+
+    lhs, _, gs = _inputs(7, 256, 256, [2, 0, 4, 1], jnp.bfloat16, seed=5)
+    cfg = layer_config(7, 256, 256, 4, 8)
+    assert cfg.schedule == "gemv"
+    _check_mxfp8(lhs, *_mxfp8_weights(4, 256, 256, seed=6), gs, cfg=cfg)
