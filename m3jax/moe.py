@@ -34,9 +34,9 @@ def dequantize_layer(lp: dict, dtype) -> dict:
 # Dense MXFP8 matmuls take the grouped-GEMM kernel (one group) up to this many rows: at decode it reads
 # the fp8 weights once (H200, benchmarks/RESULTS.md eighth and ninth sessions: the shared expert at 1
 # and 8 tokens 0.032-0.058 ms through it, the gemv schedule up to 8 rows, 0.113 dequantised by XLA then
-# multiplied). Past it the kernel's
-# in-tile conversion costs 1.5-1.65x a bf16 GEMM's time (prefill, same runs), while XLA's dequantisation
-# is one pass over the weight per call, small beside a GEMM of that many rows.
+# multiplied). Past it the kernel's in-tile conversion costs 1.5-1.65x a bf16 GEMM's time (prefill, same
+# runs), while XLA's dequantisation is one pass over the weight per call, small beside a GEMM of that
+# many rows.
 MXFP8_KERNEL_MAX_ROWS = 64
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas.grouped_matmul.tiles import e8m0_scale
 
 ROWS = 8  # lhs rows of one visit (fp32 accumulators per thread: 2 per row)
 ROW_BODIES = (1, 2, 4, 8)  # a visit runs the body for the smallest of these that holds its rows
@@ -148,9 +149,7 @@ def kernel_call(group_sizes, m: int, lhs, values, scales, *, out_dtype, config, 
                         return tuple(part)
 
                     part = lax.fori_loop(0, group // ROWS_PER_ITER, k_rows, _zeros(n_rows))
-                    e = plgpu.load(s_smem.at[j], layout=_COLS).astype(jnp.int32)
-                    # 2^(e - 127); e = 0 is the subnormal 2^-127 (bits 0x00400000), e = 255 inf
-                    scale = lax.bitcast_convert_type(jnp.maximum(e << 23, jnp.int32(0x00400000)), jnp.float32)
+                    scale = e8m0_scale(plgpu.load(s_smem.at[j], layout=_COLS).astype(jnp.int32))
                     acc = [a + p * scale for a, p in zip(acc, part)]
                 return tuple(acc)
 

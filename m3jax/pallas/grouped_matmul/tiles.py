@@ -1,7 +1,8 @@
-"""What the grouped GEMM's two schedules share: the MXFP8 weight tile dequantised in registers.
+"""What the grouped GEMM's schedules share: E8M0 scales, the MXFP8 weight tile dequantised in registers.
 
-Both the non-persistent pipeline (:mod:`.kernel`) and the persistent warp-specialised kernel
-(:mod:`.persistent`) dequantise an fp8 weight tile into a bf16 SMEM tile that the MMA reads.
+Both MMA schedules, the non-persistent pipeline (:mod:`.kernel`) and the persistent warp-specialised
+kernel (:mod:`.persistent`), dequantise an fp8 weight tile into a bf16 SMEM tile that the MMA reads; the
+gemv schedule (:mod:`.gemv`) builds the same scales for its partial sums.
 """
 
 from __future__ import annotations
@@ -12,23 +13,28 @@ from jax import lax
 from m3jax.pallas._backend import plgpu
 
 
+def e8m0_scale(e):
+    """int32 E8M0 exponents (any layout) -> float32 2^(e - 127): e = 0 is the subnormal 2^-127 (bits
+    0x00400000), e = 255 inf (``dequantize_mxfp8``'s ldexp). ``max(e << 23, 0x00400000)`` is two
+    instructions, e = 0 included (e >= 1 gives bits >= 0x00800000), against a compare and select."""
+    return lax.bitcast_convert_type(jnp.maximum(e << 23, jnp.int32(0x00400000)), jnp.float32)
+
+
 def dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
     """fp8 e4m3 weight tile ``q_smem [bk, bn]`` times its E8M0 scales ``s_smem [bk / group, bn]`` (SMEM)
     -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it.
 
     In registers, WGMMA_8BIT layout (4-byte SMEM loads of the fp8 tile; the decode kernel's fp8 key
     pages take the same road): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16 needs PTX ISA
-    9.2) -> f32, times 2^(e - 127) built from the exponent bits (e = 0 is the subnormal 2^-127, bits
-    0x00400000; e = 255 gives inf as ``dequantize_mxfp8``'s ldexp), one scale row per ``group`` rows
-    broadcast down the columns. An e4m3 value (3 mantissa bits) times a power of two is exact in bf16
+    9.2) -> f32, times 2^(e - 127) (:func:`e8m0_scale`), one scale row per ``group`` rows broadcast down the
+    columns. An e4m3 value (3 mantissa bits) times a power of two is exact in bf16
     (8 bits) above bf16's normal range floor, so the MMA sees exactly the weights a dequantise-on-load
     model holds in bf16.
 
     The consumers issue this conversion between their MMAs, so its instruction count sets the kernel's
     speed (H200, ``benchmarks/mxfp8_dequant.py``: the same kernel with no conversion runs faster than the
     bf16 one). In this layout a thread holds 2 rows x 32 columns of the tile, so every scale it builds
-    serves only 2 weights: the scale bits are ``max(e << 23, 0x00400000)`` (two instructions, e = 0
-    included) rather than a compare and select.
+    serves only 2 weights: hence :func:`e8m0_scale`'s two instructions per scale.
     """
     bk, bn = q_smem.shape
     layout = plgpu.Layout.WGMMA_8BIT
@@ -37,9 +43,7 @@ def dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
     scale = None
     for j in range(bk // group):
         e = plgpu.load(s_smem.at[j], layout=layout.reduce(0)).astype(jnp.int32)
-        bits = jnp.maximum(e << 23, jnp.int32(0x00400000))  # e >= 1 gives bits >= 0x00800000
-        sj = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.float32)[None, :], (bk, bn)),
-                               layout)
+        sj = plgpu.layout_cast(jnp.broadcast_to(e8m0_scale(e)[None, :], (bk, bn)), layout)
         scale = sj if scale is None else jnp.where(row >= j * group, sj, scale)
     w_smem[...] = (q * scale).astype(w_smem.dtype)
     plgpu.commit_smem()
