@@ -94,14 +94,17 @@ def make_params(cfg, seed: int):
     return mx, bf, grow
 
 
-def kernel_table(run) -> list[tuple[str, float]]:
-    """The kernels of one ``run()`` by device time, largest first (GPU only)."""
+def kernel_table(run) -> list[tuple[str, int, float]]:
+    """The kernels of one ``run()`` as (name, launches, ms), largest device time first (GPU only). The
+    launch count shows what a total hides: on 2026-12-02 sixteen launches of about 1 us each per decode
+    step were a ``searchsorted`` scan (now ``grouped_matmul.tiles.visit_owner``)."""
     if not on_gpu():
         return []
-    agg: dict[str, float] = {}
+    agg: dict[str, tuple[int, float]] = {}
     for name, ms in cupti_kernels(run):
-        agg[name[:60]] = agg.get(name[:60], 0.0) + ms
-    return sorted(agg.items(), key=lambda kv: -kv[1])[:6]
+        n, total = agg.get(name[:60], (0, 0.0))
+        agg[name[:60]] = (n + 1, total + ms)
+    return sorted(((k, n, ms) for k, (n, ms) in agg.items()), key=lambda e: -e[2])[:6]
 
 
 def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
@@ -209,6 +212,10 @@ def _ms(t: dict) -> str:
     return f"{best(t):.3f}" + ("" if t["device_ms"] is not None else " (wall)")
 
 
+def _kernels(table) -> str:
+    return ", ".join(f"{name} x{n} {ms:.3f}" for name, n, ms in table)
+
+
 def markdown(res: dict) -> str:
     gib = 2**30
     m = res["memory"]
@@ -253,11 +260,9 @@ def markdown(res: dict) -> str:
                          f"{r['gb_s_mxfp8']:.0f} / {r['gb_s_bf16']:.0f} |")
     for r in res["moe_decode"]:
         if r["kernels_mxfp8"]:
-            lines += ["", f"Kernels of the MoE block, {r['tokens']} token(s), ms: mxfp8 "
-                      + ", ".join(f"{n} {ms:.3f}" for n, ms in r["kernels_mxfp8"]) + "; bf16 "
-                      + ", ".join(f"{n} {ms:.3f}" for n, ms in r["kernels_bf16"])
-                      + "; shared expert MXFP8 through XLA: "
-                      + ", ".join(f"{n} {ms:.3f}" for n, ms in r["shared"]["kernels_mxfp8_xla"])]
+            lines += ["", f"Kernels of the MoE block, {r['tokens']} token(s), launches and ms: mxfp8 "
+                      + _kernels(r["kernels_mxfp8"]) + "; bf16 " + _kernels(r["kernels_bf16"])
+                      + "; shared expert MXFP8 through XLA: " + _kernels(r["shared"]["kernels_mxfp8_xla"])]
     return "\n".join(lines) + "\n"
 
 

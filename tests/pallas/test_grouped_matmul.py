@@ -327,6 +327,19 @@ def test_gemv_schedule_covers_each_row_once(m, sizes):
     np.testing.assert_array_equal(seen, np.arange(m) < sum(sizes))
 
 
+def test_visit_owner_is_searchsorted_right():
+    # the schedules' visit -> group lookup (one compare-and-sum fusion) against NumPy's binary search, on
+    # running visit counts with empty groups (repeated values) and visits past the last group
+    from m3jax.pallas.grouped_matmul.tiles import visit_owner
+
+    rng = np.random.default_rng(7)
+    for g in (1, 5, 128):
+        cum = np.cumsum(rng.integers(0, 3, g) * (rng.random(g) < 0.6)).astype(np.int32)
+        visit = np.arange(int(cum[-1]) + 4, dtype=np.int32)
+        np.testing.assert_array_equal(np.asarray(visit_owner(jnp.asarray(cum), jnp.asarray(visit))),
+                                      np.searchsorted(cum, visit, side="right"))
+
+
 @pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
 def test_mxfp8_gemv_lowers_for_cuda_at_m3_shapes(target):
     # one decode token's routed gate (4 rows in 4 of 128 experts) and the shared expert's down projection

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas.grouped_matmul.tiles import e8m0_scale
+from m3jax.pallas.grouped_matmul.tiles import e8m0_scale, visit_owner
 
 ROWS = 8  # lhs rows of one visit (fp32 accumulators per thread: 2 per row)
 ROW_BODIES = (1, 2, 4, 8)  # a visit runs the body for the smallest of these that holds its rows
@@ -64,7 +64,7 @@ def schedule(group_sizes: jax.Array, m: int) -> jax.Array:
     count = (ends - starts + ROWS - 1) // ROWS
     cum = jnp.cumsum(count)
     visit = jnp.arange(visits_bound(m, g), dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(cum, visit, side="right").astype(jnp.int32), g - 1)
+    grp = jnp.minimum(visit_owner(cum, visit).astype(jnp.int32), g - 1)
     lo = starts[grp] + (visit - (cum[grp] - count[grp])) * ROWS
     hi = jnp.minimum(lo + ROWS, ends[grp])
     live = visit < cum[-1]

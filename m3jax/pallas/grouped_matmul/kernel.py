@@ -79,7 +79,7 @@ from jax import lax
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
 from m3jax.pallas.grouped_matmul import gemv, persistent
-from m3jax.pallas.grouped_matmul.tiles import dequantize_tile
+from m3jax.pallas.grouped_matmul.tiles import dequantize_tile, visit_owner
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
@@ -229,7 +229,7 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     count = last - first  # tiles touched, per group
     cum = jnp.cumsum(count)
     visit = jnp.arange(-(-m // block_m) + g, dtype=jnp.int32)
-    grp = jnp.searchsorted(cum, visit, side="right").astype(jnp.int32)
+    grp = visit_owner(cum, visit).astype(jnp.int32)
     valid = grp <= g
     gc = jnp.minimum(grp, g)
     tile = first[gc] + visit - (cum[gc] - count[gc])

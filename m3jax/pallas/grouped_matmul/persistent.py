@@ -52,7 +52,7 @@ from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import swizzle_transforms
-from m3jax.pallas.grouped_matmul.tiles import dequantize_tile
+from m3jax.pallas.grouped_matmul.tiles import dequantize_tile, visit_owner
 
 CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
 PRODUCER_REGISTERS = 40
@@ -78,7 +78,7 @@ def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.
     count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
     cum = jnp.cumsum(count)
     visit = jnp.arange(-(-(m + (g + 1) * (ROW_ALIGN - 1)) // block_m) + g + 1, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(cum, visit, side="right").astype(jnp.int32), g)
+    grp = jnp.minimum(visit_owner(cum, visit).astype(jnp.int32), g)
     row0 = base[grp] + (visit - (cum[grp] - count[grp])) * block_m
     lo = jnp.maximum(starts[grp], row0)
     hi = jnp.minimum(row0 + block_m, ends[grp])

@@ -1,4 +1,5 @@
-"""What the grouped GEMM's schedules share: E8M0 scales, the MXFP8 weight tile dequantised in registers.
+"""What the grouped GEMM's schedules share: the visit -> group lookup, E8M0 scales, the MXFP8 weight tile
+dequantised in registers.
 
 Both MMA schedules, the non-persistent pipeline (:mod:`.kernel`) and the persistent warp-specialised
 kernel (:mod:`.persistent`), dequantise an fp8 weight tile into a bf16 SMEM tile that the MMA reads; the
@@ -11,6 +12,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import plgpu
+
+
+def visit_owner(cum, visit):
+    """For each visit index, the number of entries of the non-decreasing ``cum`` (visits per group, summed)
+    that are <= it: ``searchsorted(cum, visit, side="right")``, the group the visit belongs to. As one
+    compare-and-sum fusion: the default scan method is a loop of log2(G) steps of two small kernels each on
+    the GPU, 13 us at decode (H200, 128 experts) before a 22 us kernel (one token's MXFP8 routed gate)."""
+    return jnp.searchsorted(cum, visit, side="right", method="compare_all")
 
 
 def e8m0_scale(e):
