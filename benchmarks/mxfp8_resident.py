@@ -97,7 +97,7 @@ def make_params(cfg, seed: int):
 def kernel_table(run) -> list[tuple[str, int, float]]:
     """The kernels of one ``run()`` as (name, launches, ms), largest device time first (GPU only). The
     launch count shows what a total hides: on 2026-12-02 sixteen launches of about 1 us each per decode
-    step were a ``searchsorted`` scan (now ``grouped_matmul.tiles.visit_owner``)."""
+    step were a ``searchsorted`` scan (now ``grouped_matmul.tiles.deal_visits``)."""
     if not on_gpu():
         return []
     agg: dict[str, tuple[int, float]] = {}

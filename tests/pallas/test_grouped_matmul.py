@@ -327,17 +327,22 @@ def test_gemv_schedule_covers_each_row_once(m, sizes):
     np.testing.assert_array_equal(seen, np.arange(m) < sum(sizes))
 
 
-def test_visit_owner_is_searchsorted_right():
-    # the schedules' visit -> group lookup (one compare-and-sum fusion) against NumPy's binary search, on
-    # running visit counts with empty groups (repeated values) and visits past the last group
-    from m3jax.pallas.grouped_matmul.tiles import visit_owner
+def test_deal_visits_matches_numpy():
+    # the schedules' visits dealt to groups (the group lookup one compare-and-sum fusion): group against
+    # NumPy's binary search, ordinal and liveness against dealing them one by one, on counts with empty
+    # groups (repeated running sums) and visits past the last group
+    from m3jax.pallas.grouped_matmul.tiles import deal_visits
 
     rng = np.random.default_rng(7)
     for g in (1, 5, 128):
-        cum = np.cumsum(rng.integers(0, 3, g) * (rng.random(g) < 0.6)).astype(np.int32)
-        visit = np.arange(int(cum[-1]) + 4, dtype=np.int32)
-        np.testing.assert_array_equal(np.asarray(visit_owner(jnp.asarray(cum), jnp.asarray(visit))),
-                                      np.searchsorted(cum, visit, side="right"))
+        count = (rng.integers(0, 3, g) * (rng.random(g) < 0.6)).astype(np.int32)
+        cum = np.cumsum(count)
+        n = int(cum[-1]) + 4
+        grp, ordinal, live = (np.asarray(a) for a in deal_visits(jnp.asarray(count), n))
+        np.testing.assert_array_equal(grp, np.minimum(np.searchsorted(cum, np.arange(n), side="right"), g - 1))
+        dealt = [(i, j) for i in range(g) for j in range(count[i])]
+        np.testing.assert_array_equal(live, np.arange(n) < len(dealt))
+        np.testing.assert_array_equal(np.stack([grp, ordinal], 1)[live], np.asarray(dealt, np.int32).reshape(-1, 2))
 
 
 @pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas.grouped_matmul.tiles import e8m0_scale, visit_owner
+from m3jax.pallas.grouped_matmul.tiles import deal_visits, e8m0_scale, group_rows
 
 ROWS = 8  # lhs rows of one visit (fp32 accumulators per thread: 2 per row)
 ROW_BODIES = (1, 2, 4, 8)  # a visit runs the body for the smallest of these that holds its rows
@@ -58,18 +58,12 @@ def schedule(group_sizes: jax.Array, m: int) -> jax.Array:
     """int32 [cdiv(m, ROWS) + min(G, m), 3]: per visit (group, lo, hi), rows ``[lo, hi)`` of one group
     (at most ROWS of them), group by group; dead visits have ``lo == hi``."""
     g = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    count = (ends - starts + ROWS - 1) // ROWS
-    cum = jnp.cumsum(count)
-    visit = jnp.arange(visits_bound(m, g), dtype=jnp.int32)
-    grp = jnp.minimum(visit_owner(cum, visit).astype(jnp.int32), g - 1)
-    lo = starts[grp] + (visit - (cum[grp] - count[grp])) * ROWS
+    starts, ends = group_rows(group_sizes, m)
+    grp, ordinal, live = deal_visits((ends - starts + ROWS - 1) // ROWS, visits_bound(m, g))
+    lo = starts[grp] + ordinal * ROWS
     hi = jnp.minimum(lo + ROWS, ends[grp])
-    live = visit < cum[-1]
-    zero = jnp.zeros_like(visit)
-    return jnp.stack([grp, jnp.where(live, lo, zero), jnp.where(live, hi, zero)], axis=1).astype(jnp.int32)
+    zero = jnp.zeros_like(grp)
+    return jnp.stack([grp, jnp.where(live, lo, zero), jnp.where(live, hi, zero)], axis=1)
 
 
 def visits_bound(m: int, g: int) -> int:

@@ -79,7 +79,7 @@ from jax import lax
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
 from m3jax.pallas.grouped_matmul import gemv, persistent
-from m3jax.pallas.grouped_matmul.tiles import dequantize_tile, visit_owner
+from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
@@ -218,26 +218,18 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     Group ``G`` is the zero group (rows ``[sum, m)``); unused entries have ``lo == hi == 0``.
     """
     g = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    total = ends[-1:]
-    starts = jnp.concatenate([starts, total])
+    starts, ends = group_rows(group_sizes, m)
+    starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     first = starts // block_m
     last = jnp.where(ends > starts, (ends + block_m - 1) // block_m, first)
-    count = last - first  # tiles touched, per group
-    cum = jnp.cumsum(count)
-    visit = jnp.arange(-(-m // block_m) + g, dtype=jnp.int32)
-    grp = visit_owner(cum, visit).astype(jnp.int32)
-    valid = grp <= g
-    gc = jnp.minimum(grp, g)
-    tile = first[gc] + visit - (cum[gc] - count[gc])
+    gc, ordinal, valid = deal_visits(last - first, -(-m // block_m) + g)  # tiles touched, per group
+    tile = first[gc] + ordinal
     lo = jnp.maximum(starts[gc], tile * block_m)
     hi = jnp.minimum(ends[gc], tile * block_m + block_m)
-    zero = jnp.zeros_like(visit)
+    zero = jnp.zeros_like(gc)
     return jnp.stack([gc, jnp.where(valid, tile, zero), jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)],
-                     axis=1).astype(jnp.int32)
+                     axis=1)
 
 
 def _pipeline_steps(k: int, config: GroupedMatmulConfig, scale_rows: int = 0) -> int:

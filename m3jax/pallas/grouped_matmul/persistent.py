@@ -52,7 +52,7 @@ from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import swizzle_transforms
-from m3jax.pallas.grouped_matmul.tiles import dequantize_tile, visit_owner
+from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
 CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
 PRODUCER_REGISTERS = 40
@@ -70,22 +70,18 @@ def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.
     most, hence the static bound V.
     """
     g = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1], ends[-1:]])
+    starts, ends = group_rows(group_sizes, m)
+    starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     base = starts // ROW_ALIGN * ROW_ALIGN
     count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
-    cum = jnp.cumsum(count)
-    visit = jnp.arange(-(-(m + (g + 1) * (ROW_ALIGN - 1)) // block_m) + g + 1, dtype=jnp.int32)
-    grp = jnp.minimum(visit_owner(cum, visit).astype(jnp.int32), g)
-    row0 = base[grp] + (visit - (cum[grp] - count[grp])) * block_m
+    grp, ordinal, live = deal_visits(count, -(-(m + (g + 1) * (ROW_ALIGN - 1)) // block_m) + g + 1)
+    row0 = base[grp] + ordinal * block_m
     lo = jnp.maximum(starts[grp], row0)
     hi = jnp.minimum(row0 + block_m, ends[grp])
-    live = visit < cum[-1]
-    zero = jnp.zeros_like(visit)
+    zero = jnp.zeros_like(grp)
     sched = jnp.stack([grp] + [jnp.where(live, x, zero) for x in (row0, lo, hi)], axis=1)
-    return sched.astype(jnp.int32), cum[-1:].astype(jnp.int32)
+    return sched, jnp.sum(count, keepdims=True)
 
 
 def consumer_tile(config) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""What the grouped GEMM's schedules share: the visit -> group lookup, E8M0 scales, the MXFP8 weight tile
-dequantised in registers.
+"""What the grouped GEMM's schedules share: groups' rows and the visits dealt to them, E8M0 scales, the
+MXFP8 weight tile dequantised in registers.
 
 Both MMA schedules, the non-persistent pipeline (:mod:`.kernel`) and the persistent warp-specialised
 kernel (:mod:`.persistent`), dequantise an fp8 weight tile into a bf16 SMEM tile that the MMA reads; the
@@ -14,12 +14,25 @@ from jax import lax
 from m3jax.pallas._backend import plgpu
 
 
-def visit_owner(cum, visit):
-    """For each visit index, the number of entries of the non-decreasing ``cum`` (visits per group, summed)
-    that are <= it: ``searchsorted(cum, visit, side="right")``, the group the visit belongs to. As one
-    compare-and-sum fusion: the default scan method is a loop of log2(G) steps of two small kernels each on
-    the GPU, 13 us at decode (H200, 128 experts) before a 22 us kernel (one token's MXFP8 routed gate)."""
-    return jnp.searchsorted(cum, visit, side="right", method="compare_all")
+def group_rows(group_sizes, m: int):
+    """(starts, ends), int32 [G]: group i owns rows ``[starts[i], ends[i])`` of the first ``m`` rows (rows
+    sorted by group; a negative size counts as 0)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
+
+
+def deal_visits(count, n_visits: int):
+    """Visits ``0 .. n_visits - 1`` dealt to the groups in order, ``count[i]`` to group i: per visit int32
+    (group, ordinal within the group, live). Visits past ``sum(count)`` are dead and get the last group.
+
+    The group lookup is ``searchsorted(cumsum(count), visit, side="right")`` as one compare-and-sum
+    fusion: the default scan method is a loop of log2(G) steps of two small kernels each on the GPU, 13 us
+    at decode (H200, 128 experts) before a 22 us kernel (one token's MXFP8 routed gate)."""
+    cum = jnp.cumsum(count)
+    visit = jnp.arange(n_visits, dtype=jnp.int32)
+    owner = jnp.searchsorted(cum, visit, side="right", method="compare_all").astype(jnp.int32)
+    grp = jnp.minimum(owner, count.shape[0] - 1)
+    return grp, visit - (cum[grp] - count[grp]), visit < cum[-1]
 
 
 def e8m0_scale(e):
