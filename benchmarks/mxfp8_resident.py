@@ -10,7 +10,9 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
 2. the MoE block at decode (1 and 8 tokens: the router, the grouped GEMMs of the routed experts, the
    shared expert), device time (CUPTI kernel time, as ``generate_m3_width.py`` measures it), and the
    whole MSA + MoE decoder layer's decode step at the last position of a ``--ctx`` cache; target for
-   the MoE decode: <= 0.6x of bf16. The shared expert alone three ways: MXFP8 through the grouped-GEMM
+   the MoE decode: <= 0.6x of bf16. Beside it, in the same process, the MXFP8 block with a kernel call
+   per projection (:func:`one_call_per_projection`; what it ran before gate and up shared a launch). The
+   shared expert alone three ways: MXFP8 through the grouped-GEMM
    kernel as one group (what ``m3jax.moe.linear`` runs for every MXFP8 weight outside the routed experts
    up to 64 rows: the shared expert, attention and index projections, dense MLP), MXFP8 dequantised at use
    by XLA (what they get above 64 rows), bf16;
@@ -35,6 +37,7 @@ On one H200 (under 4 minutes):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -58,6 +61,7 @@ from generate_m3_width import (
     tiny_config,
 )
 
+from m3jax import moe
 from m3jax.config import preset
 from m3jax.layers import MXFP8Weight, dequantize
 from m3jax.moe import _grouped_matmul_config, dense_mlp, moe_sorted
@@ -107,6 +111,20 @@ def kernel_table(run) -> list[tuple[str, int, float]]:
     return sorted(((k, n, ms) for k, (n, ms) in agg.items()), key=lambda e: -e[2])[:6]
 
 
+@contextlib.contextmanager
+def one_call_per_projection():
+    """m3jax.moe with a kernel call per projection (``grouped_matmuls`` / ``linears`` mapped over single
+    weights): the same-process baseline of the launches that run gate and up together. jit inside the
+    block."""
+    saved = moe.grouped_matmuls, moe.linears
+    moe.grouped_matmuls = lambda xs, ws, sizes, impl="auto": tuple(moe.grouped_matmul(xs, w, sizes, impl) for w in ws)
+    moe.linears = lambda x, ws, impl="ragged_dot", in_axes=1: tuple(saved[1](x, (w,), impl, in_axes)[0] for w in ws)
+    try:
+        yield
+    finally:
+        moe.grouped_matmuls, moe.linears = saved
+
+
 def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
     t = cfg.text
     x = (0.5 * jax.random.normal(jax.random.key(tokens), (tokens, t.hidden_size))).astype(jnp.bfloat16)
@@ -115,6 +133,10 @@ def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
     row = {"tokens": tokens, "mxfp8": timed(lambda: f(pm, x), iters), "bf16": timed(lambda: f(pb, x), iters),
            "rel_err": rel_err(f(pm, x), f(pb, x))}
     row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
+    with one_call_per_projection():
+        g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
+        row["mxfp8_call_per_projection"] = timed(lambda: g(pm, x), iters)
+    row["ratio_call_per_projection"] = best(row["mxfp8_call_per_projection"]) / best(row["bf16"])
     row["kernels_mxfp8"] = kernel_table(lambda: f(pm, x))
     row["kernels_bf16"] = kernel_table(lambda: f(pb, x))
     shared = jax.jit(lambda p, x, impl: dense_mlp(x, p, t, impl), static_argnums=2)
@@ -234,6 +256,8 @@ def markdown(res: dict) -> str:
     for r in res["moe_decode"]:
         lines.append(f"| MoE block, {r['tokens']} token(s) | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
                      f"**{r['ratio']:.2f}** | {r['rel_err']:.1e} |")
+        lines.append(f"| MoE block, {r['tokens']} token(s), a kernel call per projection | "
+                     f"{_ms(r['mxfp8_call_per_projection'])} | {_ms(r['bf16'])} | {r['ratio_call_per_projection']:.2f} | |")
     for r in res["moe_decode"]:
         s = r["shared"]
         lines.append(f"| shared expert, {r['tokens']} token(s): MXFP8 kernel / MXFP8 XLA-dequantised | "

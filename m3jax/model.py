@@ -21,7 +21,7 @@ from m3jax import sharding
 from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config, TextConfig
 from m3jax.layers import apply_rope, matmul_precision, rms_norm, rope_angles
-from m3jax.moe import dense_mlp, dequantize_layer, linear, moe_sorted
+from m3jax.moe import dense_mlp, dequantize_layer, linear, linears, moe_sorted
 from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.vision import Grid, encode_media
 
@@ -45,8 +45,8 @@ def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, spar
     ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
     p = lp["attn"]
     q = _norm_rope(linear(x, p["wq"], impl), p["q_norm"], angles, cfg.rms_norm_eps)
-    k = _norm_rope(linear(x, p["wk"], impl), p["k_norm"], angles, cfg.rms_norm_eps)
-    v = linear(x, p["wv"], impl)
+    k, v = linears(x, (p["wk"], p["wv"]), impl)
+    k = _norm_rope(k, p["k_norm"], angles, cfg.rms_norm_eps)
     iq, ik = index_branch(x, lp["index"], angles, cfg, impl) if sparse else (None, None)
     return q, k, v, iq, ik
 

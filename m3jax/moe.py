@@ -11,6 +11,8 @@ routed experts stay fp8 + scales into the grouped GEMM, whose kernel dequantises
 matmuls (the shared expert, the dense layers' MLP, the attention and index projections) go through
 :func:`linear`: the same kernel with one group at decode row counts, dequantised inside jit
 (:func:`m3jax.layers.dequantize`) otherwise, on the ``ragged_dot`` path and under tensor parallelism.
+Weights of one shape that multiply the same rows (an MLP's gate and up, attention's k and v) go as one
+kernel launch at decode: :func:`grouped_matmuls`, :func:`linears`.
 """
 
 from __future__ import annotations
@@ -47,24 +49,32 @@ def linear(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str = "ragged_dot", i
     takes it for ``impl`` ("auto": on the GPU; "pallas": also in interpret mode off it) and these rows;
     otherwise it is dequantised to ``x.dtype`` at use. Either way the product is that of the dequantised
     weight, up to accumulation order."""
-    if not isinstance(w, MXFP8Weight):
-        return jnp.tensordot(x, w, axes=in_axes)
-    if w.group_axis != in_axes - 1:
-        raise ValueError(f"MXFP8 weight {w.values.shape} groups axis {w.group_axis}, not its last input axis "
-                         f"({in_axes - 1} with in_axes={in_axes})")
-    in_shape, out_shape = w.values.shape[:in_axes], w.values.shape[in_axes:]
+    return linears(x, (w,), impl, in_axes)[0]
+
+
+def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tuple:
+    """:func:`linear` of one ``x`` with each weight of ``ws``; MXFP8 weights of one shape that the kernel
+    takes run as one launch (``grouped_matmuls_mxfp8``: an MLP's gate and up, attention's k and v)."""
+    if not all(isinstance(w, MXFP8Weight) for w in ws) or len({(w.values.shape, w.scales.shape) for w in ws}) > 1:
+        return tuple(linears(x, (w,), impl, in_axes)[0] if isinstance(w, MXFP8Weight)
+                     else jnp.tensordot(x, w, axes=in_axes) for w in ws)
+    for w in ws:
+        if w.group_axis != in_axes - 1:
+            raise ValueError(f"MXFP8 weight {w.values.shape} groups axis {w.group_axis}, not its last input axis "
+                             f"({in_axes - 1} with in_axes={in_axes})")
+    in_shape, out_shape = ws[0].values.shape[:in_axes], ws[0].values.shape[in_axes:]
     k, n = math.prod(in_shape), math.prod(out_shape)
     rows = x.reshape(-1, k)
     # one group of [k, n]: the scales' groups stay 32 consecutive inputs of the flattened input axes
-    one = MXFP8Weight(w.values.reshape(1, k, n), w.scales.reshape(1, -1, n))
-    config = _dense_kernel_config(impl, rows, one)
-    if config is not None:
-        from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
+    ones = [(w.values.reshape(1, k, n), w.scales.reshape(1, -1, n)) for w in ws]
+    config = _dense_kernel_config(impl, rows, MXFP8Weight(*ones[0]))
+    if config is None:
+        return tuple(jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes) for w in ws)
+    from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
 
-        sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        out = grouped_matmul_mxfp8(rows, one.values, one.scales, sizes, config=config)
-        return out.reshape(*x.shape[: x.ndim - in_axes], *out_shape)
-    return jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes)
+    sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+    outs = grouped_matmuls_mxfp8(rows, ones, sizes, config=config)
+    return tuple(out.reshape(*x.shape[: x.ndim - in_axes], *out_shape) for out in outs)
 
 
 def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight):
@@ -93,7 +103,8 @@ def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight):
 
 def dense_mlp(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "ragged_dot") -> jax.Array:
     """SwiGLU-OAI MLP. x: [..., D]; p: gate/up [D, F], down [F, D]. MXFP8 weights: :func:`linear`."""
-    act = swiglu_oai(linear(x, p["gate"], impl), linear(x, p["up"], impl), cfg.swiglu_alpha, cfg.swiglu_limit)
+    gate, up = linears(x, (p["gate"], p["up"]), impl)
+    act = swiglu_oai(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit)
     return linear(act.astype(x.dtype), p["down"], impl)
 
 
@@ -180,6 +191,19 @@ def grouped_matmul(xs: jax.Array, w: jax.Array | MXFP8Weight, group_sizes: jax.A
     return jax.lax.ragged_dot(xs, w, group_sizes)
 
 
+def grouped_matmuls(xs: jax.Array, ws, group_sizes: jax.Array, impl: str = "auto") -> tuple:
+    """:func:`grouped_matmul` of one ``xs`` with each weight of ``ws``; MXFP8 weights of one shape on the
+    kernel run as one launch where their schedule allows (``grouped_matmuls_mxfp8``: the gemv at decode)."""
+    w0 = ws[0]
+    if (all(isinstance(w, MXFP8Weight) for w in ws) and len({(w.values.shape, w.scales.shape) for w in ws}) == 1
+            and resolve_moe_impl(impl, xs, w0) == "pallas"):
+        from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
+
+        return grouped_matmuls_mxfp8(xs, [(w.values, w.scales) for w in ws], group_sizes,
+                                     config=_grouped_matmul_config(xs.shape[0], w0))
+    return tuple(grouped_matmul(xs, w, group_sizes, impl) for w in ws)
+
+
 def grouped_expert_mlp(xs: jax.Array, group_sizes: jax.Array, p: dict, cfg: TextConfig,
                        impl: str = "auto") -> jax.Array:
     """Expert MLPs over rows already sorted by expert. xs: [M, D]; group_sizes: int32 [E].
@@ -187,8 +211,7 @@ def grouped_expert_mlp(xs: jax.Array, group_sizes: jax.Array, p: dict, cfg: Text
     ``impl``: ``M3Config.moe_impl`` ("auto" | "ragged_dot" | "pallas"), per matmul (see
     :func:`resolve_moe_impl`).
     """
-    gate = grouped_matmul(xs, p["gate"], group_sizes, impl)
-    up = grouped_matmul(xs, p["up"], group_sizes, impl)
+    gate, up = grouped_matmuls(xs, (p["gate"], p["up"]), group_sizes, impl)
     act = swiglu_oai(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit).astype(xs.dtype)
     return grouped_matmul(act, p["down"], group_sizes, impl)
 

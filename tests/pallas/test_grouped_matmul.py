@@ -20,6 +20,7 @@ from m3jax.pallas.grouped_matmul import (
     GroupedMatmulConfig,
     grouped_matmul,
     grouped_matmul_mxfp8,
+    grouped_matmuls_mxfp8,
     mxfp8_unsupported_reason,
     persistent,
     tile_schedule,
@@ -311,6 +312,30 @@ def test_mxfp8_gemv_matches_dequantised_reference(dtype, m, sizes, split):
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 256, 512, seed=4), gs, cfg=cfg)
 
 
+@pytest.mark.parametrize("schedule", ["gemv", "pipeline"])
+def test_mxfp8_several_weights_match_one_call_each(schedule):
+    # an MLP's gate and up: one launch on the gemv schedule (each weight its own visits, K parts and
+    # output), one call per weight on the MMA schedules; each equal to its own dequantised reference
+    m, sizes = 11, [3, 0, 6, 1]
+    lhs, _, gs = _inputs(m, 256, 256, sizes, jnp.bfloat16, seed=5)
+    n = 256 if schedule == "gemv" else 128
+    cfg = GroupedMatmulConfig(block_m=64, block_n=n, schedule=schedule, split_k=2 if schedule == "gemv" else 1)
+    weights = tuple(_mxfp8_weights(len(sizes), 256, 256, seed=s) for s in (6, 7, 8))
+    _check_several(lhs, weights, gs, cfg)
+    with pytest.raises(ValueError, match="different shapes"):
+        grouped_matmuls_mxfp8(lhs, (weights[0], _mxfp8_weights(len(sizes), 256, 512)), gs, config=cfg)
+
+
+def _check_several(lhs, weights, gs, cfg):
+    got = grouped_matmuls_mxfp8(lhs, weights, gs, config=cfg)
+    assert not _backend.interpret_races_found()
+    assert len(got) == len(weights)
+    for ref, out in zip(grouped_matmuls_mxfp8(lhs, weights, gs, implementation="reference"), got):
+        assert out.dtype == lhs.dtype and out.shape == ref.shape
+        assert not np.any(np.asarray(out, np.float32)[int(np.sum(gs)):]), "rows past sum(group_sizes) must be zero"
+        assert_close(np.asarray(out, np.float32), ref, "bfloat16", "grouped_matmuls_mxfp8 vs reference")
+
+
 @pytest.mark.parametrize("m,sizes", [(20, [1, 0, 2, 3, 0, 7, 5]), (30, [17, 0, 0, 9]), (3, [0, 0, 0])])
 def test_gemv_schedule_covers_each_row_once(m, sizes):
     from m3jax.pallas.grouped_matmul import gemv
@@ -407,15 +432,21 @@ def test_moe_layer_with_mxfp8_experts_pallas_matches_dequantised():
 
 
 def _count_mxfp8_kernel_calls(monkeypatch) -> list:
+    """Every MXFP8 kernel product the model asks for: (lhs shape, values shape, weights in that call)."""
     import m3jax.pallas.grouped_matmul as gmm
 
-    calls, kernel = [], gmm.grouped_matmul_mxfp8
+    calls, one, several = [], gmm.grouped_matmul_mxfp8, gmm.grouped_matmuls_mxfp8
 
     def counted(lhs, values, *args, **kw):
-        calls.append((lhs.shape, values.shape))
-        return kernel(lhs, values, *args, **kw)
+        calls.append((lhs.shape, values.shape, 1))
+        return one(lhs, values, *args, **kw)
+
+    def counted_several(lhs, weights, *args, **kw):
+        calls.extend((lhs.shape, w[0].shape, len(weights)) for w in weights)
+        return several(lhs, weights, *args, **kw)
 
     monkeypatch.setattr(gmm, "grouped_matmul_mxfp8", counted)
+    monkeypatch.setattr(gmm, "grouped_matmuls_mxfp8", counted_several)
     return calls
 
 
@@ -449,6 +480,28 @@ def test_linear_mxfp8_takes_the_kernel_at_decode_rows(monkeypatch):
         linear(jnp.ones((2, 4), jnp.bfloat16), weights["wo"][1], "pallas", in_axes=1)
 
 
+def test_linears_mxfp8_one_launch_per_shape(monkeypatch):
+    # m3jax.moe.linears: MXFP8 weights of one shape at decode rows as one kernel call (the gemv's
+    # several-weight launch), a weight of another shape or a bf16 one on its own; each the dequantised
+    # weight's product
+    from m3jax.layers import MXFP8Weight, dequantize
+    from m3jax.moe import linears
+
+    calls = _count_mxfp8_kernel_calls(monkeypatch)
+    (va, sa), (vb, sb) = (_mxfp8_weights(1, 256, 256, seed=s) for s in (9, 10))
+    a, b = MXFP8Weight(va[0], sa[0]), MXFP8Weight(vb[0], sb[0])
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(1, 3, 256)), jnp.bfloat16)
+    dense = jnp.asarray(np.random.default_rng(5).normal(size=(256, 64)), jnp.bfloat16)
+    for ws, fused in (((a, b), 2), ((a, b, a), 3), ((a, dense), None)):
+        before = len(calls)
+        got = linears(x, ws, "pallas")
+        assert [c[2] for c in calls[before:]] == ([fused] * fused if fused else [1])
+        for w, out in zip(ws, got):
+            want = jnp.tensordot(x, dequantize(w, jnp.bfloat16) if isinstance(w, MXFP8Weight) else w, axes=1)
+            assert_close(out.astype(jnp.float32), want.astype(jnp.float32), "bfloat16", "linears vs dequantised")
+    assert not _backend.interpret_races_found()
+
+
 def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
     # a decode token through layer 0 (full attention + dense MLP) with every matmul weight MXFP8 and
     # moe_impl="pallas": q/k/v/o and the MLP through the kernel; against the layer on the same weights
@@ -467,6 +520,7 @@ def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
     angles = rope_angles(pos, cfg.text.rotary_dim, cfg.text.rope_theta)
     got = decoder_layer(h, lp, angles, pos, cfg, 0)[0]
     assert len(calls) == 7  # wq, wk, wv, wo, gate, up, down
+    assert [c[2] for c in calls].count(2) == 4  # k and v, gate and up: a call each
     ref = decoder_layer(h, dequantize_tree(lp, jnp.bfloat16), angles, pos, cfg.replace(moe_impl="ragged_dot"), 0)[0]
     assert len(calls) == 7
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 dense layer, kernel vs dequantised")

@@ -8,6 +8,8 @@ take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.rag
 ``grouped_matmul_mxfp8(lhs, values, scales, group_sizes, ...)``: the same with MXFP8 weights (float8_e4m3fn
 ``values [G, K, N]`` + uint8 E8M0 ``scales [G, K / 32, N]``), dequantised per tile in the kernel; its
 reference dequantises (``dequantize_mxfp8``) and multiplies. ``mxfp8_unsupported_reason`` its limits.
+``grouped_matmuls_mxfp8(lhs, ((values, scales), ...), group_sizes, ...)``: several MXFP8 weights of one
+shape times the same rows (an MLP's gate and up), one launch on the gemv schedule.
 
 ``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`),
 ``"warp_specialized"`` (:mod:`.persistent`) or, MXFP8 weights at decode rows, ``"gemv"`` (:mod:`.gemv`);
@@ -27,8 +29,8 @@ from m3jax.pallas.grouped_matmul.kernel import (
 )
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "layer_config",
-           "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
+__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8",
+           "layer_config", "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation: str = "pallas", config=None,
@@ -48,4 +50,15 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, im
         return _kernel.grouped_matmul_mxfp8(lhs, values, scales, group_sizes, **kw)
     if implementation == "reference":
         return _reference.grouped_matmul_mxfp8(lhs, values, scales, group_sizes, **kw)
+    raise ValueError(f"unknown implementation {implementation!r}")
+
+
+def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, implementation: str = "pallas", config=None,
+                          interpret=None) -> tuple:
+    kw = {"out_dtype": out_dtype, "config": config, "interpret": interpret}
+    weights = tuple((v, s) for v, s in weights)
+    if implementation == "pallas":
+        return _kernel.grouped_matmuls_mxfp8(lhs, weights, group_sizes, **kw)
+    if implementation == "reference":
+        return _reference.grouped_matmuls_mxfp8(lhs, weights, group_sizes, **kw)
     raise ValueError(f"unknown implementation {implementation!r}")

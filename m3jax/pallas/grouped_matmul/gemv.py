@@ -16,11 +16,13 @@ This kernel multiplies on the CUDA cores instead, in fp32, and never forms the b
   them; its lhs rows past the visit's are multiplied and not stored). The lhs rows (fp32: bf16
   activations upcast exactly, fp32 ones taken as they are, so an fp32 model gets fp32 arithmetic)
   come in by TMA beside the weight tile and are read as SMEM scalars.
-* Grid. One CTA (one warpgroup) per (visit, N tile, K part): the static visit bound is
+* Grid. One CTA (one warpgroup) per (weight, visit, N tile, K part): the static visit bound is
   ``cdiv(M, 8) + min(G, M)`` (at most M groups have rows), dead visits exit at once. K is split
   (``split_k``, from :func:`decode_split`) into parts of ``MIN_K_PART`` rows, or more parts where
-  that leaves SMs without CTAs; several CTAs share an SM (small SMEM), so enough weight bytes are in flight to stream near the bandwidth floor;
-  the parts are fp32 partials ``[split_k, M, N]`` that XLA sums.
+  that leaves SMs without CTAs; several CTAs share an SM (small SMEM), so enough weight bytes are in
+  flight to stream near the bandwidth floor; the parts are fp32 partials ``[weights, split_k, M, N]``
+  that XLA sums. Several weights of one shape times the same rows (an MLP's gate and up) share the
+  launch, its schedule, lhs and sums (:func:`kernel_call`).
 * Pipeline. ``plgpu.emit_pipeline`` over the K part in ``block_k = 64`` row steps, unswizzled TMA
   tiles (the loads are row vectors, no MMA reads them), the accumulators carried in registers.
 
@@ -103,32 +105,44 @@ def unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int, config) ->
     return None
 
 
-def kernel_call(group_sizes, m: int, lhs, values, scales, *, out_dtype, config, interpret=None):
-    """``[m, N]``: rows ``[0, m)`` of ``ragged_dot(lhs [m, K], dequantize(values, scales), group_sizes)``, rows
-    past ``sum(group_sizes)`` zero. ``values`` float8_e4m3fn [G, K, N], ``scales`` uint8 [G, K / group, N]."""
+def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpret=None) -> tuple:
+    """One ``[m, N]`` per ``(values, scales)`` of ``weights`` (all of one shape): rows ``[0, m)`` of
+    ``ragged_dot(lhs [m, K], dequantize(values, scales), group_sizes)``, rows past ``sum(group_sizes)`` zero.
+    ``values`` float8_e4m3fn [G, K, N], ``scales`` uint8 [G, K / group, N].
+
+    Several weights (an MLP's gate and up) run as one launch over the same schedule, lhs and K split: one
+    set of the XLA index, pad and K-part-sum work for all of them (H200, ``benchmarks/mxfp8_resident.py``:
+    the MoE block at 8 decode tokens 0.474 -> 0.462 ms with gate and up together, one token unchanged)."""
     k = lhs.shape[1]
-    n = values.shape[2]
-    group = k // scales.shape[1]
+    values0, scales0 = weights[0]
+    n = values0.shape[2]
+    group = k // scales0.shape[1]
+    n_weights = len(weights)
     split, bn, bk = config.split_k, BLOCK_N, BLOCK_K
     k_part = k // split
     n_tiles = n // bn
     per_visit = n_tiles * split
     sched = schedule(group_sizes, m)
+    per_weight = sched.shape[0] * per_visit
     steps = max(1, min(STAGES, k_part // bk))
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
     # row counts are multiples of 8 (the TMA's 8-row tiling, as for the MMA kernels' stores)
     m8 = -(-m // 8) * 8
     x = jnp.pad(lhs.astype(jnp.float32), ((0, m8 + ROWS - m), (0, 0)))
 
-    def body(sched_ref, x_ref, q_ref, s_ref, out_ref):
+    def body(sched_ref, x_ref, *refs):
+        *w_refs, out_ref = refs
         pid = lax.axis_index("t")
+        wi, pid = lax.div(pid, per_weight), lax.rem(pid, per_weight)
         v, rest = lax.div(pid, per_visit), lax.rem(pid, per_visit)
         ni, ks = lax.div(rest, split), lax.rem(rest, split)
         grp, lo, hi = (sched_ref[v, i] for i in range(3))
         col0, k0 = ni * bn, ks * k_part
         rows = hi - lo
 
-        def visit(n_rows):
+        def visit(w, n_rows):
+            q_ref, s_ref = w_refs[2 * w], w_refs[2 * w + 1]
+
             def step(_, q_smem, s_smem, x_smem, acc):
                 acc = list(acc)
                 for j in range(bk // group):
@@ -162,17 +176,20 @@ def kernel_call(group_sizes, m: int, lhs, values, scales, *, out_dtype, config, 
                 plgpu.commit_smem()
                 for r in range(n_rows):
                     pl.when(r < rows)(lambda r=r: plgpu.copy_smem_to_gmem(
-                        o_smem.at[pl.ds(r, 1)], out_ref.at[ks, pl.ds(lo + r, 1), pl.ds(col0, bn)]))
+                        o_smem.at[pl.ds(r, 1)], out_ref.at[w, ks, pl.ds(lo + r, 1), pl.ds(col0, bn)]))
                 plgpu.wait_smem_to_gmem(0)
 
             pl.run_scoped(store, plgpu.SMEM((n_rows, bn), jnp.float32))
 
-        for n_rows in ROW_BODIES:
-            pl.when((rows > n_rows // 2) & (rows <= n_rows))(functools.partial(visit, n_rows))
+        for w in range(n_weights):
+            for n_rows in ROW_BODIES:
+                pl.when((wi == w) & (rows > n_rows // 2) & (rows <= n_rows))(functools.partial(visit, w, n_rows))
 
-    kern = mosaic_kernel(body, interpret=interpret, out_type=jax.ShapeDtypeStruct((split, m8, n), jnp.float32),
-                         grid=(sched.shape[0] * per_visit,), grid_names=("t",))
-    out = kern(sched, x, values, scales)[:, :m].sum(0)
+    kern = mosaic_kernel(body, interpret=interpret,
+                         out_type=jax.ShapeDtypeStruct((n_weights, split, m8, n), jnp.float32),
+                         grid=(n_weights * per_weight,), grid_names=("t",))
+    out = kern(sched, x, *(a for w in weights for a in w))[:, :, :m].sum(1)
     # rows past the groups' sum are written by no visit
     covered = jnp.arange(m) < jnp.sum(jnp.maximum(group_sizes, 0))
-    return jnp.where(covered[:, None], out, 0).astype(out_dtype)
+    out = jnp.where(covered[:, None], out, 0).astype(out_dtype)
+    return tuple(out[w] for w in range(n_weights))

@@ -484,6 +484,18 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
     return reason
 
 
+def _check_mxfp8(lhs, values, scales, group_sizes, config: GroupedMatmulConfig) -> None:
+    m, k = lhs.shape
+    g, k2, n = values.shape
+    if (k != k2 or group_sizes.shape != (g,) or scales.shape[::2] != (g, n) or values.dtype != jnp.float8_e4m3fn
+            or scales.dtype != jnp.uint8):
+        raise ValueError(f"shape mismatch: lhs {lhs.shape}, values {values.shape} {values.dtype}, scales "
+                         f"{scales.shape} {scales.dtype}, group_sizes {group_sizes.shape}")
+    reason = mxfp8_unsupported_reason(m, k, n, g, scales.shape[1], config)
+    if reason:
+        raise ValueError(f"grouped_matmul_mxfp8 kernel cannot take lhs {lhs.shape} x values {values.shape}: {reason}")
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, config=None, interpret=None):
     """``ragged_dot(lhs, dequantize(values, scales), group_sizes)`` with the weights read as MXFP8.
@@ -503,19 +515,12 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
       out_dtype: default ``lhs.dtype``.
     """
     config = config or GroupedMatmulConfig()
-    m, k = lhs.shape
-    g, k2, n = values.shape
-    if (k != k2 or group_sizes.shape != (g,) or scales.shape[::2] != (g, n) or values.dtype != jnp.float8_e4m3fn
-            or scales.dtype != jnp.uint8):
-        raise ValueError(f"shape mismatch: lhs {lhs.shape}, values {values.shape} {values.dtype}, scales "
-                         f"{scales.shape} {scales.dtype}, group_sizes {group_sizes.shape}")
-    reason = mxfp8_unsupported_reason(m, k, n, g, scales.shape[1], config)
-    if reason:
-        raise ValueError(f"grouped_matmul_mxfp8 kernel cannot take lhs {lhs.shape} x values {values.shape}: {reason}")
+    _check_mxfp8(lhs, values, scales, group_sizes, config)
+    m = lhs.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if config.schedule == "gemv":  # fp32 arithmetic on the CUDA cores: any lhs dtype in one call
-        return gemv.kernel_call(group_sizes, m, lhs, values, scales, out_dtype=out_dtype, config=config,
-                                interpret=interpret)
+        return gemv.kernel_call(group_sizes, m, lhs, ((values, scales),), out_dtype=out_dtype, config=config,
+                                interpret=interpret)[0]
     pad = -m % 8 if m > 8 else 0  # as grouped_matmul: the TMA store's 8-row tiling
     m_pad = max(m + pad, config.block_m)
     pieces = bf16_split(lhs, 3) if lhs.dtype == jnp.float32 else (lhs.astype(jnp.bfloat16),)
@@ -526,3 +531,21 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
                             config=config, interpret=interpret, rhs_scales=scales)
         out = part if out is None else out + part
     return out[:m].astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, config=None, interpret=None) -> tuple:
+    """:func:`grouped_matmul_mxfp8` of one ``lhs`` with each ``(values, scales)`` of ``weights`` (a tuple of
+    pairs of one shape, e.g. an MLP's gate and up): a tuple of ``[M, N]``. On the gemv schedule they run
+    as one launch (:func:`.gemv.kernel_call`); the MMA schedules run one call per weight."""
+    config = config or GroupedMatmulConfig()
+    shapes = {(v.shape, s.shape) for v, s in weights}
+    if len(shapes) != 1:
+        raise ValueError(f"grouped_matmuls_mxfp8: weights of different shapes {sorted(shapes)}")
+    for values, scales in weights:
+        _check_mxfp8(lhs, values, scales, group_sizes, config)
+    if config.schedule != "gemv":
+        return tuple(grouped_matmul_mxfp8(lhs, v, s, group_sizes, out_dtype=out_dtype, config=config,
+                                          interpret=interpret) for v, s in weights)
+    return gemv.kernel_call(group_sizes, lhs.shape[0], lhs, tuple(weights), out_dtype=jnp.dtype(out_dtype or lhs.dtype),
+                            config=config, interpret=interpret)

@@ -29,3 +29,9 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
     """The MXFP8-weight kernel's reference: dequantise to ``lhs``'s dtype, then :func:`grouped_matmul`."""
     return grouped_matmul(lhs, dequantize_mxfp8(values, scales, lhs.dtype), group_sizes,
                           out_dtype=out_dtype or lhs.dtype, config=config, interpret=interpret)
+
+
+def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, config=None, interpret=None) -> tuple:
+    """:func:`grouped_matmul_mxfp8` of one ``lhs`` with each ``(values, scales)`` of ``weights``."""
+    return tuple(grouped_matmul_mxfp8(lhs, v, s, group_sizes, out_dtype=out_dtype, config=config, interpret=interpret)
+                 for v, s in weights)
