@@ -28,9 +28,10 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
    equal weights, so accumulation order and bf16 output rounding only).
 
 Prints the tables and writes ``$OUT/mxfp8_resident.md`` and ``.json`` (``$OUT`` default benchmarks/out).
-On one H200 (under 4 minutes):
+On one H200 (2026-12-02: about 6.5 minutes with ``--decode-only``, which a 10-minute call holds; the whole
+run longer):
 
-    PYTHONPATH=. python benchmarks/mxfp8_resident.py
+    PYTHONPATH=. python benchmarks/mxfp8_resident.py [--decode-only]
     PYTHONPATH=. python benchmarks/mxfp8_resident.py --dry     # CPU: tiny widths end to end, wall times
 """
 
