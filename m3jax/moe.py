@@ -52,10 +52,16 @@ def linear(x: jax.Array, w: jax.Array | MXFP8Weight, impl: str = "ragged_dot", i
     return linears(x, (w,), impl, in_axes)[0]
 
 
+def _one_mxfp8_shape(ws) -> bool:
+    """Whether every weight of ``ws`` is MXFP8 with the same values and scales shapes: one kernel launch can
+    take them together (``grouped_matmuls_mxfp8``)."""
+    return all(isinstance(w, MXFP8Weight) for w in ws) and len({(w.values.shape, w.scales.shape) for w in ws}) == 1
+
+
 def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tuple:
     """:func:`linear` of one ``x`` with each weight of ``ws``; MXFP8 weights of one shape that the kernel
     takes run as one launch (``grouped_matmuls_mxfp8``: an MLP's gate and up, attention's k and v)."""
-    if not all(isinstance(w, MXFP8Weight) for w in ws) or len({(w.values.shape, w.scales.shape) for w in ws}) > 1:
+    if not _one_mxfp8_shape(ws):
         return tuple(linears(x, (w,), impl, in_axes)[0] if isinstance(w, MXFP8Weight)
                      else jnp.tensordot(x, w, axes=in_axes) for w in ws)
     for w in ws:
@@ -195,8 +201,7 @@ def grouped_matmuls(xs: jax.Array, ws, group_sizes: jax.Array, impl: str = "auto
     """:func:`grouped_matmul` of one ``xs`` with each weight of ``ws``; MXFP8 weights of one shape on the
     kernel run as one launch where their schedule allows (``grouped_matmuls_mxfp8``: the gemv at decode)."""
     w0 = ws[0]
-    if (all(isinstance(w, MXFP8Weight) for w in ws) and len({(w.values.shape, w.scales.shape) for w in ws}) == 1
-            and resolve_moe_impl(impl, xs, w0) == "pallas"):
+    if _one_mxfp8_shape(ws) and resolve_moe_impl(impl, xs, w0) == "pallas":
         from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
 
         return grouped_matmuls_mxfp8(xs, [(w.values, w.scales) for w in ws], group_sizes,
