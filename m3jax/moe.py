@@ -22,6 +22,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from m3jax.config import TextConfig
 from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, swiglu_oai
@@ -34,8 +35,8 @@ def dequantize_layer(lp: dict, dtype) -> dict:
 
 
 # Dense MXFP8 matmuls take the grouped-GEMM kernel (one group) up to this many rows: at decode it reads
-# the fp8 weights once (H200, benchmarks/RESULTS.md eighth and ninth sessions: the shared expert at 1
-# and 8 tokens 0.032-0.058 ms through it, the gemv schedule up to 8 rows, 0.113 dequantised by XLA then
+# the fp8 weights once (H200, benchmarks/RESULTS.md eighth to twelfth sessions: the shared expert at 1
+# and 8 tokens 0.026-0.052 ms through it, the gemv schedule up to 8 rows, 0.113 dequantised by XLA then
 # multiplied). Past it the kernel's in-tile conversion costs 1.5-1.65x a bf16 GEMM's time (prefill, same
 # runs), while XLA's dequantisation is one pass over the weight per call, small beside a GEMM of that
 # many rows.
@@ -73,18 +74,19 @@ def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tup
     rows = x.reshape(-1, k)
     # one group of [k, n]: the scales' groups stay 32 consecutive inputs of the flattened input axes
     ones = [(w.values.reshape(1, k, n), w.scales.reshape(1, -1, n)) for w in ws]
-    config = _dense_kernel_config(impl, rows, MXFP8Weight(*ones[0]))
+    config = _dense_kernel_config(impl, rows, MXFP8Weight(*ones[0]), len(ws))
     if config is None:
         return tuple(jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes) for w in ws)
     from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
 
-    sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+    sizes = np.full((1,), rows.shape[0], np.int32)  # known when tracing: the kernel's schedule is a constant
     outs = grouped_matmuls_mxfp8(rows, ones, sizes, config=config)
     return tuple(out.reshape(*x.shape[: x.ndim - in_axes], *out_shape) for out in outs)
 
 
-def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight):
-    """The kernel config :func:`linear` runs ``rows [m, k] x one [1, k, n]`` with, or None for XLA: ``impl``
+def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight, weights: int = 1):
+    """The kernel config :func:`linears` runs ``rows [m, k] x one [1, k, n]`` with (``weights`` of that shape in
+    one launch), or None for XLA: ``impl``
     "auto" on the GPU or "pallas", at most MXFP8_KERNEL_MAX_ROWS rows, a shape the kernel takes, no
     tensor-parallel mesh (the weight would be gathered to every device for the custom call), a kernel
     that passed its canary. Shapes it cannot take are dequantised quietly, even for "pallas": that forces
@@ -101,7 +103,7 @@ def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight):
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and dict(mesh.shape).get(EXPERT_AXIS, 1) > 1:
         return None
-    config = _grouped_matmul_config(m, one)
+    config = _grouped_matmul_config(m, one, weights)
     if mxfp8_unsupported_reason(m, k, one.values.shape[2], 1, one.scales.shape[1], config) is not None:
         return None
     return config if kernel_failure("grouped_matmul") is None else None
@@ -127,13 +129,14 @@ def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]
     return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
 
 
-def _grouped_matmul_config(m: int, w: jax.Array | MXFP8Weight):
-    """The kernel config for ``m`` rows times ``w [E, K, N]`` (tiles and schedule per regime)."""
+def _grouped_matmul_config(m: int, w: jax.Array | MXFP8Weight, weights: int = 1):
+    """The kernel config for ``m`` rows times ``w [E, K, N]`` (tiles and schedule per regime; ``weights`` of
+    that shape in one launch)."""
     from m3jax.pallas.grouped_matmul import layer_config
 
     mx = isinstance(w, MXFP8Weight)
     g, k, n = (w.values if mx else w).shape
-    return layer_config(m, k, n, g, w.scales.shape[1] if mx else None)
+    return layer_config(m, k, n, g, w.scales.shape[1] if mx else None, weights)
 
 
 _FALLBACK_WARNED: set[str] = set()
@@ -205,7 +208,7 @@ def grouped_matmuls(xs: jax.Array, ws, group_sizes: jax.Array, impl: str = "auto
         from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
 
         return grouped_matmuls_mxfp8(xs, [(w.values, w.scales) for w in ws], group_sizes,
-                                     config=_grouped_matmul_config(xs.shape[0], w0))
+                                     config=_grouped_matmul_config(xs.shape[0], w0, len(ws)))
     return tuple(grouped_matmul(xs, w, group_sizes, impl) for w in ws)
 
 

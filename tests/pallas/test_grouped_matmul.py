@@ -502,6 +502,29 @@ def test_linears_mxfp8_one_launch_per_shape(monkeypatch):
     assert not _backend.interpret_races_found()
 
 
+def test_gemv_schedule_is_a_constant_for_a_dense_weight(monkeypatch):
+    # a dense weight's one group (m3jax.moe.linears) is known when tracing: the gemv's visit schedule is
+    # computed then, not by kernels of the program; routed experts' traced group sizes keep it traced
+    from m3jax.layers import MXFP8Weight
+    from m3jax.moe import grouped_matmuls, linears
+    from m3jax.pallas.grouped_matmul import gemv
+
+    traced, schedule = [], gemv.schedule
+
+    def recorded(*args):
+        out = schedule(*args)
+        traced.append(isinstance(out, jax.core.Tracer))
+        return out
+
+    monkeypatch.setattr(gemv, "schedule", recorded)
+    (va, sa), (vb, sb) = (_mxfp8_weights(2, 256, 256, seed=s) for s in (11, 12))
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(3, 256)), jnp.bfloat16)
+    jax.jit(lambda x: linears(x, (MXFP8Weight(va[0], sa[0]), MXFP8Weight(vb[0], sb[0])), "pallas"))(x)
+    ws = (MXFP8Weight(va, sa), MXFP8Weight(vb, sb))
+    jax.jit(lambda x, sizes: grouped_matmuls(x, ws, sizes, "pallas"))(x, jnp.array([1, 2], jnp.int32))
+    assert traced == [False, True]
+
+
 def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
     # a decode token through layer 0 (full attention + dense MLP) with every matmul weight MXFP8 and
     # moe_impl="pallas": q/k/v/o and the MLP through the kernel; against the layer on the same weights
@@ -543,6 +566,10 @@ def test_layer_config_per_regime(monkeypatch):
     shared = layer_config(1, 3072, 6144, 1, 96)  # one group: 24 N tiles, split until 2 CTAs per SM (or 32)
     assert shared.schedule == "gemv" and 24 * shared.split_k >= min(2 * sms, 24 * 32)
     assert layer_config(1, 192, 6144, 1, 6).split_k == 1  # K = 3 x 64 splits in no power of 2
+    # the weights sharing a launch count: gate and up of the shared expert are 2 x 12 N tiles
+    pair = layer_config(1, 6144, 3072, 1, 192, weights=2)
+    assert 24 * pair.split_k >= min(2 * sms, 24 * 32) > 24 * pair.split_k // 2
+    assert layer_config(1, 6144, 3072, 1, 192).split_k == 2 * pair.split_k or pair.split_k == 32
     # past the gemv's rows: the MMA kernels, split over K on the warp-specialised schedule where the
     # pipeline's CTAs (min(m, g) x N / 128) are fewer than the SMs, into enough parts for two work items per SM
     sixteen = layer_config(16, 6144, 3072, 1, 192)  # a dense weight's 16 rows: 24 pipeline CTAs

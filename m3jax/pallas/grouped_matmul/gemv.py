@@ -72,19 +72,21 @@ def visits_bound(m: int, g: int) -> int:
     return -(-m // ROWS) + min(g, m)
 
 
-def decode_split(m: int, k: int, n: int, g: int) -> int:
+def decode_split(m: int, k: int, n: int, g: int, weights: int = 1) -> int:
     """The K split (a power of two, K a multiple of split x BLOCK_K): as large as leaves each CTA at least
     MIN_K_PART rows of K, and larger where that gives fewer than CTAS_PER_SM CTAs per SM over the groups
-    that can have rows (``min(m, g)``). H200, ``benchmarks/mxfp8_gemv.py`` (2026-12-02): one token's routed
-    gate and down were fastest at 768 rows per CTA (8 and 4 parts, 384 CTAs), 8 and 16 tokens' got faster
-    with each split down to 768, and the shared expert's one group needed the split to 16-32 to fill the
-    SMs (12 N tiles: split 8 took 0.041 ms for its three GEMMs, split 32 0.032)."""
+    that can have rows (``min(m, g)``) and the ``weights`` sharing the launch (:func:`kernel_call`). H200,
+    ``benchmarks/mxfp8_gemv.py`` (2026-12-02): one token's routed gate and down were fastest at 768 rows
+    per CTA (8 and 4 parts, 384 CTAs), 8 and 16 tokens' got faster with each split down to 768, and the
+    shared expert's one group needed the split to 16-32 to fill the SMs (12 N tiles: split 8 took 0.041 ms
+    for its three GEMMs, split 32 0.032). Gate and up in one launch are 24 N tiles: split 16, the shared
+    expert 0.026 / 0.052 ms at 1 / 8 rows against 0.032 / 0.054 at split 32 (``mxfp8_resident.py``)."""
     splits = [s for s in SPLITS if k % (s * BLOCK_K) == 0]
     if not splits:
         return 1
     by_k = [s for s in splits if s == 1 or k // s >= MIN_K_PART][-1]
     want = CTAS_PER_SM * current_target().num_sms
-    tiles = min(m, g) * (n // BLOCK_N)
+    tiles = weights * min(m, g) * (n // BLOCK_N)
     by_ctas = next((s for s in splits if tiles * s >= want), splits[-1])
     return max(by_k, by_ctas)
 
@@ -122,7 +124,11 @@ def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpr
     k_part = k // split
     n_tiles = n // bn
     per_visit = n_tiles * split
-    sched = schedule(group_sizes, m)
+    # group sizes known when tracing (a dense weight's one group, m3jax.moe.linears) give a constant
+    # schedule: no index kernels before the launch
+    with jax.ensure_compile_time_eval():
+        sched = schedule(jnp.asarray(group_sizes), m)
+        covered = jnp.arange(m) < jnp.sum(jnp.maximum(jnp.asarray(group_sizes), 0))  # rows some visit writes
     per_weight = sched.shape[0] * per_visit
     steps = max(1, min(STAGES, k_part // bk))
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
@@ -189,7 +195,5 @@ def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpr
                          out_type=jax.ShapeDtypeStruct((n_weights, split, m8, n), jnp.float32),
                          grid=(n_weights * per_weight,), grid_names=("t",))
     out = kern(sched, x, *(a for w in weights for a in w))[:, :, :m].sum(1)
-    # rows past the groups' sum are written by no visit
-    covered = jnp.arange(m) < jnp.sum(jnp.maximum(group_sizes, 0))
     out = jnp.where(covered[:, None], out, 0).astype(out_dtype)
     return tuple(out[w] for w in range(n_weights))

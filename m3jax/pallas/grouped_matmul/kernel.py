@@ -131,15 +131,16 @@ ROWS_PER_GEMV_GROUP = 8
 MXFP8_DECODE_SPLITS = (2, 4, 8, 16)
 
 
-def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None) -> GroupedMatmulConfig:
-    """The MoE layer's config for ``[m, k] x [g, k, n]`` (``k_groups``: MXFP8 weights' scale rows):
+def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None, weights: int = 1) -> GroupedMatmulConfig:
+    """The MoE layer's config for ``[m, k] x [g, k, n]`` (``k_groups``: MXFP8 weights' scale rows; ``weights``:
+    how many such weights times the same rows one launch takes, ``grouped_matmuls_mxfp8``):
     the gemv schedule for MXFP8 at decode rows (``GEMV_MAX_ROWS``, ``ROWS_PER_GEMV_GROUP``), else
     ``LAYER_SCHEDULE``'s for the regime, split-K on the warp-specialised schedule for MXFP8 decode that
     would leave SMs idle (``_mxfp8_decode_split``), the pipeline's where those cannot take the shape."""
     decode = m <= 64 * g  # few rows per expert: 64-row tiles waste less of each tile
     if k_groups and m <= min(GEMV_MAX_ROWS, ROWS_PER_GEMV_GROUP * g):
         cfg = GroupedMatmulConfig(block_m=64, block_n=gemv.BLOCK_N, block_k=gemv.BLOCK_K, schedule="gemv",
-                                  split_k=gemv.decode_split(m, k, n, g))
+                                  split_k=gemv.decode_split(m, k, n, g, weights))
         if gemv.unsupported_reason(m, k, n, g, k_groups, cfg) is None:
             return cfg
     if decode and k_groups:
@@ -533,11 +534,12 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
     return out[:m].astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, config=None, interpret=None) -> tuple:
     """:func:`grouped_matmul_mxfp8` of one ``lhs`` with each ``(values, scales)`` of ``weights`` (a tuple of
     pairs of one shape, e.g. an MLP's gate and up): a tuple of ``[M, N]``. On the gemv schedule they run
-    as one launch (:func:`.gemv.kernel_call`); the MMA schedules run one call per weight."""
+    as one launch (:func:`.gemv.kernel_call`); the MMA schedules run one call per weight. Not a jit
+    boundary of its own: ``group_sizes`` known when tracing (a numpy array: a dense weight's one group)
+    then give the gemv a constant schedule."""
     config = config or GroupedMatmulConfig()
     shapes = {(v.shape, s.shape) for v, s in weights}
     if len(shapes) != 1:
