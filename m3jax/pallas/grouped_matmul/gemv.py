@@ -128,7 +128,7 @@ def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpr
     # schedule: no index kernels before the launch
     with jax.ensure_compile_time_eval():
         sched = schedule(jnp.asarray(group_sizes), m)
-        covered = jnp.arange(m) < jnp.sum(jnp.maximum(jnp.asarray(group_sizes), 0))  # rows some visit writes
+        covered = jnp.arange(m) < jnp.max(sched[:, 2])  # rows some visit writes: below the last live visit's end
     per_weight = sched.shape[0] * per_visit
     steps = max(1, min(STAGES, k_part // bk))
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
