@@ -16,15 +16,26 @@ against the bf16 kernel of the same config on the dequantised weights (the basel
 Device ms from CUPTI; "max |diff|" is against the bf16 kernel (0 or bf16 rounding for the exact
 variants). jit caches are cleared between variants: a process otherwise keeps the kernel it traced first.
 
-    PYTHONPATH=. python benchmarks/mxfp8_dequant.py      # one H200: about a minute
+``--configs`` runs instead the prefill GEMMs (gate, and down: ``[16384, 3072] x [128, 3072, 6144]``) on
+the warp-specialised schedule at three CTA tiles, bf16 and MXFP8 (shipped conversion) each: the layer's
+``block_m=128, block_n=256`` (consumer accumulators ``[128, 128]``), ``128 x 128`` (``[128, 64]``: half
+the accumulator registers; the fp8 tile swizzled by 64 bytes) and ``64 x 256``, with ptxas's report of each
+kernel (registers per thread, spilled bytes, and whether it serialized the wgmmas for lack of registers,
+its message C7511), read from Mosaic GPU's dumps (``MOSAIC_GPU_DUMP_PTXAS``, set before the first compile).
+
+    PYTHONPATH=. python benchmarks/mxfp8_dequant.py [--configs]     # one H200: about a minute each
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -36,6 +47,7 @@ from generate_m3_width import best, on_gpu, timed
 
 from m3jax.pallas._backend import plgpu
 from m3jax.pallas.grouped_matmul import (
+    GroupedMatmulConfig,
     grouped_matmul,
     grouped_matmul_mxfp8,
     kernel,
@@ -110,11 +122,89 @@ def gemm_row(label: str, m: int, values, scales, w_bf16) -> dict:
     return row
 
 
+TILES = {"128 x 256 (layer)": GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized"),
+         "128 x 128": GroupedMatmulConfig(block_m=128, block_n=128, schedule="warp_specialized"),
+         "64 x 256": GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized")}
+
+
+def _ptxas(dump: Path, seen: set) -> str:
+    """ptxas's report of the kernels compiled since the last call (the dumps not in ``seen``)."""
+    notes = []
+    for f in sorted(set(dump.glob("*.ptxas")) - seen):
+        seen.add(f)
+        text = f.read_text()
+        regs = re.search(r"Used (\d+) registers", text)
+        spill = re.search(r"(\d+) bytes spill stores", text)
+        notes.append(f"{regs.group(1) if regs else '?'} regs, spill {spill.group(1) if spill else 0} B"
+                     + (", wgmma serialized (C7511)" if "C7511" in text else ""))
+    return "; ".join(notes)
+
+
+def tile_rows(dump: Path, m: int = 16384, d: int = D, f: int = F, experts: int = EXPERTS) -> list[dict]:
+    """The prefill GEMMs (``m`` rows over ``experts``, ``d -> f`` and ``f -> d``) per warp-specialised CTA
+    tile, bf16 and MXFP8, with ptxas's reports (none where nothing was dumped)."""
+    seen: set = set(dump.glob("*.ptxas"))
+    rows = []
+    for label, d, f in (("gate", d, f), ("down", f, d)):
+        values = (jax.random.normal(jax.random.key(0), (experts, d, f)) * 64).astype(jnp.float8_e4m3fn)
+        scales = jax.random.randint(jax.random.key(1), (experts, d // 32, f), 110, 125).astype(jnp.uint8)
+        w_bf16 = reference.dequantize_mxfp8(values, scales).astype(jnp.bfloat16)
+        sizes = jnp.bincount(jax.random.randint(jax.random.key(3), (m,), 0, experts), length=experts).astype(jnp.int32)
+        x = (0.5 * jax.random.normal(jax.random.key(9), (m, d))).astype(jnp.bfloat16)
+        want = None
+        for tile, cfg in TILES.items():
+            row = {"gemm": f"prefill {label}, {m} x {d} x {f}", "tile": tile}
+            for kind in ("bf16", "mxfp8"):
+                jax.clear_caches()
+                if kind == "bf16":
+                    fn = jax.jit(lambda x, w, s, cfg=cfg: grouped_matmul(x, w, s, config=cfg))
+                    call = lambda fn=fn: fn(x, w_bf16, sizes)
+                else:
+                    fn = jax.jit(lambda x, v, sc, s, cfg=cfg: grouped_matmul_mxfp8(x, v, sc, s, config=cfg))
+                    call = lambda fn=fn: fn(x, values, scales, sizes)
+                ms = best(timed(call, 5))
+                got = call().astype(jnp.float32)
+                want = got if want is None else want
+                row[kind] = {"ms": ms, "max_abs_diff": float(jnp.max(jnp.abs(got - want))), "ptxas": _ptxas(dump, seen)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def tile_markdown(rows: list[dict]) -> list[str]:
+    lines = ["", "Warp-specialised schedule; device ms; ratio = MXFP8 / the fastest bf16 tile of that GEMM; "
+             "ptxas: bf16 / MXFP8 kernel", "",
+             "| GEMM | tile | bf16 | MXFP8 | ratio | max abs diff | ptxas |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fastest = min(q["bf16"]["ms"] for q in rows if q["gemm"] == r["gemm"])
+        lines.append(f"| {r['gemm']} | {r['tile']} | {r['bf16']['ms']:.3f} | {r['mxfp8']['ms']:.3f} | "
+                     f"{r['mxfp8']['ms'] / fastest:.2f} | {r['mxfp8']['max_abs_diff']:g} | "
+                     f"{r['bf16']['ptxas']} / {r['mxfp8']['ptxas']} |")
+    return lines
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", action="store_true", help="instead: the prefill GEMMs by warp-specialised CTA tile, with ptxas's reports")
+    args = ap.parse_args()
     if not on_gpu():
         sys.exit("benchmarks/mxfp8_dequant.py measures GPU kernels: run it on a GPU")
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.configs:
+        # read by Mosaic GPU at its first compile: before any kernel of this process. It dumps more than
+        # ptxas's report (MLIR, PTX), so into a temporary directory, removed at the end.
+        dump = Path(tempfile.mkdtemp(prefix="mosaic_dump_"))
+        os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(dump))
+        try:
+            lines = [f"Prefill GEMMs by CTA tile ({datetime.date.today()}, {jax.devices()[0].device_kind}, "
+                     f"jax {jax.__version__})"] + tile_markdown(rows := tile_rows(dump))
+        finally:
+            shutil.rmtree(dump)
+        print("\n".join(lines))
+        (out / "mxfp8_dequant_tiles.md").write_text("\n".join(lines) + "\n")
+        (out / "mxfp8_dequant_tiles.json").write_text(json.dumps(rows, indent=1))
+        return
     values = (jax.random.normal(jax.random.key(0), (EXPERTS, D, F)) * 64).astype(jnp.float8_e4m3fn)
     scales = jax.random.randint(jax.random.key(1), (EXPERTS, D // 32, F), 110, 125).astype(jnp.uint8)
     w_bf16 = reference.dequantize_mxfp8(values, scales).astype(jnp.bfloat16)

@@ -184,8 +184,8 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
     assert "split_k" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(split_k=2))
     assert "split_k * block_k" in unsupported_reason(256, 192, 256, 2, GroupedMatmulConfig(
         block_n=256, schedule="warp_specialized", split_k=2))
-    assert "fp8 swizzle atom" in mxfp8_unsupported_reason(256, 128, 256, 2, 4, GroupedMatmulConfig(
-        block_n=128, schedule="warp_specialized"))
+    # consumers of 64 fp8 columns: the fp8 tile takes a 64-byte swizzle
+    assert mxfp8_unsupported_reason(256, 128, 256, 2, 4, GroupedMatmulConfig(block_n=128, schedule="warp_specialized")) is None
     with _backend.lowering_for(_backend.BLACKWELL):
         assert "Hopper only" in unsupported_reason(256, 128, 256, 2, ws)
     rows = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized", wg_split="m")
@@ -280,13 +280,14 @@ def _check_mxfp8(lhs, values, scales, gs, cfg=CFG):
     assert_close(got, ref, "bfloat16" if lhs.dtype == jnp.bfloat16 else "float32", "grouped_matmul_mxfp8 vs reference")
 
 
-@pytest.mark.parametrize("dtype,schedule", [(jnp.bfloat16, "pipeline"), (jnp.float32, "pipeline"),
-                                            (jnp.bfloat16, "warp_specialized")])
-def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule):
+@pytest.mark.parametrize("dtype,schedule,n", [(jnp.bfloat16, "pipeline", 128), (jnp.float32, "pipeline", 128),
+                                              (jnp.bfloat16, "warp_specialized", 256),
+                                              (jnp.bfloat16, "warp_specialized", 128)])
+def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule, n):
     # the fp8 tiles dequantised in the kernel (two scale rows per 64-deep K step, two K steps, tiles
-    # straddling groups, empty groups); warp-specialised: each consumer dequantises its 128 columns
+    # straddling groups, empty groups); warp-specialised: each consumer dequantises its n / 2 columns
+    # (64 of them: the fp8 tile swizzled by 64 bytes)
     m, sizes = PATTERNS["empty_groups"]
-    n = 256 if schedule == "warp_specialized" else 128
     cfg = GroupedMatmulConfig(block_m=64, block_n=n, max_concurrent_steps=2, schedule=schedule)
     lhs, _, gs = _inputs(m, 128, n, sizes, dtype)
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, n), gs, cfg=cfg)
@@ -403,7 +404,10 @@ def test_mxfp8_reference_is_the_checkpoint_dequantisation():
 def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     # M3's expert down projection (F = 3072 -> D = 6144) for a 4096-token prefill chunk, and decode rows
     # (64-row tiles): fp8 tiles + scale rows by TMA, dequantised in registers, wgmma (sm_90a).
-    for m, cfg in zip((16384, 32), M3_CONFIGS[schedule]):
+    configs = list(zip((16384, 32), M3_CONFIGS[schedule]))
+    if schedule == "warp_specialized":  # consumers of 64 fp8 columns (64-byte swizzle)
+        configs.append((16384, GroupedMatmulConfig(block_n=128, schedule="warp_specialized")))
+    for m, cfg in configs:
         args = (jax.ShapeDtypeStruct((m, 3072), jnp.bfloat16), jax.ShapeDtypeStruct((128, 3072, 6144), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((128, 96, 6144), jnp.uint8), jax.ShapeDtypeStruct((128,), jnp.int32))
         with _backend.lowering_for(_backend.HOPPER):

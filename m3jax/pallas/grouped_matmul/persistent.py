@@ -27,10 +27,14 @@ how the work is cut and who does what in a CTA.
   of the visit's skips its MMAs: the tensor cores multiply a group's rows at 64-row granularity
   while the CTA still loads 128-row tiles (half the weight reads per row of 64-row tiles).
 * MXFP8 weights (``wg_split="n"``). Each consumer dequantises its half of the fp8 tile
-  (``tiles.dequantize_tile``) into its own pair of bf16 SMEM tiles, then issues the MMA; its MMA of
-  the previous step and the other consumer's MMA run on the tensor cores during the conversion,
-  which the single-warpgroup kernel can overlap with its own previous MMA only. Its ``block_n / 2`` must be a multiple of 128 (a 128-byte
-  fp8 swizzle atom per consumer).
+  (``tiles.dequantize_tile``) into its own pair of bf16 SMEM tiles, then issues the MMA. The design
+  intent is that its MMA of the previous step and the other consumer's MMA run during the conversion;
+  ptxas decides otherwise at ``block_m=128, block_n=256``: it reports the wgmmas serialized for lack of
+  registers (C7511; 168 per thread at 384 threads; H200, jax 0.11.2, 2026-12-02, the bf16 kernel
+  too), and the MXFP8 kernel's time is the MMAs' plus the conversion's (``benchmarks/mxfp8_dequant.py``).
+  The fp8 tile is swizzled by a consumer's column count (64 columns: 64 bytes; 128 or more: 128),
+  so each consumer's columns are whole swizzle atoms down to ``block_n=128``, whose ``[128, 64]``
+  accumulator is half the registers.
 * Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows x 128 columns at a time
   (the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``), and TMA-stores the
   piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional copies per piece;
@@ -108,8 +112,6 @@ def unsupported_reason(k: int, n: int, config, mxfp8: bool = False) -> str | Non
             return f"block_n={bn} must be a multiple of 64 in [64, 256] with wg_split='m'"
     elif bn % (64 * CONSUMERS) or not 128 <= bn <= 512:
         return f"block_n={bn} must be a multiple of 128 in [128, 512] (two consumer warpgroups of >= 64 columns)"
-    if mxfp8 and cols % 128:
-        return f"block_n={bn}: each consumer's fp8 half ({cols} columns) must be a multiple of 128 (one fp8 swizzle atom)"
     if rows * cols > 128 * 128:
         return (f"a consumer's {rows} x {cols} fp32 accumulator would need more than 128 registers per thread "
                 f"(block_m={bm}, block_n={bn}, wg_split={config.wg_split!r})")
@@ -167,7 +169,9 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     if transpose_rhs:
         rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=swizzle_transforms(bk), delay_release=delay)
     else:
-        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=swizzle_transforms(bn, rhs.dtype.itemsize),
+        # fp8: swizzled by a consumer's columns, so its slice of the tile is whole swizzle atoms (64 bytes at 64)
+        swizzle = swizzle_transforms(bw if mxfp8 else bn, rhs.dtype.itemsize)
+        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=swizzle,
                                    delay_release=delay)
     in_specs = [lhs_spec, rhs_spec]
     if mxfp8:  # read into registers by the consumer, released with the step's other buffers
