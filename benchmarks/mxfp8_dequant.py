@@ -98,14 +98,26 @@ def _use(fn) -> None:
     jax.clear_caches()
 
 
+def weights(d: int, f: int, experts: int = EXPERTS):
+    """Random MXFP8 expert weights ``[experts, d, f]`` (values, E8M0 scales) and their bf16 dequantisation."""
+    values = (jax.random.normal(jax.random.key(0), (experts, d, f)) * 64).astype(jnp.float8_e4m3fn)
+    scales = jax.random.randint(jax.random.key(1), (experts, d // 32, f), 110, 125).astype(jnp.uint8)
+    return values, scales, reference.dequantize_mxfp8(values, scales).astype(jnp.bfloat16)
+
+
+def routed_rows(m: int, d: int, experts: int = EXPERTS):
+    """(group sizes int32 [experts], bf16 lhs [m, d]): uniform random routing past ``experts`` rows, else
+    each row its own expert."""
+    if m > experts:
+        sizes = jnp.bincount(jax.random.randint(jax.random.key(3), (m,), 0, experts), length=experts)
+    else:
+        sizes = jnp.zeros((experts,), jnp.int32).at[jnp.arange(m) * 7 % experts].add(1)
+    return sizes.astype(jnp.int32), (0.5 * jax.random.normal(jax.random.key(9), (m, d))).astype(jnp.bfloat16)
+
+
 def gemm_row(label: str, m: int, values, scales, w_bf16) -> dict:
     """The routed gate GEMM of ``m`` rows: the bf16 kernel, then each variant of the MXFP8 one."""
-    if m > EXPERTS:
-        sizes = jnp.bincount(jax.random.randint(jax.random.key(3), (m,), 0, EXPERTS), length=EXPERTS)
-    else:  # each routed row its own expert
-        sizes = jnp.zeros((EXPERTS,), jnp.int32).at[jnp.arange(m) * 7 % EXPERTS].add(1)
-    sizes = sizes.astype(jnp.int32)
-    x = (0.5 * jax.random.normal(jax.random.key(9), (m, D))).astype(jnp.bfloat16)
+    sizes, x = routed_rows(m, D)
     cb, cm = layer_config(m, D, F, EXPERTS), layer_config(m, D, F, EXPERTS, D // 32)
     fb = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, config=cb))
     base = best(timed(lambda: fb(x, w_bf16, sizes), 5))
@@ -146,11 +158,8 @@ def tile_rows(dump: Path, m: int = 16384, d: int = D, f: int = F, experts: int =
     seen: set = set(dump.glob("*.ptxas"))
     rows = []
     for label, d, f in (("gate", d, f), ("down", f, d)):
-        values = (jax.random.normal(jax.random.key(0), (experts, d, f)) * 64).astype(jnp.float8_e4m3fn)
-        scales = jax.random.randint(jax.random.key(1), (experts, d // 32, f), 110, 125).astype(jnp.uint8)
-        w_bf16 = reference.dequantize_mxfp8(values, scales).astype(jnp.bfloat16)
-        sizes = jnp.bincount(jax.random.randint(jax.random.key(3), (m,), 0, experts), length=experts).astype(jnp.int32)
-        x = (0.5 * jax.random.normal(jax.random.key(9), (m, d))).astype(jnp.bfloat16)
+        values, scales, w_bf16 = weights(d, f, experts)
+        sizes, x = routed_rows(m, d, experts)
         want = None
         for tile, cfg in TILES.items():
             row = {"gemm": f"prefill {label}, {m} x {d} x {f}", "tile": tile}
@@ -205,9 +214,7 @@ def main() -> None:
         (out / "mxfp8_dequant_tiles.md").write_text("\n".join(lines) + "\n")
         (out / "mxfp8_dequant_tiles.json").write_text(json.dumps(rows, indent=1))
         return
-    values = (jax.random.normal(jax.random.key(0), (EXPERTS, D, F)) * 64).astype(jnp.float8_e4m3fn)
-    scales = jax.random.randint(jax.random.key(1), (EXPERTS, D // 32, F), 110, 125).astype(jnp.uint8)
-    w_bf16 = reference.dequantize_mxfp8(values, scales).astype(jnp.bfloat16)
+    values, scales, w_bf16 = weights(D, F)
     rows = [gemm_row(label, m, values, scales, w_bf16)
             for label, m in (("prefill, 16,384 rows", 16384), ("decode, 1 token", 4), ("decode, 8 tokens", 32))]
     title = (f"MXFP8 grouped GEMM, in-kernel dequantisation by part ({datetime.date.today()}, "

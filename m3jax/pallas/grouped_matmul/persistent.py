@@ -169,9 +169,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     if transpose_rhs:
         rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=swizzle_transforms(bk), delay_release=delay)
     else:
-        # fp8: swizzled by a consumer's columns, so its slice of the tile is whole swizzle atoms (64 bytes at 64)
-        swizzle = swizzle_transforms(bw if mxfp8 else bn, rhs.dtype.itemsize)
-        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=swizzle,
+        # swizzled by the columns one consumer reads, so its slice is whole swizzle atoms (fp8: 64 bytes at 64)
+        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=swizzle_transforms(bw, rhs.dtype.itemsize),
                                    delay_release=delay)
     in_specs = [lhs_spec, rhs_spec]
     if mxfp8:  # read into registers by the consumer, released with the step's other buffers
