@@ -10,8 +10,10 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
 2. the MoE block at decode (1 and 8 tokens: the router, the grouped GEMMs of the routed experts, the
    shared expert), device time (CUPTI kernel time, as ``generate_m3_width.py`` measures it), and the
    whole MSA + MoE decoder layer's decode step at the last position of a ``--ctx`` cache; target for
-   the MoE decode: <= 0.6x of bf16. Beside it, in the same process, the MXFP8 block with a kernel call
-   per projection (:func:`one_call_per_projection`; what it ran before gate and up shared a launch). The
+   the MoE decode: <= 0.6x of bf16. Beside it, in the same process, the MXFP8 block with the shared
+   expert in launches of its own (:func:`shared_expert_apart`; what it ran before they shared the routed
+   experts' gemv launches) and with a kernel call per projection (:func:`one_call_per_projection`; what
+   it ran before gate and up shared a launch). The
    shared expert alone three ways: MXFP8 through the grouped-GEMM
    kernel as one group (what ``m3jax.moe.linear`` runs for every MXFP8 weight outside the routed experts
    up to 64 rows: the shared expert, attention and index projections, dense MLP), MXFP8 dequantised at use
@@ -115,15 +117,28 @@ def kernel_table(run) -> list[tuple[str, int, float]]:
 @contextlib.contextmanager
 def one_call_per_projection():
     """m3jax.moe with a kernel call per projection (``grouped_matmuls`` / ``linears`` mapped over single
-    weights): the same-process baseline of the launches that run gate and up together. jit inside the
-    block."""
+    weights, the shared expert apart): the same-process baseline of the launches that run gate and up
+    together. jit inside the block."""
     saved = moe.grouped_matmuls, moe.linears
     moe.grouped_matmuls = lambda xs, ws, sizes, impl="auto": tuple(moe.grouped_matmul(xs, w, sizes, impl) for w in ws)
     moe.linears = lambda x, ws, impl="ragged_dot", in_axes=1: tuple(saved[1](x, (w,), impl, in_axes)[0] for w in ws)
     try:
-        yield
+        with shared_expert_apart():
+            yield
     finally:
         moe.grouped_matmuls, moe.linears = saved
+
+
+@contextlib.contextmanager
+def shared_expert_apart():
+    """m3jax.moe with the shared expert's GEMMs in launches of their own (``expert_mlps`` never sharing the
+    routed experts' gemv launches): the same-process baseline of the shared launches. jit inside the block."""
+    saved = moe._gemv_configs
+    moe._gemv_configs = lambda *args: None
+    try:
+        yield
+    finally:
+        moe._gemv_configs = saved
 
 
 def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
@@ -138,6 +153,10 @@ def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
         g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
         row["mxfp8_call_per_projection"] = timed(lambda: g(pm, x), iters)
     row["ratio_call_per_projection"] = best(row["mxfp8_call_per_projection"]) / best(row["bf16"])
+    with shared_expert_apart():
+        g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
+        row["mxfp8_shared_apart"] = timed(lambda: g(pm, x), iters)
+    row["ratio_shared_apart"] = best(row["mxfp8_shared_apart"]) / best(row["bf16"])
     row["kernels_mxfp8"] = kernel_table(lambda: f(pm, x))
     row["kernels_bf16"] = kernel_table(lambda: f(pb, x))
     shared = jax.jit(lambda p, x, impl: dense_mlp(x, p, t, impl), static_argnums=2)
@@ -257,6 +276,8 @@ def markdown(res: dict) -> str:
     for r in res["moe_decode"]:
         lines.append(f"| MoE block, {r['tokens']} token(s) | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
                      f"**{r['ratio']:.2f}** | {r['rel_err']:.1e} |")
+        lines.append(f"| MoE block, {r['tokens']} token(s), the shared expert in launches of its own | "
+                     f"{_ms(r['mxfp8_shared_apart'])} | {_ms(r['bf16'])} | {r['ratio_shared_apart']:.2f} | |")
         lines.append(f"| MoE block, {r['tokens']} token(s), a kernel call per projection | "
                      f"{_ms(r['mxfp8_call_per_projection'])} | {_ms(r['bf16'])} | {r['ratio_call_per_projection']:.2f} | |")
     for r in res["moe_decode"]:

@@ -12,7 +12,8 @@ matmuls (the shared expert, the dense layers' MLP, the attention and index proje
 :func:`linear`: the same kernel with one group at decode row counts, dequantised inside jit
 (:func:`m3jax.layers.dequantize`) otherwise, on the ``ragged_dot`` path and under tensor parallelism.
 Weights of one shape that multiply the same rows (an MLP's gate and up, attention's k and v) go as one
-kernel launch at decode: :func:`grouped_matmuls`, :func:`linears`.
+kernel launch at decode: :func:`grouped_matmuls`, :func:`linears`; the shared expert's GEMMs share the
+routed experts' launches there (:func:`expert_mlps`).
 """
 
 from __future__ import annotations
@@ -224,6 +225,62 @@ def grouped_expert_mlp(xs: jax.Array, group_sizes: jax.Array, p: dict, cfg: Text
     return grouped_matmul(act, p["down"], group_sizes, impl)
 
 
+def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cfg: TextConfig,
+                impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """(routed experts' MLPs over the sorted rows ``xs [M, D]``, shared expert's over ``x [T, D]``).
+
+    Where every projection is MXFP8 and would run the gemv schedule (decode rows, on the kernel), the
+    routed and shared GEMMs of each stage share a launch (``gemv_launch_mxfp8``: gate and up of both,
+    then down of both): alone, the shared expert's launch of one group spends most of its time filling
+    and draining its pipeline. Otherwise :func:`grouped_expert_mlp` and :func:`dense_mlp`. The same
+    kernel bodies and K splits either way."""
+    configs = _gemv_configs(xs, x, p, impl)
+    if configs is None:
+        return grouped_expert_mlp(xs, group_sizes, p, cfg, impl), dense_mlp(x, p["shared"], cfg, impl)
+    from m3jax.pallas.grouped_matmul import gemv_launch_mxfp8
+
+    ps = p["shared"]
+    one = np.full((1,), x.shape[0], np.int32)  # known when tracing: the shared expert's schedule is a constant
+
+    def pair(w, shared=False):
+        return (w.values[None], w.scales[None]) if shared else (w.values, w.scales)
+
+    (gate, up), (s_gate, s_up) = gemv_launch_mxfp8((
+        (xs, (pair(p["gate"]), pair(p["up"])), group_sizes, configs[0]),
+        (x, (pair(ps["gate"], True), pair(ps["up"], True)), one, configs[1])))
+    act = swiglu_oai(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit).astype(xs.dtype)
+    s_act = swiglu_oai(s_gate, s_up, cfg.swiglu_alpha, cfg.swiglu_limit).astype(x.dtype)
+    (ys,), (shared,) = gemv_launch_mxfp8((
+        (act, (pair(p["down"]),), group_sizes, configs[2]),
+        (s_act, (pair(ps["down"], True),), one, configs[3])))
+    return ys, shared
+
+
+def _gemv_configs(xs: jax.Array, x: jax.Array, p: dict, impl: str):
+    """The gemv configs of (routed gate + up, shared gate + up, routed down, shared down), or None unless
+    every one of them is MXFP8 on the gemv schedule (what :func:`grouped_matmuls` and :func:`linears`
+    would run them with)."""
+    ps = p["shared"]
+    if x.ndim != 2 or not all(isinstance(q["gate"], MXFP8Weight) and _one_mxfp8_shape((q["gate"], q["up"]))
+                              and isinstance(q["down"], MXFP8Weight) for q in (p, ps)):
+        return None
+    if any(w.group_axis != 0 for w in (ps["gate"], ps["up"], ps["down"])):
+        return None
+    m, t = xs.shape[0], x.shape[0]
+    act = jax.ShapeDtypeStruct((m, p["down"].values.shape[1]), xs.dtype)
+    for rows, w in ((xs, p["gate"]), (act, p["down"])):  # raises for "pallas" on a shape the kernel cannot take
+        if resolve_moe_impl(impl, rows, w) != "pallas":
+            return None
+    s_act = jax.ShapeDtypeStruct((t, ps["down"].values.shape[0]), x.dtype)
+    configs = (_grouped_matmul_config(m, p["gate"], 2),
+               _dense_kernel_config(impl, x, MXFP8Weight(ps["gate"].values[None], ps["gate"].scales[None]), 2),
+               _grouped_matmul_config(m, p["down"]),
+               _dense_kernel_config(impl, s_act, MXFP8Weight(ps["down"].values[None], ps["down"].scales[None])))
+    if any(c is None or c.schedule != "gemv" for c in configs):
+        return None
+    return configs
+
+
 def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> jax.Array:
     """MoE over x [T, D] -> [T, D]: sort (token, slot) pairs by expert, grouped matmul, weighted scatter-add.
 
@@ -237,10 +294,9 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     order = jnp.argsort(flat_ids, stable=True)
     token = order // k
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
-    ys = grouped_expert_mlp(x[token], group_sizes, p, cfg, impl)
+    ys, shared = expert_mlps(x[token], group_sizes, x, p, cfg, impl)
     ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
     routed = jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(ys)
-    shared = dense_mlp(x, p["shared"], cfg, impl)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 

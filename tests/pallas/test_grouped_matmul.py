@@ -337,6 +337,60 @@ def _check_several(lhs, weights, gs, cfg):
         assert_close(np.asarray(out, np.float32), ref, "bfloat16", "grouped_matmuls_mxfp8 vs reference")
 
 
+def test_gemv_launch_of_several_problems_matches_one_call_each():
+    # a decode step's routed gate + up (groups, rows sorted by group) and shared expert (one group, a
+    # constant schedule) in one launch: each problem its own K, N, split and rows; the same values as
+    # its own launch (same kernel body and K split), and its dequantised reference
+    from m3jax.pallas.grouped_matmul import gemv_launch_mxfp8
+
+    lhs_a, _, gs_a = _inputs(9, 256, 256, [2, 0, 5, 1], jnp.bfloat16, seed=13)
+    lhs_b = jnp.asarray(np.random.default_rng(14).normal(size=(3, 128)), jnp.bfloat16)
+    gs_b = np.full((1,), 3, np.int32)
+    wa = tuple(_mxfp8_weights(4, 256, 256, seed=s) for s in (15, 16))
+    wb = (_mxfp8_weights(1, 128, 512, seed=17),)
+    cfg = lambda split: GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=split)
+    problems = ((lhs_a, wa, gs_a, cfg(2)), (lhs_b, wb, gs_b, cfg(1)))
+    got = gemv_launch_mxfp8(problems)
+    assert not _backend.interpret_races_found()
+    refs = gemv_launch_mxfp8(problems, implementation="reference")
+    for (lhs, weights, gs, c), outs, ref in zip(problems, got, refs):
+        alone = grouped_matmuls_mxfp8(lhs, weights, gs, config=c)
+        assert len(outs) == len(weights) == len(ref)
+        for out, one, want in zip(outs, alone, ref):
+            assert out.shape == want.shape and out.dtype == lhs.dtype
+            np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(one, np.float32))
+            assert_close(np.asarray(out, np.float32), want, "bfloat16", "gemv launch vs reference")
+    with pytest.raises(ValueError, match="gemv schedule"):
+        gemv_launch_mxfp8(((lhs_a, wa, gs_a, CFG),))
+
+
+def test_moe_decode_shares_gemv_launches_with_the_shared_expert(monkeypatch):
+    # decode rows with every MoE weight MXFP8: routed and shared gate + up in one launch, then both downs
+    # (two launches of two problems); the same values as the separate launches, and close to the block
+    # on the dequantised weights
+    import m3jax.moe as moe
+    import m3jax.pallas.grouped_matmul as gmm
+    from m3jax.layers import dequantize_tree
+    from m3jax.params import init_random_on_device
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=256, shared_intermediate_size=256, num_local_experts=4,
+                      num_experts_per_tok=2)
+    p = init_random_on_device(cfg, seed=7, dtype=jnp.bfloat16, scale=0.3, weights="mxfp8")["text"]["layers"][1]["moe"]
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 256)), jnp.bfloat16)
+    launches, launch = [], gmm.gemv_launch_mxfp8
+    monkeypatch.setattr(gmm, "gemv_launch_mxfp8", lambda problems, **kw: launches.append(len(problems)) or launch(problems, **kw))
+    got = moe.moe_sorted(x, p, cfg.text, impl="pallas")
+    assert launches == [2, 2]
+    monkeypatch.setattr(moe, "_gemv_configs", lambda *a: None)
+    apart = moe.moe_sorted(x, p, cfg.text, impl="pallas")
+    assert launches == [2, 2]
+    assert not _backend.interpret_races_found()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(apart, np.float32))
+    ref = moe.moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
+    assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 MoE decode vs dequantised")
+
+
 @pytest.mark.parametrize("m,sizes", [(20, [1, 0, 2, 3, 0, 7, 5]), (30, [17, 0, 0, 9]), (3, [0, 0, 0])])
 def test_gemv_schedule_covers_each_row_once(m, sizes):
     from m3jax.pallas.grouped_matmul import gemv

@@ -10,6 +10,8 @@ take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.rag
 reference dequantises (``dequantize_mxfp8``) and multiplies. ``mxfp8_unsupported_reason`` its limits.
 ``grouped_matmuls_mxfp8(lhs, ((values, scales), ...), group_sizes, ...)``: several MXFP8 weights of one
 shape times the same rows (an MLP's gate and up), one launch on the gemv schedule.
+``gemv_launch_mxfp8(((lhs, weights, group_sizes, config), ...))``: several such calls, each its own rows
+and groups, in one gemv launch (a decode step's shared expert beside the routed experts).
 
 ``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`),
 ``"warp_specialized"`` (:mod:`.persistent`) or, MXFP8 weights at decode rows, ``"gemv"`` (:mod:`.gemv`);
@@ -29,7 +31,7 @@ from m3jax.pallas.grouped_matmul.kernel import (
 )
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8",
+__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "gemv_launch_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8",
            "layer_config", "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 
 
@@ -61,4 +63,13 @@ def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, implemen
         return _kernel.grouped_matmuls_mxfp8(lhs, weights, group_sizes, **kw)
     if implementation == "reference":
         return _reference.grouped_matmuls_mxfp8(lhs, weights, group_sizes, **kw)
+    raise ValueError(f"unknown implementation {implementation!r}")
+
+
+def gemv_launch_mxfp8(problems, *, out_dtype=None, implementation: str = "pallas", interpret=None) -> tuple:
+    problems = tuple((lhs, tuple((v, s) for v, s in weights), sizes, config) for lhs, weights, sizes, config in problems)
+    if implementation == "pallas":
+        return _kernel.gemv_launch_mxfp8(problems, out_dtype=out_dtype, interpret=interpret)
+    if implementation == "reference":
+        return _reference.gemv_launch_mxfp8(problems, out_dtype=out_dtype)
     raise ValueError(f"unknown implementation {implementation!r}")

@@ -22,7 +22,9 @@ This kernel multiplies on the CUDA cores instead, in fp32, and never forms the b
   that leaves SMs without CTAs; several CTAs share an SM (small SMEM), so enough weight bytes are in
   flight to stream near the bandwidth floor; the parts are fp32 partials ``[weights, split_k, M, N]``
   that XLA sums. Several weights of one shape times the same rows (an MLP's gate and up) share the
-  launch, its schedule, lhs and sums (:func:`kernel_call`).
+  launch, its schedule, lhs and sums (:func:`kernel_call`); several such problems, each its own rows,
+  groups and split, share a launch as consecutive CTA ranges (:func:`kernel_calls`: a decode step's
+  shared expert beside its routed experts).
 * Pipeline. ``plgpu.emit_pipeline`` over the K part in ``block_k = 64`` row steps, unswizzled TMA
   tiles (the loads are row vectors, no MMA reads them), the accumulators carried in registers.
 
@@ -32,6 +34,7 @@ No MMA, so the same code runs on Hopper and Blackwell. Forward only, like the MX
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,85 +118,132 @@ def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpr
     Several weights (an MLP's gate and up) run as one launch over the same schedule, lhs and K split: one
     set of the XLA index, pad and K-part-sum work for all of them (H200, ``benchmarks/mxfp8_resident.py``:
     the MoE block at 8 decode tokens 0.474 -> 0.462 ms with gate and up together, one token unchanged)."""
-    k = lhs.shape[1]
-    values0, scales0 = weights[0]
+    return kernel_calls([Problem(group_sizes, m, lhs, tuple(weights), config.split_k)], out_dtype=out_dtype,
+                        interpret=interpret)[0]
+
+
+class Problem(NamedTuple):
+    """One grouped GEMV of a launch: ``lhs [m, K]`` (rows ``[0, m)`` sorted by group) times each
+    ``(values [G, K, N], scales [G, K / group, N])`` of ``weights`` (one shape), K split in ``split_k``."""
+
+    group_sizes: jax.Array
+    m: int
+    lhs: jax.Array
+    weights: tuple
+    split_k: int
+
+
+def kernel_calls(problems, *, out_dtype, interpret=None) -> tuple:
+    """Per :class:`Problem`, the tuple of :func:`kernel_call`'s outputs, all problems in one launch.
+
+    A launch streams its weights near the bandwidth floor once enough CTAs are in flight; a small problem
+    alone (a decode step's shared expert: one group, short K parts) spends most of its launch filling and
+    draining the pipeline. Its CTAs beside a larger problem's (the routed experts' GEMMs of the same
+    step) keep the memory system busy through both. Each problem keeps its own schedule, lhs, split and
+    outputs; the grid is their CTA ranges one after another (H200, 2026-12-03: the M3-width MoE block
+    at one decode token 0.1189 -> 0.1136 ms with the shared expert's GEMMs beside the routed ones, its four
+    launches' 90.2 us of kernel time two launches' 82.4)."""
+    plans, operands, out_types = [], [], []
+    for pr in problems:
+        plan = _plan(pr)
+        plans.append(plan)
+        operands += [plan["sched"], plan["x"], *(a for w in pr.weights for a in w)]
+        out_types.append(jax.ShapeDtypeStruct((len(pr.weights), pr.split_k, plan["m8"], plan["n"]), jnp.float32))
+    sizes = [len(pr.weights) * plan["per_weight"] for pr, plan in zip(problems, plans)]
+
+    def body(*refs):
+        ins, outs = refs[: len(operands)], refs[len(operands):]
+        pid = lax.axis_index("t")
+        start, at = 0, 0
+        for plan, size, out_ref in zip(plans, sizes, outs):
+            n_in = 2 + 2 * plan["n_weights"]
+            mine = ins[at: at + n_in]
+            pl.when((pid >= start) & (pid < start + size))(
+                functools.partial(_problem_body, plan, pid - start, mine[0], mine[1], mine[2:], out_ref))
+            start, at = start + size, at + n_in
+
+    kern = mosaic_kernel(body, interpret=interpret, out_type=tuple(out_types), grid=(sum(sizes),), grid_names=("t",))
+    parts = kern(*operands)
+    results = []
+    for pr, plan, part in zip(problems, plans, parts):
+        out = jnp.where(plan["covered"][:, None], part[:, :, : pr.m].sum(1), 0).astype(out_dtype)
+        results.append(tuple(out[w] for w in range(plan["n_weights"])))
+    return tuple(results)
+
+
+def _plan(pr: Problem) -> dict:
+    """What a problem's CTAs need to know, and its operands built by XLA (schedule, padded fp32 lhs)."""
+    k = pr.lhs.shape[1]
+    values0, scales0 = pr.weights[0]
     n = values0.shape[2]
-    group = k // scales0.shape[1]
-    n_weights = len(weights)
-    split, bn, bk = config.split_k, BLOCK_N, BLOCK_K
-    k_part = k // split
-    n_tiles = n // bn
-    per_visit = n_tiles * split
+    split = pr.split_k
+    n_tiles = n // BLOCK_N
     # group sizes known when tracing (a dense weight's one group, m3jax.moe.linears) give a constant
     # schedule: no index kernels before the launch
     with jax.ensure_compile_time_eval():
-        sched = schedule(jnp.asarray(group_sizes), m)
-        covered = jnp.arange(m) < jnp.max(sched[:, 2])  # rows some visit writes: below the last live visit's end
-    per_weight = sched.shape[0] * per_visit
-    steps = max(1, min(STAGES, k_part // bk))
+        sched = schedule(jnp.asarray(pr.group_sizes), pr.m)
+        covered = jnp.arange(pr.m) < jnp.max(sched[:, 2])  # rows some visit writes: below the last live visit's end
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
     # row counts are multiples of 8 (the TMA's 8-row tiling, as for the MMA kernels' stores)
-    m8 = -(-m // 8) * 8
-    x = jnp.pad(lhs.astype(jnp.float32), ((0, m8 + ROWS - m), (0, 0)))
+    m8 = -(-pr.m // 8) * 8
+    return {"k": k, "n": n, "group": k // scales0.shape[1], "n_weights": len(pr.weights), "split": split,
+            "k_part": k // split, "per_visit": n_tiles * split, "per_weight": sched.shape[0] * n_tiles * split,
+            "steps": max(1, min(STAGES, k // split // BLOCK_K)), "m8": m8, "sched": sched, "covered": covered,
+            "x": jnp.pad(pr.lhs.astype(jnp.float32), ((0, m8 + ROWS - pr.m), (0, 0)))}
 
-    def body(sched_ref, x_ref, *refs):
-        *w_refs, out_ref = refs
-        pid = lax.axis_index("t")
-        wi, pid = lax.div(pid, per_weight), lax.rem(pid, per_weight)
-        v, rest = lax.div(pid, per_visit), lax.rem(pid, per_visit)
-        ni, ks = lax.div(rest, split), lax.rem(rest, split)
-        grp, lo, hi = (sched_ref[v, i] for i in range(3))
-        col0, k0 = ni * bn, ks * k_part
-        rows = hi - lo
 
-        def visit(w, n_rows):
-            q_ref, s_ref = w_refs[2 * w], w_refs[2 * w + 1]
+def _problem_body(plan: dict, pid, sched_ref, x_ref, w_refs, out_ref) -> None:
+    """The CTA ``pid`` of one problem's range: its (weight, visit, N tile, K part)."""
+    split, bn, bk, group, k_part = plan["split"], BLOCK_N, BLOCK_K, plan["group"], plan["k_part"]
+    per_visit, per_weight = plan["per_visit"], plan["per_weight"]
+    wi, pid = lax.div(pid, per_weight), lax.rem(pid, per_weight)
+    v, rest = lax.div(pid, per_visit), lax.rem(pid, per_visit)
+    ni, ks = lax.div(rest, split), lax.rem(rest, split)
+    grp, lo, hi = (sched_ref[v, i] for i in range(3))
+    col0, k0 = ni * bn, ks * k_part
+    rows = hi - lo
 
-            def step(_, q_smem, s_smem, x_smem, acc):
-                acc = list(acc)
-                for j in range(bk // group):
-                    # a loop over the group's K rows, ROWS_PER_ITER unrolled: fully unrolled, the Mosaic
-                    # GPU layout inference takes minutes over the thousands of ops
-                    def k_rows(i, part, j=j):
-                        part = list(part)
-                        for u in range(ROWS_PER_ITER):
-                            kr = j * group + i * ROWS_PER_ITER + u
-                            q = plgpu.load(q_smem.at[kr], layout=_COLS).astype(jnp.float16).astype(jnp.float32)
-                            part = [p + q * x_smem[r, kr] for r, p in enumerate(part)]
-                        return tuple(part)
+    def visit(w, n_rows):
+        q_ref, s_ref = w_refs[2 * w], w_refs[2 * w + 1]
 
-                    part = lax.fori_loop(0, group // ROWS_PER_ITER, k_rows, _zeros(n_rows))
-                    scale = e8m0_scale(plgpu.load(s_smem.at[j], layout=_COLS).astype(jnp.int32))
-                    acc = [a + p * scale for a, p in zip(acc, part)]
-                return tuple(acc)
+        def step(_, q_smem, s_smem, x_smem, acc):
+            acc = list(acc)
+            for j in range(bk // group):
+                # a loop over the group's K rows, ROWS_PER_ITER unrolled: fully unrolled, the Mosaic
+                # GPU layout inference takes minutes over the thousands of ops
+                def k_rows(i, part, j=j):
+                    part = list(part)
+                    for u in range(ROWS_PER_ITER):
+                        kr = j * group + i * ROWS_PER_ITER + u
+                        q = plgpu.load(q_smem.at[kr], layout=_COLS).astype(jnp.float16).astype(jnp.float32)
+                        part = [p + q * x_smem[r, kr] for r, p in enumerate(part)]
+                    return tuple(part)
 
-            in_specs = [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0)),
-                        plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0)),
-                        plgpu.BlockSpec((n_rows, bk), lambda kk: (0, kk))]
-            operands = (q_ref.at[grp, pl.ds(k0, k_part), pl.ds(col0, bn)],
-                        s_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)],
-                        x_ref.at[pl.ds(lo, n_rows), pl.ds(k0, k_part)])
-            acc = plgpu.emit_pipeline(step, grid=(k_part // bk,), in_specs=in_specs, max_concurrent_steps=steps,
-                                      init_carry=_zeros(n_rows))(*operands)
+                part = lax.fori_loop(0, group // ROWS_PER_ITER, k_rows, _zeros(n_rows))
+                scale = e8m0_scale(plgpu.load(s_smem.at[j], layout=_COLS).astype(jnp.int32))
+                acc = [a + p * scale for a, p in zip(acc, part)]
+            return tuple(acc)
 
-            def store(o_smem):
-                for r in range(n_rows):
-                    o_smem[r] = acc[r]
-                plgpu.commit_smem()
-                for r in range(n_rows):
-                    pl.when(r < rows)(lambda r=r: plgpu.copy_smem_to_gmem(
-                        o_smem.at[pl.ds(r, 1)], out_ref.at[w, ks, pl.ds(lo + r, 1), pl.ds(col0, bn)]))
-                plgpu.wait_smem_to_gmem(0)
+        in_specs = [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0)),
+                    plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0)),
+                    plgpu.BlockSpec((n_rows, bk), lambda kk: (0, kk))]
+        operands = (q_ref.at[grp, pl.ds(k0, k_part), pl.ds(col0, bn)],
+                    s_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)],
+                    x_ref.at[pl.ds(lo, n_rows), pl.ds(k0, k_part)])
+        acc = plgpu.emit_pipeline(step, grid=(k_part // bk,), in_specs=in_specs, max_concurrent_steps=plan["steps"],
+                                  init_carry=_zeros(n_rows))(*operands)
 
-            pl.run_scoped(store, plgpu.SMEM((n_rows, bn), jnp.float32))
+        def store(o_smem):
+            for r in range(n_rows):
+                o_smem[r] = acc[r]
+            plgpu.commit_smem()
+            for r in range(n_rows):
+                pl.when(r < rows)(lambda r=r: plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(r, 1)], out_ref.at[w, ks, pl.ds(lo + r, 1), pl.ds(col0, bn)]))
+            plgpu.wait_smem_to_gmem(0)
 
-        for w in range(n_weights):
-            for n_rows in ROW_BODIES:
-                pl.when((wi == w) & (rows > n_rows // 2) & (rows <= n_rows))(functools.partial(visit, w, n_rows))
+        pl.run_scoped(store, plgpu.SMEM((n_rows, bn), jnp.float32))
 
-    kern = mosaic_kernel(body, interpret=interpret,
-                         out_type=jax.ShapeDtypeStruct((n_weights, split, m8, n), jnp.float32),
-                         grid=(n_weights * per_weight,), grid_names=("t",))
-    out = kern(sched, x, *(a for w in weights for a in w))[:, :, :m].sum(1)
-    out = jnp.where(covered[:, None], out, 0).astype(out_dtype)
-    return tuple(out[w] for w in range(n_weights))
+    for w in range(plan["n_weights"]):
+        for n_rows in ROW_BODIES:
+            pl.when((wi == w) & (rows > n_rows // 2) & (rows <= n_rows))(functools.partial(visit, w, n_rows))

@@ -551,3 +551,23 @@ def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, config=N
                                           interpret=interpret) for v, s in weights)
     return gemv.kernel_call(group_sizes, lhs.shape[0], lhs, tuple(weights), out_dtype=jnp.dtype(out_dtype or lhs.dtype),
                             config=config, interpret=interpret)
+
+
+def gemv_launch_mxfp8(problems, *, out_dtype=None, interpret=None) -> tuple:
+    """Several :func:`grouped_matmuls_mxfp8` calls on the gemv schedule as one launch: per problem
+    ``(lhs [M, K], ((values, scales), ...), group_sizes, config)`` (each its own rows, groups, weights of one
+    shape and ``config.split_k``), the tuple of its ``[M, N]`` outputs; the same values as one call each.
+    A decode step's shared expert beside its routed experts (:func:`m3jax.moe.expert_mlps`)."""
+    if not problems:
+        raise ValueError("gemv_launch_mxfp8: no problems")
+    jobs = []
+    for lhs, weights, group_sizes, config in problems:
+        if config.schedule != "gemv":
+            raise ValueError(f"gemv_launch_mxfp8 runs the gemv schedule, not {config.schedule!r}")
+        if len({(v.shape, s.shape) for v, s in weights}) != 1:
+            raise ValueError(f"gemv_launch_mxfp8: a problem's weights differ in shape {[v.shape for v, _ in weights]}")
+        for values, scales in weights:
+            _check_mxfp8(lhs, values, scales, group_sizes, config)
+        jobs.append(gemv.Problem(group_sizes, lhs.shape[0], lhs, tuple(weights), config.split_k))
+    out_dtype = jnp.dtype(out_dtype or problems[0][0].dtype)
+    return gemv.kernel_calls(jobs, out_dtype=out_dtype, interpret=interpret)

@@ -32,9 +32,11 @@ how the work is cut and who does what in a CTA.
   ptxas decides otherwise at ``block_m=128, block_n=256``: it reports the wgmmas serialized for lack of
   registers (C7511; 168 per thread at 384 threads; H200, jax 0.11.2, 2026-12-02, the bf16 kernel
   too), and the MXFP8 kernel's time is the MMAs' plus the conversion's (``benchmarks/mxfp8_dequant.py``).
-  The fp8 tile is swizzled by a consumer's column count (64 columns: 64 bytes; 128 or more: 128),
-  so each consumer's columns are whole swizzle atoms down to ``block_n=128``, whose ``[128, 64]``
-  accumulator is half the registers.
+  The accumulator's size is not the cause: at ``block_n=128`` (``[128, 64]`` consumers, 64 registers,
+  no spills) ptxas serializes them too, and that tile is slower in bf16 and MXFP8 alike (H200,
+  2026-12-03, ``mxfp8_dequant.py --configs``). The fp8 tile is swizzled by a consumer's column count (64
+  columns: 64 bytes; 128 or more: 128), so each consumer's columns are whole swizzle atoms down to
+  ``block_n=128``.
 * Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows x 128 columns at a time
   (the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``), and TMA-stores the
   piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional copies per piece;

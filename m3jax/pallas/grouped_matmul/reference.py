@@ -35,3 +35,9 @@ def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, config=N
     """:func:`grouped_matmul_mxfp8` of one ``lhs`` with each ``(values, scales)`` of ``weights``."""
     return tuple(grouped_matmul_mxfp8(lhs, v, s, group_sizes, out_dtype=out_dtype, config=config, interpret=interpret)
                  for v, s in weights)
+
+
+def gemv_launch_mxfp8(problems, *, out_dtype=None, interpret=None) -> tuple:
+    """:func:`grouped_matmuls_mxfp8` per ``(lhs, weights, group_sizes, config)`` problem."""
+    out_dtype = out_dtype or problems[0][0].dtype
+    return tuple(grouped_matmuls_mxfp8(lhs, weights, sizes, out_dtype=out_dtype) for lhs, weights, sizes, _ in problems)
