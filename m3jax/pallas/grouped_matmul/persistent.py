@@ -27,16 +27,18 @@ how the work is cut and who does what in a CTA.
   of the visit's skips its MMAs: the tensor cores multiply a group's rows at 64-row granularity
   while the CTA still loads 128-row tiles (half the weight reads per row of 64-row tiles).
 * MXFP8 weights (``wg_split="n"``). Each consumer dequantises its half of the fp8 tile
-  (``tiles.dequantize_tile``) into its own pair of bf16 SMEM tiles, then issues the MMA. The design
-  intent is that its MMA of the previous step and the other consumer's MMA run during the conversion;
-  ptxas decides otherwise at ``block_m=128, block_n=256``: it reports the wgmmas serialized for lack of
-  registers (C7511; 168 per thread at 384 threads; H200, jax 0.11.2, 2026-12-02, the bf16 kernel
-  too), and the MXFP8 kernel's time is the MMAs' plus the conversion's (``benchmarks/mxfp8_dequant.py``).
-  The accumulator's size is not the cause: at ``block_n=128`` (``[128, 64]`` consumers, 64 registers,
-  no spills) ptxas serializes them too, and that tile is slower in bf16 and MXFP8 alike (H200,
-  2026-12-03, ``mxfp8_dequant.py --configs``). The fp8 tile is swizzled by a consumer's column count (64
-  columns: 64 bytes; 128 or more: 128), so each consumer's columns are whole swizzle atoms down to
-  ``block_n=128``.
+  (``tiles.dequantize_tile``) into its own pair of bf16 SMEM tiles, then issues the MMA, so its MMA of
+  the previous step and the other consumer's MMA can run during the conversion. The fp8 tile is
+  swizzled by a consumer's column count (64 columns: 64 bytes; 128 or more: 128), so each consumer's
+  columns are whole swizzle atoms down to ``block_n=128``.
+* No branch around the MMAs with ``wg_split="n"``: both consumers hold all of a live visit's rows. Up
+  to 2026-12-03 the wgmmas and the epilogue sat under that always-true "has rows" test, and ptxas
+  reported the wgmmas serialized (C7511, "insufficient register resources", beside C7517, a
+  ``warpgroup.wait`` injected where the skipping path meets the next item) at every tile measured, bf16
+  and MXFP8: the MXFP8 kernel took the MMAs' time plus the conversion's. ptxas 13.0 on the layer
+  tile's PTX (dumped on the H200) with the test's predicate made false reports neither message, bf16 or
+  MXFP8; the kernel's time without the branch is not yet measured. ``wg_split="m"`` keeps its test (a
+  consumer can hold none of the rows).
 * Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows x 128 columns at a time
   (the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``), and TMA-stores the
   piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional copies per piece;
@@ -208,7 +210,11 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                 by_rows = config.wg_split == "m"
                 r0 = pl.multiple_of(wg * bh, bh) if by_rows else 0
                 c0 = 0 if by_rows else pl.multiple_of(wg * bw, bw)  # whole swizzle atoms
-                active = (row0 + r0 < hi) & (row0 + r0 + bh > lo)
+                active = (row0 + r0 < hi) & (row0 + r0 + bh > lo) if by_rows else None
+
+                def when_active(fn):
+                    # wg_split="n": no branch (see the module docstring: with one, ptxas serialized the wgmmas)
+                    return fn() if active is None else pl.when(active)(fn)
 
                 def store(values):  # a consumer's [bh, bw], one staging tile at a time
                     o = o_smem.at[wg]
@@ -233,14 +239,14 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                     else:
                         w = b_smem.at[:, cols]
                     a = a_smem.at[pl.ds(r0, bh)] if by_rows else a_smem
-                    pl.when(active)(lambda: plgpu.wgmma(acc_ref, a, w))
+                    when_active(lambda: plgpu.wgmma(acc_ref, a, w))
                     plgpu.wgmma_wait(delay)
                     return acc_ref
 
                 def context(run):
                     def acc_scope(acc_ref):
                         run(acc_ref)
-                        pl.when(active)(lambda: store(acc_ref[...]))
+                        when_active(lambda: store(acc_ref[...]))
 
                     pl.run_scoped(acc_scope, plgpu.ACC((bh, bw), jnp.float32))
 
@@ -256,7 +262,9 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                         args.append(scale_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)])
                     pipeline(step, context)(*args, allocations=allocs)
 
-                @pl.when((grp == g) & (wg < CONSUMERS) & active)
+                zero_rows = (grp == g) & (wg < CONSUMERS)
+
+                @pl.when(zero_rows if active is None else zero_rows & active)
                 def _():
                     store(jnp.zeros((bh, bw), part_dtype))
 
