@@ -31,8 +31,8 @@ from m3jax.pallas.grouped_matmul.kernel import (
 )
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "gemv_launch_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8",
-           "layer_config", "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
+__all__ = ["GroupedMatmulConfig", "dequantize_mxfp8", "gemv_launch_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8",
+           "grouped_matmuls_mxfp8", "layer_config", "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation: str = "pallas", config=None,

@@ -148,8 +148,8 @@ def kernel_calls(problems, *, out_dtype, interpret=None) -> tuple:
         plan = _plan(pr)
         plans.append(plan)
         operands += [plan["sched"], plan["x"], *(a for w in pr.weights for a in w)]
-        out_types.append(jax.ShapeDtypeStruct((len(pr.weights), pr.split_k, plan["m8"], plan["n"]), jnp.float32))
-    sizes = [len(pr.weights) * plan["per_weight"] for pr, plan in zip(problems, plans)]
+        out_types.append(jax.ShapeDtypeStruct((plan["n_weights"], pr.split_k, plan["m8"], plan["n"]), jnp.float32))
+    sizes = [plan["n_weights"] * plan["per_weight"] for plan in plans]
 
     def body(*refs):
         ins, outs = refs[: len(operands)], refs[len(operands):]
@@ -186,7 +186,7 @@ def _plan(pr: Problem) -> dict:
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
     # row counts are multiples of 8 (the TMA's 8-row tiling, as for the MMA kernels' stores)
     m8 = -(-pr.m // 8) * 8
-    return {"k": k, "n": n, "group": k // scales0.shape[1], "n_weights": len(pr.weights), "split": split,
+    return {"n": n, "group": k // scales0.shape[1], "n_weights": len(pr.weights), "split": split,
             "k_part": k // split, "per_visit": n_tiles * split, "per_weight": sched.shape[0] * n_tiles * split,
             "steps": max(1, min(STAGES, k // split // BLOCK_K)), "m8": m8, "sched": sched, "covered": covered,
             "x": jnp.pad(pr.lhs.astype(jnp.float32), ((0, m8 + ROWS - pr.m), (0, 0)))}

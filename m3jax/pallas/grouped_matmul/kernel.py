@@ -497,6 +497,15 @@ def _check_mxfp8(lhs, values, scales, group_sizes, config: GroupedMatmulConfig) 
         raise ValueError(f"grouped_matmul_mxfp8 kernel cannot take lhs {lhs.shape} x values {values.shape}: {reason}")
 
 
+def _check_mxfp8_weights(name: str, lhs, weights, group_sizes, config: GroupedMatmulConfig) -> None:
+    """Several weights for one launch over the same rows: one shape, each one the kernel takes."""
+    shapes = {(v.shape, s.shape) for v, s in weights}
+    if len(shapes) != 1:
+        raise ValueError(f"{name}: weights of different shapes {sorted(shapes)}")
+    for values, scales in weights:
+        _check_mxfp8(lhs, values, scales, group_sizes, config)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, config=None, interpret=None):
     """``ragged_dot(lhs, dequantize(values, scales), group_sizes)`` with the weights read as MXFP8.
@@ -541,11 +550,7 @@ def grouped_matmuls_mxfp8(lhs, weights, group_sizes, *, out_dtype=None, config=N
     boundary of its own: ``group_sizes`` known when tracing (a numpy array: a dense weight's one group)
     then give the gemv a constant schedule."""
     config = config or GroupedMatmulConfig()
-    shapes = {(v.shape, s.shape) for v, s in weights}
-    if len(shapes) != 1:
-        raise ValueError(f"grouped_matmuls_mxfp8: weights of different shapes {sorted(shapes)}")
-    for values, scales in weights:
-        _check_mxfp8(lhs, values, scales, group_sizes, config)
+    _check_mxfp8_weights("grouped_matmuls_mxfp8", lhs, weights, group_sizes, config)
     if config.schedule != "gemv":
         return tuple(grouped_matmul_mxfp8(lhs, v, s, group_sizes, out_dtype=out_dtype, config=config,
                                           interpret=interpret) for v, s in weights)
@@ -564,10 +569,7 @@ def gemv_launch_mxfp8(problems, *, out_dtype=None, interpret=None) -> tuple:
     for lhs, weights, group_sizes, config in problems:
         if config.schedule != "gemv":
             raise ValueError(f"gemv_launch_mxfp8 runs the gemv schedule, not {config.schedule!r}")
-        if len({(v.shape, s.shape) for v, s in weights}) != 1:
-            raise ValueError(f"gemv_launch_mxfp8: a problem's weights differ in shape {[v.shape for v, _ in weights]}")
-        for values, scales in weights:
-            _check_mxfp8(lhs, values, scales, group_sizes, config)
+        _check_mxfp8_weights("gemv_launch_mxfp8", lhs, weights, group_sizes, config)
         jobs.append(gemv.Problem(group_sizes, lhs.shape[0], lhs, tuple(weights), config.split_k))
     out_dtype = jnp.dtype(out_dtype or problems[0][0].dtype)
     return gemv.kernel_calls(jobs, out_dtype=out_dtype, interpret=interpret)
