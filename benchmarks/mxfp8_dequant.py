@@ -6,11 +6,13 @@ M3 widths (``[rows, 6144] x [128, 6144, 3072]``: a 4,096-token prefill chunk's 1
 routing; 1 and 8 decode tokens) with the layer's configs (``layer_config``), the conversion swapped for
 stand-ins, most of which compute wrong weights, to see where the time goes:
 
-  shipped     tiles.dequantize_tile
-  select      shipped, with each scale's bits chosen by compare and select (the code before 2026-12-02)
-  cvt_only    e4m3 -> f16 -> f32 -> bf16 without the scale (wrong weights)
-  store_only  a constant bf16 tile written: the SMEM stores and fence alone (wrong weights)
-  nothing     no conversion: the MMA reads a stale tile; the loads, pipeline and MMAs alone (wrong weights)
+  shipped       tiles.dequantize_tile: one scale group at a time, its scales reused down the rows
+  f32_scale     shipped, the scale applied in float32 then rounded to bf16 (the code of 2026-12-03 morning)
+  rows_by_warp  the whole tile in WGMMA_8BIT, the warps holding 16 rows each, so a thread builds both
+                scale rows for its 32 columns and picks one per element (the code before 2026-12-03)
+  cvt_only      e4m3 -> f16 -> f32 -> bf16 without the scale (wrong weights)
+  store_only    a constant bf16 tile written: the SMEM stores and fence alone (wrong weights)
+  nothing       no conversion: the MMA reads a stale tile; the loads, pipeline and MMAs alone (wrong weights)
 
 against the bf16 kernel of the same config on the dequantised weights (the baseline, same process).
 Device ms from CUPTI; "max |diff|" is against the bf16 kernel (0 or bf16 rounding for the exact
@@ -45,7 +47,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_m3_width import best, on_gpu, timed
 
-from m3jax.pallas._backend import plgpu
+from m3jax.pallas._backend import pl, plgpu
 from m3jax.pallas.grouped_matmul import (
     GroupedMatmulConfig,
     grouped_matmul,
@@ -61,22 +63,33 @@ LAYOUT = plgpu.Layout.WGMMA_8BIT
 EXPERTS, D, F = 128, 6144, 3072
 
 
-def _select(q_smem, s_smem, w_smem, group):
+def _rows_by_warp(q_smem, s_smem, w_smem, group):
     bk, bn = q_smem.shape
     q = plgpu.load(q_smem, layout=LAYOUT).astype(jnp.float16).astype(jnp.float32)
     row = plgpu.broadcasted_iota(jnp.int32, (bk, bn), 0, layout=LAYOUT)
     scale = None
     for j in range(bk // group):
         e = plgpu.load(s_smem.at[j], layout=LAYOUT.reduce(0)).astype(jnp.int32)
-        bits = jnp.where(e == 0, jnp.int32(0x00400000), e << 23)
-        sj = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.float32)[None, :], (bk, bn)), LAYOUT)
+        sj = plgpu.layout_cast(jnp.broadcast_to(tiles.e8m0_scale(e)[None, :], (bk, bn)), LAYOUT)
         scale = sj if scale is None else jnp.where(row >= j * group, sj, scale)
     w_smem[...] = (q * scale).astype(w_smem.dtype)
     plgpu.commit_smem()
 
 
+def _f32_scale(q_smem, s_smem, w_smem, group):
+    bk, bn = q_smem.shape
+    for j in range(bk // group):
+        rows = pl.ds(j * group, group)
+        q = plgpu.load(q_smem.at[rows], layout=tiles.GROUP_LAYOUT).astype(jnp.float16).astype(jnp.float32)
+        e = plgpu.load(s_smem.at[j], layout=tiles.GROUP_LAYOUT.reduce(0)).astype(jnp.int32)
+        scale = plgpu.layout_cast(jnp.broadcast_to(tiles.e8m0_scale(e)[None, :], (group, bn)), tiles.GROUP_LAYOUT)
+        w_smem.at[rows][...] = (q * scale).astype(w_smem.dtype)
+    plgpu.commit_smem()
+
+
 def _cvt_only(q_smem, s_smem, w_smem, group):
-    w_smem[...] = plgpu.load(q_smem, layout=LAYOUT).astype(jnp.float16).astype(jnp.float32).astype(w_smem.dtype)
+    q = plgpu.load(q_smem, layout=tiles.GROUP_LAYOUT)
+    w_smem[...] = q.astype(jnp.float16).astype(jnp.float32).astype(w_smem.dtype)
     plgpu.commit_smem()
 
 
@@ -89,7 +102,7 @@ def _nothing(q_smem, s_smem, w_smem, group):
     pass
 
 
-VARIANTS = {"shipped": tiles.dequantize_tile, "select": _select, "cvt_only": _cvt_only,
+VARIANTS = {"shipped": tiles.dequantize_tile, "f32_scale": _f32_scale, "rows_by_warp": _rows_by_warp, "cvt_only": _cvt_only,
             "store_only": _store_only, "nothing": _nothing}
 
 

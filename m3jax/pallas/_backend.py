@@ -97,6 +97,15 @@ def interpret_as(target: Target):
     return _override(target, lowering=False)
 
 
+def tiled_layout(tiles, *, warp_dims, lane_dims, vector_dim=-1):
+    """A register layout of Mosaic GPU's general tiled family (``plgpu.Layout.TILED``), for loads and
+    stores whose thread-to-element map no named layout gives."""
+    from jax.experimental.mosaic.gpu import fragmented_array
+
+    return plgpu.Layout.TILED(fragmented_array.Tiling(tuple(tiles)), warp_dims=tuple(warp_dims),
+                              lane_dims=tuple(lane_dims), vector_dim=vector_dim)
+
+
 def interpret_params(detect_races: bool = True):
     """GPU interpret mode for CPU tests: simulated SMEM, barriers, TMA and a race detector."""
     return plgpu.InterpretGPUParams(detect_races=detect_races)

@@ -293,6 +293,23 @@ def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule, n):
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, n), gs, cfg=cfg)
 
 
+@pytest.mark.parametrize("schedule,n", [("pipeline", 128), ("warp_specialized", 256)])
+def test_mxfp8_tile_dequantisation_is_exact(schedule, n):
+    # the in-kernel conversion gives the MMA exactly the bf16 weights of the dequantise-on-load path: the
+    # MXFP8 kernel equals the bf16 kernel of the same config (same MMAs, same order) on those weights,
+    # bit for bit, over a wide spread of scales (2^-27 .. 2^12)
+    m, sizes = PATTERNS["group_larger_than_tile"]
+    cfg = GroupedMatmulConfig(block_m=64, block_n=n, max_concurrent_steps=2, schedule=schedule)
+    lhs, _, gs = _inputs(m, 128, n, sizes, jnp.bfloat16, seed=5)
+    values, _ = _mxfp8_weights(len(sizes), 128, n, seed=6)
+    scales = jnp.asarray(np.random.default_rng(7).integers(100, 140, size=(len(sizes), 128 // 32, n)), jnp.uint8)
+    got = grouped_matmul_mxfp8(lhs, values, scales, gs, config=cfg)
+    dequantised = gmm_reference.dequantize_mxfp8(values, scales).astype(jnp.bfloat16)
+    want = grouped_matmul(lhs, dequantised, gs, config=cfg)
+    assert not _backend.interpret_races_found()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_mxfp8_split_k_decode_rows():
     lhs, _, gs = _inputs(9, 256, 256, [2, 0, 1, 0, 5], jnp.bfloat16, seed=8)
     cfg = GroupedMatmulConfig(block_m=64, block_n=256, max_concurrent_steps=2, schedule="warp_specialized", split_k=2)

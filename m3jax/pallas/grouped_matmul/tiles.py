@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from m3jax.pallas._backend import plgpu
+from m3jax.pallas._backend import pl, plgpu, tiled_layout
 
 
 def cumsum(x):
@@ -43,37 +43,49 @@ def deal_visits(count, n_visits: int):
     return grp, visit - (cum[grp] - count[grp]), visit < cum[-1]
 
 
-def e8m0_scale(e):
-    """int32 E8M0 exponents (any layout) -> float32 2^(e - 127): e = 0 is the subnormal 2^-127 (bits
-    0x00400000), e = 255 inf (``dequantize_mxfp8``'s ldexp). ``max(e << 23, 0x00400000)`` is two
-    instructions, e = 0 included (e >= 1 gives bits >= 0x00800000), against a compare and select."""
+def e8m0_scale(e, dtype=jnp.float32):
+    """int32 E8M0 exponents (any layout) -> 2^(e - 127) in ``dtype`` (float32 or bfloat16, which share
+    the exponent field): e = 0 is the subnormal 2^-127, e = 255 inf (``dequantize_mxfp8``'s ldexp).
+    The bits are ``max(e << mantissa, 2^-127's bits)``: two instructions, e = 0 included (e >= 1 gives
+    the larger bits), against a compare and select."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return lax.bitcast_convert_type(jnp.maximum(e << 7, jnp.int32(0x0040)).astype(jnp.int16), jnp.bfloat16)
     return lax.bitcast_convert_type(jnp.maximum(e << 23, jnp.int32(0x00400000)), jnp.float32)
+
+
+# A [rows, columns] tile (rows % 8 == 0 == columns % 64) over the warpgroup: each warp holds 16 columns
+# of every 64 and every row; a thread holds 4-element vectors along the columns (4-byte loads of fp8,
+# 8-byte stores of bf16), lane = column quad x 8 + row in 8 (the row-major lane order's bf16 stores
+# into the swizzled tile are refused by Mosaic GPU's transfer planner as bank-conflicting). So a scale
+# row broadcast down the rows is in registers each thread reuses for all its rows: 8 scales per thread
+# for a 128-column tile, whatever its depth. WGMMA_8BIT instead deals the rows to the warps (16 each),
+# which leaves a thread 2 rows x 32 columns: 32 scales for 2 weights each, and a 64-deep tile's two
+# scale rows chosen per element.
+GROUP_LAYOUT = tiled_layout(((8, 64), (8, 16), (4,)), warp_dims=(-4,), lane_dims=(-2, -3))
 
 
 def dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
     """fp8 e4m3 weight tile ``q_smem [bk, bn]`` times its E8M0 scales ``s_smem [bk / group, bn]`` (SMEM)
     -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it.
 
-    In registers, WGMMA_8BIT layout (4-byte SMEM loads of the fp8 tile; the decode kernel's fp8 key
-    pages take the same road): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16 needs PTX ISA
-    9.2) -> f32, times 2^(e - 127) (:func:`e8m0_scale`), one scale row per ``group`` rows broadcast down the
-    columns. An e4m3 value (3 mantissa bits) times a power of two is exact in bf16
-    (8 bits) above bf16's normal range floor, so the MMA sees exactly the weights a dequantise-on-load
-    model holds in bf16.
+    One scale group (``group`` rows) at a time, in registers (:data:`GROUP_LAYOUT`: 4-byte SMEM loads
+    of the fp8 tile; ``bn % 64 == 0``): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16
+    needs PTX ISA 9.2) -> bf16, both exact (3 mantissa bits), times 2^(e - 127) in bf16
+    (:func:`e8m0_scale`) broadcast down the group's rows. An e4m3 value times a power of two is exact in
+    bf16 above bf16's normal range floor, so the MMA sees exactly the weights a dequantise-on-load model
+    holds in bf16 (one rounding of the exact product either way below it).
 
     The consumers issue this conversion between their MMAs, so its instruction count sets the kernel's
-    speed (H200, ``benchmarks/mxfp8_dequant.py``: the same kernel with no conversion runs faster than the
-    bf16 one). In this layout a thread holds 2 rows x 32 columns of the tile, so every scale it builds
-    serves only 2 weights: hence :func:`e8m0_scale`'s two instructions per scale.
+    speed (H200, ``benchmarks/mxfp8_dequant.py``: the same kernel converting without the scales runs as
+    fast as the bf16 one). Per group a thread builds the scales of its 16 of every 64 columns once and
+    reuses each for all its rows of the group (4 of 32 rows), and the bf16 multiply is one ``mul.bf16x2``
+    per pair, against two float32 multiplies.
     """
     bk, bn = q_smem.shape
-    layout = plgpu.Layout.WGMMA_8BIT
-    q = plgpu.load(q_smem, layout=layout).astype(jnp.float16).astype(jnp.float32)
-    row = plgpu.broadcasted_iota(jnp.int32, (bk, bn), 0, layout=layout)
-    scale = None
     for j in range(bk // group):
-        e = plgpu.load(s_smem.at[j], layout=layout.reduce(0)).astype(jnp.int32)
-        sj = plgpu.layout_cast(jnp.broadcast_to(e8m0_scale(e)[None, :], (bk, bn)), layout)
-        scale = sj if scale is None else jnp.where(row >= j * group, sj, scale)
-    w_smem[...] = (q * scale).astype(w_smem.dtype)
+        rows = pl.ds(j * group, group)
+        q = plgpu.load(q_smem.at[rows], layout=GROUP_LAYOUT).astype(jnp.float16).astype(jnp.bfloat16)
+        e = plgpu.load(s_smem.at[j], layout=GROUP_LAYOUT.reduce(0)).astype(jnp.int32)
+        scale = plgpu.layout_cast(jnp.broadcast_to(e8m0_scale(e, jnp.bfloat16)[None, :], (group, bn)), GROUP_LAYOUT)
+        w_smem.at[rows][...] = q * scale
     plgpu.commit_smem()
