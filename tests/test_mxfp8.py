@@ -186,7 +186,9 @@ def test_sharded_loading_on_4_devices(tmp_path):
     out = tmp_path / "out.json"
     script = tmp_path / "sharded.py"
     script.write_text(_SHARDED)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # 4 simulated CPU devices, also on a GPU machine (where JAX would otherwise pick its one GPU)
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     proc = subprocess.run([sys.executable, str(script), str(path), str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
