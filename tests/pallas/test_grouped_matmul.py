@@ -469,6 +469,7 @@ def test_mxfp8_reference_is_the_checkpoint_dequantisation():
         np.testing.assert_array_equal(np.asarray(got[e]).T, want)
     assert "whole number" in mxfp8_unsupported_reason(64, 128, 128, 2, 3)
     assert "must divide block_k" in mxfp8_unsupported_reason(64, 256, 128, 2, 2)  # groups of 128 inputs
+    assert "multiple of 8" in mxfp8_unsupported_reason(64, 128, 128, 2, 32)  # groups of 4 inputs
 
 
 @pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized"])

@@ -479,6 +479,8 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
     group = k // k_groups
     if c.block_k % group:
         return f"scale group of {group} inputs must divide block_k={c.block_k} (one K step holds whole groups)"
+    if group % 8:
+        return f"scale group of {group} inputs must be a multiple of 8 (the conversion takes whole 8-row SMEM tiles)"
     reason = unsupported_reason(m, k, n, g, c)
     if reason is None and c.schedule == "warp_specialized":
         return persistent.unsupported_reason(k, n, c, mxfp8=True)

@@ -59,8 +59,8 @@ def e8m0_scale(e, dtype=jnp.float32):
 # into the swizzled tile are refused by Mosaic GPU's transfer planner as bank-conflicting). So a scale
 # row broadcast down the rows is in registers each thread reuses for all its rows: 8 scales per thread
 # for a 128-column tile, whatever its depth. WGMMA_8BIT instead deals the rows to the warps (16 each),
-# which leaves a thread 2 rows x 32 columns: 32 scales for 2 weights each, and a 64-deep tile's two
-# scale rows chosen per element.
+# which leaves a thread 2 rows x 32 columns of a 64-deep tile: both scale rows of its 32 columns built
+# (64 scales for 64 weights) and one chosen per element.
 GROUP_LAYOUT = tiled_layout(((8, 64), (8, 16), (4,)), warp_dims=(-4,), lane_dims=(-2, -3))
 
 
