@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
@@ -42,12 +43,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_m3_width import best, on_gpu, timed
 
-from m3jax.pallas._backend import pl, plgpu
+from m3jax.pallas._backend import plgpu
 from m3jax.pallas.grouped_matmul import (
     GroupedMatmulConfig,
     grouped_matmul,
@@ -76,17 +76,6 @@ def _rows_by_warp(q_smem, s_smem, w_smem, group):
     plgpu.commit_smem()
 
 
-def _f32_scale(q_smem, s_smem, w_smem, group):
-    bk, bn = q_smem.shape
-    for j in range(bk // group):
-        rows = pl.ds(j * group, group)
-        q = plgpu.load(q_smem.at[rows], layout=tiles.GROUP_LAYOUT).astype(jnp.float16).astype(jnp.float32)
-        e = plgpu.load(s_smem.at[j], layout=tiles.GROUP_LAYOUT.reduce(0)).astype(jnp.int32)
-        scale = plgpu.layout_cast(jnp.broadcast_to(tiles.e8m0_scale(e)[None, :], (group, bn)), tiles.GROUP_LAYOUT)
-        w_smem.at[rows][...] = (q * scale).astype(w_smem.dtype)
-    plgpu.commit_smem()
-
-
 def _cvt_only(q_smem, s_smem, w_smem, group):
     q = plgpu.load(q_smem, layout=tiles.GROUP_LAYOUT)
     w_smem[...] = q.astype(jnp.float16).astype(jnp.float32).astype(w_smem.dtype)
@@ -102,8 +91,9 @@ def _nothing(q_smem, s_smem, w_smem, group):
     pass
 
 
-VARIANTS = {"shipped": tiles.dequantize_tile, "f32_scale": _f32_scale, "rows_by_warp": _rows_by_warp, "cvt_only": _cvt_only,
-            "store_only": _store_only, "nothing": _nothing}
+VARIANTS = {"shipped": tiles.dequantize_tile,
+            "f32_scale": functools.partial(tiles.dequantize_tile, scale_dtype=jnp.float32),
+            "rows_by_warp": _rows_by_warp, "cvt_only": _cvt_only, "store_only": _store_only, "nothing": _nothing}
 
 
 def _use(fn) -> None:

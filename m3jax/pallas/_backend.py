@@ -25,6 +25,7 @@ import functools
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
+from jax.experimental.mosaic.gpu import fragmented_array
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -100,8 +101,6 @@ def interpret_as(target: Target):
 def tiled_layout(tiles, *, warp_dims, lane_dims, vector_dim=-1):
     """A register layout of Mosaic GPU's general tiled family (``plgpu.Layout.TILED``), for loads and
     stores whose thread-to-element map no named layout gives."""
-    from jax.experimental.mosaic.gpu import fragmented_array
-
     return plgpu.Layout.TILED(fragmented_array.Tiling(tuple(tiles)), warp_dims=tuple(warp_dims),
                               lane_dims=tuple(lane_dims), vector_dim=vector_dim)
 

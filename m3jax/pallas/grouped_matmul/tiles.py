@@ -64,7 +64,7 @@ def e8m0_scale(e, dtype=jnp.float32):
 GROUP_LAYOUT = tiled_layout(((8, 64), (8, 16), (4,)), warp_dims=(-4,), lane_dims=(-2, -3))
 
 
-def dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
+def dequantize_tile(q_smem, s_smem, w_smem, group: int, scale_dtype=jnp.bfloat16) -> None:
     """fp8 e4m3 weight tile ``q_smem [bk, bn]`` times its E8M0 scales ``s_smem [bk / group, bn]`` (SMEM)
     -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it.
 
@@ -79,13 +79,14 @@ def dequantize_tile(q_smem, s_smem, w_smem, group: int) -> None:
     speed (H200, ``benchmarks/mxfp8_dequant.py``: the same kernel converting without the scales runs as
     fast as the bf16 one). Per group a thread builds the scales of its 16 of every 64 columns once and
     reuses each for all its rows of the group (4 of 32 rows), and the bf16 multiply is one ``mul.bf16x2``
-    per pair, against two float32 multiplies.
+    per pair, against two float32 multiplies (``scale_dtype=jnp.float32``, the same weights: kept for
+    ``benchmarks/mxfp8_dequant.py``'s comparison).
     """
     bk, bn = q_smem.shape
     for j in range(bk // group):
         rows = pl.ds(j * group, group)
-        q = plgpu.load(q_smem.at[rows], layout=GROUP_LAYOUT).astype(jnp.float16).astype(jnp.bfloat16)
+        q = plgpu.load(q_smem.at[rows], layout=GROUP_LAYOUT).astype(jnp.float16).astype(scale_dtype)
         e = plgpu.load(s_smem.at[j], layout=GROUP_LAYOUT.reduce(0)).astype(jnp.int32)
-        scale = plgpu.layout_cast(jnp.broadcast_to(e8m0_scale(e, jnp.bfloat16)[None, :], (group, bn)), GROUP_LAYOUT)
-        w_smem.at[rows][...] = q * scale
+        scale = plgpu.layout_cast(jnp.broadcast_to(e8m0_scale(e, scale_dtype)[None, :], (group, bn)), GROUP_LAYOUT)
+        w_smem.at[rows][...] = (q * scale).astype(w_smem.dtype)
     plgpu.commit_smem()
