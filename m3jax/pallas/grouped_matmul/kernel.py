@@ -78,7 +78,7 @@ from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
-from m3jax.pallas.grouped_matmul import gemv, persistent
+from m3jax.pallas.grouped_matmul import gemv, persistent, tiles
 from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
@@ -308,10 +308,13 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
             rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=swizzle_transforms(bk),
                                        delay_release=delay)
         else:
-            rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni),
-                                       transforms=swizzle_transforms(bn, rhs.dtype.itemsize), delay_release=delay)
-        in_specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=swizzle_transforms(bk),
-                                    delay_release=delay), rhs_spec]
+            rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay,
+                                       transforms=tiles.tile_plan(bn).fp8_transforms if mxfp8 else swizzle_transforms(bn))
+        # MXFP8: the lhs tile swizzled as the converted weight tile, the MMA's other operand (Mosaic GPU
+        # wants them alike)
+        lhs_transforms = tiles.tile_plan(bn).bf16_transforms if mxfp8 else swizzle_transforms(bk)
+        in_specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=lhs_transforms, delay_release=delay),
+                    rhs_spec]
         operands = (lhs_ref, rhs_ref.at[grp])
         if mxfp8:  # the fp8 tile's scale rows; read into registers at once, so released with the step
             in_specs.append(plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, ni)))
@@ -356,7 +359,7 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
             return acc_ref[...]
 
         # MXFP8: two bf16 weight tiles, the MMA operands the fp8 tiles are dequantised into
-        w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=swizzle_transforms(bn)),) if mxfp8 else ()
+        w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=tiles.tile_plan(bn).bf16_transforms),) if mxfp8 else ()
 
         def mma(*w_smem):
             if tcgen05:

@@ -31,6 +31,16 @@ how the work is cut and who does what in a CTA.
   the previous step and the other consumer's MMA can run during the conversion. The fp8 tile is
   swizzled by a consumer's column count (64 columns: 64 bytes; 128 or more: 128), so each consumer's
   columns are whole swizzle atoms down to ``block_n=128``.
+* Barriers (MXFP8). Pallas puts a warpgroup barrier before and after every SMEM store by default; the
+  conversion stores its bf16 tile in two pieces per step (one per scale group), so a consumer met five
+  barriers per K step where one is needed: ``commit_smem``'s, after the whole tile, which every thread
+  must reach before the MMA reads the tile. With ``EXPLICIT_BARRIERS`` the automatic ones are off
+  (``unsafe_no_auto_barriers``). What they guarded is covered without them: a thread's fp8 and scale
+  loads of step ``kk`` finish before that step's ``commit_smem``, which comes before the slot's release
+  (one step later, ``delay_release=1``); the bf16 buffer a step overwrites was last read by the MMA of
+  two steps before, retired by each thread's ``wgmma_wait(1)``. The epilogue gets its barrier back in
+  place: its TMA stores are issued by one thread, so only that thread's wait knows a staging tile is
+  free, and a ``commit_smem`` after the wait holds the others until it does.
 * No branch around the MMAs with ``wg_split="n"``: both consumers hold all of a live visit's rows. Up
   to 2026-12-03 the wgmmas and the epilogue sat under that always-true "has rows" test, and ptxas
   reported the wgmmas serialized (C7511, "insufficient register resources", beside C7517, a
@@ -60,12 +70,16 @@ from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import swizzle_transforms
+from m3jax.pallas.grouped_matmul import tiles
 from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
 CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
 PRODUCER_REGISTERS = 40
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (the SMEM tiling's rows)
 EPI_ROWS, EPI_COLS = 64, 128  # a consumer's output staging tile; larger accumulators are stored in pieces
+# MXFP8: Pallas's automatic warpgroup barriers around SMEM stores off (``unsafe_no_auto_barriers``), the
+# kernel placing the ones it needs (see the module docstring)
+EXPLICIT_BARRIERS = True
 
 
 def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
@@ -162,6 +176,7 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     n_tiles, k_part = n // bn, k // split
     mxfp8 = rhs_scales is not None
     group = k // rhs_scales.shape[1] if mxfp8 else 0
+    explicit_barriers = mxfp8 and EXPLICIT_BARRIERS
     part_dtype = jnp.dtype(jnp.float32 if split > 1 else out_dtype)
     steps = _stages(k_part // bk, config, rhs.dtype.itemsize, bk // group if mxfp8 else 0, part_dtype.itemsize)
     delay = 1 if steps > 1 else 0
@@ -169,13 +184,18 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     per_visit = n_tiles * split
     n_ctas = min(current_target().num_sms, sched.shape[0] * per_visit)
 
-    lhs_spec = plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=swizzle_transforms(bk), delay_release=delay)
+    # MXFP8: the MMA's operands are the lhs tile and the converted weight tile, which Mosaic GPU wants
+    # swizzled alike: as the conversion's plan has the weights
+    plan = tiles.tile_plan(bw) if mxfp8 else None
+    lhs_spec = plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay,
+                               transforms=plan.bf16_transforms if mxfp8 else swizzle_transforms(bk))
     if transpose_rhs:
         rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=swizzle_transforms(bk), delay_release=delay)
     else:
-        # swizzled by the columns one consumer reads, so its slice is whole swizzle atoms (fp8: 64 bytes at 64)
-        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=swizzle_transforms(bw, rhs.dtype.itemsize),
-                                   delay_release=delay)
+        # swizzled by the columns one consumer reads, so its slice is whole swizzle atoms; fp8: as the
+        # conversion's plan for those columns has it
+        rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), delay_release=delay,
+                                   transforms=plan.fp8_transforms if mxfp8 else swizzle_transforms(bw))
     in_specs = [lhs_spec, rhs_spec]
     if mxfp8:  # read into registers by the consumer, released with the step's other buffers
         in_specs.append(plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0), delay_release=delay))
@@ -221,6 +241,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                     for r in range(0, bh, epi_r):
                         for c in range(0, bw, epi_c):
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece left the tile
+                            if explicit_barriers:  # ... which only the thread that issued its copy knows
+                                plgpu.commit_smem()
                             o[...] = values[r : r + epi_r, c : c + epi_c].astype(part_dtype)
                             plgpu.commit_smem()
                             base = row0 + r0 + r
@@ -273,7 +295,7 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
         scratch = {"allocs": pipeline(ignore, ignore).get_allocations(*operands),
                    "o_smem": plgpu.SMEM((CONSUMERS, epi_r, epi_c), part_dtype)}
         if mxfp8:
-            scratch["w_smem"] = plgpu.SMEM((CONSUMERS, 2, bk, bw), jnp.bfloat16, transforms=swizzle_transforms(bw))
+            scratch["w_smem"] = plgpu.SMEM((CONSUMERS, 2, bk, bw), jnp.bfloat16, transforms=plan.bf16_transforms)
         pl.run_scoped(scoped, **scratch, collective_axes="wg")
 
     out_shape = (split, m_rows, n) if split > 1 else (m_rows, n)
@@ -285,6 +307,7 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
         grid_names=("sm",),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=explicit_barriers),
     )
     out = kern(sched, live, lhs, rhs, *((rhs_scales,) if mxfp8 else ()))
     # the partials' live rows only (a decode step's few rows sit in a block_m-row padded tile)

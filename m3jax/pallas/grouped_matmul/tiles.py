@@ -8,10 +8,13 @@ gemv schedule (:mod:`.gemv`) builds the same scales for its partial sums.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import pl, plgpu, tiled_layout
+from m3jax.pallas._common import swizzle_transforms
 
 
 def cumsum(x):
@@ -55,25 +58,47 @@ def e8m0_scale(e, dtype=jnp.float32):
 
 # A [rows, columns] tile (rows % 8 == 0 == columns % 64) over the warpgroup: each warp holds 16 columns
 # of every 64 and every row; a thread holds 4-element vectors along the columns (4-byte loads of fp8,
-# 8-byte stores of bf16), lane = column quad x 8 + row in 8 (the row-major lane order's bf16 stores
-# into the swizzled tile are refused by Mosaic GPU's transfer planner as bank-conflicting). So a scale
-# row broadcast down the rows is in registers each thread reuses for all its rows: 8 scales per thread
+# 8-byte stores of bf16), lane = column quad x 8 + row in 8: a warp's access is 8 rows of one 16-byte
+# chunk each, distinct banks under any swizzle (the row-major lane order's bf16 stores into the
+# swizzled tile are refused by Mosaic GPU's transfer planner as bank-conflicting). So a scale row
+# broadcast down the rows is in registers each thread reuses for all its rows: 8 scales per thread
 # for a 128-column tile, whatever its depth. WGMMA_8BIT instead deals the rows to the warps (16 each),
 # which leaves a thread 2 rows x 32 columns of a 64-deep tile: both scale rows of its 32 columns built
 # (64 scales for 64 weights) and one chosen per element.
 GROUP_LAYOUT = tiled_layout(((8, 64), (8, 16), (4,)), warp_dims=(-4,), lane_dims=(-2, -3))
 
 
+class TilePlan(NamedTuple):
+    """How an MXFP8 weight tile is converted: the register layout of a scale group's rows, and the SMEM
+    transforms of the fp8 tile (the TMA's destination, read only by the conversion) and of the MMA's
+    operands (the bf16 tile the conversion writes, and the lhs tile: Mosaic GPU wants a wgmma's two
+    SMEM operands swizzled alike). A layout's loads and stores must be conflict-free under them."""
+
+    layout: object
+    fp8_transforms: tuple
+    bf16_transforms: tuple
+
+
+def tile_plan(cols: int) -> TilePlan:
+    """The conversion plan of a ``[rows, cols]`` tile (``cols % 64 == 0``): GROUP_LAYOUT, each tile at the
+    widest swizzle its rows allow. (``benchmarks/mxfp8_dequant.py``'s ``quad_layout``: a layout sharing each
+    scale over 8 rows needs the fp8 tile swizzled by 32 bytes and the MMA's operands by 64; H200,
+    2026-12-03, it ran no faster, 1.674 ms against 1.671; with no conversion at all the kernel took 1.52 ms
+    at those swizzles and 1.33 at the widest, measured in two processes.)"""
+    return TilePlan(GROUP_LAYOUT, swizzle_transforms(cols, 1), swizzle_transforms(cols))
+
+
 def dequantize_tile(q_smem, s_smem, w_smem, group: int, scale_dtype=jnp.bfloat16) -> None:
     """fp8 e4m3 weight tile ``q_smem [bk, bn]`` times its E8M0 scales ``s_smem [bk / group, bn]`` (SMEM)
-    -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it.
+    -> bf16 ``w_smem [bk, bn]`` (SMEM, swizzled for the MMA), fenced for the MMA that reads it. The
+    tiles carry :func:`tile_plan`'s transforms for ``bn``.
 
-    One scale group (``group`` rows) at a time, in registers (:data:`GROUP_LAYOUT`: 4-byte SMEM loads
-    of the fp8 tile; ``bn % 64 == 0``): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16
-    needs PTX ISA 9.2) -> bf16, both exact (3 mantissa bits), times 2^(e - 127) in bf16
-    (:func:`e8m0_scale`) broadcast down the group's rows. An e4m3 value times a power of two is exact in
-    bf16 above bf16's normal range floor, so the MMA sees exactly the weights a dequantise-on-load model
-    holds in bf16 (one rounding of the exact product either way below it).
+    One scale group (``group`` rows) at a time, in registers (the plan's layout: 4-byte SMEM loads
+    of the fp8 tile): e4m3 -> f16 (one ``cvt`` per pair on any ptxas; e4m3 -> bf16 needs PTX ISA 9.2)
+    -> bf16, both exact (3 mantissa bits), times 2^(e - 127) in bf16 (:func:`e8m0_scale`) broadcast
+    down the group's rows. An e4m3 value times a power of two is exact in bf16 above bf16's normal
+    range floor, so the MMA sees exactly the weights a dequantise-on-load model holds in bf16 (one
+    rounding of the exact product either way below it).
 
     The consumers issue this conversion between their MMAs, so its instruction count sets the kernel's
     speed (H200, ``benchmarks/mxfp8_dequant.py``: the same kernel converting without the scales runs as
@@ -83,10 +108,11 @@ def dequantize_tile(q_smem, s_smem, w_smem, group: int, scale_dtype=jnp.bfloat16
     ``benchmarks/mxfp8_dequant.py``'s comparison).
     """
     bk, bn = q_smem.shape
+    layout = tile_plan(bn).layout
     for j in range(bk // group):
         rows = pl.ds(j * group, group)
-        q = plgpu.load(q_smem.at[rows], layout=GROUP_LAYOUT).astype(jnp.float16).astype(scale_dtype)
-        e = plgpu.load(s_smem.at[j], layout=GROUP_LAYOUT.reduce(0)).astype(jnp.int32)
-        scale = plgpu.layout_cast(jnp.broadcast_to(e8m0_scale(e, scale_dtype)[None, :], (group, bn)), GROUP_LAYOUT)
+        q = plgpu.load(q_smem.at[rows], layout=layout).astype(jnp.float16).astype(scale_dtype)
+        e = plgpu.load(s_smem.at[j], layout=layout.reduce(0)).astype(jnp.int32)
+        scale = plgpu.layout_cast(jnp.broadcast_to(e8m0_scale(e, scale_dtype)[None, :], (group, bn)), layout)
         w_smem.at[rows][...] = (q * scale).astype(w_smem.dtype)
     plgpu.commit_smem()
