@@ -16,7 +16,6 @@ see where the time goes:
                  Mosaic GPU can load and store without bank conflicts only with the fp8 tile swizzled by
                  32 bytes and the MMA's operands by 64
   f32_scale      shipped, the scale applied in float32 then rounded to bf16
-  i16_scale      shipped, the bf16 scale bits built in int16 (the E8M0 bytes widened to 16 bits, not 32)
   cvt_only       e4m3 -> f16 -> f32 -> bf16 without the scale (wrong weights)
   store_only     a constant bf16 tile written: the SMEM stores and fence alone (wrong weights)
   nothing        no conversion: the MMA reads a stale tile; the loads, pipeline and MMAs alone (wrong weights)
@@ -53,12 +52,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_m3_width import best, on_gpu, timed
 
-from m3jax.pallas._backend import pl, plgpu, tiled_layout
+from m3jax.pallas._backend import plgpu, tiled_layout
 from m3jax.pallas.grouped_matmul import (
     GroupedMatmulConfig,
     grouped_matmul,
@@ -74,20 +72,6 @@ LAYOUT = plgpu.Layout.WGMMA_8BIT
 EXPERTS, D, F = 128, 6144, 3072
 ITERS = 10  # calls per device-time measurement
 ROUNDS = 3  # --configs: measurements per kernel, taken in turns with the other kind's
-
-
-def _i16_scale(q_smem, s_smem, w_smem, group):
-    bk, bn = q_smem.shape
-    layout = tiles.tile_plan(bn).layout
-    for j in range(bk // group):
-        rows = pl.ds(j * group, group)
-        q = plgpu.load(q_smem.at[rows], layout=layout).astype(jnp.float16).astype(jnp.bfloat16)
-        e = plgpu.load(s_smem.at[j], layout=layout.reduce(0)).astype(jnp.int16)
-        bits = jnp.maximum(e << 7, jnp.int16(0x0040))  # tiles.e8m0_scale's bf16 bits, in 16-bit lanes
-        scale = plgpu.layout_cast(jnp.broadcast_to(lax.bitcast_convert_type(bits, jnp.bfloat16)[None, :], (group, bn)),
-                                  layout)
-        w_smem.at[rows][...] = (q * scale).astype(w_smem.dtype)
-    plgpu.commit_smem()
 
 
 def _cvt_only(q_smem, s_smem, w_smem, group):
@@ -116,7 +100,6 @@ VARIANTS = {"shipped": {},
             "auto_barriers": {"explicit_barriers": False},
             "quad_layout": {"tile_plan": lambda cols: QUAD_PLAN},
             "f32_scale": {"dequantize_tile": functools.partial(tiles.dequantize_tile, scale_dtype=jnp.float32)},
-            "i16_scale": {"dequantize_tile": _i16_scale},
             "cvt_only": {"dequantize_tile": _cvt_only}, "store_only": {"dequantize_tile": _store_only},
             "nothing": {"dequantize_tile": _nothing}}
 
@@ -213,12 +196,9 @@ def tile_rows(dump: Path, m: int = 16384, d: int = D, f: int = F, experts: int =
                 row[kind] = {"max_abs_diff": float(jnp.max(jnp.abs(got - want))), "ptxas": _ptxas(dump, seen)}
             # the two kernels timed in turns, each's fastest round kept: clocks and neighbours drift
             # over a process by more than the difference between them
-            for kind, call in calls.items():
-                row[kind]["rounds_ms"] = []
-            for _ in range(ROUNDS):
-                for kind, call in calls.items():
-                    row[kind]["rounds_ms"].append(best(timed(call, ITERS)))
+            rounds = [{kind: best(timed(call, ITERS)) for kind, call in calls.items()} for _ in range(ROUNDS)]
             for kind in calls:
+                row[kind]["rounds_ms"] = [r[kind] for r in rounds]
                 row[kind]["ms"] = min(row[kind]["rounds_ms"])
             print(json.dumps(row), flush=True)
             rows.append(row)

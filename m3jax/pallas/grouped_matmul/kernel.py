@@ -284,6 +284,7 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
     n_visits = sched.shape[0]
     mxfp8 = rhs_scales is not None
     group = k // rhs_scales.shape[1] if mxfp8 else 0
+    plan = tiles.tile_plan(bn) if mxfp8 else None  # the conversion's layout and its tiles' swizzles
     steps = _pipeline_steps(k, config, bk // group if mxfp8 else 0)
     delay = 1 if steps > 1 else 0
     tcgen05 = current_target().mma == "tcgen05"
@@ -309,10 +310,10 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
                                        delay_release=delay)
         else:
             rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay,
-                                       transforms=tiles.tile_plan(bn).fp8_transforms if mxfp8 else swizzle_transforms(bn))
+                                       transforms=plan.fp8_transforms if mxfp8 else swizzle_transforms(bn))
         # MXFP8: the lhs tile swizzled as the converted weight tile, the MMA's other operand (Mosaic GPU
         # wants them alike)
-        lhs_transforms = tiles.tile_plan(bn).bf16_transforms if mxfp8 else swizzle_transforms(bk)
+        lhs_transforms = plan.bf16_transforms if mxfp8 else swizzle_transforms(bk)
         in_specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=lhs_transforms, delay_release=delay),
                     rhs_spec]
         operands = (lhs_ref, rhs_ref.at[grp])
@@ -359,7 +360,7 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
             return acc_ref[...]
 
         # MXFP8: two bf16 weight tiles, the MMA operands the fp8 tiles are dequantised into
-        w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=tiles.tile_plan(bn).bf16_transforms),) if mxfp8 else ()
+        w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=plan.bf16_transforms),) if mxfp8 else ()
 
         def mma(*w_smem):
             if tcgen05:
