@@ -29,7 +29,12 @@ class MXFP8Weight:
     @property
     def group_axis(self) -> int:
         """The input axis the scales group (the one axis where the two shapes differ)."""
-        return next(i for i, (a, b) in enumerate(zip(self.values.shape, self.scales.shape)) if a != b)
+        v, s = tuple(self.values.shape), tuple(self.scales.shape)
+        differ = [i for i, (a, b) in enumerate(zip(v, s)) if a != b]
+        if len(v) != len(s) or len(differ) != 1 or s[differ[0]] < 1 or v[differ[0]] % s[differ[0]]:
+            raise ValueError(f"MXFP8Weight: scales {s} must be the values' shape {v} with one input axis divided "
+                             f"by the scale group ({MXFP8_BLOCK} inputs in M3's checkpoints)")
+        return differ[0]
 
 
 def dequantize(w, dtype):

@@ -36,27 +36,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax.pallas import _backend
+from m3jax.pallas.tolerances import TOL
 
 _PKG = Path(__file__).resolve().parent
 # Hashed into every verdict's key with the kernel's own files: the backend layer, the shared kernel
-# helpers, the maths the references compute, and this file (the canary cases and tolerances).
-_SHARED = (_PKG / "pallas" / "_backend.py", _PKG / "pallas" / "_common.py", _PKG / "msa" / "reference.py",
-           Path(__file__).resolve())
+# helpers, the tolerance table, the maths the references compute, and this file (the canary cases).
+_SHARED = (_PKG / "pallas" / "_backend.py", _PKG / "pallas" / "_common.py", _PKG / "pallas" / "tolerances.py",
+           _PKG / "msa" / "reference.py", Path(__file__).resolve())
 
-# Canary tolerances: |got - ref| <= tol + tol * |ref| element-wise; None = exact. The bf16 and
-# index-score values of tests/pallas/tolerances.py (docs/MSA.md §4.3), kept here because the installed
-# package has no tests/. Attention canaries use bf16 inputs (the model's dtype); the grouped GEMM's inputs
-# are small integers, so its fp32 sums are exact and both sides round them to bf16 identically: any
-# difference is a kernel error, the 1e-2 only absorbs a different (valid) rounding of the output.
+# Canary tolerances: |got - ref| <= tol + tol * |ref| element-wise; None = exact. The bf16 rows of the
+# kernel tests' table (m3jax/pallas/tolerances.py, docs/MSA.md §4.3): attention canaries use bf16 inputs
+# (the model's dtype). The grouped GEMM's inputs are small integers, so its fp32 sums are exact and both
+# sides round them to bf16 identically: any difference is a kernel error, the 1e-2 only absorbs a
+# different (valid) rounding of the output.
 TOLERANCES: dict[str, float | None] = {
-    "index_scores": 2e-4,
+    "index_scores": TOL[("index_scores", "bfloat16")]["atol"],
     "index_topk_fused": None,
     "topk_blockmajor": None,
     "topk_rowsplit": None,
-    "sparse_attention_kv_major": 2e-2,
-    "sparse_attention_query_major": 2e-2,
-    "decode_index_scores": 2e-4,
-    "sparse_decode_attention": 2e-2,
+    "sparse_attention_kv_major": TOL[("attention", "bfloat16")]["atol"],
+    "sparse_attention_query_major": TOL[("attention", "bfloat16")]["atol"],
+    "decode_index_scores": TOL[("index_scores", "bfloat16")]["atol"],
+    "sparse_decode_attention": TOL[("decode_attention", "bfloat16")]["atol"],
     "grouped_matmul": 1e-2,
 }
 
@@ -257,7 +258,6 @@ CANARIES: dict[str, Canary] = {
 # attention; in-place decode = decode index scores + either top-k kernel + sparse decode attention.
 MSA_PREFILL_KERNELS = ("index_scores", "topk_blockmajor", "sparse_attention_kv_major")
 MSA_DECODE_KERNELS = ("decode_index_scores", "topk_rowsplit", "topk_blockmajor", "sparse_decode_attention")
-MSA_KERNELS = tuple(dict.fromkeys(MSA_PREFILL_KERNELS + MSA_DECODE_KERNELS))
 
 
 # ---- comparison -------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""What the Mosaic GPU kernels share: the fp32 -> bf16 (hi, lo) split and the SMEM swizzle layout.
+"""What the Mosaic GPU kernels share: the fp32 -> bf16 (hi, lo) split, the SMEM swizzle layout, the
+attention kernels' online-softmax step (prefill and decode, Hopper and Blackwell) and the shape check of
+their public entry points.
 
 The LSE merge and the forced-block priority are MSA maths and live in :mod:`m3jax.msa.reference`,
 which the kernels and their references import.
@@ -6,11 +8,33 @@ which the kernels and their references import.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import interpreting, plgpu
+
+
+def check_dims(where: str, **arrays: tuple) -> dict[str, int]:
+    """Check that arrays agree on named dimensions before a kernel runs: ``name=(array, "B T N H")``
+    gives each axis of ``array`` a letter, and one letter must have one size across all arrays. A
+    kernel does not check its operands' shapes (out-of-range TMA boxes read zeros or other rows), so
+    a mismatch left to it gives wrong numbers or an interpreter crash instead of an error. Raises
+    ValueError naming the entry point, the array and the dimension; returns the sizes by letter."""
+    sizes: dict[str, tuple[int, str]] = {}
+    for name, (x, spec) in arrays.items():
+        letters = spec.split()
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) != len(letters):
+            raise ValueError(f"{where}: {name} must be [{', '.join(letters)}], got shape {shape}")
+        for axis, (letter, size) in enumerate(zip(letters, shape)):
+            seen = sizes.setdefault(letter, (size, name))
+            if seen[0] != size:
+                raise ValueError(f"{where}: {name} has {letter}={size} (dimension {axis} of {shape}) but {seen[1]} "
+                                 f"has {letter}={seen[0]}")
+    return {letter: size for letter, (size, _) in sizes.items()}
 
 
 def bf16_split(x: jax.Array, parts: int = 2) -> tuple[jax.Array, ...]:
@@ -65,3 +89,34 @@ def swizzle_transforms(minor: int, itemsize: int = 2) -> tuple:
     widest swizzle (<= 128 B) the row allows, in 8-row tiles, as wgmma and TMA expect."""
     swizzle = plgpu.find_swizzle(minor * itemsize * 8)  # find_swizzle takes the row in bits
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+# The attention kernels' softmax runs in log2 units: scores are scaled by LOG2E once (folded into
+# 1/sqrt(H)), exponentials are exp2, and the LSE goes back to natural log by LN2.
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def online_softmax_step(s: jax.Array, m_i: jax.Array, l_i: jax.Array):
+    """One online-softmax step over masked scores ``s`` [rows, keys] (log2 units, -inf = masked), with
+    the running row max ``m_i`` and sum ``l_i``: (m_new, alpha, p, l_new); the caller rescales its
+    output accumulator by ``alpha``. A row with every key masked so far keeps m = -inf, alpha and p 0
+    (not the NaN of -inf - -inf)."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
+
+
+def softmax_normalisers(m_i: jax.Array, l_i: jax.Array):
+    """1 / l per row (0 for rows without a visible key) and the natural-log LSE (-inf for those)."""
+    has = l_i > 0.0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+    return inv, jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+
+
+def p_mma_parts(p: jax.Array, n_parts: int, dtype) -> tuple[jax.Array, ...]:
+    """The fp32 probabilities P in the PV MMA's 16-bit type: two bf16 pieces for fp32 inputs (bf16x3
+    with V's pieces), else one cast to ``dtype``."""
+    return bf16_split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)

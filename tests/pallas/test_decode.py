@@ -19,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 from m3jax import msa
 from m3jax.pallas import _backend
 from m3jax.pallas import decode as D
-from tests.pallas.tolerances import TOL
+from m3jax.pallas.decode.kernel import union_pages
+from m3jax.pallas.tolerances import TOL
 
 BS, TOPK, N, KH, H, HX = 64, 3, 4, 2, 64, 64
 
@@ -142,7 +143,7 @@ def test_index_scores_fuzz_lengths(lens, seed):
 def test_union_pages():
     bidx = jnp.array([[[[5, 2, -1], [2, 7, 5]]]], jnp.int32)  # B=1, K=1, Q=2
     pt = jnp.arange(10, dtype=jnp.int32)[None] + 100
-    logical, physical, bits, count = jax.jit(D.union_pages)(bidx, pt)
+    logical, physical, bits, count = jax.jit(union_pages)(bidx, pt)
     assert int(count[0, 0]) == 3
     np.testing.assert_array_equal(np.asarray(logical[0, 0, :3]), [5, 2, 7])
     np.testing.assert_array_equal(np.asarray(physical[0, 0, :3]), [105, 102, 107])

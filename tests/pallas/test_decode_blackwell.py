@@ -16,9 +16,9 @@ import pytest
 
 from m3jax.pallas import _backend
 from m3jax.pallas import decode as D
+from m3jax.pallas.tolerances import TOL
 from tests.pallas import test_decode
 from tests.pallas.test_decode import check_scores, make_case
-from tests.pallas.tolerances import TOL
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from m3jax.pallas import _backend
 from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
-from tests.pallas.tolerances import TOL
+from m3jax.pallas.tolerances import TOL
 CFG = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2, fused_topk=True)
 CFG_UNFUSED = IndexScoreConfig(rows=64, group=2, max_concurrent_steps=2)
 

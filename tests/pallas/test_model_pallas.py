@@ -1,6 +1,6 @@
 """The model with attention_impl="pallas" (the MSA kernels; Mosaic GPU interpret mode off-GPU) against
 the transformers oracle and the reference path. One body for CI and the H200: the same fixtures, the
-same tolerances (tests/pallas/tolerances.py).
+same tolerances (m3jax/pallas/tolerances.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from m3jax import api
 from m3jax.msa import kernels
 from m3jax.pallas import _backend
 from m3jax.pallas._backend import interpret_races_found
+from m3jax.pallas.tolerances import TOL
 from m3jax.probe import kernel_selection_agreement
 from tests.conftest import rel_l2, same_sets, tiny_config
-from tests.pallas.tolerances import TOL
 
 # tests/oracle/make_fixtures.py: G = 8 and G = 2 at head dim 64, block 64. (text_wide_block, block 16 and
 # head dim 16, also passes here but takes ~100 s in interpret mode: benchmarks/parity_gpu.py runs it.)

@@ -4,7 +4,7 @@ On CPU the kernels run in GPU interpret mode (every TMA, barrier and warpgroup o
 detector on), so shapes are tiny; on the H200 the same tests run the compiled kernels unchanged. One
 parametrized body per kernel covers G (query heads per KV head) in {1, 2, 4, 8, 16}, blocks 16 / 32 /
 64 (and 128 in fp32, which the KV-major kernel splits into 64-key sub-blocks), head dims 32 / 64 / 128,
-fp32 (bf16x3) and bf16, at the tolerances of tests/pallas/tolerances.py. Unwritten output or staging
+fp32 (bf16x3) and bf16, at the tolerances of m3jax/pallas/tolerances.py. Unwritten output or staging
 rows show as NaN: interpret mode fills every output and SMEM buffer with NaN before the kernel runs
 (checked below), and the combine reads staging rows only at the edges the plan says were written.
 The KV-major body also runs cases as built for Blackwell (tcgen05 into TMEM, m3jax/pallas/
@@ -24,7 +24,7 @@ import pytest
 from m3jax import msa
 from m3jax.pallas import _backend
 from m3jax.pallas.sparse_attention import SparseAttentionConfig, csr, kernel, sparse_attention
-from tests.pallas.tolerances import TOL
+from m3jax.pallas.tolerances import TOL
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

@@ -11,10 +11,11 @@ import jax
 
 from m3jax.pallas import topk as _topk
 from m3jax.pallas._backend import current_target
+from m3jax.pallas._common import check_dims
 from m3jax.pallas.decode import blackwell as _blackwell
 from m3jax.pallas.decode import kernel as _kernel
 from m3jax.pallas.decode import reference as _reference
-from m3jax.pallas.decode.kernel import IndexScoreConfig, SparseDecodeConfig, union_pages  # noqa: F401
+from m3jax.pallas.decode.kernel import IndexScoreConfig, SparseDecodeConfig
 from m3jax.pallas.decode.reference import query_positions
 
 __all__ = [
@@ -27,11 +28,20 @@ __all__ = [
 ]
 
 
+def _check_block_size(where: str, name: str, pages, block_size: int) -> None:
+    if pages.shape[1] != block_size:
+        raise ValueError(f"{where}: {name} holds pages of {pages.shape[1]} tokens (dimension 1 of {pages.shape}), "
+                         f"but block_size={block_size}")
+
+
 def decode_index_scores(
     iq, ik_pages, page_table, seq_lens, *, block_size: int, implementation: str = "pallas",
     config: IndexScoreConfig = IndexScoreConfig(), interpret: bool | None = None,
 ) -> jax.Array:
     """fp32 [B, Hi, Q, max_pages] block-max index scores (see :func:`.kernel.decode_index_scores_kernel`)."""
+    check_dims("decode_index_scores", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
+               page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"))
+    _check_block_size("decode_index_scores", "ik_pages", ik_pages, block_size)
     if implementation == "reference":
         return _reference.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
     if implementation != "pallas":
@@ -49,6 +59,13 @@ def sparse_decode_attention(
 ):
     """[B, Q, N, H] attention over the selected pages (see :func:`.kernel.sparse_decode_attention_kernel`),
     and with ``return_lse`` its natural-log LSE fp32 [B, Q, N] (for merging partials across devices)."""
+    dims = check_dims("sparse_decode_attention", q=(q, "B Q N H"), k_pages=(k_pages, "pages block_size K H"),
+                      v_pages=(v_pages, "pages block_size K H"), page_table=(page_table, "B max_pages"),
+                      block_idx=(block_idx, "B K Q topk"), seq_lens=(seq_lens, "B"))
+    _check_block_size("sparse_decode_attention", "k_pages", k_pages, block_size)
+    if dims["N"] % dims["K"]:
+        raise ValueError(f"sparse_decode_attention: query heads N={dims['N']} must be a multiple of the KV heads "
+                         f"K={dims['K']}")
     if implementation == "reference":
         return _reference.sparse_decode_attention(
             q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, return_lse=return_lse

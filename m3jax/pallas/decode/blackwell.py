@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import swizzle_transforms
+from m3jax.pallas._common import online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms
 from m3jax.pallas.decode.kernel import (
     IndexScoreConfig,
     SparseDecodeConfig,
@@ -55,9 +55,6 @@ from m3jax.pallas.decode.kernel import (
     _attention_refs,
     _cta_start,
     _kv_pipeline,
-    _normalisers,
-    _online_softmax,
-    _p_parts,
     _page_transforms,
     _round_up,
     _score_chunks,
@@ -192,7 +189,7 @@ def sparse_decode_attention_tcgen05(
     tile (at most 128 keys: S is read from TMEM whole, 128 registers per thread): S = Q K^T into a
     TMEM accumulator, committed and waited for; S read in the tcgen05 register layout (the
     TMEM-native one, a row per thread, cannot be stored to the swizzled P tile), the online softmax
-    as on Hopper (:func:`.kernel._online_softmax`); the output accumulator O [128, H] lives in TMEM
+    as on Hopper (:func:`m3jax.pallas._common.online_softmax_step`); the output accumulator O [128, H] lives in TMEM
     for the whole split and is rescaled by alpha in 64-column pieces (load, wait, multiply, store,
     ``commit_tmem``); P goes to SMEM (16-bit, two bf16 pieces for fp32 inputs) and O += P V is
     issued, committed and waited for before the step returns (the pipeline then reuses the V slot,
@@ -228,13 +225,13 @@ def sparse_decode_attention_tcgen05(
             s = plgpu.async_load_tmem(s_tmem, layout=layout) * plan.scale
             plgpu.wait_load_tmem()  # the next step's S MMAs overwrite it
             ok = _visible(plan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
-            m_new, alpha, p, l_i = _online_softmax(jnp.where(ok, s, -jnp.inf), m_i, l_i)
+            m_new, alpha, p, l_i = online_softmax_step(jnp.where(ok, s, -jnp.inf), m_i, l_i)
             for c, w in pieces:  # O *= alpha (the last step's P V was waited for)
                 o = plgpu.async_load_tmem(o_tmem.at[:, pl.ds(c, w)], layout=layout)
                 plgpu.wait_load_tmem()  # the load is asynchronous: done before the store overwrites it
                 plgpu.async_store_tmem(o_tmem.at[:, pl.ds(c, w)], o * lax.broadcast_in_dim(alpha, o.shape, [0]))
             plgpu.commit_tmem()  # the stores are visible to the P V MMA
-            for a, part in enumerate(_p_parts(plan, p)):
+            for a, part in enumerate(p_mma_parts(p, plan.n_parts, plan.dtype)):
                 p_smem[a] = part
             plgpu.commit_smem()
             for a, c in plan.prods:
@@ -244,7 +241,7 @@ def sparse_decode_attention_tcgen05(
             return m_new, l_i
 
         m_i, l_i = _kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (m0, l0))
-        inv, lse = _normalisers(m_i, l_i)
+        inv, lse = softmax_normalisers(m_i, l_i)
 
         def fill_o(o_smem):
             for c, w in pieces:

@@ -71,19 +71,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from m3jax.msa.reference import lse_merge
-from m3jax.pallas._common import bf16_split_in_kernel, split_parts, split_products, swizzle_transforms
+from m3jax.pallas._common import (
+    LOG2E,
+    online_softmax_step,
+    p_mma_parts,
+    softmax_normalisers,
+    split_parts,
+    split_products,
+    swizzle_transforms,
+)
 from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
 
 FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +120,7 @@ class IndexScoreConfig:
 class SparseDecodeConfig:
     """Tiling of :func:`sparse_decode_attention_kernel`.
 
-    num_splits: splits of a request's union of selected pages (None: ~1 wave over the SMs, at most
+    num_splits: splits of a request's union of selected pages (None: ~1 wave over the SMs, at least
       one page per split).
     stages: K/V page pairs in flight per CTA (reduced automatically to fit SMEM).
     kv_tile: keys per pipeline step (a divisor of the page, multiple of 64). None: whole pages when
@@ -572,20 +577,6 @@ def _visible(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gme
     return ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * plan.bs <= q_pos) & (row < plan.rows)
 
 
-def _online_softmax(s, m_i, l_i):
-    """One online-softmax step over masked scores s (log2 units): (m_new, alpha, p, l_new)."""
-    m_new = jnp.maximum(m_i, s.max(axis=1))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m_i - m_use)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
-
-
-def _p_parts(plan: _AttentionPlan, p):
-    """P in the MMA's 16-bit type: two bf16 pieces for fp32 inputs (bf16x3 with V's pieces)."""
-    return bf16_split_in_kernel(p) if plan.n_parts == 2 else (p.astype(plan.dtype),)
-
-
 def _kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, init_carry):
     """The K/V tiles of this split's union entries through SMEM (TMA via the physical page ids)."""
 
@@ -600,13 +591,6 @@ def _kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi,
         max_concurrent_steps=plan.stages,
         init_carry=init_carry,
     )(*(x.at[:, hk] for x in k_gmem), *(x.at[:, hk] for x in v_gmem))
-
-
-def _normalisers(m_i, l_i):
-    """1 / l per row (0 for rows without a visible key) and the natural-log LSE (-inf for those)."""
-    has = l_i > 0.0
-    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-    return inv, jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
 
 
 def _attention_call(plan: _AttentionPlan, body, scratch: list, seq_lens, interpret, return_lse, out_dtype):
@@ -679,10 +663,10 @@ def sparse_decode_attention_kernel(
 
             s = pl.run_scoped(qk, plgpu.ACC((m_pad, kv_tile), jnp.float32)) * plan.scale
             ok = _visible(plan, plgpu.Layout.WGMMA, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
-            m_new, alpha, p, l_i = _online_softmax(jnp.where(ok, s, -jnp.inf), m_i, l_i)
+            m_new, alpha, p, l_i = online_softmax_step(jnp.where(ok, s, -jnp.inf), m_i, l_i)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
-            for a, part in enumerate(_p_parts(plan, p)):
+            for a, part in enumerate(p_mma_parts(p, plan.n_parts, plan.dtype)):
                 p_smem[a] = part
             plgpu.commit_smem()
 
@@ -699,7 +683,7 @@ def sparse_decode_attention_kernel(
             return acc, m_new, l_i
 
         acc, m_i, l_i = _kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (acc0, m0, l0))
-        inv, lse = _normalisers(m_i, l_i)
+        inv, lse = softmax_normalisers(m_i, l_i)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 
         def fill_o(o_smem):

@@ -87,7 +87,7 @@ ROW_CHUNK = 8  # rows per aligned TMA store chunk
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
     """Tile configuration. ``block_m``: rows per tile (64 or 128); ``block_n``: output columns per
-    CTA (64..256, multiple of 64); ``block_k``: K per pipeline step (64 = one 128-byte swizzled
+    CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512, multiple of 128); ``block_k``: K per pipeline step (64 = one 128-byte swizzled
     bf16 row); ``max_concurrent_steps``: K steps in flight (capped by SMEM).
 
     ``schedule``: ``"pipeline"`` (this module: one warpgroup per CTA, a CTA per work item, tiles
@@ -185,7 +185,7 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
     if c.block_m not in (64, 128):
         return f"block_m={c.block_m} must be 64 or 128"
     if c.schedule == "warp_specialized":
-        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
+        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, c)
     if c.schedule != "pipeline":
         return f"schedule={c.schedule!r} must be 'pipeline', 'warp_specialized' or 'gemv' (MXFP8)"
     if c.split_k != 1 or c.wg_split != "n":
@@ -454,6 +454,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
       ValueError: shapes the kernel cannot take (``unsupported_reason``).
     """
     config = config or GroupedMatmulConfig()
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"shape mismatch: lhs {lhs.shape} must be [M, K], rhs {rhs.shape} [G, K, N], "
+                         f"group_sizes {group_sizes.shape} [G]")
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if k != k2 or group_sizes.shape != (g,):
@@ -487,11 +490,14 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
         return f"scale group of {group} inputs must be a multiple of 8 (the conversion takes whole 8-row SMEM tiles)"
     reason = unsupported_reason(m, k, n, g, c)
     if reason is None and c.schedule == "warp_specialized":
-        return persistent.unsupported_reason(k, n, c, mxfp8=True)
+        return persistent.unsupported_reason(k, c, mxfp8=True)
     return reason
 
 
 def _check_mxfp8(lhs, values, scales, group_sizes, config: GroupedMatmulConfig) -> None:
+    if lhs.ndim != 2 or values.ndim != 3 or scales.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"shape mismatch: lhs {lhs.shape} must be [M, K], values {values.shape} [G, K, N], "
+                         f"scales {scales.shape} [G, K / group, N], group_sizes {group_sizes.shape} [G]")
     m, k = lhs.shape
     g, k2, n = values.shape
     if (k != k2 or group_sizes.shape != (g,) or scales.shape[::2] != (g, n) or values.dtype != jnp.float8_e4m3fn

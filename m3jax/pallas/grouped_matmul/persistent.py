@@ -113,7 +113,7 @@ def consumer_tile(config) -> tuple[int, int]:
     return config.block_m, config.block_n // CONSUMERS
 
 
-def unsupported_reason(k: int, n: int, config, mxfp8: bool = False) -> str | None:
+def unsupported_reason(k: int, config, mxfp8: bool = False) -> str | None:
     """This schedule's own limits (the caller checks the shared ones: block_m, block_k, K, N)."""
     bm, bn = config.block_m, config.block_n
     if current_target().mma != "wgmma":

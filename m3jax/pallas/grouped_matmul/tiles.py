@@ -102,7 +102,7 @@ def dequantize_tile(q_smem, s_smem, w_smem, group: int, scale_dtype=jnp.bfloat16
 
     The consumers issue this conversion between their MMAs, so its instruction count sets the kernel's
     speed (H200, ``benchmarks/mxfp8_dequant.py``: the same kernel converting without the scales runs as
-    fast as the bf16 one). Per group a thread builds the scales of its 16 of every 64 columns once and
+    fast as the bf16 one). Per group a thread builds the scales of its columns once (4 of every 64) and
     reuses each for all its rows of the group (4 of 32 rows), and the bf16 multiply is one ``mul.bf16x2``
     per pair, against two float32 multiplies (``scale_dtype=jnp.float32``, the same weights: kept for
     ``benchmarks/mxfp8_dequant.py``'s comparison).

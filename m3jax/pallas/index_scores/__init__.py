@@ -17,6 +17,8 @@ __all__ = ["IndexScoreConfig", "index_block_scores", "index_select_blocks", "ind
 
 
 def index_block_scores(iq, ik, q_pos, *, block_size: int, implementation: str = "pallas", config=None):
+    if implementation == "reference":
+        _kernel.check_inputs("index_block_scores", iq, ik, q_pos, None)
     if implementation == "pallas":
         return _kernel.index_block_scores(iq, ik, q_pos, block_size=block_size, config=config)
     if implementation == "reference":
@@ -29,6 +31,8 @@ def index_select_blocks(iq, ik, q_pos, *, block_size: int, topk: int, local_bloc
                         config=None):
     kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
               force_in=tuple(force_in), force_out=tuple(force_out), config=config)
+    if implementation == "reference":
+        _kernel.check_inputs("index_select_blocks", iq, ik, q_pos, None)
     if implementation == "pallas":
         return _kernel.index_select_blocks(iq, ik, q_pos, **kw)
     if implementation == "reference":

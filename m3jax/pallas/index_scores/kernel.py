@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import bf16_split, swizzle_transforms
+from m3jax.pallas._common import bf16_split, check_dims, swizzle_transforms
 from m3jax.pallas.index_scores import blackwell
 from m3jax.pallas.index_scores.row_max import wgmma_row_max
 from m3jax.pallas.topk import _select
@@ -227,15 +227,22 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
     return kern(*q_parts, *k_parts, rowpos, tile_info)
 
 
-SMEM_BYTES = 232_448  # Target.HOPPER.smem_bytes
 FP32_PARTS = 3  # bf16 pieces of an fp32 operand (see the module docstring)
 
 
 def _pipeline_steps(rows, kx, bs, fused, topk, config):
     """Key-block buffers that fit next to the Q tile and the output tiles (0 if not even 2 fit)."""
     fixed = rows * kx * 2 + (topk * rows * 4 + 8 * rows * 4 if fused else 3 * config.group * rows * 4) + 4096
-    steps = min(config.max_concurrent_steps, (SMEM_BYTES - fixed) // (bs * kx * 2))
+    steps = min(config.max_concurrent_steps, (current_target().smem_bytes - fixed) // (bs * kx * 2))
     return steps if steps >= 2 else 0
+
+
+def check_inputs(where: str, iq, ik, q_pos, block_size: int | None) -> None:
+    """iq [B, T, Hi, Hx], ik [B, S, Hx], q_pos [B, T]; ``block_size`` (None: any) as the kernel takes it."""
+    check_dims(where, iq=(iq, "B T Hi Hx"), ik=(ik, "B S Hx"), q_pos=(q_pos, "B T"))
+    if block_size is not None and (block_size < 8 or block_size % 8):
+        raise ValueError(f"{where}: block_size {block_size} must be a positive multiple of 8 (a block is one MMA "
+                         "tile of keys, loaded in 8-row SMEM tiles)")
 
 
 def _prepare(iq, ik, q_pos, block_size, rows):
@@ -277,6 +284,7 @@ def index_block_scores_blockmajor(iq, ik, q_pos, *, block_size, config=None, int
     and adjacent half-block maxima are max-pooled (exact: the max over a block is the max of its
     halves' maxima, and ``-inf`` halves lie in the future).
     """
+    check_inputs("index_block_scores", iq, ik, q_pos, block_size)
     config = (config or IndexScoreConfig()).for_block(block_size, fused=False)
     if not _pipeline_steps(config.rows, _kx(iq, ik), block_size, False, 0, config):
         if block_size % 16:
@@ -295,6 +303,7 @@ def index_block_scores_blockmajor(iq, ik, q_pos, *, block_size, config=None, int
 @functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
 def index_block_scores(iq, ik, q_pos, *, block_size, config=None, interpret=None):
     """fp32 [B, Hi, T, nb]; semantics of ``m3jax.msa.block_scores``."""
+    check_inputs("index_block_scores", iq, ik, q_pos, block_size)
     b, t, hi, _ = iq.shape
     nb = -(-ik.shape[1] // block_size)
     out, _ = index_block_scores_blockmajor(iq, ik, q_pos, block_size=block_size, config=config, interpret=interpret)
@@ -316,6 +325,7 @@ def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init
     Order: forced blocks first (own, own-1, ..., sinks), then descending score, ties to the lower
     id, ``-1`` padding: the same order as ``m3jax.msa.select_blocks``.
     """
+    check_inputs("index_select_blocks", iq, ik, q_pos, block_size)
     b, t, hi, _ = iq.shape
     config = (config or IndexScoreConfig()).for_block(block_size, fused=True)
     if not config.fused_topk or not _pipeline_steps(config.rows, _kx(iq, ik), block_size, True, topk, config):

@@ -7,6 +7,8 @@ import functools
 
 import jax
 
+from m3jax.pallas._common import check_dims
+
 from . import csr, kernel, reference
 from .kernel import SparseAttentionConfig
 
@@ -28,6 +30,10 @@ def sparse_attention(
     Returns:
       [B, T, N, H] in q.dtype (and the LSE), semantics of :func:`m3jax.msa.sparse_attention`.
     """
+    dims = check_dims("sparse_attention", q=(q, "B T N H"), k=(k, "B S K H"), v=(v, "B S K H"),
+                      block_idx=(block_idx, "B K T topk"), q_pos=(q_pos, "B T"))
+    if dims["N"] % dims["K"]:
+        raise ValueError(f"sparse_attention: query heads N={dims['N']} must be a multiple of the KV heads K={dims['K']}")
     return _sparse_attention(
         q, k, v, block_idx, q_pos, block_size=block_size, implementation=implementation, config=config,
         return_lse=return_lse,

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import pl, plgpu
-from m3jax.pallas.sparse_attention.tile import LN2, LOG2E, p_operands, products, row_limits
+from m3jax.pallas._common import LN2, LOG2E, split_products
+from m3jax.pallas.sparse_attention.tile import p_operands, row_limits
 
 ROWS = 128  # tcgen05's M per CTA
 MAX_KEY_BLOCK = 128  # keys per kernel block: S [128, kb] in TMEM
@@ -45,7 +46,7 @@ def tcgen05_tile(plan, dtype):
     """(attend, scratch) as :func:`.kernel._wgmma_tile` for a :class:`.kernel.KVMajorPlan`, with S and O in TMEM."""
     m, gp, bs, h, n_parts = plan.m, plan.gp, plan.kb, plan.h, plan.n_parts
     scale = (h**-0.5) * LOG2E
-    prods = products(n_parts)
+    prods = split_products(n_parts)
 
     def attend(q_tiles, k_tiles, v_tiles, lims, o_smem, p_smem, mma_refs, scores_done):
         bar, s_tmem, o_tmem = mma_refs

@@ -27,7 +27,8 @@ class KVMajorPlan:
 
     items:  [n_cap, 5] (kv_head, batch, block, first_tile, n_tiles); rows >= n_items are unused.
     n_items: [1] number of live work items.
-    qtok:   [K, E_pad] query token of each padded edge (padding edges repeat a real token of the row).
+    qtok:   [K, E_pad] query token of each padded edge (padding edges: token 0 of the row's batch,
+            unmasked; the combine never reads their outputs).
     qlim:   [K, E_pad] last visible key column inside the block: q_pos - block * block_size
             (>= block_size - 1 means "no mask"; only the query's own block is ever partial).
     epos:   [B, K, T, topk] padded edge of (query, slot), -1 for empty slots (what the combine reads).

@@ -15,7 +15,7 @@ KV-block-major (``kv_major_forward``)
        rescaling; the causal mask (own block only) comes from a per-edge limit
        ``q_pos - block * block_size``. The tile writes its normalised partial O (q.dtype), staged in
        its own consumed Q slot, and its natural-log LSE (fp32) with two contiguous TMA stores into
-       staging buffers indexed by the padded edge. At 101 KiB of SMEM per CTA two CTAs share an
+       staging buffers indexed by the padded edge. At 99 KiB (101,376 bytes) of SMEM per CTA two CTAs share an
        SM, so one's softmax overlaps the other's MMAs and copies.
     3. The combine (docs/MSA.md §1.5) merges, per (query, head), the <= topk partials of its valid slots:
        ``O = Σ_j exp(LSE_j - M) O_j / Σ_j exp(LSE_j - M)``. It is an XLA-fused gather + reduce
@@ -79,10 +79,18 @@ from jax import lax
 from m3jax.msa.reference import lse_merge
 from m3jax.pallas import _backend  # on_gpu through the module: tests stand in for a GPU by patching it
 from m3jax.pallas._backend import HOPPER, Target, current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import split_parts, swizzle_transforms
+from m3jax.pallas._common import (
+    LN2,
+    LOG2E,
+    online_softmax_step,
+    softmax_normalisers,
+    split_parts,
+    split_products,
+    swizzle_transforms,
+)
 
 from . import blackwell, csr
-from .tile import LN2, LOG2E, p_operands, parts, products, row_limits
+from .tile import p_operands, parts, row_limits
 
 KEY_BLOCKS = (256, 192, 128, 64, 32, 16)  # kernel key blocks: a 128 B swizzle's K step (64) divides them, or 16 / 32
 MAX_GROUP_ROWS = 128  # padded G: one token's heads fit a 128-row tile
@@ -99,7 +107,7 @@ class SparseAttentionConfig:
       stage is block_m x H of SMEM per part (16 KiB at M3 shapes) and also stages its tile's O for
       the store (16-bit inputs; fp32 partials have their own tile).
     ctas_per_sm: persistent CTAs per SM for the KV-major kernel (default: as many as fit in SMEM, at
-      most 2; 101 KiB per CTA at H=bs=128 with 2 stages, so 2 fit on Hopper, 1 with 3 stages or fp32).
+      most 2; 99 KiB per CTA at H=bs=128 with 2 stages, so 2 fit on Hopper, 1 with 3 stages or fp32).
     num_ctas: override of the persistent grid (default: SMs x ctas_per_sm on GPU, 2 in interpret mode).
     p_via_smem: stage P through SMEM for the PV MMA (default: only in interpret mode, whose wgmma
       takes SMEM operands only; on GPU P stays in registers as the wgmma A operand).
@@ -389,7 +397,7 @@ def _parts_shape(n_parts: int, shape: tuple) -> tuple:
 def _scores(q_tiles, k_tiles, shape, n_parts):
     """S = Q K^T over the parts' products into a fresh fp32 accumulator."""
     def qk(acc_ref):
-        for a, c in products(n_parts):
+        for a, c in split_products(n_parts):
             plgpu.wgmma(acc_ref, q_tiles[a], k_tiles[c].transpose((1, 0)))
         return acc_ref[...]
 
@@ -399,7 +407,7 @@ def _scores(q_tiles, k_tiles, shape, n_parts):
 def _pv(p_parts, v_tiles, shape, n_parts):
     """P V over the parts' products into a fresh fp32 accumulator."""
     def pv(acc_ref):
-        for a, c in products(n_parts):
+        for a, c in split_products(n_parts):
             plgpu.wgmma(acc_ref, p_parts[a], v_tiles[c])
         return acc_ref[...]
 
@@ -673,10 +681,7 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
             s = _scores(q_tiles, parts(k_smem.at[slot], n_parts), (m, bs), n_parts)
             col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
             s = jnp.where(col <= lim, s * scale, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
+            m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p_ops = p_operands(p, p_smem, n_parts, dtype)
             plgpu.barrier_wait(v_bar.at[slot])
@@ -693,10 +698,9 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
         l0 = plgpu.layout_cast(jnp.full((m,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         a0 = plgpu.layout_cast(jnp.full((m, plan.h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         acc, m_i, l_i = lax.fori_loop(0, nv, step, (a0, m0, l0))
-        ok = l_i > 0
-        inv = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)
+        inv, lse = softmax_normalisers(m_i, l_i)
         o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.float32 if n_parts == 2 else dtype)
-        lse_smem[...] = jnp.where(ok, (m_i + jnp.log2(jnp.where(ok, l_i, 1.0))) * LN2, -jnp.inf)
+        lse_smem[...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, gp)], o_ref.at[bb, tt, pl.ds(hh * gp, gp)])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bb, hh, tt])

@@ -1,24 +1,14 @@
 """Per-tile maths shared by the KV-block-major kernel's Hopper (wgmma, :mod:`.kernel`) and Blackwell
-(tcgen05, :mod:`.blackwell`) variants: the split-part products, the causal limits of a tile's rows,
+(tcgen05, :mod:`.blackwell`) variants: the per-part SMEM views, the causal limits of a tile's rows,
 P as the second MMA's operand. Its own module so both variants import it and neither imports the
 other."""
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import plgpu
-from m3jax.pallas._common import bf16_split_in_kernel
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-
-
-def products(n_parts: int) -> tuple[tuple[int, int], ...]:
-    """(A part, B part) products: hi.hi, or hi.hi + hi.lo + lo.hi for fp32's two parts."""
-    return ((0, 0),) if n_parts == 1 else ((0, 0), (0, 1), (1, 0))
+from m3jax.pallas._common import p_mma_parts
 
 
 def parts(ref, n_parts: int) -> list:
@@ -39,7 +29,7 @@ def row_limits(lims, m, bs, g, layout=plgpu.Layout.WGMMA):
 def p_operands(p, p_smem, n_parts, dtype):
     """P as the PV wgmma's A operand(s): bf16 parts of the fp32 probabilities (split in the kernel for
     fp32), through SMEM when ``p_smem`` is given (interpret mode), else registers."""
-    p_parts = bf16_split_in_kernel(p) if n_parts == 2 else (p.astype(dtype),)
+    p_parts = p_mma_parts(p, n_parts, dtype)
     if p_smem is None:
         return p_parts
     p_refs = parts(p_smem, n_parts)

@@ -18,6 +18,7 @@ takes the index-score kernel's block-major ``[B, nb, T*Hi]`` scores directly (no
 
 from __future__ import annotations
 
+from m3jax.pallas._common import check_dims
 from m3jax.pallas.topk import kernel as _kernel
 from m3jax.pallas.topk import reference as _reference
 from m3jax.pallas.topk import rowsplit as _rowsplit
@@ -36,6 +37,9 @@ def select_blocks(scores, q_pos, *, block_size: int, topk: int, local_blocks: in
                   config=None):
     kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
               force_in=tuple(force_in), force_out=tuple(force_out))
+    check_dims("select_blocks", scores=(scores, "B Hi T nb"), q_pos=(q_pos, "B T"))
+    if topk < 1:
+        raise ValueError(f"select_blocks: topk must be >= 1, got {topk}")
     if implementation == "pallas":
         b, hi, t, nb = scores.shape
         few = b * hi * t <= ROWSPLIT_MAX_ROWS and _rowsplit.unsupported_reason(nb, topk) is None

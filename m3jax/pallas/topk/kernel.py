@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import check_dims
 from m3jax.pallas.topk import _select
 
 NEG_INF = float("-inf")
@@ -122,6 +123,9 @@ def select_blocks_blockmajor(scores_bm, rowpos, *, block_size, topk, local_block
 
     Returns int32 ``[B, topk, R_pad]`` (R_pad = R rounded up to 128).
     """
+    check_dims("select_blocks_blockmajor", scores_bm=(scores_bm, "B nb R"), rowpos=(rowpos, "B R"))
+    if topk < 1:
+        raise ValueError(f"select_blocks_blockmajor: topk must be >= 1, got {topk}")
     config = config or TopkConfig()
     b, nb, r = scores_bm.shape
     chunk = config.chunk

@@ -1,4 +1,5 @@
-"""The one table of kernel-vs-reference tolerances for tests/pallas (and the GPU checks).
+"""The one table of kernel-vs-reference tolerances: the kernel tests, the GPU checks and the canaries of
+:mod:`m3jax.selfcheck`.
 
 ``TOL[(quantity, dtype)]`` is passed to ``np.testing.assert_allclose(got, ref, **TOL[...])``:
 ``|got - ref| <= atol + rtol * |ref|`` element-wise, the reference computed in fp32 at HIGHEST
