@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3jax.checkpoint import checkpoint_dtype, load_params, save_checkpoint
+from m3jax.checkpoint import checkpoint_dtype, dtype_name, load_params, save_checkpoint
 from m3jax.config import M3Config, UnsupportedConfigError, load_config
-from m3jax.model import forward_jit
+from m3jax.model import check_input_ids, forward_jit
 from m3jax.params import init_random as _init_params
 from m3jax.vision import check_grid
 
@@ -61,6 +61,10 @@ def resolve_attention_impl(impl: str, cfg=None, dtype="bfloat16") -> str:
     if impl == "pallas":
         if reason:
             raise UnsupportedConfigError(f"attention_impl='pallas' cannot run this config: {reason}")
+        if not on_gpu():
+            warnings.warn("attention_impl='pallas' off the GPU runs the kernels in Mosaic GPU's interpret mode: the "
+                          "same numbers, orders of magnitude slower (a test tool; 'reference' is the CPU path)",
+                          stacklevel=2)
         return impl
     if not on_gpu():
         return "reference"
@@ -99,6 +103,8 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
 def init_random(config: M3Config, seed: int = 0, dtype: str = "float32", mesh=None) -> M3Model:
     """Random weights for any config (tests, benchmarks, the tiny default); placed by the sharding
     rules on ``mesh`` when one is given."""
+    if dtype_name(dtype) not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype={dtype!r}; choose 'bfloat16' or 'float32' (m3jax computes in those)")
     cfg = dataclasses.replace(config, attention_impl=resolve_attention_impl(config.attention_impl, config, dtype))
     if mesh is not None:
         from m3jax.sharding import shard_params
@@ -108,7 +114,8 @@ def init_random(config: M3Config, seed: int = 0, dtype: str = "float32", mesh=No
 
 
 def save_pretrained(model: M3Model, path: str | Path, **kwargs) -> Path:
-    """Write the model as an HF checkpoint (official tensor names); see ``checkpoint.save_checkpoint``."""
+    """Write the model as an HF checkpoint (official tensor names); see ``checkpoint.save_checkpoint``.
+    A folder that already holds a checkpoint is refused unless ``overwrite=True``."""
     return save_checkpoint(model.params, model.config, path, **kwargs)
 
 
@@ -156,20 +163,8 @@ def forward(
     Media follow transformers' inputs: ``pixel_values`` [N, C*T*P*P] with ``image_grid_thw`` [n, 3], and
     ``pixel_values_videos`` with ``video_grid_thw`` (one row per attention segment).
     """
-    ids = np.asarray(input_ids)
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be an integer [B, T] array, got {ids.dtype} {ids.shape}")
-    if ids.size == 0:
-        raise ValueError(f"input_ids of shape {ids.shape}: need at least one sequence of at least one token")
     cfg = model.config
-    if ids.min() < 0 or ids.max() >= cfg.text.vocab_size:
-        raise ValueError(f"input_ids out of range [0, {cfg.text.vocab_size})")
-    if ids.shape[1] > cfg.text.max_position_embeddings:
-        raise ValueError(
-            f"sequence of {ids.shape[1]} tokens exceeds max_position_embeddings={cfg.text.max_position_embeddings}"
-        )
+    ids = check_input_ids(input_ids, cfg.text)
     pix, image_grid = _media(model, ids, pixel_values, image_grid_thw, cfg.image_token_id, "image")
     vid, video_grid = _media(model, ids, pixel_values_videos, video_grid_thw, cfg.video_token_id, "video")
     # Under the model's mesh, sharded params and the expert-parallel MoE are used (m3jax.sharding).

@@ -205,8 +205,19 @@ class CheckpointReader:
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            try:
+                contents = json.loads(index.read_bytes())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{index}: corrupt shard index, not a JSON file ({e})") from None
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+            # Shards are files of this folder, as the loader without an index reads them.
+            if not (isinstance(weight_map, dict) and all(
+                    isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f
+                    for f in weight_map.values())):
+                raise CheckpointError(
+                    f"{index}: corrupt shard index: needs a \"weight_map\" object mapping each tensor name to the "
+                    "name of a .safetensors file in the folder"
+                )
             files = sorted(set(weight_map.values()))
             if (self.directory / "model.safetensors").exists() and "model.safetensors" not in files:
                 # Two checkpoints in one folder (transformers would load the single file, we the index).
@@ -439,9 +450,12 @@ def checkpoint_dtype(directory: str | Path) -> str:
     checkpoint runs in float32; m3jax computes in bfloat16 or float32."""
     path, d = read_config_json(directory)
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
-    name = next((c[k] for c in (d, text) for k in ("dtype", "torch_dtype") if c.get(k)), None)
+    key, name = next(((p + k, c[k]) for p, c in (("", d), ("text_config.", text))
+                      for k in ("dtype", "torch_dtype") if c.get(k)), (None, None))
     if name is None:
         name = str(CheckpointReader(path.parent).read(EMBED).dtype)
+    elif not isinstance(name, str):
+        raise UnsupportedConfigError(f"{path}: {key}={name!r} is not a dtype name such as 'bfloat16'")
     if name not in _RUN_DTYPE:
         raise UnsupportedConfigError(f"{path}: dtype={name!r}; m3jax runs checkpoints stored in {sorted(_RUN_DTYPE)}")
     return _RUN_DTYPE[name]
@@ -449,6 +463,18 @@ def checkpoint_dtype(directory: str | Path) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # Writing
+
+# The dtypes a checkpoint is saved in: those checkpoint_dtype runs (integers would round the weights to 0).
+SAVE_DTYPES = tuple(_RUN_DTYPE)
+
+
+def dtype_name(dtype) -> str | None:
+    """numpy's name of ``dtype`` (a string or dtype-like), or None when it names no dtype."""
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError:
+        return None
+
 
 # The files a save writes (the tmp names are its shards before they are renamed).
 _SAVED_FILE = re.compile(r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json")
@@ -489,16 +515,24 @@ def save_checkpoint(
     dtype=None,
     max_shard_bytes: int = 4 << 30,
     quantize_mxfp8_weights: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``config.json`` + safetensors shards (+ index when several) in the official naming.
 
     ``quantize_mxfp8_weights`` writes the MXFP8 layout of the released MXFP8 repo.
 
-    Into a folder that holds an older checkpoint, the older files this save does not rewrite (an
-    index, shards of another count, a single file) are removed, with a warning naming them: left in
-    place they would be loaded instead of, or mixed with, the new weights. Other ``*.safetensors``
-    files are refused before anything is written: a folder without an index is read whole.
+    ``dtype``: None (as held) or one of :data:`SAVE_DTYPES`, for the leaves the model's dtype applies to.
+
+    A folder that already holds a checkpoint (``config.json``, shards, an index) is refused unless
+    ``overwrite=True``; an empty or new folder is fine. With ``overwrite=True`` the older files this save
+    does not rewrite (an index, shards of another count, a single file) are removed, with a warning naming
+    them: left in place they would be loaded instead of, or mixed with, the new weights. Other
+    ``*.safetensors`` files are refused before anything is written: a folder without an index is read whole.
     """
+    if dtype is not None and dtype_name(dtype) not in SAVE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}; a checkpoint is saved in one of {list(SAVE_DTYPES)} (or None: as held)")
+    if not isinstance(max_shard_bytes, (int, float)) or not max_shard_bytes > 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r}; must be a positive number of bytes")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     entries = sorted(directory.iterdir())
@@ -508,6 +542,11 @@ def save_checkpoint(
             f"{directory}: holds {foreign}, which a checkpoint save does not write; the loader reads every "
             "*.safetensors file of a folder without an index, so they would be mixed with the new weights: "
             "move them or save elsewhere"
+        )
+    held = [f.name for f in entries if f.name == "config.json" or _SAVED_FILE.fullmatch(f.name)]
+    if held and not overwrite:
+        raise CheckpointError(
+            f"{directory}: already holds a checkpoint ({held}); pass overwrite=True to replace it, or save elsewhere"
         )
     for f in entries:
         if _TMP_SHARD.fullmatch(f.name):  # left by an interrupted save: never part of a checkpoint

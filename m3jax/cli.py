@@ -112,6 +112,14 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """A random seed: any integer JAX's PRNG keys take (64-bit signed)."""
+    value = _int(text)
+    if not -(2**63) <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must fit in 64 bits (in [-2**63, 2**63)), got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _float(text)
     if not value > 0:

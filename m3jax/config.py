@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any, Literal
 
@@ -153,6 +155,21 @@ class TextConfig:
                     f"forced blocks (local {self.index_local_blocks} + init {self.index_init_blocks}) exceed "
                     f"index_topk_blocks={self.index_topk_blocks}"
                 )
+        # Types only: a config that omits them gets M3's ids, which lie past a small model's vocabulary
+        # and are then never produced (a stop id that never matches), not an error.
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", eos)):
+            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in ids):
+                raise UnsupportedConfigError(f"text_config.{name}={getattr(self, name)!r} must be a token id "
+                                             "(a non-negative integer), a list of them, or null")
+        for name in ("msa_force_in", "msa_force_out"):
+            pairs = getattr(self, name)
+            ok = isinstance(pairs, tuple) and all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in p)
+                for p in pairs)
+            if not ok:
+                raise UnsupportedConfigError(f"{name}={pairs!r} must be a tuple of (layer, block id) pairs of "
+                                             "non-negative ints, e.g. ((2, 0), (2, 5))")
 
     @property
     def num_kv_groups(self) -> int:
@@ -270,8 +287,8 @@ def _float(d: dict, key: str, where: str, default: float | None) -> float | None
     v = d.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise UnsupportedConfigError(f"{where}.{key}={v!r} is not a number")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise UnsupportedConfigError(f"{where}.{key}={v!r} is not a finite number")
     return float(v)
 
 

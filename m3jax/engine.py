@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from m3jax import aot
 from m3jax.cache import PagedCache, init_cache
 from m3jax.config import M3Config
-from m3jax.model import lm_head, text_hidden
+from m3jax.model import check_input_ids, lm_head, text_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +168,8 @@ class Engine:
                  cache_dtype=None, mesh=None, decode_steps_per_call: int = DECODE_STEPS_PER_CALL):
         for name, value in (("batch", batch), ("capacity", capacity), ("prefill_chunk", prefill_chunk),
                             ("decode_steps_per_call", decode_steps_per_call)):
-            if value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if capacity > cfg.text.max_position_embeddings:
             raise ValueError(
                 f"context {capacity} exceeds max_position_embeddings={cfg.text.max_position_embeddings} of the config"
@@ -286,18 +286,28 @@ class Engine:
         self.warmup_split = {"programs_s": t1 - t0, "first_decode_call_s": t2 - t1}
         return t2 - t0
 
+    def _check_embeds(self, x, name: str) -> None:
+        """Precomputed embeddings [T, hidden_size] of one prompt (ValueError naming ``name``)."""
+        d = self.cfg.text.hidden_size
+        if np.ndim(x) != 2 or np.shape(x)[1] != d:
+            raise ValueError(f"{name} must be [T, hidden_size={d}], got shape {np.shape(x)}")
+
     @_under_mesh
     def prefill(self, row: int, prompt: Sequence[int] | jax.Array, on_progress: Callable[[int], None] | None = None):
         """Prefill sequence ``row`` with token ids or embeddings [T, D]; returns fp32 logits [V] at the
         last token. Token ids are embedded one chunk at a time: at 1M tokens of M3 the whole prompt's
         embeddings would be 12 GB."""
+        if not (isinstance(row, (int, np.integer)) and 0 <= row < self.batch):
+            raise ValueError(f"row {row!r} outside [0, batch={self.batch})")
         by_id = np.ndim(prompt) == 1
+        if len(prompt) == 0:
+            raise ValueError("empty prompt")
         if by_id:
-            prompt = np.asarray(prompt, np.int32)
+            prompt = check_input_ids(prompt, self.cfg.text, name=f"prompt of row {row}")[0]
+        else:
+            self._check_embeds(prompt, f"prompt embeddings of row {row}")
         embed = self.params["text"]["embed"]
         t = prompt.shape[0]
-        if t == 0:
-            raise ValueError("empty prompt")
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens exceeds the context capacity {self.capacity}")
         for start, window in zip(range(0, t, self.chunk), self._windows(t)):
@@ -329,10 +339,17 @@ class Engine:
         """Generate for up to ``batch`` prompts (token ids, or precomputed embeddings [T, D] each)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (0 = prefill only), got {max_new_tokens}")
+        if not (isinstance(seed, (int, np.integer)) and -(2**63) <= seed < 2**63):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63) (a JAX PRNG key), got {seed!r}")
         inputs = list(prompts) if prompt_embeds is None else list(prompt_embeds)
         n = len(inputs)
         if not 0 < n <= self.batch:
             raise ValueError(f"{n} prompts for an engine of batch {self.batch}")
+        for i, p in enumerate(inputs):  # before any prefill: a bad prompt must not leave others half-run
+            if prompt_embeds is not None:
+                self._check_embeds(p, f"prompt_embeds[{i}]")
+            elif len(p):
+                check_input_ids(p, self.cfg.text, name=f"prompt {i}")
         lens = [len(p) for p in inputs]
         if max(lens) + max_new_tokens > self.capacity:
             raise ValueError(

@@ -120,14 +120,15 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = no cut")
     ap.add_argument("--top-k", type=int, default=40,
                     help=">= 1: sample among the k most likely tokens (k >= the vocabulary size: all of them)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli.seed, default=0)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto (default): the checkpoint's dtype from its config.json (dtype / torch_dtype; float16 "
                          "runs as float32); bfloat16 for random --config presets")
     ap.add_argument("--weights", default="dequantize", choices=["dequantize", "mxfp8"],
                     help="MXFP8 checkpoint weights: dequantize on load (default) or keep them fp8 + scales on the "
-                         "device (about half the bytes, the memory plan counts them so; slower than bf16 weights on the H200 today, "
-                         "see benchmarks/RESULTS.md); random presets: drawn as MXFP8")
+                         "device (about half the bytes, the memory plan counts them so; on the H200 MoE decode takes ~0.6x bf16 "
+                         "weights' time and the prefill MoE GEMMs ~1.05x, see benchmarks/RESULTS.md); random presets: "
+                         "drawn as MXFP8")
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
@@ -413,7 +414,10 @@ def _generate(args) -> dict:
         if media:
             text = processing.insert_placeholders(text, len(args.image), len(args.video))
         if not args.raw and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(text)
+            try:
+                text = tok.apply_chat_template(text)
+            except ValueError as e:  # the checkpoint's template does not parse or render (the message names it)
+                raise SystemExit(f"{e}; --raw skips the chat template") from None
         if media:
             try:
                 ids = processing.expand_prompt(text, *media, merge_size=cfg.vision.spatial_merge_size,

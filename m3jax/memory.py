@@ -64,7 +64,7 @@ def activation_bytes(cfg: M3Config, batch: int, capacity: int, chunk: int, dtype
     hidden = 8 * c * max(t.hidden_size, n * h) * 4
     moe = 3 * c * t.num_experts_per_tok * max(t.intermediate_size, t.hidden_size) * 4
     mlp = 3 * c * t.dense_intermediate_size * 4
-    views = capacity * (2 * k * h + t.index_head_dim) * dtype_bytes
+    views = batch * capacity * (2 * k * h + t.index_head_dim) * dtype_bytes  # one layer's window, every sequence
     logits = batch * t.vocab_size * 4 * 2
     if cfg.attention_impl == "pallas":
         # block-major fp32 index scores of the whole chunk (+ the top-k kernel's copy), the KV-major

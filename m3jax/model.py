@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from m3jax import sharding
@@ -24,6 +25,28 @@ from m3jax.layers import apply_rope, matmul_precision, rms_norm, rope_angles
 from m3jax.moe import dense_mlp, dequantize_layer, linear, linears, moe_sorted
 from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.vision import Grid, encode_media
+
+
+def check_input_ids(input_ids, t: TextConfig, name: str = "input_ids") -> np.ndarray:
+    """``input_ids`` as a host int32 [B, T] array (a 1-D sequence is B = 1), checked before anything runs:
+    integers, at least one token, ids in ``[0, vocab_size)`` (an embedding lookup clamps an id outside,
+    so a bad id would give a wrong answer, not an error), at most ``max_position_embeddings`` tokens.
+    ValueError naming ``name``."""
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+        raise ValueError(f"{name} must be an integer [B, T] array, got {ids.dtype} {ids.shape}")
+    if ids.size == 0:
+        raise ValueError(f"{name} of shape {ids.shape}: need at least one sequence of at least one token")
+    bad = (ids < 0) | (ids >= t.vocab_size)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: token id {int(ids[where])} at {where} is out of range [0, {t.vocab_size})")
+    if ids.shape[1] > t.max_position_embeddings:
+        raise ValueError(f"{name}: sequence of {ids.shape[1]} tokens exceeds max_position_embeddings="
+                         f"{t.max_position_embeddings}")
+    return ids.astype(np.int32)
 
 
 def _norm_rope(y, norm_w, angles, eps):

@@ -84,8 +84,8 @@ def needle_row(stream: np.ndarray, ctx: int, depth: float, rng, encode) -> Needl
     prefix, value, close = kv_line(encode, key, secret)
     line, query = np.concatenate([prefix, value, close]), np.concatenate([prefix, value])
     m = ctx - len(line) - len(query)
-    if m < 1:
-        raise ValueError(f"ctx={ctx} is too short for a needle line and its query ({len(line) + len(query)} tokens)")
+    if m < 1:  # a UsageError is a ValueError: the CLI prints it as one line (--ctx), a caller catches ValueError
+        raise cli.UsageError(f"ctx={ctx} is too short for a needle line and its query ({len(line) + len(query)} tokens)")
     start = int(rng.integers(0, len(stream) - m - len(line) + 1))
     tokens, _, (at,) = plant(stream[start : start + m], [(int(round(depth * m)), line, np.zeros(len(line), bool))])
     control = np.concatenate([stream[start : start + m + len(line)], query])
@@ -211,13 +211,13 @@ def depth_value(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m m3jax.needle", description=__doc__.split("\n")[0])
+    ap = cli.ArgumentParser(prog="python -m m3jax.needle", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
                     help="HF-layout checkpoint dir (default: the built-in m3-small); its tokenizer.json encodes the "
                          "text (none: UTF-8 bytes as ids)")
     ap.add_argument("--ctx", type=cli.positive_int, default=4096, help="tokens per trial row")
     ap.add_argument("--trials", type=cli.positive_int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli.seed, default=0)
     ap.add_argument("--depths", type=depth_value, nargs="+", default=None,
                     help="needle depths (shares of the row); trials cycle through them. Default: random per trial")
     ap.add_argument("--attention-impl", choices=["auto", "reference", "dense_mask", "pallas"], default="auto")
@@ -239,6 +239,7 @@ def main(argv=None) -> dict:
 
     if not (args.checkpoint / "config.json").exists():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json there")
+
     t0 = time.time()
     model = m3jax.load_pretrained(args.checkpoint, dtype=args.dtype, attention_impl=args.attention_impl, progress=False)
     cfg = model.config

@@ -37,7 +37,7 @@ import numpy as np
 from m3jax.cache import cached_index_keys
 from m3jax.config import FULL_ATTENTION, M3Config, UnsupportedConfigError
 from m3jax.layers import rms_norm, rope_angles
-from m3jax.model import attention, decoder_layer, lm_head, project_qkv, text_hidden
+from m3jax.model import attention, check_input_ids, decoder_layer, lm_head, project_qkv, text_hidden
 from m3jax.moe import route
 from m3jax.msa import kernels
 from m3jax.msa import layer as msa_layer
@@ -69,9 +69,17 @@ class ProbeResult:
     def msa_layers(self) -> list[int]:
         return [i for i, p in self.layers.items() if p.block_indices is not None]
 
+    def _msa_layer(self, layer: int) -> LayerProbe:
+        """The probe of MSA layer ``layer`` (ValueError naming the layers that have one)."""
+        p = self.layers.get(layer)
+        if p is None or p.block_indices is None:
+            what = "not probed" if p is None else "full attention (no selection)"
+            raise ValueError(f"layer {layer!r} is {what}; MSA layers: {self.msa_layers}")
+        return p
+
     def jaccard_groups(self, layer: int) -> np.ndarray:
         """[K, K] mean Jaccard overlap of the selected-block sets of two KV groups (over batch, queries)."""
-        sel = self.layers[layer].block_indices
+        sel = self._msa_layer(layer).block_indices
         k = sel.shape[1]
         out = np.ones((k, k))
         for a in range(k):
@@ -94,7 +102,7 @@ class ProbeResult:
         """(dense mass [nb], recall [nb]) by block distance d = own block - key block, over batch, query
         heads and queries: the dense softmax mass at distance d (summed), and the share of it inside the
         selected blocks (NaN where the dense mass is 0)."""
-        p = self.layers[layer]
+        p = self._msa_layer(layer)
         mass = p.mass_by_distance.astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             return mass, np.where(mass > 0, p.selected_mass_by_distance / mass, np.nan)
@@ -102,7 +110,13 @@ class ProbeResult:
     def selection_map(self, layer: int, group: int = 0, batch: int = 0, rows: int = 128, cols: int = 128) -> np.ndarray:
         """[rows, cols] share of (query, key block) pairs selected, queries and key blocks pooled into
         at most rows x cols cells (a 128K x 2048 selection is too large to draw or store)."""
-        sel = self.layers[layer].block_indices[batch, group]  # [T, topk]
+        sel = self._msa_layer(layer).block_indices  # [B, K, T, topk]
+        for name, value, size in (("batch", batch, sel.shape[0]), ("group", group, sel.shape[1])):
+            if not (isinstance(value, (int, np.integer)) and 0 <= value < size):
+                raise ValueError(f"{name} {value!r} outside [0, {size})")
+        if rows < 1 or cols < 1:
+            raise ValueError(f"rows and cols must be >= 1, got {rows} x {cols}")
+        sel = sel[batch, group]  # [T, topk]
         t = sel.shape[0]
         nb = -(-t // self.block_size)
         rows, cols = min(rows, t), min(cols, nb)
@@ -116,7 +130,7 @@ class ProbeResult:
 
     def distance_histogram(self, layer: int) -> np.ndarray:
         """counts[d] = selected blocks at distance d = own block - block (0 = the query's own block)."""
-        sel = self.layers[layer].block_indices
+        sel = self._msa_layer(layer).block_indices
         t = sel.shape[2]
         own = (np.arange(t) // self.block_size)[None, None, :, None]
         d = np.broadcast_to(own, sel.shape) - sel
@@ -327,8 +341,7 @@ def probe(model, input_ids, *, query_chunk: int = 256, keep_scores: bool = False
 
 def _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilation, key_tile) -> ProbeResult:
     cfg = dataclasses.replace(model.config, attention_chunk=query_chunk)
-    ids = np.asarray(input_ids)
-    ids = ids[None] if ids.ndim == 1 else ids
+    ids = check_input_ids(input_ids, cfg.text)
     params = model.params["text"]
     h = params["embed"][jnp.asarray(ids, jnp.int32)]
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)

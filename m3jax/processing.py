@@ -51,7 +51,8 @@ placeholder run, marker; a timestamp before each temporal patch), but each marke
 byte ids instead of one special token, so prompt lengths differ from a real checkpoint's; see
 :func:`media_token_ids`. The CLI prints a note when it uses this fallback.
 
-Bad media raise :class:`MediaError` (a ``ValueError``) naming the file.
+Bad media raise :class:`MediaError` (a ``ValueError``) naming the file; unusable settings (sizes,
+pixel and frame limits, fps) raise ``ValueError`` naming the setting and the function or file it came from.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -99,6 +101,27 @@ def _label(name: str | None, kind: str, index: int | None = None) -> str:
     return f"{kind} #{index}" if index is not None else kind
 
 
+def _check_settings(where: str, **values) -> None:
+    """Raise ValueError naming ``where`` and the setting unless every given value is usable: ``fps`` a
+    positive finite number, every other one a positive integer (None: not set), min_* <= max_*.
+
+    A zero or negative size / limit would otherwise fail far away (a ZeroDivisionError in
+    :func:`smart_resize`) or be used silently (min_frames above max_frames)."""
+    for key, v in values.items():
+        if v is None:
+            continue
+        if key == "fps":
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        else:
+            ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
+        if not ok:
+            want = "a positive number" if key == "fps" else "a positive integer"
+            raise ValueError(f"{where}: {key} must be {want}, got {v!r}")
+    for lo, hi in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+        if values.get(lo) is not None and values.get(hi) is not None and values[lo] > values[hi]:
+            raise ValueError(f"{where}: {lo} {values[lo]} exceeds {hi} {values[hi]}")
+
+
 # --------------------------------------------------------------------------------------------------
 # Geometry
 
@@ -111,6 +134,7 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = IM
     does); an area above ``max_pixels`` is scaled down by sqrt(area / max_pixels) and floored, an area
     below ``min_pixels`` scaled up and ceiled.
     """
+    _check_settings("smart_resize", factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     if height <= 0 or width <= 0:
         raise ValueError(f"zero-size image ({height}x{width})")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
@@ -263,6 +287,8 @@ def load_image(path: str | Path):
     from PIL import Image, UnidentifiedImageError
 
     path = Path(path)
+    if path.is_dir():
+        raise MediaError(f"{path}: is a folder, not an image file")
     if not path.is_file():
         raise MediaError(f"{path}: image file not found")
     try:
@@ -289,6 +315,8 @@ def preprocess_images(images, *, min_pixels: int = IMAGE_MIN_PIXELS, max_pixels:
         images = [images]
     if not images:
         raise MediaError("no images given")
+    _check_settings("preprocess_images", min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size,
+                   temporal_patch_size=temporal_patch_size, merge_size=merge_size)
     factor = patch_size * merge_size
     rows, grids, labels = [], [], []
     for i, image in enumerate(images):
@@ -356,6 +384,9 @@ def preprocess_video(videos, *, min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: 
         videos = [videos]
     if not videos:
         raise MediaError("no videos given")
+    _check_settings("preprocess_video", min_pixels=min_pixels, max_pixels=max_pixels, max_volume=max_volume,
+                   segment_max_frames=segment_max_frames, patch_size=patch_size,
+                   temporal_patch_size=temporal_patch_size, merge_size=merge_size)
     factor = patch_size * merge_size
     rows, grids, chunks, metadata, labels = [], [], [], [], []
     for i, video in enumerate(videos):
@@ -406,8 +437,7 @@ def sample_frame_indices(total_frames: int, video_fps: float | None, *, fps: flo
     """
     if total_frames <= 0:
         raise ValueError("video has no frames")
-    if not fps > 0:
-        raise ValueError(f"sampling fps must be positive, got {fps}")
+    _check_settings("sample_frame_indices", fps=fps, min_frames=min_frames, max_frames=max_frames)
     samples = total_frames * fps / video_fps if video_fps else float(total_frames)
     n = max(1, min(max(math.floor(samples + 1e-9), min_frames), max_frames, total_frames))
     return np.floor(np.linspace(0, total_frames - 1, n) + 0.5).astype(np.int64)
@@ -420,6 +450,8 @@ def video_frame_size(height: int, width: int, n_frames: int, *, min_pixels: int 
     """Frame size for a clip of ``n_frames`` sampled frames: the per-frame cap is
     min(max_pixels, total_pixels * Tp / padded_frames), i.e. the whole clip stays within
     ``total_pixels`` per temporal patch pair (~57.6k vision tokens), but never below ``min_pixels``."""
+    _check_settings("video_frame_size", min_pixels=min_pixels, max_pixels=max_pixels, total_pixels=total_pixels,
+                   temporal_patch_size=temporal_patch_size)
     padded = -(-n_frames // temporal_patch_size) * temporal_patch_size
     cap = max(min_pixels, min(max_pixels, int(total_pixels * temporal_patch_size / padded)))
     return smart_resize(height, width, factor, min_pixels, cap)
@@ -428,6 +460,8 @@ def video_frame_size(height: int, width: int, n_frames: int, *, min_pixels: int 
 def _open_video(path: Path):
     import av
 
+    if path.is_dir():
+        raise MediaError(f"{path}: is a folder, not a video file")
     if not path.is_file():
         raise MediaError(f"{path}: video file not found")
     try:
@@ -468,6 +502,10 @@ def load_video(path: str | Path, *, fps: float = VIDEO_FPS, min_frames: int = VI
                factor: int = PATCH_SIZE * MERGE_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE) -> VideoClip:
     """Decode a video file with PyAV, sample frames (:func:`sample_frame_indices`) and resize them while
     decoding to :func:`video_frame_size` (bicubic, as :func:`resize_uint8`). Errors name the file."""
+    # settings first: a bad one is the caller's mistake, not the file's, and must not cost a decode
+    _check_settings("load_video", fps=fps, min_frames=min_frames, max_frames=max_frames, min_pixels=min_pixels,
+                   max_pixels=max_pixels, total_pixels=total_pixels, factor=factor,
+                   temporal_patch_size=temporal_patch_size)
     path = Path(path)
     container = _open_video(path)
     stream = container.streams.video[0]
@@ -652,7 +690,9 @@ def processor_settings(checkpoint: str | Path | None) -> tuple[dict, dict]:
     Read: ``min_pixels`` / ``max_pixels`` (or a ``size`` dict with ``shortest_edge`` / ``longest_edge``,
     as transformers reads it; a list-valued ``size`` is ignored, as transformers ignores the official
     file's [672, 672]); for videos also ``total_pixels``, ``fps``, ``min_frames``, ``max_frames`` and
-    ``vision_segment_max_frames`` (also from ``config.json``'s ``vision_config``).
+    ``vision_segment_max_frames`` (also from ``config.json``'s ``vision_config``). A value that is set
+    but unusable (see :func:`_check_settings`, also against the defaults it combines with) raises
+    ValueError naming the file and the field.
     """
     image, video = {}, {}
     if checkpoint is None:
@@ -669,25 +709,32 @@ def processor_settings(checkpoint: str | Path | None) -> tuple[dict, dict]:
             raise ValueError(f"{f}: invalid JSON ({e})") from None
         return data if isinstance(data, dict) else {}
 
-    def pixels(src, dst):
+    def take(name, dst, key, value, field=None):
+        """dst[key] = value when the file sets it, after checking it under the file's own field name."""
+        if value is not None:
+            _check_settings(str(d / name), **{field or key: value})
+            dst[key] = value
+
+    def pixels(name, src, dst):
         size = src.get("size")
         if isinstance(size, dict):
-            if isinstance(size.get("shortest_edge"), int):
-                dst["min_pixels"] = size["shortest_edge"]
-            if isinstance(size.get("longest_edge"), int):
-                dst["max_pixels"] = size["longest_edge"]
+            take(name, dst, "min_pixels", size.get("shortest_edge"), "size.shortest_edge")
+            take(name, dst, "max_pixels", size.get("longest_edge"), "size.longest_edge")
         for key in ("min_pixels", "max_pixels"):
-            if isinstance(src.get(key), int):
-                dst[key] = src[key]
+            take(name, dst, key, src.get(key))
 
-    pixels(read("preprocessor_config.json"), image)
-    vsrc = read("video_preprocessor_config.json")
-    pixels(vsrc, video)
-    for key, typ in (("total_pixels", int), ("fps", (int, float)), ("min_frames", int), ("max_frames", int)):
-        if isinstance(vsrc.get(key), typ) and not isinstance(vsrc.get(key), bool):
-            video[key] = vsrc[key]
-    seg = (read("config.json").get("vision_config") or {}).get("vision_segment_max_frames")
-    seg = vsrc.get("vision_segment_max_frames", seg)
-    if isinstance(seg, int) and seg > 0:
-        video["segment_max_frames"] = seg
+    image_name, video_name = "preprocessor_config.json", "video_preprocessor_config.json"
+    pixels(image_name, read(image_name), image)
+    vsrc = read(video_name)
+    pixels(video_name, vsrc, video)
+    for key in ("total_pixels", "fps", "min_frames", "max_frames"):
+        take(video_name, video, key, vsrc.get(key))
+    # a file may set one bound only: it must still fit the default it is used with
+    _check_settings(str(d / image_name), **{"min_pixels": IMAGE_MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS, **image})
+    _check_settings(str(d / video_name), **{"min_pixels": VIDEO_MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS,
+                                            "min_frames": VIDEO_MIN_FRAMES, "max_frames": VIDEO_MAX_FRAMES, **video})
+    seg_name, seg = "config.json", (read("config.json").get("vision_config") or {}).get("vision_segment_max_frames")
+    if vsrc.get("vision_segment_max_frames") is not None:
+        seg_name, seg = video_name, vsrc["vision_segment_max_frames"]
+    take(seg_name, video, "segment_max_frames", seg, "vision_segment_max_frames")
     return image, video

@@ -36,6 +36,11 @@ class CheckpointError(ValueError):
     """A checkpoint file or tensor that cannot be loaded; the message names the file and tensor."""
 
 
+def _is_count(x) -> bool:
+    """A non-negative JSON integer (JSON true/false parse as bool, a subclass of int)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 class SafetensorsFile:
     """One ``.safetensors`` file: header parsed eagerly, tensors read lazily through a memmap."""
 
@@ -58,15 +63,23 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", None) or {}
         self.data_start = 8 + n
         self.entries: dict[str, dict] = header
+        spans = []
         for name, e in header.items():
             try:
-                dtype, shape, (begin, end) = e["dtype"], [int(d) for d in e["shape"]], e["data_offsets"]
+                dtype, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(
                     f"{self.path}: corrupt header entry for tensor {name!r} (needs dtype, shape, data_offsets)"
                 ) from None
-            if dtype not in DTYPES:
+            if not isinstance(dtype, str) or dtype not in DTYPES:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            if not isinstance(shape, list) or not all(map(_is_count, shape)):
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has shape {shape!r}; dims must be non-negative integers")
+            # Offsets are relative to the data section: a negative one would read header bytes as weights.
+            if not (_is_count(begin) and _is_count(end) and begin <= end):
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has data_offsets {[begin, end]!r}; need integers 0 <= begin <= end")
             want = math.prod(shape) * DTYPES[dtype].itemsize
             if end - begin != want:
                 raise CheckpointError(
@@ -76,6 +89,16 @@ class SafetensorsFile:
                 raise CheckpointError(
                     f"{self.path}: file is truncated: tensor {name!r} ends at byte {self.data_start + end} "
                     f"but the file has {size} bytes"
+                )
+            if end > begin:
+                spans.append((begin, end, name))
+        # Sorted by start, two non-empty byte ranges overlap only if some neighbouring pair does.
+        spans.sort()
+        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+            if begin < end:
+                raise CheckpointError(
+                    f"{self.path}: tensors {a!r} and {b!r} overlap (bytes {begin} to {end} of the data); "
+                    "corrupt safetensors header"
                 )
 
     def keys(self) -> list[str]:

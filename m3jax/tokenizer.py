@@ -2,7 +2,8 @@
 
 * A checkpoint with ``tokenizer.json`` uses it through the ``tokenizers`` library; its chat template
   (``chat_template`` in ``tokenizer_config.json``, or ``chat_template.jinja``) is applied with jinja2
-  unless ``raw`` is asked for.
+  unless ``raw`` is asked for. A corrupt file raises ValueError naming it (a broken template when it is
+  applied).
 * A random-weight preset has no tokenizer: the **byte-level fallback** maps each UTF-8 byte b to
   id b (ids 0..255; the preset's vocabulary must hold at least 256 ids) and decodes ids >= 256 as
   ``<id>``. It exists so the CLI runs end to end on presets; the text is meaningless.
@@ -46,11 +47,25 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.name = str(directory / "tokenizer.json")
-        self.tok = Tokenizer.from_file(self.name)
+        try:
+            self.tok = Tokenizer.from_file(self.name)
+        except Exception as e:  # the tokenizers library raises a bare Exception ("key must be a string ...")
+            raise ValueError(f"{self.name}: not a valid tokenizers file ({e})") from e
         cfg_path = directory / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.config = {}
+        if cfg_path.exists():
+            try:
+                self.config = json.loads(cfg_path.read_text())
+            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+                raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
+            if not isinstance(self.config, dict):
+                raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
         template_file = directory / "chat_template.jinja"
-        self.chat_template = template_file.read_text() if template_file.exists() else self.config.get("chat_template")
+        if template_file.exists():
+            self.chat_template, self.chat_template_source = template_file.read_text(), str(template_file)
+        else:
+            self.chat_template = self.config.get("chat_template")
+            self.chat_template_source = f"{cfg_path} (chat_template)"
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -66,13 +81,18 @@ class HFTokenizer:
         import jinja2
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=[{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            bos_token=self.token_str("bos_token") or "",
-            eos_token=self.token_str("eos_token") or "",
-        )
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=[{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                bos_token=self.token_str("bos_token") or "",
+                eos_token=self.token_str("eos_token") or "",
+            )
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{self.chat_template_source}: invalid chat template (line {e.lineno}: {e})") from e
+        except jinja2.TemplateError as e:  # e.g. an undefined variable or function met while rendering
+            raise ValueError(f"{self.chat_template_source}: applying the chat template failed ({e})") from e
 
 
 def load_tokenizer(checkpoint: Path | None, vocab_size: int):

@@ -698,6 +698,23 @@ def _load_cfg(args) -> M3Config:
     return cfg.replace(attention_impl="reference", attention_chunk=args.attention_chunk or args.seq_len)
 
 
+def _check_tokenizer_from(folder: Path, cfg: M3Config) -> None:
+    """--tokenizer-from's tokenizer must exist and fit the model's vocabulary: ids past it would be clamped
+    by the embedding lookup and train a model that never sees them right (the loss goes NaN)."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise cli.UsageError(f"--tokenizer-from {folder}: no tokenizer.json there")
+    try:
+        n = Tokenizer.from_file(str(path)).get_vocab_size()
+    except Exception as e:  # the tokenizers library raises its own plain Exception
+        raise cli.UsageError(f"--tokenizer-from {folder}: cannot read tokenizer.json ({e})") from e
+    if n > cfg.text.vocab_size:
+        raise cli.UsageError(f"--tokenizer-from {folder}: the tokenizer has {n} tokens, the model's vocab_size is "
+                             f"{cfg.text.vocab_size}")
+
+
 def _prepare_data(args, cfg: M3Config, out: Path):
     from tokenizers import Tokenizer
 
@@ -790,7 +807,7 @@ def main(argv=None) -> int:
                     help="query rows per attention chunk (0 = seq-len)")
     ap.add_argument("--data-parallel", type=cli.nonnegative_int, default=0,
                     help="N > 0: run on a (N, 1) mesh, batch split N ways")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli.seed, default=0)
     ap.add_argument("--time-budget", type=cli.nonnegative_float, default=0.0,
                     help="seconds: time a few steps first, then set --steps to what fits (recorded in summary.json)")
     ap.add_argument("--stop-after", type=cli.nonnegative_float, default=0.0,
@@ -825,7 +842,11 @@ def main(argv=None) -> int:
                  f"{args.data_parallel} devices")
 
     # Everything that can refuse the run does so before --out is touched.
+    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
+        raise cli.UsageError(f"--init-from {args.init_from}: no config.json there (an HF checkpoint folder)")
     cfg = _load_cfg(args)
+    if args.tokenizer_from:
+        _check_tokenizer_from(Path(args.tokenizer_from), cfg)
     out = args.out
     prepare_out_dir(out, args.resume, args.overwrite)
     mngr = checkpoint_manager(out / "ckpt")
@@ -951,8 +972,10 @@ def main(argv=None) -> int:
     params = jax.device_get(state.params)
     final = out / "model"
     fmt = args.save_format
+    # prepare_out_dir guarded --out; a --resume of a run that saved its model already saves it again.
     save_pretrained(M3Model(cfg.replace(attention_impl="auto"), params), final,
-                    dtype="bfloat16" if fmt == "mxfp8" else fmt, quantize_mxfp8_weights=fmt == "mxfp8")
+                    dtype="bfloat16" if fmt == "mxfp8" else fmt, quantize_mxfp8_weights=fmt == "mxfp8",
+                    overwrite=True)
     _write_tokenizer_files(tok, cfg, final)
     summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
                "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,

@@ -573,6 +573,69 @@ def test_index_maps_tensor_no_shard_holds(model, tmp_path):
     assert ghost in str(ei.value) and shard in str(ei.value)
 
 
+@pytest.mark.parametrize("text", [
+    "{oops",
+    "[1, 2]",
+    '{"metadata": {}}',
+    '{"weight_map": ["a"]}',
+    '{"weight_map": {"%s": 3}}' % Q_PROJ,
+    '{"weight_map": {"%s": "../other/model.safetensors"}}' % Q_PROJ,
+], ids=["not-json", "not-an-object", "no-weight-map", "weight-map-list", "value-not-string", "value-a-path"])
+def test_malformed_index(model, tmp_path, text):
+    d = m3jax.save_pretrained(model, tmp_path / "ckpt", max_shard_bytes=16 << 10)
+    index_path = d / "model.safetensors.index.json"
+    index_path.write_text(text)
+    with pytest.raises(m3jax.CheckpointError, match="shard index") as ei:
+        load(d)
+    assert str(index_path) in str(ei.value)
+
+
+def _edit_header(path: Path, edit) -> None:
+    """Rewrite the JSON header of one safetensors file with ``edit(header)``, the data unchanged."""
+    raw = path.read_bytes()
+    start, end = _header_span(path)
+    header = json.loads(raw[start:end])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + raw[end:])
+
+
+def _first_tensor(header: dict) -> str:
+    return min((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
+
+
+def _shift_first_back(h):  # the first tensor's bytes moved onto the header's last ones
+    b, e = h[_first_tensor(h)]["data_offsets"]
+    h[_first_tensor(h)]["data_offsets"] = [b - 64, e - 64]
+
+
+def _swap_offsets(h):
+    b, e = h[Q_PROJ]["data_offsets"]
+    h[Q_PROJ]["data_offsets"] = [e, b]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_shift_first_back, "data_offsets"),
+    (_swap_offsets, "data_offsets"),
+    (lambda h: h[Q_PROJ].update(data_offsets=h[LM + "layers.0.self_attn.o_proj.weight"]["data_offsets"]), "overlap"),
+    (lambda h: h[Q_PROJ].update(shape=[-d for d in h[Q_PROJ]["shape"]]), "shape"),
+    (lambda h: h[Q_PROJ].update(shape=[float(d) for d in h[Q_PROJ]["shape"]]), "shape"),
+    (lambda h: h[Q_PROJ].update(shape=str(h[Q_PROJ]["shape"])), "shape"),
+    (lambda h: h[Q_PROJ].update(dtype=["F32"]), "dtype"),
+    (lambda h: h[Q_PROJ].update(data_offsets=[str(x) for x in h[Q_PROJ]["data_offsets"]]), "data_offsets"),
+], ids=["negative-offset", "begin-after-end", "overlap", "negative-dims", "float-dims", "shape-string",
+        "dtype-list", "offsets-strings"])
+def test_bad_header_entry(ckpt, edit, match):
+    path = ckpt / "model.safetensors"
+    header = json.loads(path.read_bytes()[slice(*_header_span(path))])
+    _edit_header(path, edit)
+    named = _first_tensor(header) if edit is _shift_first_back else Q_PROJ
+    with pytest.raises(m3jax.CheckpointError, match=match) as ei:
+        load(ckpt)
+    assert str(path) in str(ei.value) and named in str(ei.value)
+
+
 def test_no_safetensors_files(ckpt):
     (ckpt / "model.safetensors").unlink()
     with pytest.raises(m3jax.CheckpointError) as ei:
@@ -673,7 +736,7 @@ def test_single_file_save_over_a_sharded_checkpoint(model, tmp_path):
     shards = sorted(p.name for p in d.glob("model-*.safetensors"))
     new = m3jax.init_random(tiny_config(), seed=2)
     with pytest.warns(UserWarning, match="would be loaded instead of") as w:
-        m3jax.save_pretrained(new, d)
+        m3jax.save_pretrained(new, d, overwrite=True)
     assert all(n in str(w[0].message) for n in ["model.safetensors.index.json", *shards])
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
     assert_trees_equal(load(d).params, new.params)
@@ -683,9 +746,9 @@ def test_sharded_save_over_other_checkpoints(model, tmp_path):
     d = tmp_path / "ckpt"
     m3jax.save_pretrained(model, d)
     with pytest.warns(UserWarning, match=r"\['model.safetensors'\]"):
-        m3jax.save_pretrained(model, d, max_shard_bytes=8 << 10)  # many shards
+        m3jax.save_pretrained(model, d, max_shard_bytes=8 << 10, overwrite=True)  # many shards
     with pytest.warns(UserWarning) as w:
-        m3jax.save_pretrained(model, d, max_shard_bytes=64 << 10)  # fewer: the extra old shards go
+        m3jax.save_pretrained(model, d, max_shard_bytes=64 << 10, overwrite=True)  # fewer: the extra old shards go
     index = json.loads((d / "model.safetensors.index.json").read_text())
     on_disk = {p.name for p in d.glob("*.safetensors")}
     assert on_disk == set(index["weight_map"].values()) and not any(n in str(w[0].message) for n in on_disk)
@@ -697,15 +760,70 @@ def test_resave_in_place_does_not_warn(model, ckpt):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m3jax.save_pretrained(model, ckpt)
+        m3jax.save_pretrained(model, ckpt, overwrite=True)
 
 
 def test_save_refuses_other_safetensors_files(model, ckpt):
     (ckpt / "adapter.safetensors").write_bytes(b"someone else's")
     before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
     with pytest.raises(m3jax.CheckpointError, match="adapter.safetensors"):
-        m3jax.save_pretrained(model, ckpt)
+        m3jax.save_pretrained(model, ckpt, overwrite=True)
     assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+
+
+def _snapshot(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in d.iterdir()}
+
+
+@pytest.mark.filterwarnings("ignore:.*would be loaded instead of:UserWarning")  # the overwrite=True save
+@pytest.mark.parametrize("held", ["single", "sharded", "config-only"])
+def test_save_refuses_a_folder_holding_a_checkpoint(model, tmp_path, held):
+    d = tmp_path / "ckpt"
+    if held == "config-only":
+        d.mkdir()
+        (d / "config.json").write_text('{"mine": 1}')
+    else:
+        m3jax.save_pretrained(model, d, **({"max_shard_bytes": 16 << 10} if held == "sharded" else {}))
+    before = _snapshot(d)
+    new = m3jax.init_random(tiny_config(), seed=2)
+    with pytest.raises(m3jax.CheckpointError, match="overwrite=True") as ei:
+        m3jax.save_pretrained(new, d)
+    assert str(d) in str(ei.value) and "config.json" in str(ei.value)
+    assert _snapshot(d) == before
+    m3jax.save_pretrained(new, d, overwrite=True)
+    assert_trees_equal(load(d).params, new.params)
+
+
+def test_save_into_an_empty_folder(model, tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    m3jax.save_pretrained(model, d)
+    assert_trees_equal(load(d).params, model.params)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": "int8"}, "dtype='int8'"),
+    ({"dtype": "float64"}, "dtype='float64'"),
+    ({"dtype": "bf16"}, "dtype='bf16'"),
+    ({"max_shard_bytes": 0}, "max_shard_bytes=0"),
+    ({"max_shard_bytes": -1}, "max_shard_bytes=-1"),
+], ids=["int8", "float64", "unknown-name", "shard-0", "shard-negative"])
+def test_save_refuses_bad_arguments(model, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        m3jax.save_pretrained(model, tmp_path / "ckpt", **kwargs)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_save_float16(model, tmp_path):
+    d = m3jax.save_pretrained(model, tmp_path / "ckpt", dtype="float16")
+    assert SafetensorsFile(d / "model.safetensors").dtype(Q_PROJ) == np.float16
+    assert checkpoint_dtype(d) == "float32"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16", "bogus"])
+def test_init_random_refuses_non_compute_dtypes(dtype):
+    with pytest.raises(ValueError, match=f"dtype='{dtype}'"):
+        m3jax.init_random(tiny_config(), dtype=dtype)
 
 
 def test_reader_refuses_two_checkpoints_in_one_folder(model, tmp_path):
@@ -735,6 +853,18 @@ def test_checkpoint_dtype(model, tmp_path, saved, key, stored, expected):
     (d / "config.json").write_text(json.dumps(hf))
     assert checkpoint_dtype(d) == expected
     assert m3jax.load_pretrained(d, dtype="auto", progress=False).params["text"]["embed"].dtype == expected
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda c: c.update(dtype=["x"]), "dtype"),
+    (lambda c: c.pop("dtype") and c.update(torch_dtype={"a": 1}), "torch_dtype"),
+    (lambda c: c.pop("dtype") and c["text_config"].update(dtype=5), "text_config.dtype"),
+], ids=["dtype-list", "torch_dtype-object", "text-dtype-int"])
+def test_checkpoint_dtype_not_a_name(ckpt, edit, key):
+    _edit_config(ckpt, edit)
+    with pytest.raises(m3jax.UnsupportedConfigError, match="not a dtype name") as ei:
+        checkpoint_dtype(ckpt)
+    assert str(ckpt / "config.json") in str(ei.value) and f"{key}=" in str(ei.value)
 
 
 def test_checkpoint_dtype_unsupported(ckpt):

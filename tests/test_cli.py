@@ -56,6 +56,7 @@ def _refused(main, argv, capsys, needle: str) -> str:
     ("--prefill-chunk", "0", "argument --prefill-chunk: must be a positive integer, got 0"),
     ("--prefill-chunk", "-4", "argument --prefill-chunk: must be a positive integer, got -4"),
     ("--video-fps", "0", "argument --video-fps: must be positive"),
+    ("--seed", "99999999999999999999", "argument --seed: must fit in 64 bits"),
 ])
 def test_generate_refuses_bad_numbers(capsys, flag, value, needle):
     _refused(generate.main, GEN + [flag, value], capsys, needle)
@@ -193,9 +194,26 @@ def test_train_resume_without_a_checkpoint_says_so(tmp_path, capsys, monkeypatch
     (["--batch", "3", "--data-parallel", "2"], "--batch 3 does not split over --data-parallel 2"),
     (["--resume", "--overwrite"], "not allowed with argument"),
     (["--stop-after", "-5"], "argument --stop-after: must be >= 0, got -5"),
+    (["--seed", str(2**64)], "argument --seed: must fit in 64 bits"),
+    (["--init-from", "/nonexistent/ckpt"], "--init-from /nonexistent/ckpt: no config.json there"),
+    (["--tokenizer-from", "/nonexistent/tok"], "--tokenizer-from /nonexistent/tok: no tokenizer.json there"),
 ])
 def test_train_refuses_bad_arguments_before_touching_out(tmp_path, capsys, argv, needle):
     _refused(tr.main, ["--out", str(tmp_path / "run")] + argv, capsys, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path, capsys):
+    # the built-in checkpoint's tokenizer has more tokens than m3_tiny's vocabulary: its ids past the
+    # vocabulary would be clamped by the embedding lookup, and the loss goes NaN
+    from tokenizers import Tokenizer
+
+    n = Tokenizer.from_file(str(generate.DEFAULT_CHECKPOINT / "tokenizer.json")).get_vocab_size()
+    vocab = m3jax.config.preset("m3_tiny").text.vocab_size
+    assert n > vocab
+    _refused(tr.main, ["--out", str(tmp_path / "run"), "--config", "m3_tiny", "--tokenizer-from",
+                       str(generate.DEFAULT_CHECKPOINT)], capsys,
+             f"the tokenizer has {n} tokens, the model's vocab_size is {vocab}")
     assert not (tmp_path / "run").exists()
 
 

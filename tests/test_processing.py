@@ -8,6 +8,7 @@ tests make their own media (PIL images, PyAV videos) in tmp dirs.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,18 @@ def write_mp4(path: Path, frames: int, fps: int = 10, height: int = 64, width: i
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+def write_tokenizer(directory: Path, tokens=(P.IMAGE_PLACEHOLDER, P.VIDEO_PLACEHOLDER, P.VISION_START,
+                                              P.VISION_END)) -> Path:
+    """A word-level ``tokenizer.json`` ("[unk]" 0, "a" 1) with ``tokens`` added as special tokens 2, 3, ..."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[unk]": 0, "a": 1}, unk_token="[unk]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in tokens])
+    tok.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
 
 
 def per_item_rows(grid: np.ndarray) -> list[slice]:
@@ -297,13 +310,9 @@ def test_expansion_layout_with_byte_fallback():
 
 
 def test_media_ids_come_from_the_tokenizer(tmp_path):
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models
 
-    tok = Tokenizer(models.WordLevel({"[unk]": 0, "a": 1}, unk_token="[unk]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in (P.IMAGE_PLACEHOLDER, P.VIDEO_PLACEHOLDER,
-                                                                  P.VISION_START, P.VISION_END)])
-    tok.save(str(tmp_path / "tokenizer.json"))
+    write_tokenizer(tmp_path)
     hf = HFTokenizer(tmp_path)
     ids = P.media_token_ids(hf, 2, 3)
     assert (ids.image, ids.video, ids.start, ids.end, ids.fallback) == (2, 3, (4,), (5,), False)
@@ -313,6 +322,37 @@ def test_media_ids_come_from_the_tokenizer(tmp_path):
     bare.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="has no token"):
         P.media_token_ids(HFTokenizer(tmp_path), 2, 3)
+
+
+def test_bad_tokenizer_files_name_the_file(tmp_path):
+    import jinja2
+
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json: not a valid tokenizers file") as e:
+        load_tokenizer(tmp_path, 512)
+    assert e.value.__cause__ is not None  # the tokenizers library's own message stays chained
+    write_tokenizer(tmp_path, tokens=("<s>",))
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json: invalid JSON"):
+        load_tokenizer(tmp_path, 512)
+    cfg.write_text('["<s>"]')
+    with pytest.raises(ValueError, match="tokenizer_config.json: expected a JSON object, got list"):
+        load_tokenizer(tmp_path, 512)
+
+    # a working template renders; a template that fails while rendering names where it came from
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    cfg.write_text(json.dumps({"bos_token": "<s>", "chat_template": template}))
+    assert load_tokenizer(tmp_path, 512).apply_chat_template("a b") == "<s>[user] a b"
+    cfg.write_text(json.dumps({"chat_template": "{{ raise_exception('only system prompts') }}"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json \(chat_template\): applying the chat template"):
+        load_tokenizer(tmp_path, 512).apply_chat_template("a")
+    # chat_template.jinja takes precedence; a syntax error names the file and line
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}\n{% if %}\n")
+    tok = load_tokenizer(tmp_path, 512)  # the template is only compiled when applied (--raw never does)
+    with pytest.raises(ValueError, match=r"chat_template.jinja: invalid chat template \(line 2: ") as e:
+        tok.apply_chat_template("a")
+    assert isinstance(e.value.__cause__, jinja2.TemplateSyntaxError)
 
 
 def test_more_or_fewer_media_than_placeholders():
@@ -382,6 +422,22 @@ def test_bad_media_errors_name_the_file(tmp_path):
         generate.main(["--image", str(good), "--quiet"])
 
 
+def test_folder_given_as_media(tmp_path):
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    write_png(shots / "a.png", 40, 60)
+    with pytest.raises(P.MediaError, match="shots: is a folder, not an image file"):
+        P.preprocess_images([shots])
+    with pytest.raises(P.MediaError, match="shots: is a folder, not a video file"):
+        P.load_video(shots)
+    with pytest.raises(P.MediaError, match="nothing.png: image file not found"):
+        P.load_image(shots / "nothing.png")
+    tiny = ["--config", "m3_tiny", "--quiet"]
+    for flag, what in (("--image", "image"), ("--video", "video")):
+        with pytest.raises(SystemExit, match=f"shots: is a folder, not an? {what} file"):
+            generate.main([flag, str(shots), *tiny])
+
+
 def _write_wav(path: Path) -> None:
     import wave
 
@@ -404,3 +460,56 @@ def test_processor_settings_from_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json: invalid JSON"):
         P.processor_settings(tmp_path)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("preprocessor_config.json", {"max_pixels": 0}, "max_pixels must be a positive integer, got 0"),
+    ("preprocessor_config.json", {"size": {"shortest_edge": -5}}, "size.shortest_edge must be a positive integer"),
+    ("preprocessor_config.json", {"max_pixels": "big"}, "max_pixels must be a positive integer, got 'big'"),
+    ("preprocessor_config.json", {"min_pixels": 500_000}, "min_pixels 500000 exceeds max_pixels 451584"),
+    ("video_preprocessor_config.json", {"fps": -1}, "fps must be a positive number, got -1"),
+    ("video_preprocessor_config.json", {"min_frames": 50, "max_frames": 0}, "max_frames must be a positive integer"),
+    ("video_preprocessor_config.json", {"min_frames": 50, "max_frames": 10}, "min_frames 50 exceeds max_frames 10"),
+    ("video_preprocessor_config.json", {"max_frames": True}, "max_frames must be a positive integer, got True"),
+    ("video_preprocessor_config.json", {"vision_segment_max_frames": 0}, "vision_segment_max_frames must be a"),
+    ("config.json", {"vision_config": {"vision_segment_max_frames": -2}}, "vision_segment_max_frames must be a"),
+])
+def test_processor_settings_reject_bad_values(tmp_path, name, content, message):
+    (tmp_path / name).write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name}: {message}")):
+        P.processor_settings(tmp_path)
+
+
+def test_processor_settings_null_means_unset(tmp_path):
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"max_pixels": None, "min_pixels": 6272, "fps": 0.5, "max_frames": None}))
+    assert P.processor_settings(tmp_path) == ({}, {"min_pixels": 6272, "fps": 0.5})
+
+
+def test_bad_settings_as_arguments_name_the_setting(tmp_path):
+    rgb = np.random.default_rng(4).integers(0, 256, (45, 130, 3), dtype=np.uint8)
+    frames = np.random.default_rng(5).integers(0, 256, (3, 56, 56, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match="smart_resize: max_pixels must be a positive integer, got 0"):
+        P.smart_resize(70, 90, max_pixels=0)
+    with pytest.raises(ValueError, match="smart_resize: factor must be a positive integer, got 0"):
+        P.smart_resize(70, 90, factor=0)
+    with pytest.raises(ValueError, match="preprocess_images: patch_size must be a positive integer, got 0"):
+        P.preprocess_images(rgb, patch_size=0)
+    with pytest.raises(ValueError, match="preprocess_images: min_pixels 1000000 exceeds max_pixels 451584"):
+        P.preprocess_images(rgb, min_pixels=1_000_000)
+    with pytest.raises(ValueError, match="preprocess_video: merge_size must be a positive integer, got -2"):
+        P.preprocess_video(frames, merge_size=-2)
+    with pytest.raises(ValueError, match="sample_frame_indices: max_frames must be a positive integer, got 0"):
+        P.sample_frame_indices(30, 10.0, min_frames=50, max_frames=0)
+    with pytest.raises(ValueError, match="sample_frame_indices: min_frames 50 exceeds max_frames 10"):
+        P.sample_frame_indices(30, 10.0, min_frames=50, max_frames=10)
+    with pytest.raises(ValueError, match="sample_frame_indices: fps must be a positive number, got nan"):
+        P.sample_frame_indices(30, 10.0, fps=float("nan"))
+    with pytest.raises(ValueError, match="video_frame_size: total_pixels must be a positive integer, got 0"):
+        P.video_frame_size(1080, 1920, 8, total_pixels=0)
+    clip = write_mp4(tmp_path / "clip.mp4", frames=6)
+    with pytest.raises(ValueError, match="load_video: max_frames must be a positive integer, got 0") as e:
+        P.load_video(clip, max_frames=0)
+    assert not isinstance(e.value, P.MediaError)  # the caller's setting, not the file, is at fault
+    # numpy integers are integers
+    assert P.smart_resize(70, 90, max_pixels=np.int64(P.IMAGE_MAX_PIXELS)) == (56, 84)
