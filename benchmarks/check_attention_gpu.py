@@ -1,7 +1,7 @@
 """GPU correctness check of the MSA sparse-attention kernels against the jnp reference (docs/MSA.md §4.3).
 
 Run on the device machine: ``PYTHONPATH=. python benchmarks/check_attention_gpu.py``. Prints one JSON line
-per case (max abs / rel errors of out and LSE, pass/fail at tests/pallas/tolerances.py, bitwise
+per case (max abs / rel errors of out and LSE, pass/fail at m3jax/pallas/tolerances.py, bitwise
 determinism of reruns).
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from m3jax import msa
 from m3jax.pallas.sparse_attention import sparse_attention
-from tests.pallas.tolerances import TOL
+from m3jax.pallas.tolerances import TOL
 
 CASES = [
     # (B, T, prefix, N, K, H, block_size, topk, dtype)
@@ -81,4 +81,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from run_info import help_or_run
+
+    help_or_run(__doc__)
     main()

@@ -8,7 +8,7 @@ M3's (N=64, K=4, H=128, Hi=4, Hx=128, page 128, top-k 16), Q=1 and Q=4, batch 2 
 and fp32; then fp8 e4m3 index-key pages (an fp8 index cache, read by the scoring kernel as stored)
 with bf16 and fp32 queries. A few other block sizes / top-k follow at the end.
 
-Tolerances: tests/pallas/tolerances.py, the table CI holds (index scores, decode attention); the
+Tolerances: m3jax/pallas/tolerances.py, the table CI holds (index scores, decode attention); the
 references run at full fp32 precision (``jax.default_matmul_precision("highest")``: XLA's GPU default
 for fp32 dots is TF32).
 ``err`` = max |got - ref| / (atol + rtol |ref|) (<= 1 passes); ``maxabs`` the raw max abs difference.
@@ -29,7 +29,7 @@ import numpy as np
 
 from m3jax import msa
 from m3jax.pallas import decode as D
-from tests.pallas.tolerances import TOL
+from m3jax.pallas.tolerances import TOL
 M3 = dict(n=64, kh=4, h=128, hx=128, bs=128, topk=16)
 
 
@@ -150,4 +150,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from run_info import help_or_run
+
+    help_or_run(__doc__)
     main()

@@ -1,8 +1,9 @@
 """GPU check for the MSA index-score and top-k Mosaic kernels: compile + correctness vs the reference
-on small shapes (bf16/fp32, block 16-256, top-k 1-64; tolerances from tests/pallas/tolerances.py), then
+on small shapes (bf16/fp32, block 16-256, top-k 1-64; tolerances from m3jax/pallas/tolerances.py), then
 the benchmark rows.
 
 Usage (device machine): PYTHONPATH=. python benchmarks/check_index_gpu.py [OUT_DIR] [contexts...]
+(OUT_DIR default: ``$OUT``, else benchmarks/out; it writes ``index_gpu.json`` there.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 
 from m3jax import msa
 from m3jax.pallas import index_scores, topk as topk_mod
-from tests.pallas.tolerances import TOL
+from m3jax.pallas.tolerances import TOL
 
 
 def check(dtype, bs, k, hi=4, hx=128, t=300, prefix=None, b=2):
@@ -44,7 +45,8 @@ def check(dtype, bs, k, hi=4, hx=128, t=300, prefix=None, b=2):
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "."
+    out = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "benchmarks/out")
+    os.makedirs(out, exist_ok=True)
     ctxs = tuple(int(x) for x in sys.argv[2:]) or (32768, 131072, 1048576)
     rows = []
 
@@ -73,4 +75,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from run_info import help_or_run
+
+    help_or_run(__doc__)
     main()

@@ -114,9 +114,11 @@ def main(argv=None) -> list[dict]:
     print("\n".join(md))
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "rows": rows}
-    (out / "cp_prefill.json").write_text(json.dumps(meta, indent=1))
-    (out / "cp_prefill.md").write_text("\n".join(md) + "\n")
+    from run_info import header, run_info
+
+    info = run_info("cp_prefill.py", argv)
+    (out / "cp_prefill.json").write_text(json.dumps({"run": info, "rows": rows}, indent=1))
+    (out / "cp_prefill.md").write_text("\n".join([header(info), "", *md]) + "\n")
     return rows
 
 

@@ -21,7 +21,7 @@ lie close together, so e4m3's 3 mantissa bits flip many near-ties; this measures
 ``rows_equal_ref`` = fraction of rows where the kernel's selection from fp8 pages equals the jnp
 reference's selection from the same pages (``m3jax.msa.reference``, which upcasts: must be 1.0 up to
 exact fp32 near-ties), with ``score_err`` = max |kernel - reference| / the index-score tolerance
-(tests/pallas/tolerances.py; <= 1 passes).
+(m3jax/pallas/tolerances.py; <= 1 passes).
 
 Run on one H200 (about 2 minutes): ``PYTHONPATH=. python benchmarks/decode_fp8_index.py``. Prints the
 table and writes ``$OUT/decode_fp8_index.md`` and ``.json`` (``$OUT`` default ``benchmarks/out``).
@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import jax
+from run_info import header, run_info
 import jax.numpy as jnp
 import numpy as np
 
@@ -103,7 +104,7 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
     from m3jax.cache import LayerCache
     from m3jax.msa import kernels
     from m3jax.pallas import decode as D
-    from tests.pallas.tolerances import TOL
+    from m3jax.pallas.tolerances import TOL
 
     bs, hx = t.index_block_size, t.index_head_dim
     q, iq, kp, vp, ikp, pt, sl = _inputs(t, b, ctx)
@@ -199,8 +200,8 @@ def main() -> None:
     batches = [int(x) for x in os.environ.get("FP8_BENCH_BATCH", "1,8").split(",")]
     deadline = time.time() + float(os.environ.get("FP8_BENCH_BUDGET_S", "150"))
     bw = copy_bandwidth()
-    head = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "copy_gbps": bw / 1e9,
-            "ptxas_isa": _ptxas_isa()}
+    info = run_info("decode_fp8_index.py", env=("FP8_BENCH_CTX", "FP8_BENCH_BATCH", "FP8_BENCH_BUDGET_S"))
+    head = {"run": info, "copy_gbps": bw / 1e9, "ptxas_isa": _ptxas_isa()}
     print(json.dumps(head), flush=True)
     print("| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS), flush=True)
     rows = []
@@ -220,12 +221,15 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_fp8_index.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
-    title = f"device {head['device']}, jax {head['jax']}, copy bandwidth {bw / 1e9:.0f} GB/s, ptxas ISA {head['ptxas_isa']}"
-    md = [title, "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    title = f"copy bandwidth {bw / 1e9:.0f} GB/s, ptxas ISA {head['ptxas_isa']}"
+    md = [header(info), "", title, "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
     md += ["| " + " | ".join(_fmt(r.get(c)) for c in COLS) + " |" for r in rows]
     (out / "decode_fp8_index.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'decode_fp8_index.md'} and .json", flush=True)
 
 
 if __name__ == "__main__":
+    from run_info import help_or_run
+
+    help_or_run(__doc__)
     main()

@@ -65,8 +65,11 @@ def main(argv=None) -> list[dict]:
     for row in rows:
         row["tokens_agree_with_first"] = next((i for i, (a, b) in enumerate(zip(row["tokens"], ref)) if a != b),
                                               min(len(row["tokens"]), len(ref)))
+    from run_info import header, run_info
+
+    info = run_info("generate_devices.py", argv)
     lines = [f"generate at ctx {args.ctx} ({' '.join(config)}, chunk {args.prefill_chunk}, "
-             f"{args.max_new_tokens} new tokens, greedy) on {jax.devices()[0].device_kind}", "",
+             f"{args.max_new_tokens} new tokens, greedy)", "", header(info), "",
              "| devices | mesh | TTFT s | prefill tok/s | decode ms/token | compile s | peak GiB (max device) | "
              "planned GiB / device | tokens equal to first run |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -78,7 +81,7 @@ def main(argv=None) -> list[dict]:
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"generate_devices_{args.ctx}.md").write_text(text + "\n")
-    (out / f"generate_devices_{args.ctx}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"generate_devices_{args.ctx}.json").write_text(json.dumps({"run": info, "rows": rows}, indent=1))
     return rows
 
 

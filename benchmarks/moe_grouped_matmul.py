@@ -1,4 +1,4 @@
-"""MoE grouped GEMM at M3 shapes, both kernel schedules, bf16 and MXFP8 weights: prefill against a
+"""MoE grouped GEMM at M3 shapes, the two MMA kernel schedules, bf16 and MXFP8 weights: prefill against a
 dense ``jnp.dot`` of the same FLOPs, decode against the weight-bytes floor.
 
 Weights: random MXFP8 experts (float8_e4m3fn values + E8M0 scales per 32 inputs) and the same weights
@@ -12,13 +12,17 @@ and down (K = 3072 -> N = 6144), 128 experts.
 * Decode: 1 and 8 tokens x top-4. Floor = bytes of the experts' weights the rows touch (bf16: 2 bytes,
   MXFP8: 1 + 1/32 per weight) / the device's copy bandwidth (read + write of a 4 GiB elementwise pass,
   same process). Each variant: ms, ms / floor, MXFP8 / bf16 of the same variant, and MXFP8 / the bf16
-  default (the MoE layer's decode config today; target <= 0.6).
+  default (the MoE layer's bf16 decode config today; target <= 0.6). MXFP8 weights at decode rows run
+  the gemv schedule instead (``layer_config``), which has no bf16 counterpart:
+  ``benchmarks/mxfp8_gemv.py`` and ``benchmarks/mxfp8_resident.py`` measure it.
 * Every result: relative L2 against ``jax.lax.ragged_dot`` on the dequantised weights.
 
-Variants: ``pipeline`` (the one-warpgroup kernel, non-persistent grid; the MoE layer's configs today:
-block_m 128 / block_n 128 in prefill, block_m 64 in decode) and ``ws`` (``warp_specialized``:
-persistent, TMA producer + two consumer warpgroups, group-aligned tiles, ``split_k`` for decode;
-``ws-rows``: the consumers split the rows, ``wg_split="m"``, bf16 only). Timing: CUPTI
+Variants: ``pipeline`` (the one-warpgroup kernel, non-persistent grid; the MoE layer's bf16 config at
+decode: block_m 64, block_n 128) and ``ws`` (``warp_specialized``: persistent, TMA producer + two
+consumer warpgroups, group-aligned tiles, ``split_k`` for decode; the layer's prefill config for both
+weight kinds: block_m 128, block_n 256; ``ws-rows``: the consumers split the rows, ``wg_split="m"``,
+bf16 only). The first variant of each table is the layer's config (``layer_config``), the base of the
+"default" ratios; in ``--dry`` the first of the dry variants. Timing: CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``, median), wall clock off the GPU.
 
 Prints the tables; writes ``$OUT/moe_grouped_matmul.md`` and ``.json`` (``$OUT`` default benchmarks/out):
@@ -64,11 +68,12 @@ def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4, wg_split="n"):
                                wg_split=wg_split)
 
 
-# name -> config; the first of each is the MoE layer's config today (m3jax.moe._grouped_matmul_config)
+# name -> config; the first of each is the MoE layer's config today (grouped_matmul.layer_config; MXFP8 at
+# decode rows runs the gemv schedule, not here)
 PREFILL = {
-    "pipeline bm128 bn128 (default)": _cfg(128, 128),
+    "ws bm128 bn256 (default)": _cfg(128, 256, WS),
+    "pipeline bm128 bn128": _cfg(128, 128),
     "pipeline bm64 bn256": _cfg(64, 256),
-    "ws bm128 bn256": _cfg(128, 256, WS),
     "ws bm128 bn128": _cfg(128, 128, WS),
     "ws bm64 bn256": _cfg(64, 256, WS),
     "ws-rows bm128 bn256": _cfg(128, 256, WS, wg_split="m"),
@@ -84,9 +89,9 @@ DECODE = {
 }
 QUICK_DECODE = {name: DECODE[name] for name in ("pipeline bm64 bn128 (default)", "ws bm64 bn256 split1",
                                                 "ws bm64 bn256 split4")}
-DRY_PREFILL = {"pipeline bm64 bn128 (default)": _cfg(64, 128, steps=2), "ws bm64 bn256": _cfg(64, 256, WS, steps=2),
+DRY_PREFILL = {"pipeline bm64 bn128": _cfg(64, 128, steps=2), "ws bm64 bn256": _cfg(64, 256, WS, steps=2),
                "ws-rows bm128 bn128": _cfg(128, 128, WS, steps=2, wg_split="m")}
-DRY_DECODE = {"pipeline bm64 bn128 (default)": _cfg(64, 128, steps=2), "ws bm64 bn256 split2": _cfg(64, 256, WS, 2, 2)}
+DRY_DECODE = {"pipeline bm64 bn128": _cfg(64, 128, steps=2), "ws bm64 bn256 split2": _cfg(64, 256, WS, 2, 2)}
 
 
 def router_group_sizes(tokens: int, topk: int, experts: int, seed: int = 0) -> jax.Array:

@@ -122,6 +122,9 @@ def bench(report, cases=CASES, cfg: SparseAttentionConfig | None = None):
 
 
 if __name__ == "__main__":
+    from run_info import help_or_run
+
+    help_or_run(__doc__)
     out = os.environ.get("OUT", "benchmarks/out")
     os.makedirs(out, exist_ok=True)
     rows = []

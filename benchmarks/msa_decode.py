@@ -159,4 +159,7 @@ def bench(report) -> None:
 
 
 if __name__ == "__main__":
+    from run_info import help_or_run
+
+    help_or_run(__doc__)
     bench(lambda row: print(json.dumps(row), flush=True))

@@ -116,6 +116,9 @@ def bench(report, contexts=(32768, 131072, 1048576), chunk=8192):
 
 
 if __name__ == "__main__":
+    from run_info import help_or_run
+
+    help_or_run(__doc__)
     import sys
 
     ctxs = tuple(int(x) for x in sys.argv[1:]) or (32768, 131072, 1048576)

@@ -40,7 +40,6 @@ Each kernel is timed in ``ROUNDS`` rounds taken in turns with the other kind's, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -55,6 +54,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_m3_width import best, on_gpu, timed
+from run_info import header, run_info
 
 from m3jax.pallas._backend import plgpu, tiled_layout
 from m3jax.pallas.grouped_matmul import (
@@ -225,34 +225,33 @@ def main() -> None:
         sys.exit("benchmarks/mxfp8_dequant.py measures GPU kernels: run it on a GPU")
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
+    info = run_info("mxfp8_dequant.py")
     if args.configs:
         # read by Mosaic GPU at its first compile: before any kernel of this process. It dumps more than
         # ptxas's report (MLIR, PTX), so into a temporary directory, removed at the end.
         dump = Path(tempfile.mkdtemp(prefix="mosaic_dump_"))
         os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(dump))
         try:
-            lines = [f"Prefill GEMMs by CTA tile ({datetime.date.today()}, {jax.devices()[0].device_kind}, "
-                     f"jax {jax.__version__})"] + tile_markdown(rows := tile_rows(dump))
+            lines = ["Prefill GEMMs by CTA tile", "", header(info)] + tile_markdown(rows := tile_rows(dump))
         finally:
             shutil.rmtree(dump)
         print("\n".join(lines))
         (out / "mxfp8_dequant_tiles.md").write_text("\n".join(lines) + "\n")
-        (out / "mxfp8_dequant_tiles.json").write_text(json.dumps(rows, indent=1))
+        (out / "mxfp8_dequant_tiles.json").write_text(json.dumps({"run": info, "rows": rows}, indent=1))
         return
     values, scales, w_bf16 = weights(D, F)
     # decode rows run the gemv schedule, which converts no tile: the shipped kernel only
     rows = [gemm_row("prefill, 16,384 rows", 16384, values, scales, w_bf16)]
     rows += [gemm_row(label, m, values, scales, w_bf16, ("shipped",))
              for label, m in (("decode, 1 token", 4), ("decode, 8 tokens", 32))]
-    title = (f"MXFP8 grouped GEMM, in-kernel dequantisation by part ({datetime.date.today()}, "
-             f"{jax.devices()[0].device_kind}, jax {jax.__version__}); device ms (ratio to bf16)")
-    lines = [title, "", "| GEMM | bf16 | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 2) + "|"]
+    title = "MXFP8 grouped GEMM, in-kernel dequantisation by part; device ms (ratio to bf16)"
+    lines = [title, "", header(info), "", "| GEMM | bf16 | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 2) + "|"]
     for r in rows:
         cells = [f"{r[v]['ms']:.3f} ({r[v]['ratio']:.2f})" if v in r else "" for v in VARIANTS]
         lines.append(f"| {r['gemm']} | {r['bf16_ms']:.3f} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     (out / "mxfp8_dequant.md").write_text("\n".join(lines) + "\n")
-    (out / "mxfp8_dequant.json").write_text(json.dumps(rows, indent=1))
+    (out / "mxfp8_dequant.json").write_text(json.dumps({"run": info, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

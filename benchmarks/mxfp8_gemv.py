@@ -7,7 +7,10 @@ projection, device ms (CUPTI) of
 
   bf16       the bf16 grouped-GEMM kernel on the dequantised weights, ``layer_config``'s config
   mma        the MXFP8 kernel on the MMA schedules ``layer_config`` chose before the gemv schedule
-  gemv       the MXFP8 gemv schedule at ``gemv.decode_split`` (``layer_config``'s choice up to 8 rows per group) and, beside it, half and twice its K split
+  gemv       the MXFP8 gemv schedule at ``gemv.decode_split`` for one weight per launch (``layer_config``'s
+             choice up to 8 rows per group) and, beside it, half and twice its K split. Each projection is
+             a launch of its own here; the model runs gate and up in one launch (``weights=2``), which
+             halves the shared gate's split (16 against 32) and leaves the routed ones' as they are
   floor      the fp8 values + scales of the experts with rows, at this process's copy bandwidth
 
 with max |diff| of the MXFP8 outputs against the dequantised weights' fp32 product.
@@ -18,7 +21,6 @@ with max |diff| of the MXFP8 outputs against the dequantised weights' fp32 produ
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_m3_width import best, copy_bandwidth, on_gpu, timed
+from run_info import header, run_info
 
 from m3jax.pallas.grouped_matmul import gemv, grouped_matmul, grouped_matmul_mxfp8, kernel, layer_config, reference
 
@@ -93,6 +96,7 @@ def main() -> None:
         sys.exit("benchmarks/mxfp8_gemv.py measures GPU kernels: run it on a GPU")
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
+    info = run_info("mxfp8_gemv.py")
     bandwidth = copy_bandwidth(4.0)
 
     def weights(seed, g, k, n):
@@ -106,11 +110,10 @@ def main() -> None:
         rows.append(projection("routed gate", tokens, *gate, bandwidth))
         rows.append(projection("routed down", tokens, *down, bandwidth))
         rows.append(projection("shared gate", tokens, *shared, bandwidth, shared=True))
-    title = (f"MXFP8 decode GEMMs, gemv vs MMA schedules ({datetime.date.today()}, {jax.devices()[0].device_kind}, "
-             f"jax {jax.__version__}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s); device ms")
-    header = ("| projection | tokens | floor | bf16 | MXFP8 mma | MXFP8 gemv (split) | gemv / bf16 | gemv / floor | "
+    title = f"MXFP8 decode GEMMs, gemv vs MMA schedules (copy bandwidth {bandwidth / 1e9:,.0f} GB/s); device ms"
+    columns = ("| projection | tokens | floor | bf16 | MXFP8 mma | MXFP8 gemv (split) | gemv / bf16 | gemv / floor | "
               "splits (ms) | max abs diff gemv / mma |")
-    lines = [title, "", header, "|---" * 10 + "|"]
+    lines = [title, "", header(info), "", columns, "|---" * 10 + "|"]
     for r in rows:
         split = r["gemv"]["config"].split("split_k=")[1].split(",")[0]
         splits = ", ".join(f"{s}: {ms:.3f}" for s, ms in sorted(r["gemv_splits"].items()))
@@ -120,7 +123,7 @@ def main() -> None:
                      f"{r['gemv']['max_abs_diff']:.2g} / {r['mma']['max_abs_diff']:.2g} |")
     print("\n".join(lines))
     (out / "mxfp8_gemv.md").write_text("\n".join(lines) + "\n")
-    (out / "mxfp8_gemv.json").write_text(json.dumps(rows, indent=1))
+    (out / "mxfp8_gemv.json").write_text(json.dumps({"run": info, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,20 +12,24 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
    whole MSA + MoE decoder layer's decode step at the last position of a ``--ctx`` cache; target for
    the MoE decode: <= 0.6x of bf16. Beside it, in the same process, the MXFP8 block with the shared
    expert in launches of its own (:func:`shared_expert_apart`; what it ran before they shared the routed
-   experts' gemv launches) and with a kernel call per projection (:func:`one_call_per_projection`; what
-   it ran before gate and up shared a launch). The
+   experts' gemv launches), with a kernel call per projection (:func:`one_call_per_projection`; what
+   it ran before gate and up shared a launch), and with the shared expert first in the shared launches at
+   its chosen K split and at splits 4 and 2 (:func:`shared_expert_first`, not shipped: candidates for
+   the 8-token case). The
    shared expert alone three ways: MXFP8 through the grouped-GEMM
-   kernel as one group (what ``m3jax.moe.linear`` runs for every MXFP8 weight outside the routed experts
-   up to 64 rows: the shared expert, attention and index projections, dense MLP), MXFP8 dequantised at use
-   by XLA (what they get above 64 rows), bf16;
+   kernel as one group (what ``m3jax.moe.linear`` runs for every dense MXFP8 weight up to 64 rows: attention
+   and index projections, dense MLP, and the shared expert wherever it is not in the routed experts' gemv
+   launches, which it shares at decode), MXFP8 dequantised at use by XLA (what they get above 64 rows),
+   bf16;
 3. the prefill grouped GEMMs of a ``--chunk``-token chunk (4 routed rows per token, uniform random
    routing over the 128 experts): gate [T*4, 6144] x [128, 6144, 3072] and down [T*4, 3072] x
    [128, 3072, 6144], the bf16 kernel against the MXFP8 kernel; target <= 1.1x of bf16;
 4. the routed experts' gate GEMM of one decode token alone (4 rows, 4 experts) at tile widths 64 / 128
    and 4 / 8 pipeline stages, and on the persistent warp-specialised schedule (block_n 256, split_k 1 / 2
    / 4 / 8 / 16), bf16 and MXFP8 kernels: how the kernels' config should be set for decode (the MoE block
-   runs ``m3jax.pallas.grouped_matmul.layer_config``'s choice: for this GEMM in MXFP8 the warp-specialised
-   schedule split over K, in bf16 the pipeline at block_m 64, block_n 128, 4 stages);
+   runs ``m3jax.pallas.grouped_matmul.layer_config``'s choice: for this GEMM in MXFP8 the gemv schedule split
+   over K, not swept here: ``benchmarks/mxfp8_gemv.py`` times it beside these; in bf16 the pipeline at
+   block_m 64, block_n 128, 4 stages);
 5. agreement: every MXFP8 result against the bf16 one on the same (dequantised) weights (relative L2;
    equal weights, so accumulation order and bf16 output rounding only).
 
@@ -33,7 +37,7 @@ Prints the tables and writes ``$OUT/mxfp8_resident.md`` and ``.json`` (``$OUT`` 
 On one H200 (2026-12-02: about 6.5 minutes with ``--decode-only``, which a 10-minute call holds; the whole
 run longer):
 
-    PYTHONPATH=. python benchmarks/mxfp8_resident.py [--decode-only]
+    PYTHONPATH=. python benchmarks/mxfp8_resident.py [--decode-only | --moe-decode-only]
     PYTHONPATH=. python benchmarks/mxfp8_resident.py --dry     # CPU: tiny widths end to end, wall times
 """
 
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
+import dataclasses
 import functools
 import json
 import os
@@ -63,6 +67,7 @@ from generate_m3_width import (
     timed,
     tiny_config,
 )
+from run_info import header, run_info
 
 from m3jax import moe
 from m3jax.config import preset
@@ -141,6 +146,36 @@ def shared_expert_apart():
         moe._gemv_configs = saved
 
 
+@contextlib.contextmanager
+def shared_expert_first(split_k: int | None = None):
+    """m3jax.moe with the shared expert's problem before the routed experts' in each shared gemv launch, its
+    K split ``split_k`` (None: as chosen). Why: at 8 tokens the shared expert's visits run the gemv's 8-row
+    body, which issues 28 instructions per K row where a routed 1-row visit issues about 7, so its CTAs are
+    bound by instruction issue (about 2.4 TB/s of fp8 by that count) where the routed ones are bound by
+    memory. Last in the grid, as shipped, they run alone after the routed CTAs; first, with a smaller split
+    (fewer, longer CTAs), each could share an SM with routed CTAs for the whole launch. jit inside the block."""
+    from m3jax.pallas import grouped_matmul as gm
+
+    saved = gm.gemv_launch_mxfp8
+
+    def launch(problems, **kw):
+        routed, shared = problems
+        if split_k is not None:
+            shared = (*shared[:3], dataclasses.replace(shared[3], split_k=split_k))
+        out_shared, out_routed = saved((shared, routed), **kw)
+        return out_routed, out_shared
+
+    gm.gemv_launch_mxfp8 = launch
+    try:
+        yield
+    finally:
+        gm.gemv_launch_mxfp8 = saved
+
+
+# moe_decode's rows of shared_expert_first: name -> its split_k
+SHARED_FIRST = {"mxfp8_shared_first": None, "mxfp8_shared_first_split4": 4, "mxfp8_shared_first_split2": 2}
+
+
 def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
     t = cfg.text
     x = (0.5 * jax.random.normal(jax.random.key(tokens), (tokens, t.hidden_size))).astype(jnp.bfloat16)
@@ -157,6 +192,13 @@ def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
         g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
         row["mxfp8_shared_apart"] = timed(lambda: g(pm, x), iters)
     row["ratio_shared_apart"] = best(row["mxfp8_shared_apart"]) / best(row["bf16"])
+    for name, split_k in SHARED_FIRST.items():
+        with shared_expert_first(split_k):
+            g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
+            row[name] = timed(lambda: g(pm, x), iters)
+            row[f"rel_err_{name}"] = rel_err(g(pm, x), f(pm, x))
+    # the shipped block again, last: a drift of the clocks over the variants shows as a difference here
+    row["mxfp8_again"] = timed(lambda: f(pm, x), iters)
     row["kernels_mxfp8"] = kernel_table(lambda: f(pm, x))
     row["kernels_bf16"] = kernel_table(lambda: f(pb, x))
     shared = jax.jit(lambda p, x, impl: dense_mlp(x, p, t, impl), static_argnums=2)
@@ -262,7 +304,7 @@ def markdown(res: dict) -> str:
     gib = 2**30
     m = res["memory"]
     lines = [
-        f"# MXFP8-resident vs bf16 weights, {res['config']} ({res['device']}, {res['date']})", "",
+        f"# MXFP8-resident vs bf16 weights, {res['config']}", "", header(res["run"]), "",
         "## Params on the device", "",
         "| weights | bytes of the arrays (GiB) | allocator growth (GiB) |", "|---|---|---|",
     ]
@@ -280,6 +322,12 @@ def markdown(res: dict) -> str:
                      f"{_ms(r['mxfp8_shared_apart'])} | {_ms(r['bf16'])} | {r['ratio_shared_apart']:.2f} | |")
         lines.append(f"| MoE block, {r['tokens']} token(s), a kernel call per projection | "
                      f"{_ms(r['mxfp8_call_per_projection'])} | {_ms(r['bf16'])} | {r['ratio_call_per_projection']:.2f} | |")
+        for name, split_k in SHARED_FIRST.items():
+            lines.append(f"| MoE block, {r['tokens']} token(s), the shared expert first in the launches, split "
+                         f"{'as chosen' if split_k is None else split_k} | {_ms(r[name])} | {_ms(r['bf16'])} | "
+                         f"{best(r[name]) / best(r['bf16']):.2f} | {r[f'rel_err_{name}']:.1e} vs shipped |")
+        lines.append(f"| MoE block, {r['tokens']} token(s), as shipped, timed again after the variants | "
+                     f"{_ms(r['mxfp8_again'])} | {_ms(r['bf16'])} | {best(r['mxfp8_again']) / best(r['bf16']):.2f} | |")
     for r in res["moe_decode"]:
         s = r["shared"]
         lines.append(f"| shared expert, {r['tokens']} token(s): MXFP8 kernel / MXFP8 XLA-dequantised | "
@@ -287,8 +335,9 @@ def markdown(res: dict) -> str:
                      f"{best(s['mxfp8_kernel']) / best(s['bf16']):.2f} / {best(s['mxfp8_xla']) / best(s['bf16']):.2f} | "
                      f"{s['rel_err_kernel']:.1e} |")
     r = res["layer_decode"]
-    lines.append(f"| MSA + MoE layer step, ctx {r['ctx']:,} | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
-                 f"**{r['ratio']:.2f}** | {r['rel_err']:.1e} |")
+    if r:
+        lines.append(f"| MSA + MoE layer step, ctx {r['ctx']:,} | {_ms(r['mxfp8'])} | {_ms(r['bf16'])} | "
+                     f"**{r['ratio']:.2f}** | {r['rel_err']:.1e} |")
     if res["prefill"]:
         lines += ["", f"## Prefill grouped GEMMs, {res['chunk']}-token chunk (target <= 1.1x)", "",
                   "| projection | rows x K x N | mxfp8 ms | bf16 ms | ratio | TFLOP/s mxfp8 / bf16 | rel err |",
@@ -319,6 +368,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dry", action="store_true", help="tiny widths (CPU): the script end to end")
     ap.add_argument("--decode-only", action="store_true", help="parts 1, 2 and 5: no prefill GEMMs, no config sweep")
+    ap.add_argument("--moe-decode-only", action="store_true",
+                    help="parts 1 and 2's MoE block (its variants included) only: no layer step, prefill or sweep")
     args = ap.parse_args(argv)
     if args.dry:
         cfg, args.ctx, args.chunk, args.iters = tiny_config(), 256, 64, 2
@@ -331,8 +382,7 @@ def main(argv=None):
                for tree in (mx, bf) for lp in tree["text"]["layers"] if "moe" in lp]
     half = len(experts) // 2
     res = {
-        "config": cfg_name, "device": jax.devices()[0].device_kind,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "config": cfg_name, "run": run_info("mxfp8_resident.py", argv),
         "ctx": args.ctx, "chunk": args.chunk,
         "memory": {"mxfp8": tree_bytes(mx), "bf16": tree_bytes(bf), "ratio": tree_bytes(mx) / tree_bytes(bf),
                    "experts_mxfp8": sum(experts[:half]), "experts_bf16": sum(experts[half:]),
@@ -340,9 +390,10 @@ def main(argv=None):
     }
     print(json.dumps(res["memory"]), flush=True)
     res["moe_decode"] = [moe_decode(cfg, mx, bf, n, args.iters) for n in (1, 8)]
-    res["layer_decode"] = layer_decode(cfg, mx, bf, args.ctx, args.iters)
-    res["prefill"] = [] if args.decode_only else prefill_gemms(cfg, mx, bf, args.chunk, args.iters)
-    res["decode_gemm_configs"] = [] if args.decode_only else decode_gemm_configs(cfg, mx, bf, args.iters)
+    res["layer_decode"] = None if args.moe_decode_only else layer_decode(cfg, mx, bf, args.ctx, args.iters)
+    skip = args.decode_only or args.moe_decode_only
+    res["prefill"] = [] if skip else prefill_gemms(cfg, mx, bf, args.chunk, args.iters)
+    res["decode_gemm_configs"] = [] if skip else decode_gemm_configs(cfg, mx, bf, args.iters)
     res["targets_met"] = {"moe_decode_le_0.6": all(r["ratio"] <= 0.6 for r in res["moe_decode"])}
     if res["prefill"]:
         res["targets_met"]["prefill_gemm_le_1.1"] = all(r["ratio"] <= 1.1 for r in res["prefill"])

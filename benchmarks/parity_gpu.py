@@ -3,12 +3,12 @@ fp32 and bf16, against the transformers oracle fixtures and against an exact fp3
 random configs (issue #14's closing table).
 
 fp32 (the precision contract): each path's logits rel-L2 against the oracle (<= 1e-5,
-tests/pallas/tolerances.py) and its MSA selections equal to the oracle's as sets in every row.
+m3jax/pallas/tolerances.py) and its MSA selections equal to the oracle's as sets in every row.
 bf16: the kernels' selections against the reference's on the same inputs (m3jax.probe.
 kernel_selection_agreement: the reference residual stream, both selections from each layer's own
 iq / ik): rows whose selections differ, and how many of them are near-ties within m3jax.msa.compare's
 bound (all should be); logits rel-L2 of both whole paths against the fp32 oracle (the kernels path held
-to <= 2x the reference's, tests/pallas/tolerances.py).
+to <= 2x the reference's, m3jax/pallas/tolerances.py).
 
 Cases: the oracle fixtures under --fixtures (tests/fixtures is git-ignored: carry it), and random
 configs: m3-small's shape (G = 4, head dim 64, block 64, top-8), a G = 16 / head dim 128 variant,
@@ -34,9 +34,10 @@ import numpy as np
 
 import m3jax
 from m3jax.msa import kernels
+from m3jax.pallas.tolerances import TOL
 from m3jax.probe import kernel_selection_agreement
+from run_info import run_info
 from tests.conftest import ORACLE_CONFIGS, rel_l2, same_sets
-from tests.pallas.tolerances import TOL
 
 
 def random_cases(tokens: int):
@@ -136,12 +137,12 @@ def main():
           flush=True)
     print("| case | dtype | impl | logits rel-L2 vs oracle | rows differing | near-ties / differing | verdict | s |\n"
           "|---|---|---|---|---|---|---|---|", flush=True)
-    rows = []
+    rows, info = [], run_info("parity_gpu.py")
 
     def emit(r):
         print(fmt(r), flush=True)
         rows.append(r)
-        (out_dir / "parity_gpu.json").write_text(json.dumps(rows, indent=1))
+        (out_dir / "parity_gpu.json").write_text(json.dumps({"run": info, "rows": rows}, indent=1))
 
     for name in ORACLE_CONFIGS:
         if args.only not in name:

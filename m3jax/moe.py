@@ -38,9 +38,11 @@ def dequantize_layer(lp: dict, dtype) -> dict:
 # Dense MXFP8 matmuls take the grouped-GEMM kernel (one group) up to this many rows: at decode it reads
 # the fp8 weights once (H200, benchmarks/RESULTS.md eighth to twelfth sessions: the shared expert at 1
 # and 8 tokens 0.026-0.052 ms through it, the gemv schedule up to 8 rows, 0.113 dequantised by XLA then
-# multiplied). Past it the kernel's in-tile conversion costs 1.5-1.65x a bf16 GEMM's time (prefill, same
-# runs), while XLA's dequantisation is one pass over the weight per call, small beside a GEMM of that
-# many rows.
+# multiplied). The limit was set when, past it, the kernel's in-tile conversion cost 1.5-1.65x a bf16
+# GEMM's time (prefill, same runs), while XLA's dequantisation is one pass over the weight per call, small
+# beside a GEMM of that many rows. Since the sixteenth session the MoE's prefill GEMMs take 1.02-1.07x
+# bf16's time in the kernel; whether the kernel now beats XLA's dequantise-then-dot past 64 rows for
+# these dense weights is not yet measured.
 MXFP8_KERNEL_MAX_ROWS = 64
 
 

@@ -4,7 +4,7 @@
     python -m m3jax.plan --config minimax_m3 --devices 8 --hbm-gb 141 --ctx 1000000 --dtype mxfp8
 
 ``--dtype mxfp8`` counts what ``load_pretrained(..., weights="mxfp8")`` holds (the generate CLI's
-``--weights mxfp8``): MXFP8 weights at 1 byte + 1 byte per 32 scales, everything else BF16.
+``--weights mxfp8``): MXFP8 weights at 1 byte per weight + 1 byte of scale per 32 weights, everything else BF16.
 
 The strategy is the one of docs/SHARDING.md and of :data:`m3jax.sharding.RULES`: one ``model`` axis
 of N devices; experts split N ways (expert parallel), query heads / dense MLP / shared expert /
