@@ -64,7 +64,7 @@ def resolve_attention_impl(impl: str, cfg=None, dtype="bfloat16") -> str:
         if not on_gpu():
             warnings.warn("attention_impl='pallas' off the GPU runs the kernels in Mosaic GPU's interpret mode: the "
                           "same numbers, orders of magnitude slower (a test tool; 'reference' is the CPU path)",
-                          stacklevel=2)
+                          stacklevel=3)
         return impl
     if not on_gpu():
         return "reference"

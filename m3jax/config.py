@@ -159,9 +159,16 @@ class TextConfig:
         # and are then never produced (a stop id that never matches), not an error.
         eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
         for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", eos)):
-            if not all(i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in ids):
+            if not all(i is None or (isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0)
+                       for i in ids):
                 raise UnsupportedConfigError(f"text_config.{name}={getattr(self, name)!r} must be a token id "
                                              "(a non-negative integer), a list of them, or null")
+        # numpy integers as Python ints: config.json is written from these fields
+        if self.bos_token_id is not None:
+            object.__setattr__(self, "bos_token_id", int(self.bos_token_id))
+        if self.eos_token_id is not None:
+            object.__setattr__(self, "eos_token_id", tuple(map(int, eos)) if isinstance(self.eos_token_id, tuple)
+                               else int(self.eos_token_id))
         for name in ("msa_force_in", "msa_force_out"):
             pairs = getattr(self, name)
             ok = isinstance(pairs, tuple) and all(

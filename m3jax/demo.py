@@ -29,10 +29,11 @@ def main(argv=None) -> dict:
     ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="m3_tiny", help=f"preset name: {describe_presets()}")
     ap.add_argument("--out", type=Path, help="checkpoint directory to write (default: a temporary one)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint that --out already holds")
     ap.add_argument("--seq-len", type=cli.positive_int, default=512)
     ap.add_argument("--batch", type=cli.positive_int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli.seed, default=0)
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
 
@@ -50,7 +51,7 @@ def main(argv=None) -> dict:
         timings["init"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        m3jax.save_pretrained(model, out)
+        m3jax.save_pretrained(model, out, overwrite=args.overwrite)
         timings["save"] = time.perf_counter() - t0
         print(f"saved HF checkpoint to {out} ({_dir_bytes(out) / 1e6:.1f} MB)")
 

@@ -339,16 +339,21 @@ class Engine:
         """Generate for up to ``batch`` prompts (token ids, or precomputed embeddings [T, D] each)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (0 = prefill only), got {max_new_tokens}")
-        if not (isinstance(seed, (int, np.integer)) and -(2**63) <= seed < 2**63):
+        if not (np.ndim(seed) == 0 and np.issubdtype(np.asarray(seed).dtype, np.integer)
+                and -(2**63) <= int(seed) < 2**63):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63) (a JAX PRNG key), got {seed!r}")
         inputs = list(prompts) if prompt_embeds is None else list(prompt_embeds)
         n = len(inputs)
         if not 0 < n <= self.batch:
             raise ValueError(f"{n} prompts for an engine of batch {self.batch}")
         for i, p in enumerate(inputs):  # before any prefill: a bad prompt must not leave others half-run
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
             if prompt_embeds is not None:
                 self._check_embeds(p, f"prompt_embeds[{i}]")
-            elif len(p):
+            elif np.ndim(p) != 1:
+                raise ValueError(f"prompt {i} must be a 1-D sequence of token ids, got shape {np.shape(p)}")
+            else:
                 check_input_ids(p, self.cfg.text, name=f"prompt {i}")
         lens = [len(p) for p in inputs]
         if max(lens) + max_new_tokens > self.capacity:

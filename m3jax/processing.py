@@ -112,10 +112,12 @@ def _check_settings(where: str, **values) -> None:
             continue
         if key == "fps":
             ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-        else:
-            ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
+        else:  # segment_max_frames 0, like None, keeps a video whole (_segments)
+            least = 0 if key == "segment_max_frames" else 1
+            ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= least
         if not ok:
-            want = "a positive number" if key == "fps" else "a positive integer"
+            want = ("a positive number" if key == "fps" else
+                    "an integer >= 0" if key == "segment_max_frames" else "a positive integer")
             raise ValueError(f"{where}: {key} must be {want}, got {v!r}")
     for lo, hi in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
         if values.get(lo) is not None and values.get(hi) is not None and values[lo] > values[hi]:
@@ -375,7 +377,7 @@ def preprocess_video(videos, *, min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: 
     """Videos (uint8 [T, H, W, 3] arrays or :class:`VideoClip`; one or a list), frames used as given.
 
     Returns ``pixel_values_videos`` float32 [N, C*Tp*P*P]; ``video_grid_thw`` int64 with one row per
-    attention segment (at most ``segment_max_frames`` temporal patches; None keeps a video whole);
+    attention segment (at most ``segment_max_frames`` temporal patches; None or 0 keeps a video whole);
     ``num_chunks_per_video`` (rows per video); ``video_metadata`` [(fps, frames_indices)] per video
     for the timestamps; ``video_names``. With ``do_resize=False`` the frames must already have sides
     that are multiples of patch_size * merge_size (what :func:`load_video` returns).

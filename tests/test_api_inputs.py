@@ -72,3 +72,26 @@ def test_msa_force_in_must_be_layer_block_pairs(pairs):
     with pytest.raises(UnsupportedConfigError, match="msa_force_in=.* must be a tuple of \\(layer, block id\\) pairs"):
         preset("m3_tiny").replace_text(msa_force_in=pairs)
     assert preset("m3_tiny").replace_text(msa_force_in=((1, np.int64(0)),)).text.msa_force_in == ((1, 0),)
+
+
+def test_engine_checks_every_prompt_before_any_prefill(model):
+    engine = Engine(model.params, model.config, batch=2, capacity=64, prefill_chunk=16)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1, 2, 3], []], max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"prompt 1 must be a 1-D sequence of token ids, got shape \(1, 2\)"):
+        engine.generate([[1, 2, 3], [[1, 2]]], max_new_tokens=1)
+
+
+def test_engine_takes_numpy_and_jax_integer_seeds(engine):
+    import jax.numpy as jnp
+
+    a = engine.generate([[1, 2, 3]], max_new_tokens=2, seed=3).generated
+    assert engine.generate([[1, 2, 3]], max_new_tokens=2, seed=np.int64(3)).generated == a
+    assert engine.generate([[1, 2, 3]], max_new_tokens=2, seed=jnp.int32(3)).generated == a
+
+
+def test_numpy_token_ids_in_the_config_become_python_ints():
+    t = preset("m3_tiny").replace_text(eos_token_id=(np.int64(2), 3), bos_token_id=np.int32(1)).text
+    assert t.eos_token_id == (2, 3) and type(t.eos_token_id[0]) is int and type(t.bos_token_id) is int
+    with pytest.raises(UnsupportedConfigError, match="eos_token_id='abc' must be a token id"):
+        preset("m3_tiny").replace_text(eos_token_id="abc")

@@ -1,6 +1,7 @@
 """What the Mosaic GPU kernels share: the fp32 -> bf16 (hi, lo) split, the SMEM swizzle layout, the
-attention kernels' online-softmax step (prefill and decode, Hopper and Blackwell) and the shape check of
-their public entry points.
+softmax in log2 units (its constants for every attention kernel; the online step of the query-major
+prefill kernel and the Hopper and Blackwell decode kernels) and the shape check of their public entry
+points.
 
 The LSE merge and the forced-block priority are MSA maths and live in :mod:`m3jax.msa.reference`,
 which the kernels and their references import.
