@@ -55,6 +55,11 @@ def _check_positive(cfg, where: str, names) -> None:
             raise UnsupportedConfigError(f"{where}.{name}={value!r} must be a positive integer")
 
 
+def _is_index(v) -> bool:
+    """A non-negative integer (numpy's too; not a bool): a token id, a layer, a block id."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+
+
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
     """Decoder (language model) hyper-parameters; names follow transformers' MiniMaxM3VLTextConfig."""
@@ -159,8 +164,7 @@ class TextConfig:
         # and are then never produced (a stop id that never matches), not an error.
         eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
         for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", eos)):
-            if not all(i is None or (isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0)
-                       for i in ids):
+            if not all(i is None or _is_index(i) for i in ids):
                 raise UnsupportedConfigError(f"text_config.{name}={getattr(self, name)!r} must be a token id "
                                              "(a non-negative integer), a list of them, or null")
         # numpy integers as Python ints: config.json is written from these fields
@@ -171,9 +175,8 @@ class TextConfig:
                                else int(self.eos_token_id))
         for name in ("msa_force_in", "msa_force_out"):
             pairs = getattr(self, name)
-            ok = isinstance(pairs, tuple) and all(
-                isinstance(p, tuple) and len(p) == 2 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in p)
-                for p in pairs)
+            ok = isinstance(pairs, tuple) and all(isinstance(p, tuple) and len(p) == 2 and all(map(_is_index, p))
+                                                  for p in pairs)
             if not ok:
                 raise UnsupportedConfigError(f"{name}={pairs!r} must be a tuple of (layer, block id) pairs of "
                                              "non-negative ints, e.g. ((2, 0), (2, 5))")

@@ -29,6 +29,13 @@ PAGES = _ones(4, 64, 2, 64)  # [pages, block_size, K, H]
 PAGE_TABLE = jnp.zeros((1, 4), jnp.int32)
 SEQ_LENS = jnp.array([100], jnp.int32)
 
+
+def _decode_attention(impl, block_idx, page_table=PAGE_TABLE, block_size=64):
+    """sparse_decode_attention on QD and PAGES with one of its other operands or the block size changed."""
+    return decode.sparse_decode_attention(QD, PAGES, PAGES, page_table, block_idx, SEQ_LENS, block_size=block_size,
+                                          implementation=impl)
+
+
 CASES = {
     "index scores: Hx differs": (
         lambda impl: index_scores.index_block_scores(IQ, _ones(1, 64, 128), Q_POS, block_size=16, implementation=impl),
@@ -62,17 +69,14 @@ CASES = {
                                                        Q_POS, block_size=16, implementation=impl),
         r"N=15 must be a multiple of the KV heads K=2"),
     "decode attention: block_idx Q": (
-        lambda impl: decode.sparse_decode_attention(QD, PAGES, PAGES, PAGE_TABLE, jnp.zeros((1, 2, 2, 1), jnp.int32),
-                                                    SEQ_LENS, block_size=64, implementation=impl),
+        lambda impl: _decode_attention(impl, jnp.zeros((1, 2, 2, 1), jnp.int32)),
         r"sparse_decode_attention: block_idx has Q=2"),
     "decode attention: page_table batch": (
-        lambda impl: decode.sparse_decode_attention(QD, PAGES, PAGES, jnp.zeros((2, 4), jnp.int32),
-                                                    jnp.zeros((1, 2, 1, 1), jnp.int32), SEQ_LENS, block_size=64,
-                                                    implementation=impl),
+        lambda impl: _decode_attention(impl, jnp.zeros((1, 2, 1, 1), jnp.int32),
+                                       page_table=jnp.zeros((2, 4), jnp.int32)),
         r"page_table has B=2"),
     "decode attention: page size": (
-        lambda impl: decode.sparse_decode_attention(QD, PAGES, PAGES, PAGE_TABLE, jnp.zeros((1, 2, 1, 1), jnp.int32),
-                                                    SEQ_LENS, block_size=128, implementation=impl),
+        lambda impl: _decode_attention(impl, jnp.zeros((1, 2, 1, 1), jnp.int32), block_size=128),
         r"k_pages holds pages of 64 tokens .* block_size=128"),
     "decode index scores: seq_lens batch": (
         lambda impl: decode.decode_index_scores(_ones(1, 1, 2, 64), _ones(4, 64, 64), PAGE_TABLE, jnp.array([1, 2]),
@@ -95,10 +99,11 @@ def test_index_kernel_block_size():
 
 
 def test_grouped_matmul_ranks():
-    with pytest.raises(ValueError, match=r"lhs \(64,\) must be \[M, K\]"):
+    with pytest.raises(ValueError, match=r"grouped_matmul: lhs must be \[M, K\], got shape \(64,\)"):
         grouped_matmul(_ones(64), _ones(2, 64, 64), jnp.array([32, 32], jnp.int32))
     values, scales = jnp.ones((2, 64, 256), jnp.float8_e4m3fn), jnp.ones((2, 2, 256), jnp.uint8)
-    with pytest.raises(ValueError, match=r"scales \(2, 256\) \[G, K / group, N\]"):
+    with pytest.raises(ValueError,
+                       match=r"grouped_matmul_mxfp8: scales must be \[G, K_groups, N\], got shape \(2, 256\)"):
         grouped_matmul_mxfp8(_ones(8, 64), values, scales[:, 0], jnp.array([4, 4], jnp.int32))
 
 

@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import bf16_split, split_products, swizzle_transforms
+from m3jax.pallas._common import bf16_split, check_dims, split_products, swizzle_transforms
 from m3jax.pallas.grouped_matmul import gemv, persistent, tiles
 from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
@@ -87,8 +87,9 @@ ROW_CHUNK = 8  # rows per aligned TMA store chunk
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
     """Tile configuration. ``block_m``: rows per tile (64 or 128); ``block_n``: output columns per
-    CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512, multiple of 128); ``block_k``: K per pipeline step (64 = one 128-byte swizzled
-    bf16 row); ``max_concurrent_steps``: K steps in flight (capped by SMEM).
+    CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512, multiple of 128); ``block_k``: K
+    per pipeline step (64 = one 128-byte swizzled bf16 row); ``max_concurrent_steps``: K steps in flight
+    (capped by SMEM).
 
     ``schedule``: ``"pipeline"`` (this module: one warpgroup per CTA, a CTA per work item, tiles
     aligned to ``block_m``) or ``"warp_specialized"`` (:mod:`.persistent`: one CTA per SM, a TMA
@@ -454,13 +455,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
       ValueError: shapes the kernel cannot take (``unsupported_reason``).
     """
     config = config or GroupedMatmulConfig()
-    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"shape mismatch: lhs {lhs.shape} must be [M, K], rhs {rhs.shape} [G, K, N], "
-                         f"group_sizes {group_sizes.shape} [G]")
+    check_dims("grouped_matmul", lhs=(lhs, "M K"), rhs=(rhs, "G K N"), group_sizes=(group_sizes, "G"))
     m, k = lhs.shape
-    g, k2, n = rhs.shape
-    if k != k2 or group_sizes.shape != (g,):
-        raise ValueError(f"shape mismatch: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+    g, _, n = rhs.shape
     reason = unsupported_reason(m, k, n, g, config)
     if reason:
         raise ValueError(f"grouped_matmul kernel cannot take lhs {lhs.shape} x rhs {rhs.shape}: {reason}")
@@ -495,15 +492,13 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
 
 
 def _check_mxfp8(lhs, values, scales, group_sizes, config: GroupedMatmulConfig) -> None:
-    if lhs.ndim != 2 or values.ndim != 3 or scales.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"shape mismatch: lhs {lhs.shape} must be [M, K], values {values.shape} [G, K, N], "
-                         f"scales {scales.shape} [G, K / group, N], group_sizes {group_sizes.shape} [G]")
+    check_dims("grouped_matmul_mxfp8", lhs=(lhs, "M K"), values=(values, "G K N"),
+               scales=(scales, "G K_groups N"), group_sizes=(group_sizes, "G"))
+    if values.dtype != jnp.float8_e4m3fn or scales.dtype != jnp.uint8:
+        raise ValueError(f"grouped_matmul_mxfp8: values must be float8_e4m3fn and scales uint8, got "
+                         f"{values.dtype} and {scales.dtype}")
     m, k = lhs.shape
-    g, k2, n = values.shape
-    if (k != k2 or group_sizes.shape != (g,) or scales.shape[::2] != (g, n) or values.dtype != jnp.float8_e4m3fn
-            or scales.dtype != jnp.uint8):
-        raise ValueError(f"shape mismatch: lhs {lhs.shape}, values {values.shape} {values.dtype}, scales "
-                         f"{scales.shape} {scales.dtype}, group_sizes {group_sizes.shape}")
+    g, _, n = values.shape
     reason = mxfp8_unsupported_reason(m, k, n, g, scales.shape[1], config)
     if reason:
         raise ValueError(f"grouped_matmul_mxfp8 kernel cannot take lhs {lhs.shape} x values {values.shape}: {reason}")

@@ -303,10 +303,9 @@ def index_block_scores_blockmajor(iq, ik, q_pos, *, block_size, config=None, int
 @functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
 def index_block_scores(iq, ik, q_pos, *, block_size, config=None, interpret=None):
     """fp32 [B, Hi, T, nb]; semantics of ``m3jax.msa.block_scores``."""
-    check_inputs("index_block_scores", iq, ik, q_pos, block_size)
-    b, t, hi, _ = iq.shape
-    nb = -(-ik.shape[1] // block_size)
     out, _ = index_block_scores_blockmajor(iq, ik, q_pos, block_size=block_size, config=config, interpret=interpret)
+    b, t, hi, _ = iq.shape  # checked by the call
+    nb = -(-ik.shape[1] // block_size)
     out = out[:, :nb, : t * hi].reshape(b, nb, t, hi)
     return jnp.transpose(out, (0, 3, 2, 1))
 
