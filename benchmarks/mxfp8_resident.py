@@ -12,10 +12,11 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
    whole MSA + MoE decoder layer's decode step at the last position of a ``--ctx`` cache; target for
    the MoE decode: <= 0.6x of bf16. Beside it, in the same process, the MXFP8 block with the shared
    expert in launches of its own (:func:`shared_expert_apart`; what it ran before they shared the routed
-   experts' gemv launches), with a kernel call per projection (:func:`one_call_per_projection`; what
-   it ran before gate and up shared a launch), and with the shared expert first in the shared launches at
-   its chosen K split and at splits 4 and 2 (:func:`shared_expert_first`, not shipped: candidates for
-   the 8-token case). The
+   experts' gemv launches) and, at 8 tokens, with the shared expert last in those launches at the K
+   split it has alone (:func:`shared_expert_last`; what it ran before it led them at several tokens).
+   (The variant with a kernel call per projection, what ran before gate and up shared a launch, is
+   gone: each MoE block variant compiles for a minute or more, and the run must fit one device call.
+   Its last numbers are in RESULTS.md, twelfth session.) The
    shared expert alone three ways: MXFP8 through the grouped-GEMM
    kernel as one group (what ``m3jax.moe.linear`` runs for every dense MXFP8 weight up to 64 rows: attention
    and index projections, dense MLP, and the shared expert wherever it is not in the routed experts' gemv
@@ -34,8 +35,9 @@ and those dequantised to bf16 (what ``weights="dequantize"`` holds for an MXFP8 
    equal weights, so accumulation order and bf16 output rounding only).
 
 Prints the tables and writes ``$OUT/mxfp8_resident.md`` and ``.json`` (``$OUT`` default benchmarks/out).
-On one H200 (2026-12-02: about 6.5 minutes with ``--decode-only``, which a 10-minute call holds; the whole
-run longer):
+On one H200 the MoE block's MXFP8 program compiles in about 80 s at 8 tokens and 26 s at one (2026-12-03);
+``--moe-decode-only`` is meant to fit a 10-minute call, ``--decode-only`` and the whole run take longer
+(not timed since the variants changed):
 
     PYTHONPATH=. python benchmarks/mxfp8_resident.py [--decode-only | --moe-decode-only]
     PYTHONPATH=. python benchmarks/mxfp8_resident.py --dry     # CPU: tiny widths end to end, wall times
@@ -120,21 +122,6 @@ def kernel_table(run) -> list[tuple[str, int, float]]:
 
 
 @contextlib.contextmanager
-def one_call_per_projection():
-    """m3jax.moe with a kernel call per projection (``grouped_matmuls`` / ``linears`` mapped over single
-    weights, the shared expert apart): the same-process baseline of the launches that run gate and up
-    together. jit inside the block."""
-    saved = moe.grouped_matmuls, moe.linears
-    moe.grouped_matmuls = lambda xs, ws, sizes, impl="auto": tuple(moe.grouped_matmul(xs, w, sizes, impl) for w in ws)
-    moe.linears = lambda x, ws, impl="ragged_dot", in_axes=1: tuple(saved[1](x, (w,), impl, in_axes)[0] for w in ws)
-    try:
-        with shared_expert_apart():
-            yield
-    finally:
-        moe.grouped_matmuls, moe.linears = saved
-
-
-@contextlib.contextmanager
 def shared_expert_apart():
     """m3jax.moe with the shared expert's GEMMs in launches of their own (``expert_mlps`` never sharing the
     routed experts' gemv launches): the same-process baseline of the shared launches. jit inside the block."""
@@ -147,33 +134,16 @@ def shared_expert_apart():
 
 
 @contextlib.contextmanager
-def shared_expert_first(split_k: int | None = None):
-    """m3jax.moe with the shared expert's problem before the routed experts' in each shared gemv launch, its
-    K split ``split_k`` (None: as chosen). Why: at 8 tokens the shared expert's visits run the gemv's 8-row
-    body, which issues 28 instructions per K row where a routed 1-row visit issues about 7, so its CTAs are
-    bound by instruction issue (about 2.4 TB/s of fp8 by that count) where the routed ones are bound by
-    memory. Last in the grid, as shipped, they run alone after the routed CTAs; first, with a smaller split
-    (fewer, longer CTAs), each could share an SM with routed CTAs for the whole launch. jit inside the block."""
-    from m3jax.pallas import grouped_matmul as gm
-
-    saved = gm.gemv_launch_mxfp8
-
-    def launch(problems, **kw):
-        routed, shared = problems
-        if split_k is not None:
-            shared = (*shared[:3], dataclasses.replace(shared[3], split_k=split_k))
-        out_shared, out_routed = saved((shared, routed), **kw)
-        return out_routed, out_shared
-
-    gm.gemv_launch_mxfp8 = launch
+def shared_expert_last():
+    """m3jax.moe with the shared expert's problem after the routed experts' in each shared gemv launch, at
+    the K split it has alone, at every token count: what ran before it led the launches at several tokens
+    (``moe._shared_leads``). jit inside the block."""
+    saved = moe._shared_leads
+    moe._shared_leads = lambda configs, t, ps: (configs, False)
     try:
         yield
     finally:
-        gm.gemv_launch_mxfp8 = saved
-
-
-# moe_decode's rows of shared_expert_first: name -> its split_k
-SHARED_FIRST = {"mxfp8_shared_first": None, "mxfp8_shared_first_split4": 4, "mxfp8_shared_first_split2": 2}
+        moe._shared_leads = saved
 
 
 def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
@@ -184,19 +154,15 @@ def moe_decode(cfg, mx, bf, tokens: int, iters: int) -> dict:
     row = {"tokens": tokens, "mxfp8": timed(lambda: f(pm, x), iters), "bf16": timed(lambda: f(pb, x), iters),
            "rel_err": rel_err(f(pm, x), f(pb, x))}
     row["ratio"] = best(row["mxfp8"]) / best(row["bf16"])
-    with one_call_per_projection():
-        g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
-        row["mxfp8_call_per_projection"] = timed(lambda: g(pm, x), iters)
-    row["ratio_call_per_projection"] = best(row["mxfp8_call_per_projection"]) / best(row["bf16"])
     with shared_expert_apart():
         g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
         row["mxfp8_shared_apart"] = timed(lambda: g(pm, x), iters)
     row["ratio_shared_apart"] = best(row["mxfp8_shared_apart"]) / best(row["bf16"])
-    for name, split_k in SHARED_FIRST.items():
-        with shared_expert_first(split_k):
+    if tokens > 1:  # at one token the shared expert follows as before
+        with shared_expert_last():
             g = jax.jit(lambda p, x: moe_sorted(x, p, t, impl=cfg.moe_impl))
-            row[name] = timed(lambda: g(pm, x), iters)
-            row[f"rel_err_{name}"] = rel_err(g(pm, x), f(pm, x))
+            row["mxfp8_shared_last"] = timed(lambda: g(pm, x), iters)
+            row["rel_err_shared_last"] = rel_err(g(pm, x), f(pm, x))
     # the shipped block again, last: a drift of the clocks over the variants shows as a difference here
     row["mxfp8_again"] = timed(lambda: f(pm, x), iters)
     row["kernels_mxfp8"] = kernel_table(lambda: f(pm, x))
@@ -320,12 +286,10 @@ def markdown(res: dict) -> str:
                      f"**{r['ratio']:.2f}** | {r['rel_err']:.1e} |")
         lines.append(f"| MoE block, {r['tokens']} token(s), the shared expert in launches of its own | "
                      f"{_ms(r['mxfp8_shared_apart'])} | {_ms(r['bf16'])} | {r['ratio_shared_apart']:.2f} | |")
-        lines.append(f"| MoE block, {r['tokens']} token(s), a kernel call per projection | "
-                     f"{_ms(r['mxfp8_call_per_projection'])} | {_ms(r['bf16'])} | {r['ratio_call_per_projection']:.2f} | |")
-        for name, split_k in SHARED_FIRST.items():
-            lines.append(f"| MoE block, {r['tokens']} token(s), the shared expert first in the launches, split "
-                         f"{'as chosen' if split_k is None else split_k} | {_ms(r[name])} | {_ms(r['bf16'])} | "
-                         f"{best(r[name]) / best(r['bf16']):.2f} | {r[f'rel_err_{name}']:.1e} vs shipped |")
+        if "mxfp8_shared_last" in r:
+            lines.append(f"| MoE block, {r['tokens']} token(s), the shared expert last in the launches, split as alone "
+                         f"(before) | {_ms(r['mxfp8_shared_last'])} | {_ms(r['bf16'])} | "
+                         f"{best(r['mxfp8_shared_last']) / best(r['bf16']):.2f} | {r['rel_err_shared_last']:.1e} vs shipped |")
         lines.append(f"| MoE block, {r['tokens']} token(s), as shipped, timed again after the variants | "
                      f"{_ms(r['mxfp8_again'])} | {_ms(r['bf16'])} | {best(r['mxfp8_again']) / best(r['bf16']):.2f} | |")
     for r in res["moe_decode"]:

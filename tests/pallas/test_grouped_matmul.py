@@ -268,8 +268,10 @@ def _mxfp8_weights(g, k, n, seed=0):
     return jnp.asarray(values), jnp.asarray(scales)
 
 
-def _check_mxfp8(lhs, values, scales, gs, cfg=CFG):
-    got = grouped_matmul_mxfp8(lhs, values, scales, gs, config=cfg)
+def _check_mxfp8(lhs, values, scales, gs, cfg=CFG, traced_sizes=False):
+    # traced_sizes: group sizes as a jit argument, as the MoE layer passes them (eager, they are constants)
+    call = lambda gs: grouped_matmul_mxfp8(lhs, values, scales, gs, config=cfg)
+    got = jax.jit(call)(gs) if traced_sizes else call(gs)
     ref = gmm_reference.grouped_matmul_mxfp8(lhs, values, scales, gs)
     assert not _backend.interpret_races_found()
     assert got.dtype == lhs.dtype and got.shape == ref.shape
@@ -327,7 +329,9 @@ def test_mxfp8_gemv_matches_dequantised_reference(dtype, m, sizes, split):
     # two K steps per part
     lhs, _, gs = _inputs(m, 256, 512, sizes, dtype, seed=3)
     cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=split)
-    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 256, 512, seed=4), gs, cfg=cfg)
+    # traced group sizes: every row body the rows allow is built (constant ones build those the
+    # schedule needs: test_gemv_launch_of_several_problems_matches_one_call_each)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 256, 512, seed=4), gs, cfg=cfg, traced_sizes=True)
 
 
 @pytest.mark.parametrize("schedule", ["gemv", "pipeline"])
@@ -381,31 +385,102 @@ def test_gemv_launch_of_several_problems_matches_one_call_each():
         gemv_launch_mxfp8(((lhs_a, wa, gs_a, CFG),))
 
 
-def test_moe_decode_shares_gemv_launches_with_the_shared_expert(monkeypatch):
-    # decode rows with every MoE weight MXFP8: routed and shared gate + up in one launch, then both downs
-    # (two launches of two problems); the same values as the separate launches, and close to the block
-    # on the dequantised weights
-    import m3jax.moe as moe
-    import m3jax.pallas.grouped_matmul as gmm
-    from m3jax.layers import dequantize_tree
+def _moe_decode_case(tokens):
     from m3jax.params import init_random_on_device
     from tests.conftest import tiny_config
 
     cfg = tiny_config(hidden_size=256, intermediate_size=256, shared_intermediate_size=256, num_local_experts=4,
                       num_experts_per_tok=2)
     p = init_random_on_device(cfg, seed=7, dtype=jnp.bfloat16, scale=0.3, weights="mxfp8")["text"]["layers"][1]["moe"]
-    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 256)), jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(tokens, 256)), jnp.bfloat16)
+    return cfg, p, x
+
+
+def _is_shared(problem):  # the shared expert's problem: one group, its size known when tracing
+    return isinstance(problem[2], np.ndarray) and problem[2].shape == (1,)
+
+
+def test_moe_decode_shares_gemv_launches_with_the_shared_expert(monkeypatch):
+    # decode rows with every MoE weight MXFP8: routed and shared gate + up in one launch, then both downs
+    # (two launches of two problems, the shared expert's first at several tokens); the same values as
+    # separate launches at the same K splits, and close to the block on the dequantised weights
+    import m3jax.moe as moe
+    import m3jax.pallas.grouped_matmul as gmm
+    from m3jax.layers import dequantize_tree
+
+    cfg, p, x = _moe_decode_case(3)
     launches, launch = [], gmm.gemv_launch_mxfp8
-    monkeypatch.setattr(gmm, "gemv_launch_mxfp8", lambda problems, **kw: launches.append(len(problems)) or launch(problems, **kw))
+    monkeypatch.setattr(gmm, "gemv_launch_mxfp8", lambda problems, **kw: launches.append(problems) or launch(problems, **kw))
     got = moe.moe_sorted(x, p, cfg.text, impl="pallas")
-    assert launches == [2, 2]
+    assert [len(pr) for pr in launches] == [2, 2] and all(_is_shared(pr[0]) for pr in launches)
+    # apart: the shared expert's two GEMM launches of its own, at the splits it had in the shared launches
+    lead = {len(pr[0][1]): pr[0][3] for pr in launches}  # weights in the launch (gate + up: 2, down: 1) -> config
     monkeypatch.setattr(moe, "_gemv_configs", lambda *a: None)
+    monkeypatch.setattr(moe, "_dense_kernel_config", lambda impl, rows, one, weights=1: lead[weights])
     apart = moe.moe_sorted(x, p, cfg.text, impl="pallas")
-    assert launches == [2, 2]
+    assert len(launches) == 2
     assert not _backend.interpret_races_found()
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(apart, np.float32))
     ref = moe.moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 MoE decode vs dequantised")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_moe_decode_orders_the_shared_expert_by_token_count(monkeypatch, tokens):
+    # one token: the shared expert follows the routed experts at the K split it has alone; several: it
+    # leads each launch, split to at most one CTA per SM (gemv.leading_split). Launches run on the
+    # reference (the kernel is the test above); the order must not change the values
+    import m3jax.moe as moe
+    import m3jax.pallas.grouped_matmul as gmm
+    from m3jax.pallas.grouped_matmul import gemv
+
+    cfg, p, x = _moe_decode_case(tokens)
+    launches, launch = [], gmm.gemv_launch_mxfp8
+    monkeypatch.setattr(gmm, "gemv_launch_mxfp8", lambda problems, **kw: launches.append(problems) or launch(
+        problems, implementation="reference", **kw))
+    got = moe.moe_sorted(x, p, cfg.text, impl="pallas")
+    assert [len(pr) for pr in launches] == [2, 2]
+    for problems, weights in zip(launches, (2, 1)):
+        shared = problems[0] if tokens > 1 else problems[1]
+        assert _is_shared(shared) and not _is_shared(problems[1 if tokens > 1 else 0])
+        k, n = shared[0].shape[1], shared[1][0][0].shape[2]
+        alone = gemv.decode_split(tokens, k, n, 1, weights)
+        assert shared[3].split_k == (gemv.leading_split(k, n, weights) if tokens > 1 else alone)
+    monkeypatch.setattr(moe, "_shared_leads", lambda configs, t, ps: (configs, False))
+    last = moe.moe_sorted(x, p, cfg.text, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(last, np.float32))
+
+
+def test_gemv_builds_only_the_row_bodies_its_visits_can_run():
+    # a body is a copy of the pipeline to lower and compile: with constant group sizes (a dense weight)
+    # only those the schedule's visits need, with traced ones those of at most M rows
+    from m3jax.pallas.grouped_matmul import gemv
+
+    w = _mxfp8_weights(1, 256, 256, seed=1)
+    bodies = lambda sizes, m: gemv._plan(gemv.Problem(sizes, m, jnp.ones((m, 256), jnp.bfloat16), (w,), 1))["bodies"]
+    assert bodies(np.array([1], np.int32), 1) == (1,)
+    assert bodies(np.array([3], np.int32), 3) == (4,)
+    assert bodies(np.array([19], np.int32), 19) == (4, 8)  # visits of 8, 8 and 3 rows
+    assert bodies(np.array([2, 0, 5], np.int32), 7) == (2, 8)
+    seen = []
+    for m in (1, 4, 5, 32):
+        jax.jit(lambda sizes, m=m: seen.append(bodies(sizes, m)) or sizes)(jnp.array([m], jnp.int32))
+    assert seen == [(1,), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("k,n,weights", [(6144, 3072, 2), (3072, 6144, 1), (256, 256, 2), (192, 2560, 1), (4096, 65536, 1)])
+def test_leading_split_keeps_one_cta_per_sm(k, n, weights):
+    # the largest split that divides K in block_k steps and keeps weights x N tiles x split CTAs within
+    # the SMs; 1 where even that is more CTAs than SMs
+    from m3jax.pallas.grouped_matmul import gemv
+
+    sms = _backend.current_target().num_sms
+    tiles = weights * (n // gemv.BLOCK_N)
+    split = gemv.leading_split(k, n, weights)
+    valid = [s for s in gemv.SPLITS if k % (s * gemv.BLOCK_K) == 0]
+    assert split in valid
+    assert tiles * split <= sms or split == valid[0]
+    assert all(tiles * s > sms for s in valid if s > split)
 
 
 @pytest.mark.parametrize("m,sizes", [(20, [1, 0, 2, 3, 0, 7, 5]), (30, [17, 0, 0, 9]), (3, [0, 0, 0])])

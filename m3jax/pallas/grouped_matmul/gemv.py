@@ -13,7 +13,10 @@ This kernel multiplies on the CUDA cores instead, in fp32, and never forms the b
   weight costs a few instructions rather than the MMA path's conversion and SMEM round trip.
 * Rows. The schedule (:func:`schedule`) cuts each group's rows into visits of at most ``ROWS = 8``
   from its first row; a visit's body is specialised for 1, 2, 4 or 8 rows (the smallest that holds
-  them; its lhs rows past the visit's are multiplied and not stored). The lhs rows (fp32: bf16
+  them; its lhs rows past the visit's are multiplied and not stored). Only the bodies some visit can
+  run are built: those the visits need where the schedule is a constant (a dense weight), those of at
+  most M rows where it is traced (H200, the M3-width MoE block's compile and first call 142 -> 80 s at
+  8 decode tokens, 26 s at one). The lhs rows (fp32: bf16
   activations upcast exactly, fp32 ones taken as they are, so an fp32 model gets fp32 arithmetic)
   come in by TMA beside the weight tile and are read as SMEM scalars.
 * Grid. One CTA (one warpgroup) per (weight, visit, N tile, K part): the static visit bound is
@@ -24,7 +27,8 @@ This kernel multiplies on the CUDA cores instead, in fp32, and never forms the b
   that XLA sums. Several weights of one shape times the same rows (an MLP's gate and up) share the
   launch, its schedule, lhs and sums (:func:`kernel_call`); several such problems, each its own rows,
   groups and split, share a launch as consecutive CTA ranges (:func:`kernel_calls`: a decode step's
-  shared expert beside its routed experts).
+  shared expert beside its routed experts; a problem of several-row visits leads, split by
+  :func:`leading_split`).
 * Pipeline. ``plgpu.emit_pipeline`` over the K part in ``block_k = 64`` row steps, unswizzled TMA
   tiles (the loads are row vectors, no MMA reads them), the accumulators carried in registers.
 
@@ -38,6 +42,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
@@ -94,6 +99,23 @@ def decode_split(m: int, k: int, n: int, g: int, weights: int = 1) -> int:
     return max(by_k, by_ctas)
 
 
+def leading_split(k: int, n: int, weights: int = 1) -> int:
+    """The K split of a one-group problem that leads a launch (first in :func:`kernel_calls`' grid) beside a
+    larger problem: the largest that keeps its CTAs (``weights`` x N tiles x split) at most one per SM.
+
+    Why: a visit of several rows is bound by instruction issue, not memory (the 8-row body issues 28
+    instructions per K row, the 1-row body about 7), so such CTAs are best spread one per SM, each
+    beside memory-bound CTAs of the other problem for the whole launch; split to fill the SMs
+    (:func:`decode_split`) they queue several per SM, and last in the grid they run alone at its end.
+    H200, 2026-12-03, the M3-width MoE block at 8 decode tokens with the shared expert's problems first
+    (24 N tiles each): split 4 (96 CTAs) 0.4333 ms, split 8 0.4407, split 16 0.4509, and 0.4506 as it ran
+    before (last, split 16)."""
+    splits = [s for s in SPLITS if k % (s * BLOCK_K) == 0] or [1]
+    tiles = weights * (n // BLOCK_N)
+    fits = [s for s in splits if tiles * s <= current_target().num_sms]
+    return fits[-1] if fits else splits[0]
+
+
 def unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int, config) -> str | None:
     """Why this schedule cannot take ``[m, k] x (values [g, k, n], scales [g, k_groups, n])``."""
     if g < 1 or m < 1:
@@ -140,9 +162,10 @@ def kernel_calls(problems, *, out_dtype, interpret=None) -> tuple:
     alone (a decode step's shared expert: one group, short K parts) spends most of its launch filling and
     draining the pipeline. Its CTAs beside a larger problem's (the routed experts' GEMMs of the same
     step) keep the memory system busy through both. Each problem keeps its own schedule, lhs, split and
-    outputs; the grid is their CTA ranges one after another (H200, 2026-12-03: the M3-width MoE block
-    at one decode token 0.1189 -> 0.1136 ms with the shared expert's GEMMs beside the routed ones, its four
-    launches' 90.2 us of kernel time two launches' 82.4)."""
+    outputs; the grid is their CTA ranges one after another, in the order given (H200, 2026-12-03: the
+    M3-width MoE block at one decode token 0.1189 -> 0.1136 ms with the shared expert's GEMMs beside the
+    routed ones, its four launches' 90.2 us of kernel time two launches' 82.4; at eight tokens 0.4507 ->
+    0.4312 ms with the shared expert's problem first at :func:`leading_split`)."""
     plans, operands, out_types = [], [], []
     for pr in problems:
         plan = _plan(pr)
@@ -183,12 +206,20 @@ def _plan(pr: Problem) -> dict:
     with jax.ensure_compile_time_eval():
         sched = schedule(jnp.asarray(pr.group_sizes), pr.m)
         covered = jnp.arange(pr.m) < jnp.max(sched[:, 2])  # rows some visit writes: below the last live visit's end
+    # the row bodies some visit can run, the others never built (each is a copy of the pipeline to lower
+    # and compile): for a traced schedule those of at most m rows, for a constant one (a dense weight at
+    # decode) those its visits need
+    bodies = tuple(n for n in ROW_BODIES if n // 2 < pr.m)
+    if not isinstance(sched, jax.core.Tracer):
+        rows = np.diff(np.asarray(sched)[:, 1:], axis=1)
+        bodies = tuple(n for n in ROW_BODIES if np.any((rows > n // 2) & (rows <= n)))
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
     # row counts are multiples of 8 (the TMA's 8-row tiling, as for the MMA kernels' stores)
     m8 = -(-pr.m // 8) * 8
     return {"n": n, "group": k // scales0.shape[1], "n_weights": len(pr.weights), "split": split,
             "k_part": k // split, "per_visit": n_tiles * split, "per_weight": sched.shape[0] * n_tiles * split,
             "steps": max(1, min(STAGES, k // split // BLOCK_K)), "m8": m8, "sched": sched, "covered": covered,
+            "bodies": bodies,
             "x": jnp.pad(pr.lhs.astype(jnp.float32), ((0, m8 + ROWS - pr.m), (0, 0)))}
 
 
@@ -245,5 +276,5 @@ def _problem_body(plan: dict, pid, sched_ref, x_ref, w_refs, out_ref) -> None:
         pl.run_scoped(store, plgpu.SMEM((n_rows, bn), jnp.float32))
 
     for w in range(plan["n_weights"]):
-        for n_rows in ROW_BODIES:
+        for n_rows in plan["bodies"]:
             pl.when((wi == w) & (rows > n_rows // 2) & (rows <= n_rows))(functools.partial(visit, w, n_rows))
