@@ -707,9 +707,11 @@ def processor_settings(checkpoint: str | Path | None) -> tuple[dict, dict]:
             return {}
         try:
             data = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
             raise ValueError(f"{f}: invalid JSON ({e})") from None
-        return data if isinstance(data, dict) else {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{f}: expected a JSON object, got {type(data).__name__}")
+        return data
 
     def take(name, dst, key, value, field=None):
         """dst[key] = value when the file sets it, after checking it under the file's own field name."""
@@ -735,7 +737,10 @@ def processor_settings(checkpoint: str | Path | None) -> tuple[dict, dict]:
     _check_settings(str(d / image_name), **{"min_pixels": IMAGE_MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS, **image})
     _check_settings(str(d / video_name), **{"min_pixels": VIDEO_MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS,
                                             "min_frames": VIDEO_MIN_FRAMES, "max_frames": VIDEO_MAX_FRAMES, **video})
-    seg_name, seg = "config.json", (read("config.json").get("vision_config") or {}).get("vision_segment_max_frames")
+    vision = read("config.json").get("vision_config")
+    if vision is not None and not isinstance(vision, dict):
+        raise ValueError(f"{d / 'config.json'}: vision_config must be a JSON object, got {type(vision).__name__}")
+    seg_name, seg = "config.json", (vision or {}).get("vision_segment_max_frames")
     if vsrc.get("vision_segment_max_frames") is not None:
         seg_name, seg = video_name, vsrc["vision_segment_max_frames"]
     take(seg_name, video, "segment_max_frames", seg, "vision_segment_max_frames")

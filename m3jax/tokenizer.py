@@ -62,10 +62,13 @@ class HFTokenizer:
                 raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
         template_file = directory / "chat_template.jinja"
         if template_file.exists():
-            self.chat_template, self.chat_template_source = template_file.read_text(), str(template_file)
+            try:
+                self.chat_template, self.chat_template_source = template_file.read_text(), str(template_file)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{template_file}: not UTF-8 text ({e})") from e
         else:
-            self.chat_template = self.config.get("chat_template")
             self.chat_template_source = f"{cfg_path} (chat_template)"
+            self.chat_template = _named_template(self.config.get("chat_template"), self.chat_template_source)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -93,6 +96,21 @@ class HFTokenizer:
             raise ValueError(f"{self.chat_template_source}: invalid chat template (line {e.lineno}: {e})") from e
         except jinja2.TemplateError as e:  # e.g. an undefined variable or function met while rendering
             raise ValueError(f"{self.chat_template_source}: applying the chat template failed ({e})") from e
+
+
+def _named_template(value, source: str) -> str | None:
+    """A ``tokenizer_config.json`` ``chat_template``: a string, or (as transformers writes several) a list
+    of ``{"name", "template"}`` objects, of which the one named "default" is the chat template."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        default = [t["template"] for t in value if t["name"] == "default"]
+        if default:
+            return default[0]
+        raise ValueError(f"{source}: no template named 'default' among {[t['name'] for t in value]}")
+    raise ValueError(f"{source}: expected a string or a list of {{'name', 'template'}} objects, "
+                     f"got {type(value).__name__}")
 
 
 def load_tokenizer(checkpoint: Path | None, vocab_size: int):

@@ -347,12 +347,25 @@ def test_bad_tokenizer_files_name_the_file(tmp_path):
     cfg.write_text(json.dumps({"chat_template": "{{ raise_exception('only system prompts') }}"}))
     with pytest.raises(ValueError, match=r"tokenizer_config.json \(chat_template\): applying the chat template"):
         load_tokenizer(tmp_path, 512).apply_chat_template("a")
+    # several named templates (transformers' list form): "default" is the chat template
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": template}]
+    cfg.write_text(json.dumps({"bos_token": "<s>", "chat_template": named}))
+    assert load_tokenizer(tmp_path, 512).apply_chat_template("a b") == "<s>[user] a b"
+    cfg.write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(ValueError, match=r"\(chat_template\): no template named 'default' among \['tool_use'\]"):
+        load_tokenizer(tmp_path, 512)
+    cfg.write_text(json.dumps({"chat_template": 7}))
+    with pytest.raises(ValueError, match=r"\(chat_template\): expected a string or a list .* got int"):
+        load_tokenizer(tmp_path, 512)
     # chat_template.jinja takes precedence; a syntax error names the file and line
     (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}\n{% if %}\n")
     tok = load_tokenizer(tmp_path, 512)  # the template is only compiled when applied (--raw never does)
     with pytest.raises(ValueError, match=r"chat_template.jinja: invalid chat template \(line 2: ") as e:
         tok.apply_chat_template("a")
     assert isinstance(e.value.__cause__, jinja2.TemplateSyntaxError)
+    (tmp_path / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xff\xfe")
+    with pytest.raises(ValueError, match="chat_template.jinja: not UTF-8 text"):
+        load_tokenizer(tmp_path, 512)
 
 
 def test_more_or_fewer_media_than_placeholders():
@@ -459,6 +472,16 @@ def test_processor_settings_from_checkpoint(tmp_path):
     assert video == {"min_pixels": 6272, "max_pixels": 100352, "fps": 2, "max_frames": 64, "segment_max_frames": 2}
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json: invalid JSON"):
+        P.processor_settings(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": [2]}))
+    with pytest.raises(ValueError, match="config.json: vision_config must be a JSON object, got list"):
+        P.processor_settings(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "preprocessor_config.json").write_text("[672, 672]")
+    with pytest.raises(ValueError, match="preprocessor_config.json: expected a JSON object, got list"):
+        P.processor_settings(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="preprocessor_config.json: invalid JSON"):
         P.processor_settings(tmp_path)
 
 
