@@ -425,7 +425,7 @@ def test_moe_decode_shares_gemv_launches_with_the_shared_expert(monkeypatch):
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MXFP8 MoE decode vs dequantised")
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("tokens", [1, 8])
 def test_moe_decode_orders_the_shared_expert_by_token_count(monkeypatch, tokens):
     # one token: the shared expert follows the routed experts at the K split it has alone; several: it
     # leads each launch, split to at most one CTA per SM (gemv.leading_split). Launches run on the
