@@ -76,6 +76,12 @@ def schedule(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.stack([grp, jnp.where(live, lo, zero), jnp.where(live, hi, zero)], axis=1)
 
 
+def _runs_body(rows, n_rows: int):
+    """Whether a visit of ``rows`` rows runs the body for ``n_rows`` (the smallest of ROW_BODIES that
+    holds them); ``rows`` a scalar or an array of them."""
+    return (rows > n_rows // 2) & (rows <= n_rows)
+
+
 def visits_bound(m: int, g: int) -> int:
     return -(-m // ROWS) + min(g, m)
 
@@ -212,7 +218,7 @@ def _plan(pr: Problem) -> dict:
     bodies = tuple(n for n in ROW_BODIES if n // 2 < pr.m)
     if not isinstance(sched, jax.core.Tracer):
         rows = np.diff(np.asarray(sched)[:, 1:], axis=1)
-        bodies = tuple(n for n in ROW_BODIES if np.any((rows > n // 2) & (rows <= n)))
+        bodies = tuple(n for n in ROW_BODIES if np.any(_runs_body(rows, n)))
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
     # row counts are multiples of 8 (the TMA's 8-row tiling, as for the MMA kernels' stores)
     m8 = -(-pr.m // 8) * 8
@@ -277,4 +283,4 @@ def _problem_body(plan: dict, pid, sched_ref, x_ref, w_refs, out_ref) -> None:
 
     for w in range(plan["n_weights"]):
         for n_rows in plan["bodies"]:
-            pl.when((wi == w) & (rows > n_rows // 2) & (rows <= n_rows))(functools.partial(visit, w, n_rows))
+            pl.when((wi == w) & _runs_body(rows, n_rows))(functools.partial(visit, w, n_rows))
