@@ -470,6 +470,18 @@ def config_from_hf(d: dict[str, Any], **overrides) -> M3Config:
     )
 
 
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON side file (tokenizer_config.json, the preprocessor configs) as a dict; ValueError
+    naming the file when it is not JSON text or not a JSON object."""
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_config_json(path: str | Path) -> tuple[Path, dict]:
     """(path of config.json, its parsed contents) for a checkpoint directory or the file itself; a file
     that is not JSON is named in the error."""

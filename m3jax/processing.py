@@ -58,7 +58,6 @@ pixel and frame limits, fps) raise ``ValueError`` naming the setting and the fun
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import numbers
 import re
@@ -67,6 +66,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from m3jax.config import read_json_object
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -703,15 +704,7 @@ def processor_settings(checkpoint: str | Path | None) -> tuple[dict, dict]:
 
     def read(name):
         f = d / name
-        if not f.exists():
-            return {}
-        try:
-            data = json.loads(f.read_text())
-        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
-            raise ValueError(f"{f}: invalid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{f}: expected a JSON object, got {type(data).__name__}")
-        return data
+        return read_json_object(f) if f.exists() else {}
 
     def take(name, dst, key, value, field=None):
         """dst[key] = value when the file sets it, after checking it under the file's own field name."""

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from m3jax.config import read_json_object
 
 
 class ByteTokenizer:
@@ -52,14 +53,7 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception ("key must be a string ...")
             raise ValueError(f"{self.name}: not a valid tokenizers file ({e})") from e
         cfg_path = directory / "tokenizer_config.json"
-        self.config = {}
-        if cfg_path.exists():
-            try:
-                self.config = json.loads(cfg_path.read_text())
-            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
-                raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
-            if not isinstance(self.config, dict):
-                raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
+        self.config = read_json_object(cfg_path) if cfg_path.exists() else {}
         template_file = directory / "chat_template.jinja"
         if template_file.exists():
             try:
