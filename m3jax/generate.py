@@ -403,8 +403,8 @@ def _generate(args) -> dict:
 
     try:
         tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size)
-    except ValueError as e:  # no tokenizer.json and a vocabulary too small for the byte fallback
-        raise SystemExit(f"no tokenizer for {args.checkpoint or args.config}: {e}") from None
+    except ValueError as e:  # a tokenizer file that does not load (named), or none and a vocabulary too small for bytes
+        raise SystemExit(f"cannot load a tokenizer for {args.checkpoint or args.config}: {e}") from None
     media = _prepare_media(args, cfg, tok) if (args.image or args.video) else None
     # The prompt is built before the weights load: its mistakes cost nothing.
     if args.prompt_ids:
