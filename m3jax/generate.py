@@ -127,7 +127,7 @@ def parse_args(argv=None):
     ap.add_argument("--weights", default="dequantize", choices=["dequantize", "mxfp8"],
                     help="MXFP8 checkpoint weights: dequantize on load (default) or keep them fp8 + scales on the "
                          "device (about half the bytes, the memory plan counts them so; on the H200 MoE decode takes ~0.6x bf16 "
-                         "weights' time and the prefill MoE GEMMs ~1.05x, see benchmarks/RESULTS.md); random presets: "
+                         "weights' time and the prefill MoE GEMMs ~1.02x, see benchmarks/RESULTS.md); random presets: "
                          "drawn as MXFP8")
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
