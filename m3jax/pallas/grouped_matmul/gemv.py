@@ -86,6 +86,12 @@ def visits_bound(m: int, g: int) -> int:
     return -(-m // ROWS) + min(g, m)
 
 
+def _k_splits(k: int) -> list[int]:
+    """The splits of SPLITS that cut K into whole BLOCK_K steps, ascending; [1] where none does (the
+    schedule then refuses K: :func:`unsupported_reason`)."""
+    return [s for s in SPLITS if k % (s * BLOCK_K) == 0] or [1]
+
+
 def decode_split(m: int, k: int, n: int, g: int, weights: int = 1) -> int:
     """The K split (a power of two, K a multiple of split x BLOCK_K): as large as leaves each CTA at least
     MIN_K_PART rows of K, and larger where that gives fewer than CTAS_PER_SM CTAs per SM over the groups
@@ -95,9 +101,7 @@ def decode_split(m: int, k: int, n: int, g: int, weights: int = 1) -> int:
     shared expert's one group needed the split to 16-32 to fill the SMs (12 N tiles: split 8 took 0.041 ms
     for its three GEMMs, split 32 0.032). Gate and up in one launch are 24 N tiles: split 16, the shared
     expert 0.026 / 0.052 ms at 1 / 8 rows against 0.032 / 0.054 at split 32 (``mxfp8_resident.py``)."""
-    splits = [s for s in SPLITS if k % (s * BLOCK_K) == 0]
-    if not splits:
-        return 1
+    splits = _k_splits(k)
     by_k = [s for s in splits if s == 1 or k // s >= MIN_K_PART][-1]
     want = CTAS_PER_SM * current_target().num_sms
     tiles = weights * min(m, g) * (n // BLOCK_N)
@@ -116,7 +120,7 @@ def leading_split(k: int, n: int, weights: int = 1) -> int:
     H200, 2026-12-03, the M3-width MoE block at 8 decode tokens with the shared expert's problems first
     (24 N tiles each): split 4 (96 CTAs) 0.4333 ms, split 8 0.4407, split 16 0.4509, and 0.4506 as it ran
     before (last, split 16)."""
-    splits = [s for s in SPLITS if k % (s * BLOCK_K) == 0] or [1]
+    splits = _k_splits(k)
     tiles = weights * (n // BLOCK_N)
     fits = [s for s in splits if tiles * s <= current_target().num_sms]
     return fits[-1] if fits else splits[0]
