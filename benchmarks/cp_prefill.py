@@ -1,6 +1,6 @@
 """One MSA layer's prefill chunk over the page-split cache, at M3's attention shapes: context parallel
-(``msa.parallel.msa_prefill_sharded``) against head-split over the gathered key window
-(``msa.parallel.msa_pallas_sharded``, what the engine ran before), and against one device.
+(``msa.parallel.context_parallel``) against head-split over the gathered key window
+(``msa.parallel.head_split``, what the engine ran before), and against one device.
 
 M3's heads (64 q / 4 KV of 128, one shared index key of 128, block 128, top-16), bf16, one sequence;
 for each key window W the chunk is the last ``--chunk`` queries of the window. On n visible GPUs
@@ -90,10 +90,11 @@ def main(argv=None) -> list[dict]:
 
         def gathered(q, iq, kv, table, q_pos):  # the window gathered, then the head-split kernels (n = 1: plain)
             kg, vg, ikg = kv.gather(table)
-            return parallel.msa_pallas_sharded(kernels.prefill, q, kg, vg, iq, ikg, q_pos, t)
+            return parallel.head_split(kernels.prefill, q, kg, vg, iq, ikg, q_pos, t,
+                                       unsupported_reason=kernels.unsupported_reason)
 
         def context(q, iq, kv, table, q_pos):
-            return parallel.msa_prefill_sharded(q, iq, kv, table, q_pos, t, implementation="pallas")
+            return parallel.context_parallel(kernels.local_prefill(t), q, iq, kv, table, q_pos, t)
 
         with jax.set_mesh(mesh):
             (o_hs, s_hs), ms_hs = timed(jax.jit(gathered), q, iq, kv, table, q_pos)

@@ -84,8 +84,12 @@ def bench(report) -> None:
             kv_bytes = b * K * TOPK * BS * H * 2 * 2
             q_pos = D.query_positions(sl, 1)
 
-            def step(impl, q, iq, kp, vp, ikp, pt, sl):
-                return D.msa_decode(q, iq, kp, vp, ikp, pt, sl, block_size=BS, topk=TOPK, implementation=impl)
+            def step(impl, q, iq, kp, vp, ikp, pt, sl):  # index scores -> top-k -> sparse paged attention
+                if impl == "pallas":
+                    return kernels.decode_pages(q, iq, kp, vp, ikp, pt, sl, block_size=BS, topk=TOPK)[0]
+                s = D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, implementation="reference")
+                sel = msa.select_blocks(s, D.query_positions(sl, q.shape[1]), block_size=BS, topk=TOPK)
+                return D.sparse_decode_attention(q, kp, vp, pt, sel, sl, block_size=BS, implementation="reference")
 
             scores = jax.jit(functools.partial(D.decode_index_scores, block_size=BS))
             select = jax.jit(lambda s: msa.select_blocks(s, q_pos, block_size=BS, topk=TOPK))

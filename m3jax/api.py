@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import numpy as np
 from m3jax.checkpoint import checkpoint_dtype, dtype_name, load_params, save_checkpoint
 from m3jax.config import M3Config, UnsupportedConfigError, load_config
 from m3jax.model import check_input_ids, forward_jit
+from m3jax.msa.layer import resolve_attention_impl
 from m3jax.params import init_random as _init_params
 from m3jax.vision import check_grid
 
@@ -34,47 +34,6 @@ class ForwardOutput:
     logits: jax.Array  # fp32 [B, T, vocab]
     # {layer: int32 [B, index_n_heads, T, topk]} for MSA layers, -1 padded; None unless asked for.
     block_indices: dict[int, jax.Array] | None = None
-
-
-_FALLBACK_WARNED: set[str] = set()
-
-
-def resolve_attention_impl(impl: str, cfg=None, dtype="bfloat16") -> str:
-    """The attention path a model of ``cfg`` in ``dtype`` runs.
-
-    "auto" -> "pallas" on a GPU when the MSA kernels take the config (:func:`m3jax.msa.kernels.unsupported_reason`:
-    shapes, and a kernel that failed its self-check there), else "reference" with one warning per reason;
-    off the GPU always "reference" (the kernels' interpret mode is a test tool, not a fast path). Both
-    paths compute the same model: exact in fp32 (the kernels split fp32 into bf16 pieces, XLA runs fp32
-    dots at full precision, :func:`m3jax.model.matmul_precision`), and in bf16 they differ only by
-    accumulation order (:mod:`m3jax.msa.compare`). "pallas" is checked the same way and refused with
-    the reason."""
-    if impl not in ("auto", "pallas"):
-        return impl
-    from m3jax.pallas._backend import on_gpu
-
-    reason = None
-    if cfg is not None and cfg.text.has_sparse_layers:
-        from m3jax.msa.kernels import unsupported_reason
-
-        reason = unsupported_reason(cfg.text, dtype)
-    if impl == "pallas":
-        if reason:
-            raise UnsupportedConfigError(f"attention_impl='pallas' cannot run this config: {reason}")
-        if not on_gpu():
-            warnings.warn("attention_impl='pallas' off the GPU runs the kernels in Mosaic GPU's interpret mode: the "
-                          "same numbers, orders of magnitude slower (a test tool; 'reference' is the CPU path)",
-                          stacklevel=3)
-        return impl
-    if not on_gpu():
-        return "reference"
-    if reason:
-        if reason not in _FALLBACK_WARNED:
-            _FALLBACK_WARNED.add(reason)
-            warnings.warn(f"attention_impl='auto': the MSA kernels cannot run this config ({reason}); "
-                          "running the jnp reference path", RuntimeWarning, stacklevel=3)
-        return "reference"
-    return "pallas"
 
 
 def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True,

@@ -70,6 +70,7 @@ from m3jax.config import describe_presets, load_config, preset
 from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams
 from m3jax.memory import GiB, device_memory, max_fitting_ctx, plan
 from m3jax.model import scatter_media
+from m3jax.msa import layer as msa_layer
 from m3jax.params import init_random_on_device
 from m3jax.tokenizer import ByteTokenizer, load_tokenizer
 from m3jax.vision import encode_media
@@ -396,7 +397,7 @@ def _generate(args) -> dict:
     dtype = args.dtype
     if dtype == "auto":  # the checkpoint's own dtype, as transformers' dtype="auto"; random presets bfloat16
         dtype = checkpoint_dtype(args.checkpoint) if args.checkpoint else "bfloat16"
-    cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg, dtype))
+    cfg = cfg.replace(attention_impl=msa_layer.resolve_attention_impl(args.attention_impl, cfg, dtype))
     devices, data = select_devices(args)
     memory_plan = _check_memory(cfg, args, dtype, devices, data)
     mesh = sharding.make_mesh(len(devices), data=data, devices=devices) if len(devices) > 1 else None

@@ -16,6 +16,7 @@ import jax
 
 from m3jax.cache import cache_bytes
 from m3jax.config import M3Config
+from m3jax.msa import layer as msa_layer
 from m3jax.params import param_specs, ParamSpec
 
 GiB = 1 << 30
@@ -66,7 +67,8 @@ def activation_bytes(cfg: M3Config, batch: int, capacity: int, chunk: int, dtype
     mlp = 3 * c * t.dense_intermediate_size * 4
     views = batch * capacity * (2 * k * h + t.index_head_dim) * dtype_bytes  # one layer's window, every sequence
     logits = batch * t.vocab_size * 4 * 2
-    if cfg.attention_impl == "pallas":
+    variant = msa_layer.variant(cfg)
+    if variant.whole_chunk:
         # block-major fp32 index scores of the whole chunk (+ the top-k kernel's copy), the KV-major
         # per-(query, slot) partial outputs and LSEs
         nb = -(-capacity // t.index_block_size)
@@ -75,7 +77,7 @@ def activation_bytes(cfg: M3Config, batch: int, capacity: int, chunk: int, dtype
         scores = 2 * ca * t.index_n_heads * capacity * 4
         gathered = 2 * ca * k * t.index_topk_blocks * t.index_block_size * h * 4
         # dense_mask: [sub-chunk, S] logits per head; reference: key blocks of 1024 (causal_attention)
-        dense = 2 * ca * n * (capacity if cfg.attention_impl == "dense_mask" else min(1024, capacity)) * 4
+        dense = 2 * ca * n * (capacity if variant.dense == "dense_mask" else min(1024, capacity)) * 4
         attn = max(scores + gathered, dense)
     return hidden + moe + mlp + views + attn + logits
 

@@ -89,45 +89,31 @@ def attention(
     Without a cache the keys are these T tokens (key s at position s). With ``kv`` the new K/V (and
     index keys) are written at q_pos first and the keys are the cache pages of ``page_table`` (the
     engine passes a prefill chunk only the pages up to its key window), so chunked prefill and
-    decode run the same maths as the full forward.
+    decode run the same maths as the full forward; :func:`m3jax.msa.layer.attend` picks how the pages
+    are read.
     Returns ([B, T, D], MSA block ids int32 [B, K, T, topk] or None, updated cache or None).
     """
     t = cfg.text
     sparse = t.is_sparse_attention(layer)
     q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse, cfg.moe_impl)
 
-    def out(o):  # [B, T, N, H] @ wo [N, H, D]
-        return linear(o, lp["attn"]["wo"], cfg.moe_impl, in_axes=2)
-
     if kv is not None:
         kv = kv.write(page_table, q_pos, k, v, ik)
-        if sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
-            o, block_idx = msa_layer.decode(q, iq, kv, page_table, q_pos, cfg, layer)
-            return out(o), block_idx, kv
-        if not sparse and msa_layer.decode_in_place(cfg, q.shape[1]):
-            o = msa_layer.dense_decode(q, kv, page_table, q_pos, cfg)
-            return out(o), None, kv
-        if sparse and msa_layer.context_parallel(cfg, kv, page_table, q):  # no key window gathered
-            o, block_idx = msa_layer.paged_attention(q, iq, kv, page_table, q_pos, cfg, layer)
-            return out(o), block_idx, kv
-        k, v, ik_all = kv.gather(page_table)
-        ik = ik_all if sparse else None
-    if sparse:
-        o, block_idx = msa_layer.attention(q, k, v, iq, ik, q_pos, cfg, layer)
-    else:
-        o, block_idx = _dense_layer_attention(q, k, v, q_pos, cfg), None
-    return out(o), block_idx, kv
+    o, block_idx = msa_layer.attend(q, k, v, iq, ik, q_pos, cfg, layer, kv, page_table, full=_dense_layer_attention)
+    return linear(o, lp["attn"]["wo"], cfg.moe_impl, in_axes=2), block_idx, kv  # [B, T, N, H] @ wo [N, H, D]
 
 
 def _dense_layer_attention(q, k, v, q_pos, cfg: M3Config) -> jax.Array:
-    """Causal attention of a full-attention layer. Prefill: cuDNN flash attention on the kernels path
-    on the GPU for 16-bit models, else the key-blocked jnp reference. One query per row (decode) and
-    ``dense_mask``: the dense-mask formulation, a single fused pass over the keys."""
+    """Causal attention of a full-attention layer over contiguous keys, as ``cfg``'s MSA variant says
+    (:attr:`m3jax.msa.layer.Variant.dense`). Prefill: cuDNN flash attention (``"flash"``) on the GPU for
+    16-bit models, else the key-blocked jnp reference. One query per row (decode) and ``"dense_mask"``:
+    the dense-mask formulation, a single fused pass over the keys."""
+    dense = msa_layer.variant(cfg).dense
     # cuDNN runs 16-bit inputs only: an fp32 model keeps the exact jnp path (layers.matmul_precision)
-    fast = cfg.attention_impl == "pallas" and jax.default_backend() == "gpu" and q.dtype != jnp.float32
+    fast = dense == "flash" and jax.default_backend() == "gpu" and q.dtype != jnp.float32
     if fast and q.shape[1] > 1:
         return cudnn_causal_attention(q, k, v, q_pos)
-    if cfg.attention_impl == "dense_mask" or q.shape[1] == 1:
+    if dense == "dense_mask" or q.shape[1] == 1:
         bs = cfg.text.index_block_size
         attend = lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs)  # noqa: E731
     else:

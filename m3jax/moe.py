@@ -28,6 +28,7 @@ import numpy as np
 
 from m3jax.config import TextConfig
 from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, swiglu_oai
+from m3jax.mesh_axes import MODEL
 
 
 def dequantize_layer(lp: dict, dtype) -> dict:
@@ -105,7 +106,7 @@ def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight, weights: 
     if impl == "auto" and not on_gpu():
         return None
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and dict(mesh.shape).get(EXPERT_AXIS, 1) > 1:
+    if not mesh.empty and dict(mesh.shape).get(MODEL, 1) > 1:
         return None
     config = _grouped_matmul_config(m, one, weights)
     if mxfp8_unsupported_reason(m, k, one.values.shape[2], 1, one.scales.shape[1], config) is not None:
@@ -338,20 +339,18 @@ def moe_dense_reference(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------------
-# Expert parallelism: experts split over the mesh axis EXPERT_AXIS, tokens dispatched by all-to-all
-
-EXPERT_AXIS = "model"
+# Expert parallelism: experts split over the mesh's model axis, tokens dispatched by all-to-all
 
 
 def expert_parallel_axis(cfg: TextConfig) -> str | None:
-    """The expert mesh axis when a mesh (``jax.set_mesh``) with EXPERT_AXIS > 1 that divides the experts
+    """The expert mesh axis when a mesh (``jax.set_mesh``) with MODEL > 1 that divides the experts
     is active, else None (then :func:`moe_sorted` runs unchanged; experts that do not divide are
     replicated by the sharding rules)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+    if mesh.empty or MODEL not in mesh.axis_names:
         return None
-    n = mesh.shape[EXPERT_AXIS]
-    return EXPERT_AXIS if n > 1 and cfg.num_local_experts % n == 0 else None
+    n = mesh.shape[MODEL]
+    return MODEL if n > 1 and cfg.num_local_experts % n == 0 else None
 
 
 def _ragged_all_to_all_gathered(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -379,7 +378,7 @@ def _exchange(*args, axis_name):
     return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
 
-def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = EXPERT_AXIS,
+def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = MODEL,
                         impl: str = "auto") -> jax.Array:
     """:func:`moe_sorted` with the experts split over mesh ``axis`` (E / n per device).
 

@@ -236,8 +236,8 @@ def _by_distance(values, q_pos, valid, block_size: int):
 def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_scores: bool, key_tile: int):
     """The attention block with the probe's metrics: (out [B, T, D], metrics dict).
 
-    Selections come from the model's own path: the kernels over the whole sequence when
-    ``cfg.attention_impl == "pallas"``, else the jnp reference per query chunk. The metrics against
+    Selections come from the model's own path: a variant that takes the whole sequence at once (the
+    kernels) over it, else the jnp reference per query chunk. The metrics against
     dense attention are then computed per query chunk, streamed over key tiles (:func:`dense_block_mass`).
     """
     t = cfg.text
@@ -249,11 +249,12 @@ def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_s
     kh = k.shape[2]
     nb = -(-s_len // bs)
     valid = jnp.ones(positions.shape, jnp.bool_)  # map_query_chunks pads with False: padding rows are not summed
-    kernels_path = cfg.attention_impl == "pallas"
+    variant = msa_layer.variant(cfg)
+    kernels_path = variant.whole_chunk
     if kernels_path:
-        reason = kernels.unsupported_reason(t, q.dtype)
+        reason = variant.unsupported_reason and variant.unsupported_reason(t, q.dtype)
         if reason:
-            raise UnsupportedConfigError(f"probe with attention_impl='pallas': {reason}")
+            raise UnsupportedConfigError(f"probe with attention_impl={cfg.attention_impl!r}: {reason}")
         o_model, sel_model = msa_layer.attention(q, k, v, iq, ik, positions, cfg, layer)
         extra = (o_model, jnp.swapaxes(sel_model, 1, 2))  # per query along axis 1, as map_query_chunks splits
     else:

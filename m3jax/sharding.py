@@ -28,17 +28,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config
-from m3jax.moe import EXPERT_AXIS
 from m3jax.layers import MXFP8Weight
+from m3jax.mesh_axes import DATA, MESH_AXES, MODEL, ShardingRuleError  # noqa: F401  (re-exported)
 from m3jax.params import ParamSpec, param_specs
-
-DATA = "data"
-MODEL = EXPERT_AXIS  # "model": tensor, expert and context parallelism share one axis (see docs/SHARDING.md)
-MESH_AXES = (DATA, MODEL)
-
-
-class ShardingRuleError(ValueError):
-    """A rule table that cannot shard an array (collision, unknown logical axis)."""
 
 
 class MXFP8ShardingError(ShardingRuleError):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from m3jax import msa
-from tests.conftest import assert_close
+from tests.conftest import assert_close, tiny_config
 
 
 def brute_select(scores, q_pos, block_size, topk, local_blocks, init_blocks):
@@ -160,3 +160,28 @@ def test_future_keys_never_leak():
     v2[:, cut + 1:] = rng.normal(size=v2[:, cut + 1:].shape)
     b2 = msa.sparse_attention(q, kk2, v2, sel, pos, block)
     np.testing.assert_array_equal(np.asarray(a)[:, : cut + 1], np.asarray(b2)[:, : cut + 1])
+
+
+def test_a_new_variant_is_one_registry_entry(monkeypatch):
+    """A sparse-attention variant is one function and one :data:`m3jax.msa.layer.VARIANTS` entry (plus its
+    name in ``config.ATTENTION_IMPLS``): here the reference maths over the whole sequence at once, no query
+    chunks. The model runs it through the same route and matches the chunked reference in fp32."""
+    import m3jax
+    from m3jax import config
+    from m3jax.msa import layer, reference
+
+    def whole_sequence(q, k, v, iq, ik, q_pos, cfg, layer_id):
+        sel = layer.select(iq, ik, q_pos, cfg.text, layer_id)
+        return reference.sparse_attention(q, k, v, sel, q_pos, cfg.text.index_block_size), sel
+
+    monkeypatch.setitem(layer.VARIANTS, "whole_sequence", layer.Variant(gathered=whole_sequence))
+    monkeypatch.setattr(config, "ATTENTION_IMPLS", config.ATTENTION_IMPLS + ("whole_sequence",))
+    cfg = tiny_config(index_block_size=4, index_topk_blocks=2).replace(attention_chunk=8)
+    ref = m3jax.init_random(cfg.replace(attention_impl="reference"), seed=1)
+    new = m3jax.M3Model(ref.config.replace(attention_impl="whole_sequence"), ref.params)
+    ids = np.random.default_rng(2).integers(0, 80, (2, 21))
+    want = m3jax.forward(ref, ids, return_block_indices=True)
+    got = m3jax.forward(new, ids, return_block_indices=True)
+    assert_close(got.logits, want.logits, what="logits")  # fp32
+    assert want.block_indices and all(np.array_equal(got.block_indices[i], want.block_indices[i])
+                                      for i in want.block_indices)

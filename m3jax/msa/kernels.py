@@ -1,4 +1,6 @@
-"""MSA through the Mosaic GPU kernels of :mod:`m3jax.pallas`, and which configs they take.
+"""MSA through the Mosaic GPU kernels of :mod:`m3jax.pallas`, and which configs they take: the one
+place that composes the kernels (prefill, paged decode, full-attention decode, and the per-device
+pieces of the context-parallel paths, :class:`m3jax.msa.parallel.Local`).
 
 Same semantics as :mod:`m3jax.msa.reference` (selections equal as sets, attention within the
 tolerances of docs/MSA.md §4.3); the model chooses between the two in :mod:`m3jax.msa.layer`.
@@ -7,9 +9,16 @@ tolerances of docs/MSA.md §4.3); the model chooses between the two in :mod:`m3j
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from m3jax.cache import LayerCache
 from m3jax.config import TextConfig
+from m3jax.msa.parallel import Local, local_window
+from m3jax.pallas.decode import decode_index_scores, query_positions, sparse_decode_attention
+from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
+from m3jax.pallas.sparse_attention import sparse_attention
+from m3jax.pallas.sparse_attention.kernel import unsupported_reason as attention_reason
+from m3jax.pallas.topk import select_blocks
 
 # The top-k kernels keep a row's list in registers (topk values + topk ids per thread): 64, the largest
 # top-k of the research grid (experiments/2026-11-29_block_topk), is the largest we test.
@@ -18,8 +27,6 @@ MAX_TOPK = 64
 
 def _selection_reason(cfg: TextConfig) -> str | None:
     """What the prefill index-score and top-k kernels cannot take (None when they can)."""
-    from m3jax.pallas.index_scores import IndexScoreConfig
-
     rows = IndexScoreConfig().rows
     if cfg.index_head_dim not in (16, 32) and cfg.index_head_dim % 64:
         return (f"index_head_dim {cfg.index_head_dim} must be 16, 32 or a multiple of 64 (rows of 32 or 64 bytes, "
@@ -39,11 +46,9 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
     kernels have their own :func:`decode_unsupported_reason`: without them a decode step runs these
     kernels over the gathered cache. ``msa_force_in`` / ``msa_force_out`` reach the top-k kernels as
     static tuples (:func:`prefill`)."""
-    from m3jax.pallas.sparse_attention.kernel import unsupported_reason as attention_reason
-
     reason = _selection_reason(cfg) or attention_reason(
         num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        block_size=cfg.index_block_size, dtype=dtype)
+        block_size=cfg.index_block_size, dtype=dtype, implementation="kv_major")
     if reason:
         return reason
     from m3jax import selfcheck  # a kernel that fails its canary on this GPU is not used
@@ -73,9 +78,6 @@ def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] =
     ``force_out``: the layer's intervention block ids (:func:`m3jax.msa.layer.forced_blocks`). The
     kernels tile the query range themselves. Returns (o [B, T, N, H], block ids int32 [B, K, T, topk]).
     """
-    from m3jax.pallas.index_scores import index_select_blocks
-    from m3jax.pallas.sparse_attention import sparse_attention
-
     bs = cfg.index_block_size
     # Fused scores + top-k: the kernel's block-major scores go straight into the top-k kernel, never
     # transposed to [B, Hi, T, nb] (1 GiB per 8K-token chunk at 1M context).
@@ -85,33 +87,85 @@ def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] =
     return sparse_attention(q, k, v, sel, q_pos, block_size=bs, implementation="kv_major"), sel
 
 
-def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig,
-           force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
-    """One decode token per sequence through the paged decode kernels: the index keys and the
-    selected K/V pages are read in place, the cache is never gathered. ``force_in`` / ``force_out`` as
-    in :func:`prefill`. Returns (o, block ids)."""
-    from m3jax.pallas.decode import decode_index_scores, sparse_decode_attention
-    from m3jax.pallas.topk import select_blocks
-
-    bs = cfg.index_block_size
-    seq_lens = q_pos[:, -1] + 1
+def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,
+                 local_blocks: int = 1, init_blocks: int = 0, force_in: tuple[int, ...] = (),
+                 force_out: tuple[int, ...] = ()):
+    """One MSA decode step over paged caches, read in place: paged index scores -> top-k -> sparse
+    paged attention. q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), pages as the decode kernels take them
+    (:mod:`m3jax.pallas.decode`), seq_lens [B]. Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
     # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts each page in SMEM
     # (exact), so the scan reads one byte per key element.
-    scores = decode_index_scores(iq, kv.ik, page_table, seq_lens, block_size=bs)
-    sel = select_blocks(scores, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
-                        local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
-                        force_in=force_in, force_out=force_out, implementation="pallas")
-    return sparse_decode_attention(q, kv.k, kv.v, page_table, sel, seq_lens, block_size=bs), sel
+    scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
+    sel = select_blocks(scores, query_positions(seq_lens, q.shape[1]), block_size=block_size, topk=topk,
+                        local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in, force_out=force_out,
+                        implementation="pallas")
+    return sparse_decode_attention(q, k_pages, v_pages, page_table, sel, seq_lens, block_size=block_size), sel
+
+
+def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig,
+           force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
+    """One decode token per sequence through the paged decode kernels (:func:`decode_pages`): the index
+    keys and the selected K/V pages are read in place, the cache is never gathered. ``force_in`` /
+    ``force_out`` as in :func:`prefill`. Returns (o, block ids)."""
+    return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
+                        topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
+                        init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out)
 
 
 def dense_decode(q, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
     """Full causal attention of one decode token per sequence (the full-attention layers), reading the
     K/V pages in place: the paged decode attention kernel with every block up to the token's own
     selected, so the cache is never gathered into a contiguous copy. Returns o [B, 1, N, H]."""
-    from m3jax.pallas.decode import sparse_decode_attention
-
     bs = cfg.index_block_size
-    blocks = jax.numpy.arange(page_table.shape[1], dtype=jax.numpy.int32)[None]
-    sel = jax.numpy.where(blocks <= q_pos[:, -1:] // bs, blocks, -1)  # [B, max_pages], -1: in the future
-    sel = jax.numpy.broadcast_to(sel[:, None, None], (q.shape[0], kv.k.shape[2], 1, blocks.shape[1]))
+    blocks = jnp.arange(page_table.shape[1], dtype=jnp.int32)[None]
+    sel = jnp.where(blocks <= q_pos[:, -1:] // bs, blocks, -1)  # [B, max_pages], -1: in the future
+    sel = jnp.broadcast_to(sel[:, None, None], (q.shape[0], kv.k.shape[2], 1, blocks.shape[1]))
     return sparse_decode_attention(q, kv.k, kv.v, page_table, sel, q_pos[:, -1] + 1, block_size=bs)
+
+
+def local_prefill(cfg: TextConfig) -> Local:
+    """Per-device pieces of context-parallel MSA prefill (:func:`m3jax.msa.parallel.context_parallel`):
+    the device's pages gathered into a contiguous window, the index-score kernel with the local causal
+    length, the KV-major sparse attention kernel with its LSE. Both kernels take the whole chunk."""
+    bs = cfg.index_block_size
+
+    def scores(iq, keys, local_len):
+        # fp8 index pages (index_cache_dtype) are upcast (exact), as the single-device path does
+        return index_block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, block_size=bs)
+
+    def attend(q, keys, local_sel, local_len):
+        return sparse_attention(q, keys[0], keys[1], local_sel, jnp.maximum(local_len - 1, 0), block_size=bs,
+                                implementation="kv_major", return_lse=True)
+
+    return Local(keys=local_window, scores=scores, attend=attend)
+
+
+def _paged_keys(k_pages, v_pages, ik_pages, local_pages):
+    """The decode kernels read the pages in place through the local page table."""
+    return k_pages, v_pages, ik_pages, local_pages
+
+
+def _paged_attend(bs: int):
+    def attend(q, keys, local_sel, local_len):
+        k, v, _, pages = keys
+        return sparse_decode_attention(q, k, v, pages, local_sel, local_len[:, -1], block_size=bs, return_lse=True)
+
+    return attend
+
+
+def local_decode(cfg: TextConfig) -> Local:
+    """Per-device pieces of context-parallel MSA decode: both paged decode kernels on the device's own
+    pages, in place (its local page table and length). fp8 index pages go in as stored: the kernel
+    converts them in SMEM."""
+    bs = cfg.index_block_size
+
+    def scores(iq, keys, local_len):
+        return decode_index_scores(iq, keys[2], keys[3], local_len[:, -1], block_size=bs)
+
+    return Local(keys=_paged_keys, scores=scores, attend=_paged_attend(bs))
+
+
+def local_dense_decode(cfg: TextConfig) -> Local:
+    """Per-device pieces of a full-attention layer's context-parallel decode: the paged decode attention
+    kernel over every visible block the device holds (no selection)."""
+    return Local(keys=_paged_keys, scores=None, attend=_paged_attend(cfg.index_block_size))

@@ -1,24 +1,30 @@
-"""One MSA attention layer as the model runs it: the choice between the reference and the kernels.
+"""One MSA attention layer as the model runs it: the one entry (:func:`attend`) and the one place that
+reads ``cfg.attention_impl``.
 
-``cfg.attention_impl`` picks the path: ``"reference"`` (pure jnp, query chunks of
-``cfg.attention_chunk``), ``"dense_mask"`` (the dense-mask formulation, for tiny tests) or
-``"pallas"`` (the Mosaic GPU kernels of :mod:`m3jax.msa.kernels`, heads split over the active mesh).
+``cfg.attention_impl`` names a :class:`Variant` of :data:`VARIANTS`: ``"reference"`` (pure jnp, query
+chunks of ``cfg.attention_chunk``), ``"dense_mask"`` (the dense-mask formulation, for tiny tests) or
+``"pallas"`` (the Mosaic GPU kernels of :mod:`m3jax.msa.kernels`). :func:`resolve_attention_impl`
+turns ``"auto"`` into one of them once, when a model is built; :func:`variant` reads it everywhere
+else. :func:`attend` picks the route of one layer's step: the paged cache read in place (decode),
+context parallel over a page-split cache (:mod:`m3jax.msa.parallel`), or the key window gathered.
 The projections (q/k/v and the index branch) are the model's; this module takes them as arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from m3jax.cache import LayerCache, cached_index_keys
-from m3jax.config import M3Config, TextConfig
-from m3jax.msa import kernels, reference
-from m3jax.msa import parallel
-from m3jax.msa.parallel import msa_decode_sharded, msa_pallas_sharded
-from m3jax.sharding import MODEL
+from m3jax.config import M3Config, TextConfig, UnsupportedConfigError
+from m3jax.mesh_axes import MODEL
+from m3jax.msa import kernels, parallel, reference
+from m3jax.pallas import _backend
 
 
 def forced_blocks(cfg: TextConfig, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -46,73 +52,216 @@ def select(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig, laye
     return select_from_scores(scores(iq, ik, q_pos, cfg), q_pos, cfg, layer)
 
 
-def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
-    """MSA of queries q [B, T, N, H] (index queries iq [B, T, K, Hx]) at q_pos [B, T] over keys
-    k/v [B, S, K, H] and index keys ik [B, S, Hx] (key s at position s).
+# --------------------------------------------------------------------------------------------------
+# The variants: one entry each
 
-    Returns (o [B, T, N, H] in q.dtype, block ids int32 [B, K, T, topk]).
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of computing MSA, named by ``cfg.attention_impl``.
+
+    - ``gathered(q, k, v, iq, ik, q_pos, cfg: M3Config, layer) -> (o, block ids)``: MSA over
+      contiguous keys (the whole sequence, or a gathered key window). The only required piece.
+    - ``local(cfg: TextConfig, query_chunk) -> parallel.Local``: the per-device pieces of
+      context-parallel prefill over a page-split cache (None: such a cache is gathered instead);
+      ``query_chunk`` is ``cfg.attention_chunk``, for a variant that runs in query chunks.
+    - ``decode(q, iq, kv, page_table, q_pos, cfg: TextConfig, force_in, force_out) -> (o, block ids)``
+      and ``local_decode(cfg: TextConfig) -> parallel.Local``; ``dense_decode(q, kv, page_table, q_pos,
+      cfg: TextConfig) -> o`` and ``local_dense_decode``: one token per sequence read from the paged
+      cache in place, on one device and context parallel (None: the cache is gathered).
+    - ``unsupported_reason(cfg: TextConfig, dtype)`` / ``decode_unsupported_reason(cfg)``: why the
+      variant (its decode) cannot run a config (None: it can, or it runs everything).
+    - ``whole_chunk``: the variant tiles a prefill chunk itself (no ``attention_chunk`` sub-chunks).
+    - ``dense``: how the full-attention layers run a gathered prefill: ``"flash"`` (cuDNN on the GPU
+      for 16-bit models, else key blocks), ``"blocked"`` (key blocks of jnp) or ``"dense_mask"``.
     """
+
+    gathered: Callable
+    local: Callable | None = None
+    decode: Callable | None = None
+    local_decode: Callable | None = None
+    dense_decode: Callable | None = None
+    local_dense_decode: Callable | None = None
+    unsupported_reason: Callable | None = None
+    decode_unsupported_reason: Callable | None = None
+    whole_chunk: bool = False
+    dense: str = "blocked"
+
+
+def _chunked(attention: Callable) -> Callable:
+    """``gathered`` of a jnp variant: selection and ``attention(q, k, v, sel, q_pos, block_size)`` per
+    query chunk of ``cfg.attention_chunk`` (no [T, S] score matrix of the whole sequence)."""
+
+    def gathered(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
+        def chunk_fn(qp, qc, iqc):
+            sel = select(iqc, ik, qp, cfg.text, layer)
+            return attention(qc, k, v, sel, qp, cfg.text.index_block_size), sel
+
+        (o, sel), merge = reference.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
+        return merge(o, 1), merge(sel, 2)
+
+    return gathered
+
+
+def _reference_local(cfg: TextConfig, query_chunk: int) -> parallel.Local:
+    """Per-device pieces of the jnp variant's context-parallel prefill, in query chunks."""
+    bs = cfg.index_block_size
+
+    def local_scores(iq, keys, local_len):
+        return reference.block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, bs)
+
+    def local_attend(q, keys, local_sel, local_len):
+        return reference.sparse_attention(q, keys[0], keys[1], local_sel, jnp.maximum(local_len - 1, 0), bs,
+                                          return_lse=True)
+
+    return parallel.Local(keys=parallel.local_window, scores=local_scores, attend=local_attend, query_chunk=query_chunk)
+
+
+def _kernels_gathered(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
+    """The prefill kernels over contiguous keys, heads split over the active mesh."""
     t = cfg.text
-    if cfg.attention_impl == "pallas":
-        force_in, force_out = forced_blocks(t, layer)
-        kernel = functools.partial(kernels.prefill, force_in=force_in, force_out=force_out)
-        return msa_pallas_sharded(kernel, q, k, v, iq, cached_index_keys(ik, t, iq.dtype), q_pos, t)
-    attend = reference.dense_mask_attention if cfg.attention_impl == "dense_mask" else reference.sparse_attention
-
-    def chunk_fn(qp, qc, iqc):
-        sel = select(iqc, ik, qp, t, layer)
-        return attend(qc, k, v, sel, qp, t.index_block_size), sel
-
-    (o, sel), merge = reference.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
-    return merge(o, 1), merge(sel, 2)
+    force_in, force_out = forced_blocks(t, layer)
+    kernel = functools.partial(kernels.prefill, force_in=force_in, force_out=force_out)
+    return parallel.head_split(kernel, q, k, v, iq, cached_index_keys(ik, t, iq.dtype), q_pos, t,
+                               unsupported_reason=kernels.unsupported_reason)
 
 
-def context_parallel(cfg: M3Config, kv: LayerCache, page_table, q) -> bool:
-    """Whether MSA over the paged cache (a prefill chunk, or a decode step the decode kernels do not take)
-    runs context parallel over the page-split cache (:func:`paged_attention`) instead of gathering the
-    key window: under a mesh model axis > 1 whose pages split, by the traffic rule of
-    :func:`m3jax.msa.parallel.prefill_context_parallel`. A cache whose pages do not split gathers, with
-    one warning naming why."""
+VARIANTS: dict[str, Variant] = {
+    "reference": Variant(gathered=_chunked(reference.sparse_attention), local=_reference_local),
+    "dense_mask": Variant(gathered=_chunked(reference.dense_mask_attention), dense="dense_mask"),
+    "pallas": Variant(
+        gathered=_kernels_gathered, local=lambda t, query_chunk: kernels.local_prefill(t),
+        decode=kernels.decode, local_decode=kernels.local_decode,
+        dense_decode=kernels.dense_decode, local_dense_decode=kernels.local_dense_decode,
+        unsupported_reason=kernels.unsupported_reason, decode_unsupported_reason=kernels.decode_unsupported_reason,
+        whole_chunk=True, dense="flash",
+    ),
+}
+
+
+def variant(cfg: M3Config) -> Variant:
+    """The variant ``cfg.attention_impl`` names; ``"auto"`` left unresolved runs the reference."""
+    return VARIANTS["reference" if cfg.attention_impl == "auto" else cfg.attention_impl]
+
+
+_FALLBACK_WARNED: set[str] = set()
+
+
+def resolve_attention_impl(impl: str, cfg: M3Config | None = None, dtype="bfloat16") -> str:
+    """The attention path a model of ``cfg`` in ``dtype`` runs.
+
+    "auto" -> "pallas" on a GPU when the MSA kernels take the config (:func:`m3jax.msa.kernels.unsupported_reason`:
+    shapes, and a kernel that failed its self-check there), else "reference" with one warning per reason;
+    off the GPU always "reference" (the kernels' interpret mode is a test tool, not a fast path). Both
+    paths compute the same model: exact in fp32 (the kernels split fp32 into bf16 pieces, XLA runs fp32
+    dots at full precision, :func:`m3jax.model.matmul_precision`), and in bf16 they differ only by
+    accumulation order (:mod:`m3jax.msa.compare`). "pallas" is checked the same way and refused with
+    the reason; any other named variant is returned as it is."""
+    if impl not in ("auto", "pallas"):
+        return impl
+    check = VARIANTS["pallas"].unsupported_reason
+    reason = check(cfg.text, dtype) if cfg is not None and cfg.text.has_sparse_layers else None
+    if impl == "pallas":
+        if reason:
+            raise UnsupportedConfigError(f"attention_impl='pallas' cannot run this config: {reason}")
+        if not _backend.on_gpu():
+            warnings.warn("attention_impl='pallas' off the GPU runs the kernels in Mosaic GPU's interpret mode: the "
+                          "same numbers, orders of magnitude slower (a test tool; 'reference' is the CPU path)",
+                          stacklevel=3)
+        return impl
+    if not _backend.on_gpu():
+        return "reference"
+    if reason:
+        if reason not in _FALLBACK_WARNED:
+            _FALLBACK_WARNED.add(reason)
+            warnings.warn(f"attention_impl='auto': the MSA kernels cannot run this config ({reason}); "
+                          "running the jnp reference path", RuntimeWarning, stacklevel=3)
+        return "reference"
+    return "pallas"
+
+
+# --------------------------------------------------------------------------------------------------
+# The route
+
+
+def _context_parallel(cfg: M3Config, kv: LayerCache, page_table, q) -> bool:
+    """Whether MSA over the paged cache (a prefill chunk, or a decode step not read in place) runs
+    context parallel over the page-split cache instead of gathering the key window: under a mesh model
+    axis > 1 whose pages split, by the traffic rule of :func:`m3jax.msa.parallel.prefill_context_parallel`.
+    A cache whose pages do not split gathers, with one warning naming why."""
     n = parallel.axis_size(None, MODEL)
-    if cfg.attention_impl == "dense_mask" or n == 1:  # "auto" unresolved runs the reference, as attention()
+    if variant(cfg).local is None or n == 1:
         return False
     reason = parallel.context_split_reason(kv, n)
     if reason is not None:
         warnings.warn(f"MSA over the paged cache not context parallel over {n} devices (the key window is "
-                      f"gathered): {reason}", stacklevel=2)
+                      f"gathered): {reason}", stacklevel=3)
         return False
     window = page_table.shape[0] * page_table.shape[1] * kv.k.shape[1]
     return parallel.prefill_context_parallel(cfg.text, n, queries=q.shape[0] * q.shape[1], window_tokens=window,
                                              q_bytes=q.dtype.itemsize, kv_bytes=kv.k.dtype.itemsize)
 
 
-def paged_attention(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config, layer: int):
-    """MSA of q [B, T, N, H] (iq [B, T, K, Hx]) at q_pos over the cache pages of ``page_table`` (the new
-    keys written), context parallel over the mesh (:func:`m3jax.msa.parallel.msa_prefill_sharded`):
-    the kernels on the kernels path, the jnp maths in ``attention_chunk`` query chunks on the reference
-    path. Returns (o [B, T, N, H], block ids int32 [B, K, T, topk])."""
-    force_in, force_out = forced_blocks(cfg.text, layer)
-    impl = "pallas" if cfg.attention_impl == "pallas" else "reference"
-    return parallel.msa_prefill_sharded(q, iq, kv, page_table, q_pos, cfg.text, implementation=impl,
-                                        query_chunk=cfg.attention_chunk, force_in=force_in, force_out=force_out)
+def _in_place(cfg: M3Config, q, sparse: bool) -> bool:
+    """Whether this step reads the paged cache in place (one query per sequence and a variant whose
+    decode takes the config) instead of gathering it (then the prefill path runs on the gathered
+    cache: e.g. block sizes the decode kernels cannot take)."""
+    v = variant(cfg)
+    if q.shape[1] != 1 or (v.decode if sparse else v.dense_decode) is None:
+        return False
+    return v.decode_unsupported_reason is None or v.decode_unsupported_reason(cfg.text) is None
 
 
-def decode_in_place(cfg: M3Config, n_queries: int) -> bool:
-    """Whether this step reads the paged cache in place (the decode kernels; :func:`decode`, and
-    :func:`dense_decode` on the full-attention layers) instead of gathering it (then the prefill
-    kernels run on the gathered cache: block sizes the decode kernels cannot take)."""
-    return cfg.attention_impl == "pallas" and n_queries == 1 and kernels.decode_unsupported_reason(cfg.text) is None
+def _paged_decode(single: Callable, local: Callable, what: str, q, iq, kv, page_table, q_pos, cfg: M3Config,
+                  **force):
+    """``single`` on one device, or context parallel (``local`` pieces) over a page-split cache under a
+    mesh model axis > 1 (pages that do not split: ``single``, with a warning; XLA gathers the pages)."""
+    t = cfg.text
+    n = parallel.axis_size(None, MODEL)
+    reason = None if n == 1 else parallel.context_split_reason(kv, n, index=iq is not None)
+    if n > 1 and reason is None:
+        return parallel.context_parallel(local(t), q, iq, kv, page_table, q_pos, t, **force)
+    if reason is not None:
+        warnings.warn(f"{what} not context parallel over the {n}-device {MODEL!r} axis: {reason}", stacklevel=3)
+    return single(q, iq, kv, page_table, q_pos, t, **force) if iq is not None else single(q, kv, page_table, q_pos, t)
 
 
-def dense_decode(q, kv: LayerCache, page_table, q_pos, cfg: M3Config):
-    """One token per sequence of a full-attention layer against its paged cache, read in place (under a
-    mesh context parallel over the page-split cache, :func:`m3jax.msa.parallel.dense_decode_sharded`)."""
-    return parallel.dense_decode_sharded(kernels.dense_decode, q, kv, page_table, q_pos, cfg.text)
+def attend(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int, kv: LayerCache | None = None,
+           page_table: jax.Array | None = None, full: Callable | None = None):
+    """Attention of ``layer``: MSA on the sparse layers, and on the full-attention layers the paged
+    decode read in place or ``full(q, k, v, q_pos, cfg)`` over the keys (the model's dense attention).
+
+    q [B, T, N, H] at q_pos [B, T]; k/v [B, S, K, H] (key s at position s), and on MSA layers index
+    queries iq [B, T, K, Hx] and keys ik [B, S, Hx]. With ``kv`` (a :class:`LayerCache` the new keys
+    are already written to) and ``page_table`` [B, W] the keys are those cache pages, and the route is
+    chosen here: read in place (one query per sequence, a variant with a decode, context parallel
+    under a mesh), context parallel over the page-split cache (:func:`_context_parallel`), or the key
+    window gathered. Returns (o [B, T, N, H] in q.dtype, block ids int32 [B, K, T, topk] or None).
+    """
+    sparse = iq is not None
+    v_ = variant(cfg)
+    if kv is not None:
+        force = dict(zip(("force_in", "force_out"), forced_blocks(cfg.text, layer))) if sparse else {}
+        if _in_place(cfg, q, sparse):
+            if sparse:
+                return _paged_decode(v_.decode, v_.local_decode, "MSA decode kernels", q, iq, kv, page_table, q_pos,
+                                     cfg, **force)
+            return _paged_decode(v_.dense_decode, v_.local_dense_decode, "full-attention decode", q, None, kv,
+                                 page_table, q_pos, cfg), None
+        if sparse and _context_parallel(cfg, kv, page_table, q):  # no key window gathered
+            local = v_.local(cfg.text, cfg.attention_chunk)
+            return parallel.context_parallel(local, q, iq, kv, page_table, q_pos, cfg.text, **force)
+        k, v, ik_all = kv.gather(page_table)
+        ik = ik_all if sparse else None
+    if sparse:
+        return v_.gathered(q, k, v, iq, ik, q_pos, cfg, layer)
+    return full(q, k, v, q_pos, cfg), None
 
 
-def decode(q, iq, kv: LayerCache, page_table, q_pos, cfg: M3Config, layer: int):
-    """One token per sequence against the paged cache, read in place: (o [B, 1, N, H], block ids).
-    Under a mesh the kernels run context parallel over the page-split cache (msa.parallel)."""
-    force_in, force_out = forced_blocks(cfg.text, layer)
-    return msa_decode_sharded(kernels.decode, q, iq, kv, page_table, q_pos, cfg.text, force_in=force_in,
-                              force_out=force_out)
+def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
+    """MSA of queries q [B, T, N, H] (index queries iq [B, T, K, Hx]) at q_pos [B, T] over contiguous
+    keys k/v [B, S, K, H] and index keys ik [B, S, Hx] (key s at position s), by ``cfg``'s variant.
+
+    Returns (o [B, T, N, H] in q.dtype, block ids int32 [B, K, T, topk]).
+    """
+    return variant(cfg).gathered(q, k, v, iq, ik, q_pos, cfg, layer)

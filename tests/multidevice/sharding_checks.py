@@ -27,9 +27,11 @@ import m3jax  # noqa: E402
 from m3jax import msa  # noqa: E402
 from m3jax import sharding as sh  # noqa: E402
 from m3jax.model import sharded_forward  # noqa: E402
-from m3jax.msa import parallel  # noqa: E402
+from m3jax.msa import kernels, parallel  # noqa: E402
+from m3jax.msa import layer as msa_layer  # noqa: E402
 from m3jax.engine import Engine, SamplingParams  # noqa: E402
 from tests.conftest import rel_l2, tiny_config  # noqa: E402
+from tests.multidevice import msa_prototypes  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 TOL = 1e-5
@@ -60,28 +62,28 @@ def cfg_of(name):
 @contextlib.contextmanager
 def _context_parallel_calls():
     """Counts, as the model is traced, the attention calls that run context parallel over a mesh: MSA over the
-    paged cache by implementation (``prefill_pallas`` / ``prefill_reference``) and the full-attention decode
-    (``dense_decode``), so a check can tell the context-parallel path from the gathered window."""
+    paged cache by variant (``prefill_pallas`` / ``prefill_reference``: the reference's pieces run in query
+    chunks), the MSA decode (``decode``) and the full-attention decode (``dense_decode``), so a check can
+    tell the context-parallel path from the gathered window."""
     import collections
 
-    from m3jax.sharding import MODEL
-
     seen = collections.Counter()
-    saved = parallel.msa_prefill_sharded, parallel.dense_decode_sharded
+    saved = parallel.context_parallel
 
-    def prefill(*a, **k):
-        seen["prefill_" + k["implementation"]] += 1
-        return saved[0](*a, **k)
+    def counted(local, *a, **k):
+        if local.scores is None:
+            seen["dense_decode"] += 1
+        elif local.keys is parallel.local_window:
+            seen["prefill_" + ("reference" if local.query_chunk else "pallas")] += 1
+        else:
+            seen["decode"] += 1
+        return saved(local, *a, **k)
 
-    def dense(*a, **k):
-        seen["dense_decode"] += parallel.axis_size(None, MODEL) > 1
-        return saved[1](*a, **k)
-
-    parallel.msa_prefill_sharded, parallel.dense_decode_sharded = prefill, dense
+    parallel.context_parallel = counted
     try:
         yield seen
     finally:
-        parallel.msa_prefill_sharded, parallel.dense_decode_sharded = saved
+        parallel.context_parallel = saved
 
 
 def check_forward(name, sizes, jit_shardings=True):
@@ -216,14 +218,14 @@ def check_context_parallel(n=8):
     ref_sel = msa.select_blocks(msa.block_scores(iq, ik, q_pos, bs), q_pos, block_size=bs, topk=topk)
     ref = msa.sparse_attention(q, k, v, ref_sel, q_pos, bs)
     mesh = sh.make_mesh(n)
-    split = lambda x: parallel.split_context(x, n, bs)  # noqa: E731
-    out, sel = parallel.context_parallel_msa(q, iq, split(k), split(v), split(ik), q_pos, mesh, block_size=bs, topk=topk)
+    split = lambda x: msa_prototypes.split_context(x, n, bs)  # noqa: E731
+    out, sel = msa_prototypes.context_parallel_msa(q, iq, split(k), split(v), split(ik), q_pos, mesh, block_size=bs, topk=topk)
     err = rel_l2(out, ref)
     same = bool(np.array_equal(np.asarray(sel), np.asarray(ref_sel)))
     # head-parallel wrapper around an unmodified attention kernel (the jnp reference here)
     kern = lambda q_, k_, v_, b_, p_: msa.sparse_attention(q_, k_, v_, b_, p_, bs)  # noqa: E731
-    hp = parallel.head_parallel(kern, sh.make_mesh(2))(q, k, v, ref_sel, q_pos)  # 4 q / 2 KV heads over 2
-    hp4 = parallel.head_parallel(kern, sh.make_mesh(4))(q, k, v, ref_sel, q_pos)  # KV replicated, 1 q head each
+    hp = msa_prototypes.head_parallel(kern, sh.make_mesh(2))(q, k, v, ref_sel, q_pos)  # 4 q / 2 KV heads over 2
+    hp4 = msa_prototypes.head_parallel(kern, sh.make_mesh(4))(q, k, v, ref_sel, q_pos)  # KV replicated, 1 q head each
     errs = {"cp_rel_l2": err, "cp_selection_equal": same, "head_parallel_2": rel_l2(hp, ref),
             "head_parallel_4": rel_l2(hp4, ref)}
     return err <= TOL and same and errs["head_parallel_2"] <= TOL and errs["head_parallel_4"] <= TOL, errs
@@ -266,7 +268,7 @@ def _pallas_config(**kw):
 
 def check_pallas_mesh(sizes=(2, 4)):
     """attention_impl="pallas" under meshes of 2 and 4 devices (interpret mode): the MSA kernels in
-    shard_map with heads split (parallel.msa_pallas_sharded) equal the single-device kernels."""
+    shard_map with heads split (parallel.head_split) equal the single-device kernels."""
     import warnings
 
     import jax.numpy as jnp
@@ -289,10 +291,11 @@ def check_pallas_mesh(sizes=(2, 4)):
                 mesh, t0 = sh.make_mesh(n), time.perf_counter()
                 with warnings.catch_warnings(record=True) as w:
                     warnings.simplefilter("always")
-                    fn = jax.jit(lambda *a, mesh=mesh, t=t: parallel.msa_pallas_sharded(_msa_pallas, *a, t, mesh=mesh))
+                    fn = jax.jit(lambda *a, mesh=mesh, t=t: parallel.head_split(
+                        _msa_pallas, *a, t, unsupported_reason=kernels.unsupported_reason, mesh=mesh))
                     o, s = fn(*x, qp)
                 r = {"rel_l2": rel_l2(o, o0), "selection_equal": bool(np.array_equal(s, s0)),
-                     "split_reason": parallel.msa_pallas_split_reason(t, n),
+                     "split_reason": parallel.head_split_reason(t, n, kernels.unsupported_reason),
                      "warned": any("replicated" in str(m.message) for m in w),
                      "seconds": round(time.perf_counter() - t0, 1)}
                 out[f"kernels_{name}_n{n}"] = r
@@ -305,7 +308,7 @@ def check_pallas_mesh(sizes=(2, 4)):
         pcfg = cfg.replace(attention_impl="pallas")
         single = m3jax.forward(m3jax.init_random(pcfg, seed=4), ids, return_block_indices=True)
         out["single_vs_reference"] = rel_l2(single.logits, ref.logits)
-        out["model_n8_split_reason"] = parallel.msa_pallas_split_reason(cfg, 8)
+        out["model_n8_split_reason"] = parallel.head_split_reason(cfg, 8, kernels.unsupported_reason)
         for n in sizes:
             t0 = time.perf_counter()
             got = m3jax.forward(m3jax.init_random(pcfg, seed=4, mesh=sh.make_mesh(n)), ids, return_block_indices=True)
@@ -320,15 +323,14 @@ def check_pallas_mesh(sizes=(2, 4)):
 
 
 def check_decode_kernels(sizes=(8,)):
-    """The paged decode kernels context parallel (parallel.msa_decode_sharded, and the full-attention
-    decode, parallel.dense_decode_sharded) on a page-striped, page-split cache equal the single-device
+    """The paged decode kernels context parallel (parallel.context_parallel with the decode pieces,
+    and the full-attention decode's) on a page-striped, page-split cache equal the single-device
     kernels on the same cache: identical selections, fp32 outputs within 1e-5, also with fp8 index-key
     pages. Two sequences at positions chosen so that the own block falls on different
     devices and one device holds no visible block of the short sequence."""
     import jax.numpy as jnp
 
     from m3jax.cache import LayerCache
-    from m3jax.msa import kernels
 
     t = _pallas_config(num_attention_heads=8, num_key_value_heads=1, index_n_heads=1, index_topk_blocks=3).text
     bs, b, max_pages = t.index_block_size, 2, 8
@@ -351,15 +353,16 @@ def check_decode_kernels(sizes=(8,)):
             kv_sh = jax.device_put(kv, sh.cache_shardings(sh.PagedCache([kv], table), mesh).layers[0])
             t0 = time.perf_counter()
             with jax.set_mesh(mesh):
-                o, s = jax.jit(lambda *a: parallel.msa_decode_sharded(kernels.decode, *a, t))(q, iq, kv_sh, table, q_pos)
+                o, s = jax.jit(lambda *a: parallel.context_parallel(kernels.local_decode(t), *a, t))(q, iq, kv_sh, table, q_pos)
             r = {"rel_l2": rel_l2(o, o0), "selection_equal": bool(np.array_equal(np.sort(s, -1), np.sort(s0, -1))),
                  "cache_spec": str(kv_sh.k.sharding.spec), "seconds": round(time.perf_counter() - t0, 1)}
             out[f"n{n}"] = r
             ok &= r["rel_l2"] <= TOL and r["selection_equal"] and "model" in r["cache_spec"]
-            # the full-attention decode over the same cache (parallel.dense_decode_sharded)
+            # the full-attention decode over the same cache (kernels.local_dense_decode)
             d0 = kernels.dense_decode(q, kv, table, q_pos, t)
             with jax.set_mesh(mesh):
-                d = jax.jit(lambda *a: parallel.dense_decode_sharded(kernels.dense_decode, *a, t))(q, kv_sh, table, q_pos)
+                d = jax.jit(lambda q_, *a: parallel.context_parallel(kernels.local_dense_decode(t), q_, None, *a, t))(
+                    q, kv_sh, table, q_pos)
             out[f"dense_n{n}"] = rel_l2(d, d0)
             ok &= out[f"dense_n{n}"] <= TOL
             # fp8 index-key pages (index_cache_dtype="float8_e4m3fn") go into the kernels as stored
@@ -367,7 +370,7 @@ def check_decode_kernels(sizes=(8,)):
             o8, s8 = kernels.decode(q, iq, kv8, table, q_pos, t)
             kv8_sh = jax.device_put(kv8, sh.cache_shardings(sh.PagedCache([kv8], table), mesh).layers[0])
             with jax.set_mesh(mesh):
-                o, s = jax.jit(lambda *a: parallel.msa_decode_sharded(kernels.decode, *a, t))(q, iq, kv8_sh, table, q_pos)
+                o, s = jax.jit(lambda *a: parallel.context_parallel(kernels.local_decode(t), *a, t))(q, iq, kv8_sh, table, q_pos)
             r = {"rel_l2": rel_l2(o, o8), "selection_equal": bool(np.array_equal(np.sort(s, -1), np.sort(s8, -1)))}
             out[f"fp8_index_n{n}"] = r
             ok &= r["rel_l2"] <= TOL and r["selection_equal"]
@@ -375,14 +378,13 @@ def check_decode_kernels(sizes=(8,)):
 
 
 def check_prefill_kernels():
-    """Context-parallel MSA prefill (parallel.msa_prefill_sharded) over a page-striped, page-split cache,
+    """Context-parallel MSA prefill (parallel.context_parallel) over a page-striped, page-split cache,
     the kernels (interpret mode) and the jnp maths, equals the single-device path on the gathered window:
     identical selections, fp32 outputs within 1e-5. Two sequences whose chunks end in blocks held by
     different devices; the first queries of one see no key on most devices."""
     import jax.numpy as jnp
 
     from m3jax.cache import LayerCache
-    from m3jax.msa import kernels
 
     t = _pallas_config(num_attention_heads=8, num_key_value_heads=2, index_n_heads=2, index_topk_blocks=3).text
     bs, b, max_pages, c = t.index_block_size, 2, 8, 16
@@ -411,8 +413,8 @@ def check_prefill_kernels():
                 want, sel_want = (o_k, s_k) if impl == "pallas" else (o_ref, s_ref)
                 t0 = time.perf_counter()
                 with jax.set_mesh(mesh):
-                    fn = jax.jit(lambda *a, impl=impl: parallel.msa_prefill_sharded(*a, t, implementation=impl,
-                                                                                     query_chunk=8))
+                    local = kernels.local_prefill(t) if impl == "pallas" else msa_layer.VARIANTS[impl].local(t, 8)
+                    fn = jax.jit(lambda *a, local=local: parallel.context_parallel(local, *a, t))
                     o, s = fn(q, iq, kv, table, q_pos)
                 r = {"rel_l2": rel_l2(o, want), "selection_equal": bool(np.array_equal(s, sel_want)),
                      "seconds": round(time.perf_counter() - t0, 1)}
@@ -423,7 +425,8 @@ def check_prefill_kernels():
         s_f = msa.select_blocks(msa.block_scores(iq, ikg, q_pos, bs), q_pos, block_size=bs, topk=t.index_topk_blocks,
                                 **forced)
         with jax.set_mesh(mesh):
-            _, s = jax.jit(lambda *a: parallel.msa_prefill_sharded(*a, t, implementation="reference", **forced))(
+            local = msa_layer.VARIANTS["reference"].local(t, None)
+            _, s = jax.jit(lambda *a: parallel.context_parallel(local, *a, t, **forced))(
                 q, iq, kv, table, q_pos)
         out["forced_selection_equal"] = bool(np.array_equal(s, s_f)) and not np.array_equal(s_f, s_ref)
         ok &= out["forced_selection_equal"]
@@ -587,7 +590,6 @@ def check_pallas_cuda_lowering():
     from m3jax.cache import LayerCache
     from m3jax.config import preset
     from m3jax.model import multimodal_forward
-    from m3jax.msa import kernels
     from m3jax.msa.kernels import prefill as _msa_pallas
     from m3jax.params import ParamSpec, param_specs
     from m3jax.pallas import _backend
@@ -619,7 +621,8 @@ def check_pallas_cuda_lowering():
         for n in (1, 2, 4, 8):
             amesh = AbstractMesh((1, n), sh.MESH_AXES, axis_types=(AxisType.Auto,) * 2)
             with jax.sharding.use_abstract_mesh(amesh):
-                txt = jax.jit(lambda *a: parallel.msa_pallas_sharded(_msa_pallas, *a, t)).trace(*args).lower(
+                txt = jax.jit(lambda *a: parallel.head_split(_msa_pallas, *a, t, unsupported_reason=kernels.unsupported_reason)
+                              ).trace(*args).lower(
                     lowering_platforms=("cuda",)).as_text()
             out[f"n{n}"] = {"mosaic_gpu_calls": txt.count("@mosaic_gpu_v2"),
                             "shard_map": "sdy.manual_computation" in txt,
@@ -633,7 +636,7 @@ def check_pallas_cuda_lowering():
                                       "callbacks": len(re.findall(r"callback", txt))}
                 # the context-parallel decode kernels at M3's heads over a page-split cache of 64 pages
                 with jax.sharding.use_abstract_mesh(amesh):
-                    txt = jax.jit(lambda *a: parallel.msa_decode_sharded(kernels.decode, *a, t)).trace(*dargs).lower(
+                    txt = jax.jit(lambda *a: parallel.context_parallel(kernels.local_decode(t), *a, t)).trace(*dargs).lower(
                         lowering_platforms=("cuda",)).as_text()
                 out[f"decode_n{n}"] = {"mosaic_gpu_calls": txt.count("@mosaic_gpu_v2"),
                                        "shard_map": "sdy.manual_computation" in txt,
@@ -641,10 +644,11 @@ def check_pallas_cuda_lowering():
                 # the context-parallel prefill kernels (a 256-query chunk over a 64-page window) and the
                 # full-attention decode over the same page-split cache
                 lowered = {
-                    f"prefill_n{n}": (lambda q, iq, kv, pt, qp: parallel.msa_prefill_sharded(q, iq, kv, pt, qp, t),
+                    f"prefill_n{n}": (lambda q, iq, kv, pt, qp: parallel.context_parallel(kernels.local_prefill(t), q, iq, kv,
+                                                                                   pt, qp, t),
                                       (args[0], args[3], dargs[2], dargs[3], args[5])),
-                    f"dense_decode_n{n}": (lambda q, kv, pt, qp: parallel.dense_decode_sharded(
-                        kernels.dense_decode, q, kv, pt, qp, t), (dargs[0],) + dargs[2:]),
+                    f"dense_decode_n{n}": (lambda q, kv, pt, qp: parallel.context_parallel(
+                        kernels.local_dense_decode(t), q, None, kv, pt, qp, t), (dargs[0],) + dargs[2:]),
                 }
                 for name, (fn, fargs) in lowered.items():
                     with jax.sharding.use_abstract_mesh(amesh):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import m3jax
-from m3jax import api
 from m3jax.msa import kernels
+from m3jax.msa import layer as msa_layer
 from m3jax.pallas import _backend
 from m3jax.pallas._backend import interpret_races_found
 from m3jax.pallas.tolerances import TOL
@@ -66,17 +66,17 @@ def test_auto_takes_the_kernels_on_a_gpu_and_falls_back_with_one_warning(monkeyp
                      index_head_dim=64, index_block_size=64, index_topk_blocks=2)
     odd = g8.replace_text(index_block_size=8)  # not a multiple of 16: no kernel takes it
     monkeypatch.setattr(_backend, "on_gpu", lambda: False)
-    assert api.resolve_attention_impl("auto", g8) == "reference"  # off the GPU: always the reference
+    assert msa_layer.resolve_attention_impl("auto", g8) == "reference"  # off the GPU: always the reference
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
-    assert api.resolve_attention_impl("auto", g8, "float32") == "pallas"
-    monkeypatch.setattr(api, "_FALLBACK_WARNED", set())
+    assert msa_layer.resolve_attention_impl("auto", g8, "float32") == "pallas"
+    monkeypatch.setattr(msa_layer, "_FALLBACK_WARNED", set())
     with pytest.warns(RuntimeWarning, match="multiple of 16"):
-        assert api.resolve_attention_impl("auto", odd) == "reference"
+        assert msa_layer.resolve_attention_impl("auto", odd) == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reason warns once per process
-        assert api.resolve_attention_impl("auto", odd) == "reference"
+        assert msa_layer.resolve_attention_impl("auto", odd) == "reference"
     with pytest.raises(m3jax.UnsupportedConfigError, match="multiple of 16"):
-        api.resolve_attention_impl("pallas", odd)
+        msa_layer.resolve_attention_impl("pallas", odd)
 
 
 def test_pallas_refuses_configs_the_kernels_cannot_run():

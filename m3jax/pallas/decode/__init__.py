@@ -1,4 +1,5 @@
-"""MSA decode: paged index-block scoring, top-k (:mod:`m3jax.pallas.topk`) and sparse paged attention.
+"""MSA decode kernels: paged index-block scoring and sparse paged attention (composed with the top-k
+kernel of :mod:`m3jax.pallas.topk` in :func:`m3jax.msa.kernels.decode_pages`).
 
 ``implementation="pallas"`` runs the Mosaic GPU kernels of :mod:`.kernel` and the top-k kernel
 (GPU interpret mode off-GPU); ``"reference"`` the pure-jnp versions of :mod:`.reference` (gather
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import jax
 
-from m3jax.pallas import topk as _topk
 from m3jax.pallas._backend import current_target
 from m3jax.pallas._common import check_dims
 from m3jax.pallas.decode import blackwell as _blackwell
@@ -23,7 +23,6 @@ __all__ = [
     "SparseDecodeConfig",
     "decode_index_scores",
     "sparse_decode_attention",
-    "msa_decode",
     "query_positions",
 ]
 
@@ -77,25 +76,3 @@ def sparse_decode_attention(
         kernel = _blackwell.sparse_decode_attention_tcgen05
     return kernel(q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
                   interpret=interpret, return_lse=return_lse)
-
-
-def msa_decode(
-    q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,
-    local_blocks: int = 1, init_blocks: int = 0, implementation: str = "pallas",
-) -> jax.Array:
-    """One MSA decode step of one layer: index scores -> top-k blocks -> sparse paged attention.
-
-    q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), caches as in the kernels; returns [B, Q, N, H].
-    """
-    scores = decode_index_scores(
-        iq, ik_pages, page_table, seq_lens, block_size=block_size, implementation=implementation
-    )
-    q_pos = query_positions(seq_lens, q.shape[1])
-    block_idx = _topk.select_blocks(
-        scores, q_pos, block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
-        implementation=implementation,
-    )
-    return sparse_decode_attention(
-        q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size,
-        implementation=implementation,
-    )
