@@ -5,7 +5,7 @@ heads, Hx=128, block (page) 128, top-16), caches of 128K and 1M tokens, B=1 and 
 
 - ``index_scores``: the decode index-score kernel (``m3jax.pallas.decode.decode_index_scores``) on bf16
   pages, on fp8 pages read as stored (the kernel converts each page in SMEM) with the keys met in
-  bf16 (``IndexScoreConfig.fp8_mma="bfloat16"``, the default: e4m3 -> f16 -> bf16) and in f16
+  bf16 (``DecodeScoreConfig.fp8_mma="bfloat16"``, the default: e4m3 -> f16 -> bf16) and in f16
   (``"float16"``: e4m3 -> f16, the query scaled into f16), and on fp8 pages upcast to bf16 in XLA
   first (what the model did before the kernel took fp8);
 - ``decode_step``: the model's whole MSA decode step (``m3jax.msa.kernels.decode``: index scores,
@@ -114,7 +114,7 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
              f"Hi={t.index_n_heads} Hx={hx} bs={bs} topk={t.index_topk_blocks}")
     select = jax.jit(functools.partial(msa.select_blocks, block_size=bs, topk=t.index_topk_blocks,
                                        local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks))
-    scores = {m: jax.jit(functools.partial(D.decode_index_scores, block_size=bs, config=D.IndexScoreConfig(fp8_mma=m)))
+    scores = {m: jax.jit(functools.partial(D.decode_index_scores, block_size=bs, config=D.DecodeScoreConfig(fp8_mma=m)))
               for m in ("bfloat16", "float16")}
 
     ref_scores = jax.jit(functools.partial(D.decode_index_scores, block_size=bs, implementation="reference"))
@@ -122,12 +122,12 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
                                                                          block_size=bs))
 
     def step(cfg, fp8_mma="bfloat16"):
-        """The model's decode step, its index scoring traced with ``IndexScoreConfig(fp8_mma=...)`` (the
+        """The model's decode step, its index scoring traced with ``DecodeScoreConfig(fp8_mma=...)`` (the
         model passes the default config: msa.kernels.decode looks the function up when traced)."""
         scoring = D.decode_index_scores
 
         def run(q, iq, kp, vp, ik, pt):
-            D.decode_index_scores = functools.partial(scoring, config=D.IndexScoreConfig(fp8_mma=fp8_mma))
+            D.decode_index_scores = functools.partial(scoring, config=D.DecodeScoreConfig(fp8_mma=fp8_mma))
             try:
                 return kernels.decode(q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg)
             finally:
@@ -144,7 +144,7 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
         return rows[-1]
 
     # 1. the index-score kernel alone: bf16 pages; fp8 pages met in bf16 (the default) and in f16
-    # (IndexScoreConfig.fp8_mma: one conversion per key pair instead of three); fp8 upcast in XLA first.
+    # (DecodeScoreConfig.fp8_mma: one conversion per key pair instead of three); fp8 upcast in XLA first.
     # Selections from each fp8 variant's scores: against the bf16 pages' and the reference's on fp8 pages.
     n16, n8 = ikp.nbytes, ik8.nbytes
     tol = TOL[("index_scores", "bfloat16")]

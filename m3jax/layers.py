@@ -37,6 +37,16 @@ class MXFP8Weight:
         return differ[0]
 
 
+def dequantize_mxfp8(values, scales, dtype=jnp.float32, axis: int = -2) -> jax.Array:
+    """values float8_e4m3fn [..., K, ...] * 2^(scales uint8 [..., K / group, ...] - 127), in ``dtype``: one
+    E8M0 exponent per ``group`` consecutive entries of ``axis`` (the input axis; default: [..., K, N])."""
+    axis = axis % values.ndim
+    k, groups = values.shape[axis], scales.shape[axis]
+    scale = jnp.ldexp(jnp.float32(1.0), scales.astype(jnp.int32) - 127)
+    w = values.astype(jnp.float32).reshape(*values.shape[:axis], groups, k // groups, *values.shape[axis + 1:])
+    return (w * jnp.expand_dims(scale, axis + 1)).reshape(values.shape).astype(dtype)
+
+
 def dequantize(w, dtype):
     """``w`` as a ``dtype`` array: an :class:`MXFP8Weight` dequantised, any other array as it is.
 
@@ -50,8 +60,6 @@ def dequantize(w, dtype):
     """
     if not isinstance(w, MXFP8Weight):
         return w
-    from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
-
     return dequantize_mxfp8(w.values, w.scales, dtype, axis=w.group_axis)
 
 

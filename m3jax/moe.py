@@ -29,6 +29,8 @@ import numpy as np
 from m3jax.config import TextConfig
 from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, swiglu_oai
 from m3jax.mesh_axes import MODEL
+from m3jax.pallas import _backend, grouped_matmul as gmm
+from m3jax.pallas.grouped_matmul import gemv
 
 
 def dequantize_layer(lp: dict, dtype) -> dict:
@@ -38,13 +40,10 @@ def dequantize_layer(lp: dict, dtype) -> dict:
 
 
 # Dense MXFP8 matmuls take the grouped-GEMM kernel (one group) up to this many rows: at decode it reads
-# the fp8 weights once (H200, benchmarks/RESULTS.md eighth to twelfth sessions: the shared expert at 1
-# and 8 tokens 0.026-0.052 ms through it, the gemv schedule up to 8 rows, 0.113 dequantised by XLA then
-# multiplied). The limit was set when, past it, the kernel's in-tile conversion cost 1.5-1.65x a bf16
-# GEMM's time (prefill, same runs), while XLA's dequantisation is one pass over the weight per call, small
-# beside a GEMM of that many rows. Since the sixteenth session the MoE's prefill GEMMs take 1.02-1.07x
-# bf16's time in the kernel; whether the kernel now beats XLA's dequantise-then-dot past 64 rows for
-# these dense weights is not yet measured.
+# the fp8 weights once where XLA would dequantise them into a temporary first; past it XLA's single
+# dequantising pass per call is small beside a GEMM of that many rows, and the kernel's in-tile
+# conversion measured slower there (benchmarks/RESULTS.md#mxfp8-dense-rows).
+# TODO(measure): whether the faster prefill MXFP8 tiles now beat dequantise-then-dot past 64 rows.
 MXFP8_KERNEL_MAX_ROWS = 64
 
 
@@ -82,10 +81,8 @@ def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tup
     config = _dense_kernel_config(impl, rows, MXFP8Weight(*ones[0]), len(ws))
     if config is None:
         return tuple(jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes) for w in ws)
-    from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
-
     sizes = np.full((1,), rows.shape[0], np.int32)  # known when tracing: the kernel's schedule is a constant
-    outs = grouped_matmuls_mxfp8(rows, ones, sizes, config=config)
+    outs = gmm.grouped_matmuls_mxfp8(rows, ones, sizes, config=config)
     return tuple(out.reshape(*x.shape[: x.ndim - in_axes], *out_shape) for out in outs)
 
 
@@ -99,17 +96,15 @@ def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight, weights: 
     m, k = rows.shape
     if impl == "ragged_dot" or m > MXFP8_KERNEL_MAX_ROWS:
         return None
-    from m3jax.pallas._backend import on_gpu
-    from m3jax.pallas.grouped_matmul import mxfp8_unsupported_reason
     from m3jax.selfcheck import kernel_failure
 
-    if impl == "auto" and not on_gpu():
+    if impl == "auto" and not _backend.on_gpu():
         return None
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and dict(mesh.shape).get(MODEL, 1) > 1:
         return None
     config = _grouped_matmul_config(m, one, weights)
-    if mxfp8_unsupported_reason(m, k, one.values.shape[2], 1, one.scales.shape[1], config) is not None:
+    if gmm.mxfp8_unsupported_reason(m, k, one.values.shape[2], 1, one.scales.shape[1], config) is not None:
         return None
     return config if kernel_failure("grouped_matmul") is None else None
 
@@ -137,11 +132,9 @@ def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]
 def _grouped_matmul_config(m: int, w: jax.Array | MXFP8Weight, weights: int = 1):
     """The kernel config for ``m`` rows times ``w [E, K, N]`` (tiles and schedule per regime; ``weights`` of
     that shape in one launch)."""
-    from m3jax.pallas.grouped_matmul import layer_config
-
     mx = isinstance(w, MXFP8Weight)
     g, k, n = (w.values if mx else w).shape
-    return layer_config(m, k, n, g, w.scales.shape[1] if mx else None, weights)
+    return gmm.layer_config(m, k, n, g, w.scales.shape[1] if mx else None, weights)
 
 
 _FALLBACK_WARNED: set[str] = set()
@@ -160,15 +153,13 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array | MXFP8Weight) -> st
         return impl
     if impl not in ("auto", "pallas"):
         raise ValueError(f"moe_impl={impl!r}; choose 'auto', 'ragged_dot' or 'pallas'")
-    from m3jax.pallas._backend import on_gpu
-    from m3jax.pallas.grouped_matmul import mxfp8_unsupported_reason, unsupported_reason
 
     if isinstance(w, MXFP8Weight):
         (m, k), (g, _, n) = xs.shape, w.values.shape
-        reason = mxfp8_unsupported_reason(m, k, n, g, w.scales.shape[1], _grouped_matmul_config(m, w))
+        reason = gmm.mxfp8_unsupported_reason(m, k, n, g, w.scales.shape[1], _grouped_matmul_config(m, w))
     else:
         (m, k), (g, _, n) = xs.shape, w.shape
-        reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, w))
+        reason = gmm.unsupported_reason(m, k, n, g, _grouped_matmul_config(m, w))
     shape_reason = reason
     if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.selfcheck, which warns)
         from m3jax.selfcheck import kernel_failure
@@ -178,7 +169,7 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array | MXFP8Weight) -> st
         if reason:
             raise ValueError(f"moe_impl='pallas' cannot run [{m}, {k}] x [{g}, {k}, {n}]: {reason}")
         return impl
-    if not on_gpu():
+    if not _backend.on_gpu():
         return "ragged_dot"
     if shape_reason is not None and shape_reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(shape_reason)
@@ -193,15 +184,11 @@ def grouped_matmul(xs: jax.Array, w: jax.Array | MXFP8Weight, group_sizes: jax.A
     use_kernel = resolve_moe_impl(impl, xs, w) == "pallas"
     if isinstance(w, MXFP8Weight):
         if use_kernel:
-            from m3jax.pallas.grouped_matmul import grouped_matmul_mxfp8
-
             config = _grouped_matmul_config(xs.shape[0], w)
-            return grouped_matmul_mxfp8(xs, w.values, w.scales, group_sizes, config=config)
+            return gmm.grouped_matmul_mxfp8(xs, w.values, w.scales, group_sizes, config=config)
         w = dequantize(w, xs.dtype)
     if use_kernel:
-        from m3jax.pallas.grouped_matmul import grouped_matmul as kernel
-
-        return kernel(xs, w, group_sizes, config=_grouped_matmul_config(xs.shape[0], w))
+        return gmm.grouped_matmul(xs, w, group_sizes, config=_grouped_matmul_config(xs.shape[0], w))
     return jax.lax.ragged_dot(xs, w, group_sizes)
 
 
@@ -210,9 +197,7 @@ def grouped_matmuls(xs: jax.Array, ws, group_sizes: jax.Array, impl: str = "auto
     kernel run as one launch where their schedule allows (``grouped_matmuls_mxfp8``: the gemv at decode)."""
     w0 = ws[0]
     if _one_mxfp8_shape(ws) and resolve_moe_impl(impl, xs, w0) == "pallas":
-        from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
-
-        return grouped_matmuls_mxfp8(xs, [(w.values, w.scales) for w in ws], group_sizes,
+        return gmm.grouped_matmuls_mxfp8(xs, [(w.values, w.scales) for w in ws], group_sizes,
                                      config=_grouped_matmul_config(xs.shape[0], w0, len(ws)))
     return tuple(grouped_matmul(xs, w, group_sizes, impl) for w in ws)
 
@@ -245,8 +230,6 @@ def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cf
     if plan is None:
         return grouped_expert_mlp(xs, group_sizes, p, cfg, impl), dense_mlp(x, p["shared"], cfg, impl)
     configs, lead = plan
-    from m3jax.pallas.grouped_matmul import gemv_launch_mxfp8
-
     ps = p["shared"]
     one = np.full((1,), x.shape[0], np.int32)  # known when tracing: the shared expert's schedule is a constant
 
@@ -254,7 +237,7 @@ def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cf
         return (w.values[None], w.scales[None]) if shared else (w.values, w.scales)
 
     def launch(routed, shared):
-        out = gemv_launch_mxfp8((shared, routed) if lead else (routed, shared))
+        out = gmm.gemv_launch_mxfp8((shared, routed) if lead else (routed, shared))
         return out[::-1] if lead else out
 
     (gate, up), (s_gate, s_up) = launch(
@@ -297,9 +280,7 @@ def _shared_leads(configs: tuple, t: int, ps: dict) -> tuple[tuple, bool]:
     ``gemv.leading_split`` (see :func:`expert_mlps`); at one token it follows at the split it has alone."""
     if t == 1:
         return configs, False
-    from m3jax.pallas.grouped_matmul.gemv import leading_split
-
-    lead = [dataclasses.replace(c, split_k=leading_split(w.values.shape[0], w.values.shape[1], n))
+    lead = [dataclasses.replace(c, split_k=gemv.leading_split(w.values.shape[0], w.values.shape[1], n))
             for c, w, n in ((configs[1], ps["gate"], 2), (configs[3], ps["down"], 1))]
     return (configs[0], lead[0], configs[2], lead[1]), True
 

@@ -208,11 +208,6 @@ def abstract_params(cfg: M3Config, dtype=jnp.bfloat16, weights: str = "dequantiz
     )
 
 
-def logical_axes(cfg: M3Config) -> dict:
-    """Tree of logical axis-name tuples, same structure as the parameters."""
-    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
-
-
 def count_params(cfg: M3Config) -> int:
     leaves = jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec)
     return sum(math.prod(s.shape) for s in leaves)

@@ -672,16 +672,6 @@ def expand_prompt(text: str, ids: MediaTokenIds, images: dict | None = None, vid
     return out
 
 
-def model_inputs(images: dict | None = None, videos: dict | None = None) -> dict:
-    """The arrays :func:`m3jax.forward` takes, from the preprocessing dicts."""
-    out = {}
-    if images is not None:
-        out.update(pixel_values=images["pixel_values"], image_grid_thw=images["image_grid_thw"])
-    if videos is not None:
-        out.update(pixel_values_videos=videos["pixel_values_videos"], video_grid_thw=videos["video_grid_thw"])
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # Checkpoint processor settings
 

@@ -264,15 +264,6 @@ def cache_shardings(cache: PagedCache, mesh, rules=RULES) -> PagedCache:
     return PagedCache([layer(lc) for lc in cache.layers], NamedSharding(mesh, P()))
 
 
-def shard_cache(cache: PagedCache, mesh, rules=RULES, stripe: bool = True) -> PagedCache:
-    """Place a cache on the mesh (pages over the model axis); optionally stripe its page table."""
-    if stripe:
-        n = mesh.shape[MODEL]
-        b, maxp = cache.page_table.shape
-        cache = PagedCache(cache.layers, jnp.asarray(striped_page_table(b, maxp, n)))
-    return jax.device_put(cache, cache_shardings(cache, mesh, rules))
-
-
 # --------------------------------------------------------------------------------------------------
 # Sharded loading
 

@@ -12,8 +12,7 @@ kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline st
 KV-block-major sparse attention and the sparse decode attention take their Blackwell paths (tcgen05
 into TMEM) when it is ``"tcgen05"``; the query-major attention baseline issues wgmma, a Hopper-only
 instruction, and does not run on sm_100 (``m3jax.selfcheck`` keeps a kernel off a GPU where it fails).
-``cluster`` and ``tma_gather`` are read by no code: they record what the rest of the port changes
-(2-CTA MMA, TMA gather; each kernel's docstring says where). :func:`lowering_for` and
+What the rest of the port would change (2-CTA MMA, TMA gather) is docs/KERNELS.md §5's. :func:`lowering_for` and
 :func:`interpret_as` build the kernels for another target on a CPU (lowering tests, interpret tests).
 """
 
@@ -35,12 +34,10 @@ class Target:
     mma: str  # "wgmma" (Hopper, register accumulators) | "tcgen05" (Blackwell, TMEM accumulators)
     smem_bytes: int
     num_sms: int
-    cluster: int = 1  # CTAs cooperating on one tile (2 on Blackwell's 2-CTA MMA)
-    tma_gather: bool = False  # indexed TMA of many rows in one copy (Blackwell only)
 
 
 HOPPER = Target("sm_90a", mma="wgmma", smem_bytes=232_448, num_sms=132)
-BLACKWELL = Target("sm_100a", mma="tcgen05", smem_bytes=232_448, num_sms=148, cluster=2, tma_gather=True)
+BLACKWELL = Target("sm_100a", mma="tcgen05", smem_bytes=232_448, num_sms=148)
 
 
 # Set by lowering_for / interpret_as: the target the kernels are built for, and whether they lower

@@ -53,7 +53,7 @@ _ref_attention = jax.jit(functools.partial(D.sparse_decode_attention, block_size
 def check_scores(iq, ikp, pt, sl, splits=None, fp8_mma="bfloat16"):
     """The kernel's scores against the reference's; returns (reference, kernel) scores."""
     ref = np.asarray(_ref_scores(iq, ikp, pt, sl))
-    config = D.IndexScoreConfig(num_splits=splits, fp8_mma=fp8_mma)
+    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma)
     got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, config=config))
     assert got.shape == ref.shape
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
@@ -123,7 +123,7 @@ def test_attention_sub_page_tiles():
 
 
 def test_index_scores_fp8_pages_in_f16():
-    # IndexScoreConfig(fp8_mma="float16"): keys e4m3 -> f16, bf16 queries scaled per row into f16's
+    # DecodeScoreConfig(fp8_mma="float16"): keys e4m3 -> f16, bf16 queries scaled per row into f16's
     # range; rows of 2^20 and 2^-20 scale (beyond f16's max, inside its subnormals) score as the rest.
     _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=5, ik_dtype=FP8)
     iq = iq.at[1, :, 0].multiply(2.0**20).at[2, :, 1].multiply(2.0**-20)

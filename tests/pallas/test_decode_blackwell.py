@@ -61,7 +61,7 @@ def test_decode_scores_as_test_decode(ik_dtype):
                                                (192, jnp.float32, jnp.float8_e4m3fn)])
 def test_several_mma_tiles_per_page(bs, dtype, ik_dtype):
     _, iq, _, _, ikp, pt, sl = make_case([bs + 37, 2 * bs], 2, dtype, seed=bs, bs=bs, ik_dtype=ik_dtype)
-    got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, config=D.IndexScoreConfig(num_splits=2)))
+    got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, config=D.DecodeScoreConfig(num_splits=2)))
     ref = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, implementation="reference"))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
     fin = np.isfinite(ref)

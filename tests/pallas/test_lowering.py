@@ -212,12 +212,12 @@ def test_blackwell_kv_major_attention_lowers_at_other_tiles(g, h, bs, dtype, mos
 def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, mosaic_modules):
     # fp8 e4m3 index-key pages (index_cache_dtype): loaded by TMA as fp8, converted in SMEM (e4m3x2 ->
     # f16x2 cvt, then the query's 16-bit type) for the MMA; fp32 queries as bf16 pieces.
-    from m3jax.pallas.decode import IndexScoreConfig, decode_index_scores
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores
 
     target = getattr(_backend, target)
     nb = CTX // bs
     args = (S((2, 1, HI, H), dtype), S((2 * nb, bs, H), jnp.float8_e4m3fn), S((2, nb), I32), S((2,), I32))
-    config = IndexScoreConfig(fp8_mma=fp8_mma)
+    config = DecodeScoreConfig(fp8_mma=fp8_mma)
     with _backend.lowering_for(target):
         jax.jit(lambda *a: decode_index_scores(*a, block_size=bs, config=config)).trace(*args).lower(
             lowering_platforms=("cuda",))

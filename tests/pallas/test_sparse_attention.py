@@ -212,7 +212,7 @@ def test_csr_plan_covers_every_edge_once():
     b, t, topk, tq, tpi, kh, bs = 2, 40, 3, 4, 2, 2, 64
     _, _, _, block_idx, q_pos = make_inputs(g=8, kh=kh, h=64, bs=bs, dtype=F32, b=b, t=t, topk=topk, shuffle=True)
     nb = -(-int(q_pos.max() + 1) // bs)
-    build = jax.jit(csr.build_plan, static_argnames=("num_blocks", "block_size", "tq", "tiles_per_item"))
+    build = jax.jit(csr.build_work, static_argnames=("num_blocks", "block_size", "tq", "tiles_per_item"))
     plan = build(block_idx, q_pos, num_blocks=nb, block_size=bs, tq=tq, tiles_per_item=tpi)
     e_pad, n_cap = csr.capacities(b, t, kh, nb, topk, tq, tpi)
     bi, ep = np.asarray(block_idx), np.asarray(plan.epos)

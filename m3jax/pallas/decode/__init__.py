@@ -15,16 +15,24 @@ from m3jax.pallas._common import check_dims
 from m3jax.pallas.decode import blackwell as _blackwell
 from m3jax.pallas.decode import kernel as _kernel
 from m3jax.pallas.decode import reference as _reference
-from m3jax.pallas.decode.kernel import IndexScoreConfig, SparseDecodeConfig
+from m3jax.pallas.decode.kernel import DecodeScoreConfig, SparseDecodeConfig
 from m3jax.pallas.decode.reference import query_positions
 
 __all__ = [
-    "IndexScoreConfig",
+    "DecodeScoreConfig",
     "SparseDecodeConfig",
     "decode_index_scores",
     "sparse_decode_attention",
     "query_positions",
 ]
+
+
+def _kernels():
+    """(index-score kernel, attention kernel) of the current target, chosen here only: Blackwell's
+    tcgen05 MMAs into TMEM (:mod:`.blackwell`) or Hopper's wgmma (:mod:`.kernel`), over one shared plan."""
+    if current_target().mma == "tcgen05":
+        return _blackwell.decode_index_scores_tcgen05, _blackwell.sparse_decode_attention_tcgen05
+    return _kernel.decode_index_scores_kernel, _kernel.sparse_decode_attention_kernel
 
 
 def _check_block_size(where: str, name: str, pages, block_size: int) -> None:
@@ -35,7 +43,7 @@ def _check_block_size(where: str, name: str, pages, block_size: int) -> None:
 
 def decode_index_scores(
     iq, ik_pages, page_table, seq_lens, *, block_size: int, implementation: str = "pallas",
-    config: IndexScoreConfig = IndexScoreConfig(), interpret: bool | None = None,
+    config: DecodeScoreConfig = DecodeScoreConfig(), interpret: bool | None = None,
 ) -> jax.Array:
     """fp32 [B, Hi, Q, max_pages] block-max index scores (see :func:`.kernel.decode_index_scores_kernel`)."""
     check_dims("decode_index_scores", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
@@ -45,10 +53,7 @@ def decode_index_scores(
         return _reference.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
-    kernel = _kernel.decode_index_scores_kernel
-    if current_target().mma == "tcgen05":  # Blackwell: tcgen05 MMAs into TMEM (.blackwell)
-        kernel = _blackwell.decode_index_scores_tcgen05
-    return kernel(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
+    return _kernels()[0](iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
 
 
 def sparse_decode_attention(
@@ -71,8 +76,5 @@ def sparse_decode_attention(
         )
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
-    kernel = _kernel.sparse_decode_attention_kernel
-    if current_target().mma == "tcgen05":  # Blackwell: tcgen05 MMAs into TMEM (.blackwell)
-        kernel = _blackwell.sparse_decode_attention_tcgen05
-    return kernel(q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
+    return _kernels()[1](q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
                   interpret=interpret, return_lse=return_lse)

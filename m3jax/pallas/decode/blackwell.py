@@ -20,7 +20,7 @@ multiple of 8 as tcgen05 needs, of 16 for 64-row tiles). What differs:
   for the next one once this page's MMAs were waited for.
 
 **Sparse attention** (:func:`sparse_decode_attention_tcgen05`): the Hopper kernel's plan (union of
-selected pages, K/V pipeline, masks, online softmax, split merge: the shared ``kernel._attention_*``
+selected pages, K/V pipeline, masks, online softmax, split merge: the shared ``kernel.attention_*``
 helpers) with S = Q K^T in TMEM, the output accumulator kept in TMEM and rescaled there, P through
 SMEM into O += P V; the ``Q * G`` rows padded to 128 (Hopper pads to 64; at most 128 rows, Q = 8
 at G = 16), K/V tiles of at most 128 keys (its docstring).
@@ -48,28 +48,28 @@ from jax import lax
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms
 from m3jax.pallas.decode.kernel import (
-    IndexScoreConfig,
+    DecodeScoreConfig,
     SparseDecodeConfig,
-    _attention_call,
-    _attention_plan,
-    _attention_refs,
-    _cta_start,
-    _kv_pipeline,
-    _page_transforms,
-    _round_up,
-    _score_chunks,
-    _score_operands,
-    _score_pipeline,
-    _score_products,
-    _score_prologue,
-    _score_result,
-    _score_scratch,
-    _score_shapes,
-    _score_stages,
-    _softmax_start,
-    _step_operands,
-    _store_split,
-    _visible,
+    attention_call,
+    attention_plan,
+    attention_refs,
+    cta_start,
+    kv_pipeline,
+    page_transforms,
+    round_up,
+    score_chunks,
+    score_operands,
+    score_pipeline,
+    score_products,
+    score_prologue,
+    score_result,
+    score_scratch,
+    score_shapes,
+    score_stages,
+    softmax_start,
+    step_operands,
+    store_split,
+    visible_keys,
 )
 
 TMEM_COLUMNS = 512
@@ -83,7 +83,7 @@ def decode_index_scores_tcgen05(
     seq_lens: jax.Array,
     *,
     block_size: int,
-    config: IndexScoreConfig = IndexScoreConfig(),
+    config: DecodeScoreConfig = DecodeScoreConfig(),
     interpret: bool | None = None,
 ) -> jax.Array:
     """Block-max index scores of the Q new tokens over a paged index-key cache.
@@ -92,32 +92,32 @@ def decode_index_scores_tcgen05(
     [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx], page_table int32 [B, max_pages], seq_lens
     int32 [B] -> fp32 [B, Hi, Q, max_pages], -inf for blocks with no visible key.
     """
-    b, q, hi, hx, _, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size,
+    b, q, hi, hx, _, bs, max_pages = score_shapes(iq, ik_pages, page_table, block_size,
                                                            "tcgen05 M tiles of 64/128")
     n_rows = hi * q
     m_tile = 128 if bs % 128 == 0 else 64
     if m_tile == 128:
-        n_pad, swizzle_elems = _round_up(n_rows, 8), 64  # tcgen05's N granularity; 128-byte swizzle
+        n_pad, swizzle_elems = round_up(n_rows, 8), 64  # tcgen05's N granularity; 128-byte swizzle
     else:
         # A 64-row MMA splits N over two lane groups and the transposed B tile may not be cut below
         # its swizzle width: N >= 2 x swizzle elements (Mosaic's layout inference), so N >= 32 with
         # a 32-byte swizzle on both operands, up to a 128-byte one for N >= 128.
-        n_pad = max(32, _round_up(n_rows, 16))
+        n_pad = max(32, round_up(n_rows, 16))
         swizzle_elems = max(e for e in (16, 32, 64) if e <= n_pad // 2)
     n_tiles = bs // m_tile
     cols = n_tiles * max(32, 1 << (n_pad - 1).bit_length())  # allocations are powers of two >= 32
     if cols > TMEM_COLUMNS:
         raise ValueError(f"{n_tiles} row tiles x {n_pad} query rows need {cols} > {TMEM_COLUMNS} TMEM columns")
-    chunk, splits = _score_chunks(config, b, max_pages, n_pad)
-    q_parts, k_parts, unscale = _score_operands(iq, ik_pages, n_pad, config)
-    prods = _score_products(len(q_parts), len(k_parts))
+    chunk, splits = score_chunks(config, b, max_pages, n_pad)
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
+    prods = score_products(len(q_parts), len(k_parts))
     transforms = swizzle_transforms(swizzle_elems)  # 16-bit operands: 2 bytes
-    stages = _score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
     # the register layout of a TMEM load: tcgen05's for 128-row tiles, wgmma's for 64-row ones
     layout = plgpu.Layout.TCGEN05 if m_tile == 128 else plgpu.Layout.WGMMA
 
     def body(*refs):
-        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, own, bi, seq_len, first, steps = _score_prologue(
+        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, own, bi, seq_len, first, steps = score_prologue(
             refs, len(q_parts), len(k_parts), chunk, bs)
         mma_bar, *acc_tmem = own
 
@@ -144,15 +144,15 @@ def decode_index_scores_tcgen05(
             plgpu.wait_load_tmem()  # the next page's MMAs overwrite the accumulator
             score_smem[i] = best
 
-        _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
-                        (bs, hx), _page_transforms(k_parts, hx, transforms), stages)
+        score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
+                        (bs, hx), page_transforms(k_parts, hx, transforms), stages)
 
     kern = mosaic_kernel(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
         scratch_types=[
-            *_score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
+            *score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
             plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
             *[plgpu.TMEM((m_tile, n_pad), jnp.float32) for _ in range(n_tiles)],
         ],
@@ -160,7 +160,7 @@ def decode_index_scores_tcgen05(
         grid_names=("b", "s"),
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
+    return score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
 
 
 ATTENTION_ROWS = 128  # tcgen05's M per CTA: the Q * G query rows of a KV head, padded
@@ -195,7 +195,7 @@ def sparse_decode_attention_tcgen05(
     issued, committed and waited for before the step returns (the pipeline then reuses the V slot,
     the next step P's SMEM). The epilogue reads O in pieces, normalises it and stores it by TMA.
     """
-    plan = _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config,
+    plan = attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config,
                            m_tile=ATTENTION_ROWS, max_kv_tile=ATTENTION_MAX_KV_TILE)
     if plan.rows > ATTENTION_ROWS:
         raise ValueError(f"Q * G = {plan.rows} query rows exceed the {ATTENTION_ROWS}-row tcgen05 tile")
@@ -205,26 +205,26 @@ def sparse_decode_attention_tcgen05(
 
     def body(*refs):
         q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
-            _attention_refs(plan, refs))
+            attention_refs(plan, refs))
         q_smem, p_smem, q_bar, s_bar, o_bar, s_tmem, o_tmem = scratch
-        bi, hk, si, seq_len, first = _cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
+        bi, hk, si, seq_len, first = cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
         for c, w in pieces:  # O starts at 0 (TMEM is not initialised; alpha = 0 would keep a NaN)
             plgpu.async_store_tmem(o_tmem.at[:, pl.ds(c, w)],
                                    plgpu.layout_cast(jnp.zeros((m_pad, w), jnp.float32), layout))
         plgpu.commit_tmem()
 
-        m0, l0 = _softmax_start(plan, layout.reduce(1))
+        m0, l0 = softmax_start(plan, layout.reduce(1))
 
         def page_step(idx, *kv_and_carry):
             (i,) = idx
-            k_smems, v_smems, (m_i, l_i) = _step_operands(plan, kv_and_carry)
+            k_smems, v_smems, (m_i, l_i) = step_operands(plan, kv_and_carry)
             for n, (a, c) in enumerate(plan.prods):
                 plgpu.tcgen05_mma(s_tmem, q_smem.at[a], k_smems[c].transpose((1, 0)), accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(s_bar)
             plgpu.barrier_wait(s_bar)
             s = plgpu.async_load_tmem(s_tmem, layout=layout) * plan.scale
             plgpu.wait_load_tmem()  # the next step's S MMAs overwrite it
-            ok = _visible(plan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
+            ok = visible_keys(plan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
             m_new, alpha, p, l_i = online_softmax_step(jnp.where(ok, s, -jnp.inf), m_i, l_i)
             for c, w in pieces:  # O *= alpha (the last step's P V was waited for)
                 o = plgpu.async_load_tmem(o_tmem.at[:, pl.ds(c, w)], layout=layout)
@@ -240,7 +240,7 @@ def sparse_decode_attention_tcgen05(
             plgpu.barrier_wait(o_bar)
             return m_new, l_i
 
-        m_i, l_i = _kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (m0, l0))
+        m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (m0, l0))
         inv, lse = softmax_normalisers(m_i, l_i)
 
         def fill_o(o_smem):
@@ -249,7 +249,7 @@ def sparse_decode_attention_tcgen05(
                 o_smem[:, pl.ds(c, w)] = o * lax.broadcast_in_dim(inv, o.shape, [0])
             plgpu.wait_load_tmem()
 
-        _store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
+        store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
 
     scratch = [
         plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),
@@ -260,4 +260,4 @@ def sparse_decode_attention_tcgen05(
         plgpu.TMEM((m_pad, kv_tile), jnp.float32),
         plgpu.TMEM((m_pad, h), jnp.float32),
     ]
-    return _attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)
+    return attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)

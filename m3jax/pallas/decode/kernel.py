@@ -21,9 +21,9 @@ position ``seq_lens[b] - Q + i``.
    16-bit type that the MMA reads as its A operand (:func:`_convert_page`; exact: every e4m3 value is
    a bf16 and an f16). Register-A wgmma would skip that SMEM round trip, but tcgen05 takes A from
    SMEM or TMEM only and the interpreter has no register-A wgmma, so both variants share this path.
-   ``IndexScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
-   instead of three, the bf16 query scaled into f16's range per row); which is faster on the H200 is
-   what ``benchmarks/decode_fp8_index.py`` measures.
+   ``DecodeScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
+   instead of three, the bf16 query scaled into f16's range per row); ``benchmarks/decode_fp8_index.py``
+   measures which is faster (benchmarks/RESULTS.md#decode-fp8-index).
 2. :func:`sparse_decode_attention_kernel` (docs/KERNELS.md §2.6): one CTA per (request, KV head, split of the
    selected pages). The group's ``G`` query heads times the ``Q`` tokens are packed as wgmma rows
    (padded to 64). The Q tokens' selections are merged into a **union** of distinct pages with a
@@ -52,19 +52,15 @@ max is a TMEM load-with-reduce on SM103); the attention's P operand is written t
 registers; ``tma_gather`` lets one indexed TMA fetch all selected pages of a split instead of one
 copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. Both kernels have their
 port (:mod:`.blackwell`: TMEM score tiles with a plain TMEM load + max; the attention's S and O in
-TMEM, P through SMEM; chosen by ``Target.mma``); the attention shares this file's plan, masks,
-online softmax and split merge (``_attention_*``). Tile sizes and stage counts come from :class:`IndexScoreConfig` /
+TMEM, P through SMEM; chosen in :func:`m3jax.pallas.decode._kernels` by ``Target.mma``); both share
+this file's public plan and launch pieces (``score_*``: operands, chunks, stages, pipeline, result;
+``attention_*``: plan, refs, call, with ``kv_pipeline``, ``visible_keys``, ``store_split``), the
+Hopper-only tile maths staying private here. Tile sizes and stage counts come from :class:`DecodeScoreConfig` /
 :class:`SparseDecodeConfig`; ``Target`` supplies ``num_sms`` (split counts) and ``smem_bytes``
 (stages that fit). The algorithm is unchanged.
 
-Remaining work (not needed for correctness): skip the padding entries of the union for Q > 1
-(dynamic step count with the accumulators kept outside the loop carry, or compacting the union
-across splits); warp specialisation (a TMA warp + 2 compute warpgroups,
-as in ``attention_mgpu``) so that the MMA/softmax of one page overlaps the next page's wait; a
-second compute warpgroup for Q*G = 128 rows (Q = 8) to halve register pressure; fusing the top-k
-into the scoring kernel (per-split partial top-k, docs/KERNELS.md §6 item 3) so the score row is not
-re-read; fp8 pages: e4m3 -> bf16 in one ``cvt`` per pair where ptxas has PTX ISA 9.2 (now e4m3 -> f16
--> f32 -> bf16, which Mosaic lowers on any ptxas).
+
+Remaining work: docs/KERNELS.md §2.6.
 """
 
 from __future__ import annotations
@@ -92,7 +88,7 @@ FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dt
 
 
 @dataclasses.dataclass(frozen=True)
-class IndexScoreConfig:
+class DecodeScoreConfig:
     """Tiling of :func:`decode_index_scores_kernel`.
 
     num_splits: CTAs per request along the context (None: enough for ~2 waves over the SMs).
@@ -137,7 +133,7 @@ class SparseDecodeConfig:
         return max(1, min(union_len, -(-target.num_sms // (batch * kv_heads))))
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
@@ -154,7 +150,7 @@ def decode_index_scores_kernel(
     seq_lens: jax.Array,
     *,
     block_size: int,
-    config: IndexScoreConfig = IndexScoreConfig(),
+    config: DecodeScoreConfig = DecodeScoreConfig(),
     interpret: bool | None = None,
 ) -> jax.Array:
     """Block-max index scores of the Q new tokens over a paged index-key cache.
@@ -167,20 +163,20 @@ def decode_index_scores_kernel(
       fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
       blocks with no visible key (future or unused pages).
     """
-    b, q, hi, hx, _, bs, max_pages = _score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
+    b, q, hi, hx, _, bs, max_pages = score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
     n_rows = hi * q
-    n_pad = _round_up(n_rows, 8)
+    n_pad = round_up(n_rows, 8)
     if n_pad > 256:
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
-    chunk, splits = _score_chunks(config, b, max_pages, n_pad)
-    q_parts, k_parts, unscale = _score_operands(iq, ik_pages, n_pad, config)
-    prods = _score_products(len(q_parts), len(k_parts))
+    chunk, splits = score_chunks(config, b, max_pages, n_pad)
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
+    prods = score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-    stages = _score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
 
     def body(*refs):
-        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = _score_prologue(
+        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = score_prologue(
             refs, len(q_parts), len(k_parts), chunk, bs)
 
         def page_step(idx, *k_smems):
@@ -202,19 +198,19 @@ def decode_index_scores_kernel(
             s = jnp.where(row + j * bs <= q_pos, s, -jnp.inf)
             score_smem[i] = s.max(axis=0)
 
-        _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
-                        (bs, hx), _page_transforms(k_parts, hx, transforms), stages)
+        score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
+                        (bs, hx), page_transforms(k_parts, hx, transforms), stages)
 
     kern = mosaic_kernel(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
-        scratch_types=_score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
+        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
         grid=(b, splits),
         grid_names=("b", "s"),
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return _score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
+    return score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
 
 
 # What both MMA variants of the decode index scoring share (this Hopper kernel and the Blackwell one in
@@ -222,7 +218,7 @@ def decode_index_scores_kernel(
 # (query tile in, its page range), the page pipeline and the result's layout.
 
 
-def _score_shapes(iq, ik_pages, page_table, block_size: int, tiles: str):
+def score_shapes(iq, ik_pages, page_table, block_size: int, tiles: str):
     """(b, q, hi, hx, num_pages, bs, max_pages) of a decode scoring call, checked."""
     b, q, hi, hx = iq.shape
     num_pages, bs, hx2 = ik_pages.shape
@@ -235,7 +231,7 @@ def _score_shapes(iq, ik_pages, page_table, block_size: int, tiles: str):
     return b, q, hi, hx, num_pages, bs, page_table.shape[1]
 
 
-def _score_chunks(config: IndexScoreConfig, b: int, max_pages: int, n_pad: int) -> tuple[int, int]:
+def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, n_pad: int) -> tuple[int, int]:
     """(pages per CTA, CTAs per request): the per-CTA SMEM score tile (chunk x n_pad fp32) is kept
     to 32 KiB, so large batches split the context further."""
     splits = config.splits(b, max_pages, current_target())
@@ -243,7 +239,7 @@ def _score_chunks(config: IndexScoreConfig, b: int, max_pages: int, n_pad: int) 
     return -(-max_pages // splits), splits
 
 
-def _score_operands(iq, ik_pages, n_pad: int, config: IndexScoreConfig):
+def score_operands(iq, ik_pages, n_pad: int, config: DecodeScoreConfig):
     """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded to n_pad, and
     the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
     the selection, see _common.bf16_split). fp8 e4m3 pages stay fp8, one piece: the kernel converts
@@ -272,19 +268,19 @@ def _score_operands(iq, ik_pages, n_pad: int, config: IndexScoreConfig):
     return split_parts(rows, 3), (ik_pages.reshape(-1, hx),), unscale
 
 
-def _score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
+def score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
     """(key piece, query piece) MMAs per page: the split products of equally split operands; an fp8
     page is one exact piece, so it meets every query piece once."""
     return split_products(n_q) if n_k == n_q else tuple((0, c) for c in range(n_q))
 
 
-def _page_transforms(k_parts, hx: int, transforms):
+def page_transforms(k_parts, hx: int, transforms):
     """SMEM layout of the TMA-loaded key pages: the MMA operand's for 16-bit pages; fp8 pages (read
     by :func:`_convert_page` only) the widest swizzle their 1-byte rows allow."""
     return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
 
 
-def _score_stages(config: IndexScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int) -> int:
+def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int) -> int:
     """Page buffers that fit next to the query tile, the score tile and (fp8 pages) the converted
     page (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
     page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
@@ -293,7 +289,7 @@ def _score_stages(config: IndexScoreConfig, chunk: int, q_parts, k_parts, n_pad:
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
 
 
-def _score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms) -> list:
+def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms) -> list:
     """The scratch both variants start with: query tile, score tile, the query tile's barrier and, for
     fp8 pages, the page converted to the query's type (the MMA's key operand)."""
     dtype = q_parts[0].dtype
@@ -317,10 +313,10 @@ def _convert_page(src, dst) -> None:
     plgpu.commit_smem()
 
 
-def _score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int):
+def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int):
     """Unpack a scoring kernel's refs, copy the query tile in and find this CTA's pages.
 
-    refs: q parts, k parts, page table, seq lens, out, then :func:`_score_scratch` and the variant's
+    refs: q parts, k parts, page table, seq lens, out, then :func:`score_scratch` and the variant's
     own scratch. Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, [variant scratch],
     bi, seq_len, first page, live steps); ``mma_keys(page refs)`` gives the MMA's key operands of a
     loaded page (fp8: the page converted; the caller's MMAs must be done with the previous one)."""
@@ -347,7 +343,7 @@ def _score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int):
     return q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, own, bi, seq_len, first, steps
 
 
-def _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
+def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
                     page_shape: tuple[int, int], transforms, stages: int):
     """Stream this CTA's live pages through ``page_step`` (TMA ring of ``stages``), then store its
     score rows."""
@@ -366,7 +362,7 @@ def _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int, unscale=None):
+def score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int, unscale=None):
     """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, n_pad] (powers
     of two, exact; they commute with the block max) when the query was scaled. Rows of pages a CTA
     did not visit (no tokens) were never written: -inf them here."""
@@ -449,7 +445,7 @@ class _AttentionPlan:
         return split_products(self.n_parts)
 
 
-def _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, config: SparseDecodeConfig,
+def attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, config: SparseDecodeConfig,
                     m_tile: int, max_kv_tile: int = 256) -> _AttentionPlan:
     b, nq, n, h = q.shape
     num_pages, bs, kh, h2 = k_pages.shape
@@ -464,7 +460,7 @@ def _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int,
     if nq > 32:
         raise ValueError("at most 32 query tokens per request (token bitmask is int32)")
     rows = nq * g
-    m_pad = _round_up(rows, m_tile)
+    m_pad = round_up(rows, m_tile)
     target = current_target()
     u = nq * topk
     splits = config.splits(b, kh, u, target)
@@ -514,14 +510,14 @@ def _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int,
                           (h**-0.5) * LOG2E, dtype, transforms, q_parts, k_parts, v_parts, logical, physical, bits)
 
 
-def _attention_refs(plan: _AttentionPlan, refs):
+def attention_refs(plan: _AttentionPlan, refs):
     """The kernel's refs by name: (q, k, v part lists, logical, physical, bits, seq_lens, o, lse, scratch)."""
     n = plan.n_parts
     q_gmem, k_gmem, v_gmem = refs[:n], refs[n : 2 * n], refs[2 * n : 3 * n]
     return (q_gmem, k_gmem, v_gmem, *refs[3 * n : 3 * n + 6], refs[3 * n + 6 :])
 
 
-def _cta_start(plan: _AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
+def cta_start(plan: _AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
     """This CTA's (batch, KV head, split) ids, its sequence length and first union entry; its Q rows
     loaded into SMEM."""
     bi = lax.axis_index("b")
@@ -534,20 +530,20 @@ def _cta_start(plan: _AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
     return bi, hk, si, seq_len, si * plan.chunk
 
 
-def _softmax_start(plan: _AttentionPlan, rows_layout):
+def softmax_start(plan: _AttentionPlan, rows_layout):
     """Running max (-inf) and sum (0) per query row, in ``rows_layout``."""
     m0 = plgpu.layout_cast(jnp.full((plan.m_pad,), -jnp.inf, jnp.float32), rows_layout)
     l0 = plgpu.layout_cast(jnp.full((plan.m_pad,), 0.0, jnp.float32), rows_layout)
     return m0, l0
 
 
-def _step_operands(plan: _AttentionPlan, kv_and_carry):
+def step_operands(plan: _AttentionPlan, kv_and_carry):
     """A pipeline step's (K part tiles, V part tiles, carry)."""
     n = plan.n_parts
     return kv_and_carry[:n], kv_and_carry[n : 2 * n], kv_and_carry[2 * n]
 
 
-def _store_split(plan: _AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si) -> None:
+def store_split(plan: _AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si) -> None:
     """This split's normalised output and LSE to GMEM by TMA; ``fill_o(o_smem)`` writes the output
     into the fp32 [M_pad, H] staging tile."""
 
@@ -562,7 +558,7 @@ def _store_split(plan: _AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si
     pl.run_scoped(store, plgpu.SMEM((plan.m_pad, plan.h), jnp.float32), plgpu.SMEM((plan.m_pad,), jnp.float32))
 
 
-def _visible(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk):
+def visible_keys(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk):
     """[M_pad, kv_tile] bool in ``layout``: which scores of pipeline step ``i`` count (the token selected
     the page, key position <= query position, a real row)."""
     shape = (plan.m_pad, plan.kv_tile)
@@ -577,7 +573,7 @@ def _visible(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gme
     return ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * plan.bs <= q_pos) & (row < plan.rows)
 
 
-def _kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, init_carry):
+def kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, init_carry):
     """The K/V tiles of this split's union entries through SMEM (TMA via the physical page ids)."""
 
     def kv_page(i):  # block index in units of kv_tile rows of the [num_pages * bs, H] view
@@ -593,7 +589,7 @@ def _kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi,
     )(*(x.at[:, hk] for x in k_gmem), *(x.at[:, hk] for x in v_gmem))
 
 
-def _attention_call(plan: _AttentionPlan, body, scratch: list, seq_lens, interpret, return_lse, out_dtype):
+def attention_call(plan: _AttentionPlan, body, scratch: list, seq_lens, interpret, return_lse, out_dtype):
     """Launch ``body`` over (B, K, splits), merge the splits' partials, back to [B, Q, N, H] (+ LSE)."""
     b, kh, nq, g, h, rows = plan.b, plan.kh, plan.nq, plan.g, plan.h, plan.rows
     kern = mosaic_kernel(
@@ -641,20 +637,20 @@ def sparse_decode_attention_kernel(
     Returns:
       [B, Q, N, H] in q.dtype (and the natural-log LSE fp32 [B, Q, N] if ``return_lse``).
     """
-    plan = _attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config, m_tile=64)
+    plan = attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config, m_tile=64)
     m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
 
     def body(*refs):
         q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
-            _attention_refs(plan, refs))
+            attention_refs(plan, refs))
         q_smem, p_smem, q_bar = scratch
-        bi, hk, si, seq_len, first = _cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
-        m0, l0 = _softmax_start(plan, plgpu.Layout.WGMMA.reduce(1))
+        bi, hk, si, seq_len, first = cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
+        m0, l0 = softmax_start(plan, plgpu.Layout.WGMMA.reduce(1))
         acc0 = plgpu.layout_cast(jnp.full((m_pad, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
         def page_step(idx, *kv_and_carry):
             (i,) = idx
-            k_smems, v_smems, (acc, m_i, l_i) = _step_operands(plan, kv_and_carry)
+            k_smems, v_smems, (acc, m_i, l_i) = step_operands(plan, kv_and_carry)
 
             def qk(acc_ref):
                 for a, c in plan.prods:
@@ -662,7 +658,7 @@ def sparse_decode_attention_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((m_pad, kv_tile), jnp.float32)) * plan.scale
-            ok = _visible(plan, plgpu.Layout.WGMMA, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
+            ok = visible_keys(plan, plgpu.Layout.WGMMA, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
             m_new, alpha, p, l_i = online_softmax_step(jnp.where(ok, s, -jnp.inf), m_i, l_i)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
@@ -682,21 +678,21 @@ def sparse_decode_attention_kernel(
             acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
             return acc, m_new, l_i
 
-        acc, m_i, l_i = _kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (acc0, m0, l0))
+        acc, m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (acc0, m0, l0))
         inv, lse = softmax_normalisers(m_i, l_i)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 
         def fill_o(o_smem):
             o_smem[...] = out
 
-        _store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
+        store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
 
     scratch = [
         plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),
         plgpu.SMEM((n_parts, m_pad, kv_tile), plan.dtype, transforms=plan.transforms),
         plgpu.Barrier(num_arrivals=n_parts),
     ]
-    return _attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)
+    return attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array):

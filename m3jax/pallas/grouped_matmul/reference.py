@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from m3jax.layers import dequantize_mxfp8  # the MXFP8 format maths live beside MXFP8Weight
+
 
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interpret=None) -> jax.Array:
     """[M, N]: row r of ``lhs [M, K]`` times ``rhs[g(r)] [K, N]``; rows past sum(group_sizes) are zero."""
@@ -13,16 +15,6 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
-
-
-def dequantize_mxfp8(values, scales, dtype=jnp.float32, axis: int = -2) -> jax.Array:
-    """values float8_e4m3fn [..., K, ...] * 2^(scales uint8 [..., K / group, ...] - 127), in ``dtype``: one
-    E8M0 exponent per ``group`` consecutive entries of ``axis`` (the input axis; default: [..., K, N])."""
-    axis = axis % values.ndim
-    k, groups = values.shape[axis], scales.shape[axis]
-    scale = jnp.ldexp(jnp.float32(1.0), scales.astype(jnp.int32) - 127)
-    w = values.astype(jnp.float32).reshape(*values.shape[:axis], groups, k // groups, *values.shape[axis + 1:])
-    return (w * jnp.expand_dims(scale, axis + 1)).reshape(values.shape).astype(dtype)
 
 
 def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, config=None, interpret=None) -> jax.Array:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVMajorPlan:
+class KVMajorWork:
     """Device arrays describing the KV-block-major work (all int32).
 
     items:  [n_cap, 5] (kv_head, batch, block, first_tile, n_tiles); rows >= n_items are unused.
@@ -51,9 +51,9 @@ def capacities(b: int, t: int, kh: int, nb: int, topk: int, tq: int, tiles_per_i
     return e_pad, n_cap
 
 
-def build_plan(
+def build_work(
     block_idx: jax.Array, q_pos: jax.Array, *, num_blocks: int, block_size: int, tq: int, tiles_per_item: int
-) -> KVMajorPlan:
+) -> KVMajorWork:
     """Build the CSR + work list for :func:`kernel.kv_major_forward` (pure jnp, jit-able)."""
     b, kh, t, topk = block_idx.shape
     nb = num_blocks
@@ -110,4 +110,4 @@ def build_plan(
     first_tile = pstart.reshape(-1)[owner] // tq + j * tiles_per_item
     nt = jnp.minimum(tiles_per_item, ntiles.reshape(-1)[owner] - j * tiles_per_item)
     items = jnp.stack([h_of, r_of // nb, r_of % nb, first_tile, nt], axis=1).astype(jnp.int32)
-    return KVMajorPlan(items=items, n_items=n_items.astype(jnp.int32), qtok=qtok, qlim=qlim, epos=epos)
+    return KVMajorWork(items=items, n_items=n_items.astype(jnp.int32), qtok=qtok, qlim=qlim, epos=epos)

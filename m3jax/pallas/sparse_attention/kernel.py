@@ -557,7 +557,7 @@ def _kv_major_body(plan: KVMajorPlan, dtype):
     return body
 
 
-def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorPlan, *, plan: KVMajorPlan, e_pad: int):
+def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorWork, *, plan: KVMajorPlan, e_pad: int):
     """Partial outputs per padded edge: (o_stage [K, E_pad*gp, H] in ``plan.stage_dtype``, lse_stage
     [K, E_pad*gp] f32). q_parts: [B, T, K*gp, H] bf16 parts (one for 16-bit inputs), k/v_parts
     [B, S_pad, K, H]."""
@@ -622,7 +622,7 @@ def kv_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: Spars
     q_parts, k_parts, v_parts, sel, q_pos = _prepare(q, k, v, block_idx, q_pos, kh, plan.gp, block_size, plan.kb)
     nb = k_parts[0].shape[1] // plan.kb
     e_pad, _ = csr.capacities(b, t, kh, nb, sel.shape[-1], plan.tq, plan.tiles_per_item)
-    work = csr.build_plan(sel, q_pos, num_blocks=nb, block_size=plan.kb, tq=plan.tq, tiles_per_item=plan.tiles_per_item)
+    work = csr.build_work(sel, q_pos, num_blocks=nb, block_size=plan.kb, tq=plan.tq, tiles_per_item=plan.tiles_per_item)
     o_stage, lse_stage = kv_major_forward(q_parts, k_parts, v_parts, work, plan=plan, e_pad=e_pad)
     res = combine(o_stage, lse_stage, work.epos, n_heads=kh * plan.gp, out_dtype=q.dtype, return_lse=return_lse)
     if not return_lse:
