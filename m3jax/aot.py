@@ -61,6 +61,8 @@ import jax
 import numpy as np
 from jax import export
 
+from m3jax.pallas import _backend
+
 FORMAT = 2  # 2: shardings and the device count in the header
 # Custom calls besides jax.export's stable set (which has the Mosaic GPU kernels' mosaic_gpu_v2) that
 # may be stored: cuDNN's forward flash attention as one device runs it (everything in its backend
@@ -118,8 +120,6 @@ def source_hash() -> str:
 def _environment() -> dict:
     """What else decides the lowered program: versions, devices, the kernels' target, JAX flags."""
     import jaxlib
-
-    from m3jax.pallas import _backend
 
     dev = jax.devices()[0]
     return {"format": FORMAT, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -241,8 +241,6 @@ def _export(fn: Callable, leaves: list, in_tree, out_tree, static: dict, name: s
     flat.__name__ = name
     checks = [export.DisabledSafetyCheck.custom_call(c) for c in SAFE_CUSTOM_CALLS]
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_mesh_sharding(x)) for x in leaves]
-    from m3jax.pallas import _backend
-
     # The kernels' launcher decides the platform (tests lower the GPU kernels on a CPU host).
     platform = "cuda" if _backend.on_gpu() else export.default_export_platform()
     exp = export.export(jax.jit(flat, out_shardings=out_shardings), platforms=(platform,), disabled_checks=checks)(*specs)

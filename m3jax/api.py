@@ -16,6 +16,7 @@ from m3jax.config import M3Config, UnsupportedConfigError, load_config
 from m3jax.model import check_input_ids, forward_jit
 from m3jax.msa.layer import resolve_attention_impl
 from m3jax.params import init_random as _init_params
+from m3jax.sharding import load_sharded, shard_params
 from m3jax.vision import check_grid
 
 
@@ -52,8 +53,6 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
         dtype = checkpoint_dtype(path)
     cfg = cfg.replace(attention_impl=resolve_attention_impl(attention_impl, cfg, dtype))
     if mesh is not None:
-        from m3jax.sharding import load_sharded
-
         return M3Model(cfg, load_sharded(path, cfg, mesh, dtype=dtype, progress=progress, weights=weights), mesh)
     params = load_params(path, cfg, dtype=dtype, progress=progress, weights=weights)
     return M3Model(cfg, params)
@@ -66,8 +65,6 @@ def init_random(config: M3Config, seed: int = 0, dtype: str = "float32", mesh=No
         raise ValueError(f"dtype={dtype!r}; choose 'bfloat16' or 'float32' (m3jax computes in those)")
     cfg = dataclasses.replace(config, attention_impl=resolve_attention_impl(config.attention_impl, config, dtype))
     if mesh is not None:
-        from m3jax.sharding import shard_params
-
         return M3Model(cfg, shard_params(_init_params(cfg, seed, dtype=jnp.dtype(dtype)), cfg, mesh), mesh)
     return M3Model(cfg, _init_params(cfg, seed, dtype=jnp.dtype(dtype)))
 

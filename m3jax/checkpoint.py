@@ -76,7 +76,8 @@ class Entry:
         return self.patch_shape
 
 
-def _get(tree, path):
+def get_path(tree, path):
+    """The node of a nested dict at the key path ``path``."""
     for k in path:
         tree = tree[k]
     return tree
@@ -89,7 +90,7 @@ def tensor_plan(cfg: M3Config, weights: str = "dequantize") -> list[Entry]:
 
     def add(path, names, kind="linear", n_in=1, patch_shape=()):
         names = (names,) if isinstance(names, str) else tuple(names)
-        out.append(Entry(tuple(path), names, kind, _get(specs, path), n_in, patch_shape))
+        out.append(Entry(tuple(path), names, kind, get_path(specs, path), n_in, patch_shape))
 
     t = cfg.text
     lm = "language_model.model."
@@ -432,7 +433,7 @@ def load_params(
     place = place or (lambda path, a: jax.device_put(a))
     tree = jax.tree.map(lambda s: None, param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
     for e, arr in iter_checkpoint_arrays(directory, cfg, dtype, progress, weights):
-        parent = _get(tree, e.path[:-1])
+        parent = get_path(tree, e.path[:-1])
         parent[e.path[-1]] = place(e.path, arr)
         del arr
     return tree
@@ -484,7 +485,7 @@ _TMP_SHARD = re.compile(r"shard-\d{5}\.tmp")
 def checkpoint_tensors(params: dict, cfg: M3Config, dtype=None, quantize_mxfp8_weights: bool = False):
     """Yield (official name, numpy tensor in torch layout) for every tensor of the checkpoint."""
     for e in tensor_plan(cfg):
-        leaf = _get(params, e.path)
+        leaf = get_path(params, e.path)
         if isinstance(leaf, MXFP8Weight):  # held MXFP8 (weights="mxfp8"): written from its exact fp32 values
             leaf = dequantize(leaf, jnp.float32)
         a = np.asarray(jax.device_get(leaf))
@@ -593,7 +594,7 @@ def save_checkpoint(
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     hf = config_to_hf(dataclasses.replace(cfg, quantization="mxfp8" if quantize_mxfp8_weights else cfg.quantization))
     # The dtype the weights were saved in (for MXFP8, that of the unquantized ones), as transformers writes it.
-    hf["dtype"] = jnp.dtype(dtype if dtype is not None else _get(params, ("text", "embed")).dtype).name
+    hf["dtype"] = jnp.dtype(dtype if dtype is not None else get_path(params, ("text", "embed")).dtype).name
     with open(directory / "config.json", "w") as f:
         json.dump(hf, f, indent=2)
     return directory

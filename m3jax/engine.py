@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from m3jax import aot
+from m3jax import aot, sharding
 from m3jax.cache import PagedCache, init_cache
 from m3jax.config import M3Config
 from m3jax.model import check_input_ids, lm_head, text_hidden
@@ -184,8 +184,6 @@ class Engine:
         # model axis (striped page table), and every step traced under jax.set_mesh (expert-parallel MoE).
         self.mesh = mesh
         if mesh is not None:
-            from m3jax import sharding
-
             self.params = sharding.shard_params(params, cfg, mesh)
             self.cache = sharding.init_sharded_cache(cfg, batch, capacity, dtype, mesh)
         self.max_pages = self.cache.page_table.shape[1]

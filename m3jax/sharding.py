@@ -26,7 +26,16 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from m3jax.cache import LayerCache, PagedCache
+from m3jax.cache import LayerCache, PagedCache, init_cache
+from m3jax.checkpoint import (
+    IGNORED,
+    CheckpointError,
+    CheckpointReader,
+    get_path,
+    read_entry_shard,
+    require_mxfp8_storage,
+    tensor_plan,
+)
 from m3jax.config import M3Config
 from m3jax.layers import MXFP8Weight
 from m3jax.mesh_axes import DATA, MESH_AXES, MODEL, ShardingRuleError  # noqa: F401  (re-exported)
@@ -241,8 +250,6 @@ def padded_capacity(capacity: int, cfg: M3Config, mesh) -> int:
 def init_sharded_cache(cfg: M3Config, batch: int, capacity: int, dtype, mesh, rules=RULES) -> PagedCache:
     """:func:`m3jax.cache.init_cache` created directly in its shards (no full copy on any device), with
     the capacity padded by :func:`padded_capacity` and a block-striped page table."""
-    from m3jax.cache import init_cache
-
     capacity = padded_capacity(capacity, cfg, mesh)
     shape = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, dtype))
     out = cache_shardings(shape, mesh, rules)
@@ -285,16 +292,6 @@ def load_sharded(
     ``read_log``, if given, collects {checkpoint name: times read} (tests check expert locality).
     """
     from tqdm.auto import tqdm
-
-    from m3jax.checkpoint import (
-        IGNORED,
-        CheckpointError,
-        CheckpointReader,
-        _get,
-        read_entry_shard,
-        require_mxfp8_storage,
-        tensor_plan,
-    )
 
     reader = CheckpointReader(directory)
     plan = tensor_plan(cfg, weights)
@@ -341,7 +338,7 @@ def load_sharded(
             np_dtype = np.dtype(ml_dtypes.bfloat16) if jdt == jnp.bfloat16 else np.dtype(jdt)
             sharding = NamedSharding(mesh, spec_for(e.spec.axes, e.spec.shape, mesh, rules))
             leaf = jax.make_array_from_callback(e.spec.shape, sharding, functools.partial(read, np_dtype=np_dtype))
-        _get(tree, e.path[:-1])[e.path[-1]] = leaf
+        get_path(tree, e.path[:-1])[e.path[-1]] = leaf
     return tree
 
 

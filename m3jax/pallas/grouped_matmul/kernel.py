@@ -78,7 +78,7 @@ from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, check_dims, split_products, swizzle_transforms
-from m3jax.pallas.grouped_matmul import gemv, persistent, tiles
+from m3jax.pallas.grouped_matmul import gemv, persistent, reference, tiles
 from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
@@ -419,8 +419,6 @@ def _fwd(lhs, rhs, group_sizes, out_dtype, config, interpret):
 
 
 def _bwd(out_dtype, config, interpret, res, d_out):
-    from m3jax.pallas.grouped_matmul import reference
-
     lhs, rhs, group_sizes = res
     d_out = d_out.astype(out_dtype)
     m, k = lhs.shape

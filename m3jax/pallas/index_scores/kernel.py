@@ -51,6 +51,7 @@ from m3jax.pallas._common import bf16_split, check_dims, swizzle_transforms
 from m3jax.pallas.index_scores import blackwell
 from m3jax.pallas.index_scores.row_max import wgmma_row_max
 from m3jax.pallas.topk import _select
+from m3jax.pallas.topk.kernel import select_blocks_blockmajor
 
 NEG_INF = float("-inf")
 
@@ -330,8 +331,6 @@ def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init
     if not config.fused_topk or not _pipeline_steps(config.rows, _kx(iq, ik), block_size, True, topk, config):
         # Unfused (the default, faster as measured) or the fused kernel does not fit in SMEM:
         # block-major scores (half-block fallback if needed) + the top-k kernel, no transpose.
-        from m3jax.pallas.topk.kernel import select_blocks_blockmajor
-
         scores, rowpos = index_block_scores_blockmajor(iq, ik, q_pos, block_size=block_size,
                                                        config=dataclasses.replace(config, fused_topk=False),
                                                        interpret=interpret)
