@@ -224,7 +224,7 @@ def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cf
     and draining its pipeline. At one token the shared expert's problem follows the routed one's at the
     K split it would run alone; at several it leads the launch at ``gemv.leading_split`` (its visits then
     run a body of several rows, bound by instruction issue: spread one CTA per SM beside the routed
-    CTAs, not queued at the launch's end; H200, M3 widths, 8 tokens: 0.4507 -> 0.4312 ms). Otherwise
+    CTAs, not queued at the launch's end: benchmarks/RESULTS.md#shared-expert-leads). Otherwise
     :func:`grouped_expert_mlp` and :func:`dense_mlp`. The same kernel bodies either way."""
     plan = _gemv_configs(xs, x, p, impl)
     if plan is None:

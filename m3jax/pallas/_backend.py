@@ -6,7 +6,7 @@ GPU interpret mode off-GPU, and the target description. Porting to a new JAX rel
 this file first.
 
 Targets. The kernels here are Hopper kernels (sm_90a: TMA, 232,448 B of SMEM per block, and wgmma
-with register accumulators in all but top-k), tested on the H200 and in interpret mode. What the
+with register accumulators in all but top-k), tested on a Hopper GPU and in interpret mode. What the
 kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline stages fit),
 ``num_sms`` (grid sizes) and ``mma``: the grouped GEMM, the prefill and decode index scoring, the
 KV-block-major sparse attention and the sparse decode attention take their Blackwell paths (tcgen05
@@ -120,7 +120,7 @@ def mosaic_kernel(body, *, interpret: bool | None = None, detect_races: bool = T
     kernel = plgpu.kernel(body, interpret=interpret_params(detect_races), **kwargs)
 
     # The interpreter runs the kernel body as XLA ops on the default device. On a GPU (the Blackwell
-    # variants interpreted on an H200) an fp32 dot would run as TF32, so the body is traced under
+    # variants interpreted on a Hopper GPU) an fp32 dot would run as TF32, so the body is traced under
     # "highest"; and XLA may drop an f32 -> bf16 -> f32 round trip, so in-kernel splits ask
     # `interpreting()` and round on the bits instead (_common.bf16_split_in_kernel).
     @functools.wraps(kernel)

@@ -47,8 +47,8 @@ def bf16_split(x: jax.Array, parts: int = 2) -> tuple[jax.Array, ...]:
     products of :func:`split_products` (3) carry ~24 bits, i.e. fp32 accuracy, which index scores
     need: they decide selections, and a 2^-16 error flips near-tied blocks that fp32 keeps apart.
     The rounding is done on the bits: with XLA's default ``xla_allow_excess_precision`` the GPU
-    compiler may drop an f32 -> bf16 -> f32 round trip, which made ``x - f32(bf16(x))`` zero on the
-    H200 (the fp32 path then had bf16-level error).
+    compiler may drop an f32 -> bf16 -> f32 round trip, which made ``x - f32(bf16(x))`` zero on a
+    Hopper GPU (the fp32 path then had bf16-level error).
     """
     rest = x.astype(jnp.float32)
     out = []
@@ -77,7 +77,7 @@ def split_parts(x: jax.Array, parts: int = 2) -> tuple[jax.Array, ...]:
 def bf16_split_in_kernel(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """In-kernel fp32 -> bf16 (hi, lo): Mosaic GPU lowers the casts as written. In interpret mode the
     body is XLA ops, and the GPU compiler dropped the round trip (lo = 0: the Blackwell decode kernel
-    interpreted on the H200 was off by 5e-4 in fp32, and exact with ``--xla_allow_excess_precision=false``),
+    interpreted on a Hopper GPU was off by 5e-4 in fp32, and exact with ``--xla_allow_excess_precision=false``),
     so there the split rounds on the bits as :func:`bf16_split` does (the same values)."""
     if interpreting():
         return bf16_split(x, 2)

@@ -63,13 +63,12 @@ class IndexScoreConfig:
     ``index_select_blocks``."""
 
     # 64 rows x 2 key buffers: two CTAs fit per SM, so one CTA's row-max epilogue overlaps the other's
-    # MMA (H200, benchmarks/msa_tune.py, 8K queries: 638 vs 557 TF/s for 128 rows x 3 buffers at a
-    # 128K context, 423 vs 345 at 8K; see benchmarks/NOTES_msa.md).
+    # MMA; faster than 128 rows x 3 buffers (benchmarks/RESULTS.md#index-score-tiles).
     rows: int = 64
     group: int = 16
     max_concurrent_steps: int = 2
-    # index_select_blocks: True = top-k fused into the score kernel; False (default, faster on H200:
-    # 17.5 vs 29.8 ms at 8K x 1M) = score kernel (block-major scores) + the m3jax.pallas.topk kernel.
+    # index_select_blocks: True = top-k fused into the score kernel; False (default, the faster one:
+    # benchmarks/RESULTS.md#index-score-tiles) = score kernel (block-major scores) + the topk kernel.
     fused_topk: bool = False
 
     def for_block(self, block_size: int, fused: bool) -> "IndexScoreConfig":
@@ -319,8 +318,8 @@ def index_select_blocks(iq, ik, q_pos, *, block_size, topk, local_blocks=1, init
 
     ``config.fused_topk=True``: one kernel, the [T, nb] score matrix is never written (docs/KERNELS.md §2.8).
     Default: the score kernel writes block-major scores that the top-k kernel reads directly
-    (measured faster on H200: the fused insertion serialises with the wgmma and forces 64-row
-    tiles for registers; numbers in benchmarks/msa_index.py).
+    (faster: the fused insertion serialises with the wgmma and forces 64-row tiles for registers;
+    benchmarks/RESULTS.md#index-score-tiles).
 
     Order: forced blocks first (own, own-1, ..., sinks), then descending score, ties to the lower
     id, ``-1`` padding: the same order as ``m3jax.msa.select_blocks``.

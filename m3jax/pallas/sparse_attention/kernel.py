@@ -52,14 +52,10 @@ softmax warpgroups ping-ponging on two Q tiles, ``cluster=2`` 256-row tiles with
 multicast to both, ``tma_gather`` for the ``tq`` per-token Q copies (``plgpu.Layout.TMA_INDICES``),
 and the query-major baseline (wgmma only).
 
-Measured (H200, M3 shapes, T=8192 queries at context 128K, bf16, random own+15 selections; history
-and diagnostics in benchmarks/NOTES_msa.md): forward kernel 1.38 ms (was 2.27 ms before the item
-metadata moved to SMEM and the O staging moved into the Q ring, which let two CTAs share an SM),
-XLA combine 0.56 ms, CSR and glue ~0.3 ms: 2.24 ms = 238 effective TFLOP/s, 0.38x cuDNN's dense
-TFLOP/s. The design is memory-bound, not MMA-bound: per (query, KV head, slot) it re-reads the
-query's G x H tile and writes + re-reads a G x H bf16 partial: 7.2 GB at this shape with the K/V
-blocks and the output, ~1.7 ms at HBM rate, against 0.82 ms of MMA at cuDNN's rate, so ~0.48x
-cuDNN is its ceiling. The kernel alone moves 4.8 GB in 1.38 ms (3.5 TB/s).
+The design is memory-bound, not MMA-bound: per (query, KV head, slot) it re-reads the query's
+G x H tile and writes + re-reads a G x H bf16 partial, so the bytes moved, not the MMAs, set its
+ceiling against cuDNN's dense attention; the item metadata sits in SMEM and the O staging in the Q
+ring so that two CTAs share an SM (measured: benchmarks/RESULTS.md#kv-major-attention).
 
 What remains (not done here): bf16 -> fp8 partials (halves the staging traffic), a combine fused
 into the kernel's epilogue through cluster/DSMEM for rows whose slots land on one cluster, warp
@@ -98,7 +94,7 @@ MAX_GROUP_ROWS = 128  # padded G: one token's heads fit a 128-row tile
 
 @dataclasses.dataclass(frozen=True)
 class SparseAttentionConfig:
-    """Tile configuration (defaults: H200, M3 shapes).
+    """Tile configuration (defaults: tuned on Hopper for M3's shapes).
 
     block_m: packed MMA rows per tile (query tokens x padded GQA heads); a multiple of 64 (raised to
       the padded G when that is larger).

@@ -15,8 +15,8 @@ Output order: forced blocks first (own, own-1, ..., init sinks), then descending
 lower block id, ``-1`` right padding, i.e. exactly the order of ``m3jax.msa.select_blocks``.
 
 Cost: ``5 * topk`` element-wise ops per (row, visible block); at 8K queries x 4 heads x 8,192
-blocks and top-16 that is ~1.3e10 lane-ops, about 0.5 ms on an H200 (the scoring GEMM at that shape
-is ~10 ms). What remains: skip the insertion for a chunk when no row's candidate beats its current
+blocks and top-16 that is ~1.3e10 lane-ops, small beside the scoring GEMM at that shape
+(benchmarks/RESULTS.md#topk-cost). What remains: skip the insertion for a chunk when no row's candidate beats its current
 k-th value (a warpgroup-wide vote), which makes the typical cost ~ one compare per element.
 
 Blackwell: nothing here uses the MMA; the port is the same kernel with a larger row tile per CTA
