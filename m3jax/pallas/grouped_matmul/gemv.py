@@ -15,8 +15,8 @@ This kernel multiplies on the CUDA cores instead, in fp32, and never forms the b
   from its first row; a visit's body is specialised for 1, 2, 4 or 8 rows (the smallest that holds
   them; its lhs rows past the visit's are multiplied and not stored). Only the bodies some visit can
   run are built: those the visits need where the schedule is a constant (a dense weight), those of at
-  most M rows where it is traced (H200, the M3-width MoE block's compile and first call 142 -> 80 s at
-  8 decode tokens, 26 s at one). The lhs rows (fp32: bf16
+  most M rows where it is traced (which cuts the MoE block's compile time:
+  benchmarks/RESULTS.md#gemv-figures). The lhs rows (fp32: bf16
   activations upcast exactly, fp32 ones taken as they are, so an fp32 model gets fp32 arithmetic)
   come in by TMA beside the weight tile and are read as SMEM scalars.
 * Grid. One CTA (one warpgroup) per (weight, visit, N tile, K part): the static visit bound is
@@ -95,12 +95,10 @@ def _k_splits(k: int) -> list[int]:
 def decode_split(m: int, k: int, n: int, g: int, weights: int = 1) -> int:
     """The K split (a power of two, K a multiple of split x BLOCK_K): as large as leaves each CTA at least
     MIN_K_PART rows of K, and larger where that gives fewer than CTAS_PER_SM CTAs per SM over the groups
-    that can have rows (``min(m, g)``) and the ``weights`` sharing the launch (:func:`kernel_call`). H200,
-    ``benchmarks/mxfp8_gemv.py`` (2026-12-02): one token's routed gate and down were fastest at 768 rows
-    per CTA (8 and 4 parts, 384 CTAs), 8 and 16 tokens' got faster with each split down to 768, and the
-    shared expert's one group needed the split to 16-32 to fill the SMs (12 N tiles: split 8 took 0.041 ms
-    for its three GEMMs, split 32 0.032). Gate and up in one launch are 24 N tiles: split 16, the shared
-    expert 0.026 / 0.052 ms at 1 / 8 rows against 0.032 / 0.054 at split 32 (``mxfp8_resident.py``)."""
+    that can have rows (``min(m, g)``) and the ``weights`` sharing the launch (:func:`kernel_call`). Chosen by
+    ``benchmarks/mxfp8_gemv.py`` and ``mxfp8_resident.py``: the routed GEMMs are fastest near 768 K rows
+    per CTA, and the shared expert's one group needs the larger split to fill the SMs
+    (benchmarks/RESULTS.md#gemv-figures)."""
     splits = _k_splits(k)
     by_k = [s for s in splits if s == 1 or k // s >= MIN_K_PART][-1]
     want = CTAS_PER_SM * current_target().num_sms
@@ -116,10 +114,8 @@ def leading_split(k: int, n: int, weights: int = 1) -> int:
     Why: a visit of several rows is bound by instruction issue, not memory (the 8-row body issues 28
     instructions per K row, the 1-row body about 7), so such CTAs are best spread one per SM, each
     beside memory-bound CTAs of the other problem for the whole launch; split to fill the SMs
-    (:func:`decode_split`) they queue several per SM, and last in the grid they run alone at its end.
-    H200, 2026-12-03, the M3-width MoE block at 8 decode tokens with the shared expert's problems first
-    (24 N tiles each): split 4 (96 CTAs) 0.4333 ms, split 8 0.4407, split 16 0.4509, and 0.4506 as it ran
-    before (last, split 16)."""
+    (:func:`decode_split`) they queue several per SM, and last in the grid they run alone at its end
+    (benchmarks/RESULTS.md#gemv-figures)."""
     splits = _k_splits(k)
     tiles = weights * (n // BLOCK_N)
     fits = [s for s in splits if tiles * s <= current_target().num_sms]
@@ -148,8 +144,7 @@ def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpr
     ``values`` float8_e4m3fn [G, K, N], ``scales`` uint8 [G, K / group, N].
 
     Several weights (an MLP's gate and up) run as one launch over the same schedule, lhs and K split: one
-    set of the XLA index, pad and K-part-sum work for all of them (H200, ``benchmarks/mxfp8_resident.py``:
-    the MoE block at 8 decode tokens 0.474 -> 0.462 ms with gate and up together, one token unchanged)."""
+    set of the XLA index, pad and K-part-sum work for all of them (benchmarks/RESULTS.md#gemv-figures)."""
     return kernel_calls([Problem(group_sizes, m, lhs, tuple(weights), config.split_k)], out_dtype=out_dtype,
                         interpret=interpret)[0]
 
@@ -172,10 +167,8 @@ def kernel_calls(problems, *, out_dtype, interpret=None) -> tuple:
     alone (a decode step's shared expert: one group, short K parts) spends most of its launch filling and
     draining the pipeline. Its CTAs beside a larger problem's (the routed experts' GEMMs of the same
     step) keep the memory system busy through both. Each problem keeps its own schedule, lhs, split and
-    outputs; the grid is their CTA ranges one after another, in the order given (H200, 2026-12-03: the
-    M3-width MoE block at one decode token 0.1189 -> 0.1136 ms with the shared expert's GEMMs beside the
-    routed ones, its four launches' 90.2 us of kernel time two launches' 82.4; at eight tokens 0.4507 ->
-    0.4312 ms with the shared expert's problem first at :func:`leading_split`)."""
+    outputs; the grid is their CTA ranges one after another, in the order given
+    (benchmarks/RESULTS.md#gemv-figures)."""
     plans, operands, out_types = [], [], []
     for pr in problems:
         plan = _plan(pr)

@@ -49,7 +49,7 @@ warpgroup holds the fp32 accumulator in 128 registers per thread).
 The persistent, warp-specialised variant (``GroupedMatmulConfig(schedule="warp_specialized")``,
 :mod:`.persistent`: one CTA per SM over the work items, a TMA producer warpgroup and two consumer
 warpgroups, group-aligned row tiles, split-K for decode) has the same signature and reference; the
-MoE layer runs it for prefill on Hopper (``LAYER_SCHEDULE``, measured on the H200) and, split over K,
+MoE layer runs it for prefill on Hopper (``LAYER_SCHEDULE``, as measured) and, split over K,
 for MXFP8 decode GEMMs whose experts with rows are too few to fill the SMs; this pipeline schedule for
 the other decode GEMMs, on Blackwell, and as ``GroupedMatmulConfig()``'s default.
 
@@ -108,25 +108,23 @@ class GroupedMatmulConfig:
     wg_split: str = "n"
 
 
-# The MoE layer's schedule per regime (decode: at most 64 rows per expert on average), from the H200
-# run of benchmarks/moe_grouped_matmul.py (benchmarks/RESULTS.md, 2026-12-01, fifth session): at
-# 32,768 x 128 experts the warp-specialised schedule (bm128 bn256, consumers split N) takes 0.81-0.87x
-# the pipeline's time in bf16 and MXFP8; at 1 and 8 decode tokens the pipeline is as fast or faster
-# in bf16 and at 8 tokens in MXFP8, so decode keeps it. DECODE_SPLIT_K: the split for decode on the
-# warp-specialised schedule (split 4 or 8 was best at 1 MXFP8 token, depending on the projection).
+# The MoE layer's schedule per regime (decode: at most 64 rows per expert on average): at prefill
+# sizes the warp-specialised schedule (bm128 bn256, consumers split N) is the faster in bf16 and
+# MXFP8; at decode the pipeline is as fast or faster, so decode keeps it. DECODE_SPLIT_K: the split for
+# decode on the warp-specialised schedule (benchmarks/RESULTS.md#gmm-schedules).
 LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
 # MXFP8 decode where the pipeline's CTAs (one per 128 columns of each expert with rows, each converting
 # its whole K of fp8 tiles) are fewer than the SMs, past the gemv schedule's rows (below; a dense weight's
 # 9-64 rows, one group). There the warp-specialised schedule splits K until there are MXFP8_DECODE_ITEMS_PER_SM work
-# items per SM (H200, RESULTS.md fifth session: one token's routed gate/up 0.086 ms at split 8 vs 0.142
-# on the pipeline; where the pipeline fills the SMs it stayed as fast or faster, down 0.086 both).
+# items per SM (faster than the pipeline there; where the pipeline fills the SMs it stays as fast or
+# faster: benchmarks/RESULTS.md#gmm-schedules).
 MXFP8_DECODE_ITEMS_PER_SM = 2
 # MXFP8 at decode row counts runs the gemv schedule (:mod:`.gemv`, CUDA-core FMAs, no bf16 tile): up to
 # GEMV_MAX_ROWS rows and ROWS_PER_GEMV_GROUP rows per group on average (a group's rows go 8 per visit, and
-# each visit streams the group's weights). H200, benchmarks/mxfp8_gemv.py (RESULTS.md ninth session): at
-# 1 and 8 tokens the routed GEMMs 0.59-0.70x the bf16 kernel's time against 1.06-1.13x on the MMA
-# schedules; a dense weight's 16 rows (two visits) 0.032 ms against 0.031 on the split-K MMA schedule.
+# each visit streams the group's weights): at 1 and 8 tokens the routed GEMMs take well under the bf16
+# kernel's time there, against more than it on the MMA schedules, and a dense weight's 16 rows (two
+# visits) match the split-K MMA schedule (benchmarks/RESULTS.md#mxfp8-dense-rows).
 GEMV_MAX_ROWS = 64
 ROWS_PER_GEMV_GROUP = 8
 MXFP8_DECODE_SPLITS = (2, 4, 8, 16)
@@ -173,7 +171,7 @@ def _mxfp8_decode_split(m: int, k: int, n: int, g: int) -> int | None:
         return None
     splits = [s for s in MXFP8_DECODE_SPLITS if k % (s * 64) == 0]
     if not splits:
-        return None  # (unsplit, the warp-specialised schedule was slower: 0.172 vs 0.142 ms)
+        return None  # unsplit, the warp-specialised schedule was the slower (RESULTS.md#gmm-schedules)
     want = MXFP8_DECODE_ITEMS_PER_SM * sms
     return next((s for s in splits if experts * (n // 256) * s >= want), splits[-1])
 
@@ -461,7 +459,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
         raise ValueError(f"grouped_matmul kernel cannot take lhs {lhs.shape} x rhs {rhs.shape}: {reason}")
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
     # The TMA store into out [M, N] needs M to be a multiple of its 8-row tiling once M exceeds it
-    # (seen on the H200 only: interpret mode has no such rule). Rows past sum(group_sizes) come out
+    # (seen on the GPU only: interpret mode has no such rule). Rows past sum(group_sizes) come out
     # zero, so zero rows appended here change nothing and are cut off again.
     pad = -m % 8 if m > 8 else 0
     if pad:

@@ -41,14 +41,12 @@ how the work is cut and who does what in a CTA.
   two steps before, retired by each thread's ``wgmma_wait(1)``. The epilogue gets its barrier back in
   place: its TMA stores are issued by one thread, so only that thread's wait knows a staging tile is
   free, and a ``commit_smem`` after the wait holds the others until it does.
-* No branch around the MMAs with ``wg_split="n"``: both consumers hold all of a live visit's rows. Up
-  to 2026-12-03 the wgmmas and the epilogue sat under that always-true "has rows" test, and ptxas
-  reported the wgmmas serialized (C7511, "insufficient register resources", beside C7517, a
-  ``warpgroup.wait`` injected where the skipping path meets the next item) at every tile measured, bf16
-  and MXFP8: the MXFP8 kernel took the MMAs' time plus the conversion's. ptxas 13.0 on the layer
-  tile's PTX (dumped on the H200) with the test's predicate made false reports neither message, bf16 or
-  MXFP8. Without it (H200, 2026-12-03) the MXFP8 gate GEMM at the layer tile went from 1.65x to 1.45x
-  bf16's time. ``wg_split="m"`` keeps its test (a consumer can hold none of the rows).
+* No branch around the MMAs with ``wg_split="n"``: both consumers hold all of a live visit's rows.
+  With the wgmmas and the epilogue under an always-true "has rows" test, ptxas reports the wgmmas
+  serialized (C7511, "insufficient register resources", beside C7517, a ``warpgroup.wait`` injected
+  where the skipping path meets the next item) at every tile, bf16 and MXFP8, and the MXFP8 kernel
+  takes the MMAs' time plus the conversion's; without the test ptxas reports neither
+  (benchmarks/RESULTS.md#gmm-tile-figures). ``wg_split="m"`` keeps its test (a consumer can hold none of the rows).
 * Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows x 128 columns at a time
   (the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``), and TMA-stores the
   piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional copies per piece;

@@ -19,8 +19,8 @@ from m3jax.pallas._common import swizzle_transforms
 
 def cumsum(x):
     """Inclusive prefix sum of a short int vector (per group: rows, visits) as one compare-and-sum
-    reduction: XLA's GPU cumsum is reduce-window kernels, two of them 6.4 us at decode for 128 experts
-    (H200, 2026-12-02: in front of every grouped-GEMM launch of a 0.13 ms MoE block)."""
+    reduction: XLA's GPU cumsum is reduce-window kernels, whose time in front of every grouped-GEMM
+    launch is a visible part of a decode MoE block (benchmarks/RESULTS.md#gmm-tile-figures)."""
     i = jnp.arange(x.shape[0])
     return jnp.sum(jnp.where(i[None, :] <= i[:, None], x[None, :], 0), axis=1, dtype=x.dtype)
 
@@ -37,8 +37,8 @@ def deal_visits(count, n_visits: int):
     (group, ordinal within the group, live). Visits past ``sum(count)`` are dead and get the last group.
 
     The group lookup is ``searchsorted(cumsum(count), visit, side="right")`` as one compare-and-sum
-    fusion: the default scan method is a loop of log2(G) steps of two small kernels each on the GPU, 13 us
-    at decode (H200, 128 experts) before a 22 us kernel (one token's MXFP8 routed gate)."""
+    fusion: the default scan method is a loop of log2(G) steps of two small kernels each on the GPU,
+    comparable to the decode kernel it precedes (benchmarks/RESULTS.md#gmm-tile-figures)."""
     cum = cumsum(count)
     visit = jnp.arange(n_visits, dtype=jnp.int32)
     owner = jnp.searchsorted(cum, visit, side="right", method="compare_all").astype(jnp.int32)
@@ -82,9 +82,8 @@ class TilePlan(NamedTuple):
 def tile_plan(cols: int) -> TilePlan:
     """The conversion plan of a ``[rows, cols]`` tile (``cols % 64 == 0``): GROUP_LAYOUT, each tile at the
     widest swizzle its rows allow. (``benchmarks/mxfp8_dequant.py``'s ``quad_layout``: a layout sharing each
-    scale over 8 rows needs the fp8 tile swizzled by 32 bytes and the MMA's operands by 64; H200,
-    2026-12-03, it ran no faster, 1.674 ms against 1.671; with no conversion at all the kernel took 1.52 ms
-    at those swizzles and 1.33 at the widest, measured in two processes.)"""
+    scale over 8 rows needs the fp8 tile swizzled by 32 bytes and the MMA's operands by 64; it ran no
+    faster, and the narrower swizzles cost the MMAs time: benchmarks/RESULTS.md#gmm-tile-figures.)"""
     return TilePlan(GROUP_LAYOUT, swizzle_transforms(cols, 1), swizzle_transforms(cols))
 
 
@@ -101,7 +100,7 @@ def dequantize_tile(q_smem, s_smem, w_smem, group: int, scale_dtype=jnp.bfloat16
     rounding of the exact product either way below it).
 
     The consumers issue this conversion between their MMAs, so its instruction count sets the kernel's
-    speed (H200, ``benchmarks/mxfp8_dequant.py``: the same kernel converting without the scales runs as
+    speed (``benchmarks/mxfp8_dequant.py``: the same kernel converting without the scales runs as
     fast as the bf16 one). Per group a thread builds the scales of its columns once (4 of every 64) and
     reuses each for all its rows of the group (4 of 32 rows), and the bf16 multiply is one ``mul.bf16x2``
     per pair, against two float32 multiplies (``scale_dtype=jnp.float32``, the same weights: kept for
