@@ -30,10 +30,14 @@ import json
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+import m3jax
 from m3jax import cli
 from m3jax.data import KEY_RANGE, draw_keys, kv_line, plant, stdlib_files, text_encoder
+from m3jax.probe import with_dense_layers
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "assets" / "m3-small"
 # Short names for --config-override; any other TextConfig field is given by its own name.
@@ -138,11 +142,6 @@ def evaluate(model, encode, stream: np.ndarray, *, ctx: int, trials: int, seed: 
     cut from ``stream`` (held-out text). ``depths``: trial i uses depths[i % len(depths)]; None draws
     each depth uniformly from [0, 1) with the seed. Rows go through ``m3jax.forward`` ``batch`` at a
     time (the last batch padded with copies, so one compilation serves every batch)."""
-    import jax
-    import jax.numpy as jnp
-
-    import m3jax
-
     rng = np.random.default_rng([seed, ctx])
     given = depths is not None
     ds = [depths[i % len(depths)] for i in range(trials)] if given else rng.random(trials).tolist()
@@ -228,9 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    import m3jax
-    from m3jax.probe import with_dense_layers
-
     if not (args.checkpoint / "config.json").exists():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json there")
 

@@ -126,13 +126,6 @@ LAZY = {
     ("m3jax.msa.kernels", "m3jax.selfcheck"): "a circle: selfcheck imports the kernels, msa.kernels its verdicts",
     ("m3jax.moe", "m3jax.selfcheck"): "the verdict cache, read when an implementation is resolved, until it "
                                       "moves into the pallas layer",
-    ("m3jax.needle", "m3jax.train"): "the retrieval-task data helpers, until they leave train.py",
-    ("m3jax.needle", "m3jax.probe"): "until train.py is split (needle's CLI only)",
-    ("m3jax.needle", "m3jax"): "until train.py is split (needle's CLI only)",
-    ("m3jax.train", "m3jax.api"): "until train.py is split (its CLI only)",
-    ("m3jax.train", "m3jax.probe"): "until train.py is split (its evaluation only)",
-    ("m3jax.train", "m3jax.sharding"): "until train.py is split (its CLI only)",
-    ("m3jax.train", "m3jax.checkpoint"): "until train.py is split (its CLI only)",
 }
 
 
@@ -154,8 +147,10 @@ def _lazy_imports() -> set[tuple[str, str]]:
 
 
 def test_function_level_imports_are_named():
-    unnamed = sorted(_lazy_imports() - set(LAZY))
+    lazy = _lazy_imports()
+    unnamed = sorted(lazy - set(LAZY))
     assert not unnamed, f"function-level m3jax imports without a reason in LAZY (move them to the top): {unnamed}"
+    assert not set(LAZY) - lazy, f"LAZY names imports that are gone: {sorted(set(LAZY) - lazy)}"
 
 
 def upward_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
@@ -166,6 +161,7 @@ def test_imports_go_one_way():
     graph = import_graph()
     up = upward_edges(graph) - set(UPWARD)
     assert not up, "imports to a higher tier (" + " < ".join(TIERS) + f"): {sorted(up)}"
+    assert not set(UPWARD) - upward_edges(graph), "UPWARD names an edge that is gone"
     for mod, deps in graph.items():
         if mod == "m3jax.msa.reference":
             assert not {d for d in deps if d != "m3jax.msa"}, f"the MSA maths import {deps}"
