@@ -85,18 +85,17 @@ def test_decode_kernels_read_fp8_pages(monkeypatch):
     # selects what the reference selects from the same pages.
     from m3jax.cache import LayerCache
     from m3jax.msa import kernels
-    from m3jax.pallas import decode as D
 
     t = m3jax.preset("m3_width").replace_text(
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, index_n_heads=2, index_head_dim=64,
         index_block_size=64, index_topk_blocks=2, index_cache_dtype=FP8_NAME).text
-    seen, scores = [], D.decode_index_scores
+    seen, scores = [], kernels.decode_index_scores
 
     def spy(iq, ik, *a, **kw):
         seen.append(ik.dtype)
         return scores(iq, ik, *a, **kw)
 
-    monkeypatch.setattr(D, "decode_index_scores", spy)
+    monkeypatch.setattr(kernels, "decode_index_scores", spy)  # the name msa.kernels composes
     rng = np.random.default_rng(0)
 
     def normal(*shape):
