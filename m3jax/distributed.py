@@ -36,7 +36,7 @@ INIT_TIMEOUT_S = 300
 _POLL_S = 0.5
 _PREFIX = "m3jax/"
 
-_state = {"on": False, "watchdog": None}
+_state = {"on": False, "failing": False, "watchdog": None}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -195,6 +195,7 @@ def fail(message: str, code: int) -> None:
     not run JAX's shutdown barrier, which would wait for processes that may be stuck in a collective."""
     if not active():
         return
+    _state["failing"] = True  # this process's own message is the one to give, not a peer's
     try:
         _publish("failed", message)
         time.sleep(2 * _POLL_S)  # process 0 hosts the store: give the others a read of it
@@ -217,7 +218,7 @@ def _start_watchdog() -> None:
             except Exception:  # noqa: BLE001 - JAX's heartbeat aborts this process if the coordinator is gone
                 continue
             others = [(int(k.rsplit("/", 1)[1]), v) for k, v in failed if not k.endswith(f"/{me}")]
-            if others:
+            if others and not _state["failing"]:
                 p, msg = min(others)
                 print(f"error: process {me}: stopping because process {p} failed: {msg}", file=sys.stderr, flush=True)
                 sys.stdout.flush()
