@@ -18,6 +18,7 @@ on its own devices, and one mesh spans all of them.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -209,10 +210,11 @@ def fail(message: str, code: int) -> None:
 def _start_watchdog() -> None:
     me = jax.process_index()
 
+    stop = threading.Event()
+
     def watch():
         c = _client()
-        while True:
-            time.sleep(_POLL_S)
+        while not stop.wait(_POLL_S):
             try:
                 failed = c.key_value_dir_get(f"{_PREFIX}failed/")
             except Exception:  # noqa: BLE001 - JAX's heartbeat aborts this process if the coordinator is gone
@@ -224,6 +226,13 @@ def _start_watchdog() -> None:
                 sys.stdout.flush()
                 os._exit(1)
 
+    def join():
+        # Before JAX's own exit handler shuts the client down (handlers run last registered first): a
+        # daemon thread still inside a client call when the interpreter ends aborts the process.
+        stop.set()
+        t.join()
+
     t = threading.Thread(target=watch, name="m3jax-distributed-watchdog", daemon=True)
     t.start()
+    atexit.register(join)
     _state["watchdog"] = t

@@ -43,6 +43,7 @@ def main(argv=None) -> None:
     distributed.add_arguments(ap)
     args = ap.parse_args(argv)
     distributed.initialize(args)
+    print("joined", flush=True)  # tests/test_distributed.py waits for it before killing a process
     data, model = args.mesh
     mesh = None if data * model == 1 else sharding.make_mesh(data * model, data=data)
     m = m3jax.load_pretrained(args.checkpoint, dtype="float32", attention_impl="reference", progress=False, mesh=mesh)
