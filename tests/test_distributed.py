@@ -100,3 +100,12 @@ def test_killed_process_stops_the_survivor(two_layer_checkpoint, tmp_path):
     assert survivor.returncode != 0
     assert "stopped sending heartbeats" in err and "\n1\n" in err  # JAX's message names process 1
     assert waited < heartbeat + 10, waited
+
+
+def test_plan_hosts_is_one_mesh_over_all_devices(capsys):
+    from m3jax import plan
+
+    two = plan.main(["--config", "minimax_m3", "--hosts", "2", "--devices", "8", "--ctx", "1000000"])
+    sixteen = plan.main(["--config", "minimax_m3", "--devices", "16", "--ctx", "1000000"])
+    assert "16 devices (2 hosts x 8)" in capsys.readouterr().out
+    assert (two["total"], two["weights"], two["fits"]) == (sixteen["total"], sixteen["weights"], sixteen["fits"])
