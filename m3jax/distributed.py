@@ -27,6 +27,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 # Seconds without a heartbeat before the coordination service declares a process dead and every
 # other process aborts (JAX's own default is 100 s); seconds a process waits for all others to
@@ -165,6 +166,16 @@ def _check_arguments(args: argparse.Namespace) -> None:
                              f"{jax.process_index()} and {theirs.get(k)} on process {p}"
                              + (f" (and {len(diff) - 1} more: {', '.join(diff[1:])})" if len(diff) > 1 else "")
                              + "; every process must run the same command")
+
+
+def to_host(x) -> np.ndarray:
+    """``x`` as a host array on every process: a value split over several processes' devices is
+    gathered first (a collective: every process must call it)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def digest(values) -> str:

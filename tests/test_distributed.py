@@ -2,7 +2,7 @@
 localhost with gloo collectives:
 
 * 2 processes x 2 devices (one mesh of 4) against 1 process x 1 device (the plain path): greedy
-  ids identical, logits within the fp32 tolerance, and each process loads only its devices' slices;
+  ids identical, logits within the fp32 tolerance, probe selections identical, and each process loads only its devices' slices;
 * different arguments on two processes are refused (status 2, naming the flag);
 * a process killed with SIGKILL: the survivor exits non-zero within the heartbeat timeout.
 """
@@ -67,6 +67,7 @@ def test_two_processes_equal_one(two_layer_checkpoint, tmp_path):
     a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     np.testing.assert_array_equal(b["ids"], a["ids"])
     assert rel_l2(b["logits"], a["logits"]) < TOL["float32"]
+    np.testing.assert_array_equal(b["selections"], a["selections"])  # probe: the same MSA blocks
     # Each process loaded only its devices' slices: the experts and split matrices of 2 of the 4 devices.
     assert len(b["loaded_bytes"]) == 2 and all(x < b["model_bytes"] for x in b["loaded_bytes"])
     assert a["loaded_bytes"][0] == a["model_bytes"]

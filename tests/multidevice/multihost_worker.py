@@ -5,7 +5,7 @@
 
 Loads the checkpoint straight into its shards on one mesh over every process's devices (each process
 reads only its own devices' slices) and generates greedily with the engine, keeping the logits of
-every step. Process 0 writes OUT.npz: generated ids, step logits, and each process's loaded bytes
+every step, then probes the prompt (MSA block selections). Process 0 writes OUT.npz: generated ids, step logits, and each process's loaded bytes
 (the distinct slices its devices hold) next to the whole model's bytes. ``--mesh 1x1``: the plain one-device
 path, no mesh.
 """
@@ -28,6 +28,7 @@ import m3jax  # noqa: E402
 from m3jax import distributed, sharding  # noqa: E402
 from m3jax.engine import Engine, SamplingParams  # noqa: E402
 from m3jax.generate import mesh_shape  # noqa: E402
+from m3jax.probe import probe  # noqa: E402
 
 PROMPT = [5, 17, 3, 44, 9, 21, 60, 2, 33, 12, 7, 80, 15]
 
@@ -51,6 +52,9 @@ def main(argv=None) -> None:
     r = engine.generate([PROMPT], max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=0.0),
                         keep_logits=True)
     ids = r.generated[0]
+    # probe (the notebooks' API) on the same mesh: every process gets the whole result
+    pr = probe(m, np.asarray([PROMPT]), query_chunk=16, share_compilation=True)
+    sel = np.stack([pr.layers[i].block_indices for i in sorted(pr.layers) if pr.layers[i].block_indices is not None])
     distributed.check_same("generated ids", ids)
     # This process's distinct slices (its devices may hold copies of one replicated slice).
     mine = sum(s.data.nbytes for leaf in jax.tree.leaves(m.params)
@@ -58,7 +62,7 @@ def main(argv=None) -> None:
     whole = sum(leaf.nbytes for leaf in jax.tree.leaves(m.params))
     loaded = _gather_ints(mine)
     if distributed.is_voice():
-        np.savez(args.out, ids=np.asarray(ids), logits=np.stack(r.step_logits), loaded_bytes=np.asarray(loaded),
+        np.savez(args.out, ids=np.asarray(ids), logits=np.stack(r.step_logits), selections=sel, loaded_bytes=np.asarray(loaded),
                  model_bytes=whole)
 
 
