@@ -168,6 +168,22 @@ def _check_arguments(args: argparse.Namespace) -> None:
                              + "; every process must run the same command")
 
 
+def barrier(name: str, timeout_s: float) -> None:
+    """Wait until every process reaches ``name`` (one process: returns at once)."""
+    if active():
+        _client().wait_at_barrier(f"{_PREFIX}{name}", int(timeout_s * 1000))
+
+
+def from_voice(value):
+    """Process 0's ``value`` (an int, float or bool) on every process: a decision only it may take
+    (a wall-clock budget, a timing) so that all processes run the same steps. A collective."""
+    if not active():
+        return value
+    from jax.experimental import multihost_utils
+
+    return type(value)(multihost_utils.broadcast_one_to_all(np.asarray(value)).item())
+
+
 def to_host(x) -> np.ndarray:
     """``x`` as a host array on every process: a value split over several processes' devices is
     gathered first (a collective: every process must call it)."""
