@@ -21,6 +21,7 @@ import pytest
 
 import m3jax
 from tests.conftest import ROOT, TOL, rel_l2, tiny_config
+from tests.multidevice import multihost_worker
 
 PY = sys.executable
 
@@ -58,10 +59,11 @@ def two_layer_checkpoint(tmp_path_factory):
 
 def test_two_processes_equal_one(two_layer_checkpoint, tmp_path):
     worker = ["-m", "tests.multidevice.multihost_worker", str(two_layer_checkpoint)]
-    one = subprocess.Popen([PY, *worker, str(tmp_path / "one.npz"), "--local-devices", "1", "--mesh", "1x1"],
-                           env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     two = _job([*worker, str(tmp_path / "two.npz"), "--local-devices", "2", "--mesh", "1x4"], 2, _port())
-    for p in [one, *two]:
+    # the reference, one process x one device: this one, while the job runs
+    multihost_worker.main([str(two_layer_checkpoint), str(tmp_path / "one.npz"), "--local-devices", "1",
+                           "--mesh", "1x1"])
+    for p in two:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
     a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
