@@ -28,6 +28,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 # Seconds without a heartbeat before the coordination service declares a process dead and every
 # other process aborts (JAX's own default is 100 s); seconds a process waits for all others to
@@ -149,7 +150,8 @@ def _publish(key: str, value: str) -> None:
 
 
 def _comparable(args: argparse.Namespace) -> dict[str, str]:
-    """The parsed arguments every process must share: all but the process's own index."""
+    """The parsed arguments every process must share: all but the process's own index and --quiet
+    (the processes other than 0 are quiet anyway)."""
     return {k: repr(v) for k, v in sorted(vars(args).items()) if k not in ("process_id", "quiet")}
 
 
@@ -179,8 +181,6 @@ def from_voice(value):
     (a wall-clock budget, a timing) so that all processes run the same steps. A collective."""
     if not active():
         return value
-    from jax.experimental import multihost_utils
-
     return type(value)(multihost_utils.broadcast_one_to_all(np.asarray(value)).item())
 
 
@@ -188,8 +188,6 @@ def to_host(x) -> np.ndarray:
     """``x`` as a host array on every process: a value split over several processes' devices is
     gathered first (a collective: every process must call it)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
