@@ -37,10 +37,30 @@ class Target:
     num_sms: int
     cluster: int = 1  # CTAs cooperating on one tile (2 on Blackwell's 2-CTA MMA)
     tma_gather: bool = False  # indexed TMA of many rows in one copy (Blackwell only)
+    refused: str | None = None  # why no kernel runs on this target (the model takes the reference path)
 
 
 HOPPER = Target("sm_90a", mma="wgmma", smem_bytes=232_448, num_sms=132)
 BLACKWELL = Target("sm_100a", mma="tcgen05", smem_bytes=232_448, num_sms=148, cluster=2, tma_gather=True)
+# Consumer Blackwell (RTX 50xx, RTX PRO 6000 Blackwell): neither wgmma nor tcgen05, 99 KiB of SMEM per block.
+SM120 = Target("sm_120a", mma="none", smem_bytes=101_376, num_sms=1,  # num_sms: nothing is launched
+               refused="sm_120-class GPUs have neither wgmma nor tcgen05, which every MMA kernel here issues")
+# Compute capabilities the kernels are built for: Hopper, and the datacenter Blackwells (sm_103 runs
+# sm_100a code). Anything else is refused by name rather than guessed from its major version.
+_TARGETS = {(9, 0): HOPPER, (10, 0): BLACKWELL, (10, 3): BLACKWELL, (12, 0): SM120, (12, 1): SM120}
+
+
+def target_of(compute_capability: str) -> Target:
+    """The target of a compute capability ("10.0"); one the kernels do not know is refused by name."""
+    try:
+        major, minor = (int(x) for x in compute_capability.split("."))
+    except ValueError:
+        major = minor = None
+    if (major, minor) in _TARGETS:
+        return _TARGETS[(major, minor)]
+    return Target(f"sm_{compute_capability.replace('.', '')}", mma="none", smem_bytes=0, num_sms=1,
+                  refused=f"compute capability {compute_capability} is not a target the kernels are built for "
+                          "(sm_90a, sm_100a/sm_103a)")
 
 
 # Set by lowering_for / interpret_as: the target the kernels are built for, and whether they lower
@@ -58,8 +78,7 @@ def current_target() -> Target:
     if _target_override is not None:
         return _target_override
     if on_gpu():
-        major = int(getattr(jax.devices()[0], "compute_capability", "9.0").split(".")[0])
-        return BLACKWELL if major >= 10 else HOPPER
+        return target_of(str(getattr(jax.devices()[0], "compute_capability", "?")))
     return HOPPER
 
 
@@ -119,6 +138,9 @@ def mosaic_kernel(body, *, interpret: bool | None = None, detect_races: bool = T
     if interpret is None:
         interpret = not on_gpu()
     if not interpret:
+        refused = current_target().refused
+        if refused:
+            raise NotImplementedError(f"Mosaic GPU kernel on {current_target().name}: {refused}")
         return plgpu.kernel(body, **kwargs)
     kernel = plgpu.kernel(body, interpret=interpret_params(detect_races), **kwargs)
 

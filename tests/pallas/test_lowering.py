@@ -5,10 +5,11 @@
 it) and the kernels trace as on that GPU. Lowering builds and verifies the Mosaic module and emits
 its custom call; PTX and ptxas run only when XLA compiles on a GPU, so nothing here is compiled.
 
-What this shows for sm_100a: the kernels lower, and Mosaic does not refuse wgmma there. The MMA
-kernels' modules for sm_100a carry Hopper ``wgmma.mma_async`` as inline PTX, an sm_90a-only
-instruction, so on a B200 they can fail only later, at ptxas (not verifiable here: the self-check
-canary, ``python -m m3jax.selfcheck``, is where it shows); top-k has no MMA and carries none. The
+What this shows for sm_100a: the kernels lower. The query-major attention baseline, a Hopper-only
+kernel, lowers too: its module carries ``wgmma`` (and Mosaic's wgmma fences), and it is when that
+module is compiled to PTX for sm_100a that Mosaic refuses it (``nvvm.wgmma.fence.aligned`` is not
+supported there: tests/pallas/test_compile.py), so on a B200 its canary fails and the model never
+picks it; top-k has no MMA and carries none. The
 grouped GEMM, the prefill index scoring (with its fused top-k), the KV-block-major sparse attention,
 the decode index scoring and the sparse decode attention have Blackwell paths (``BLACKWELL_VARIANTS``): for sm_100a their modules carry
 ``tcgen05.mma`` and no wgmma (the lowering checks tcgen05's shape, layout and TMEM rules, which
@@ -106,9 +107,9 @@ def _mma_instruction(name: str, mma: bool, target) -> str | None:
 
 
 def test_every_selfcheck_kernel_is_lowered_here():
-    from m3jax import selfcheck
+    from m3jax.pallas import canaries
 
-    assert set(KERNELS) == set(selfcheck.CANARIES)
+    assert set(KERNELS) == set(canaries.KERNELS)
 
 
 @pytest.fixture
