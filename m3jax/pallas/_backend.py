@@ -26,7 +26,9 @@ import functools
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
 from jax.experimental.mosaic.gpu import fragmented_array
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import nvvm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,27 @@ def interpret_as(target: Target):
     """Run the kernels in interpret mode (also on a GPU) as built for ``target``: its MMA path (the
     Blackwell variants' tests; interpret mode models tcgen05 and TMEM), its SMEM and SMs."""
     return _override(target, lowering=False)
+
+
+def tcgen05_thread_sync(wait: str) -> None:
+    """Hand TMEM from this warpgroup's threads to the tensor core (kernel body, not interpret mode):
+    ``tcgen05.wait::{wait}`` (this thread's TMEM loads, "ld", or stores, "st", are done),
+    ``tcgen05.fence::before_thread_sync``, the warpgroup's ``bar.sync``, then
+    ``tcgen05.fence::after_thread_sync``. The PTX ISA orders tcgen05 operations of different threads
+    only through a synchronisation bracketed by these two fences; Pallas' ``wait_load_tmem`` /
+    ``commit_tmem`` emit the wait and the ``bar.sync`` without them. Lowered through ``inline_mgpu``
+    (Pallas exposes the fences only inside its barriers with ``orders_tensor_core``)."""
+    if wait not in ("ld", "st"):
+        raise ValueError(f"tcgen05_thread_sync: wait must be 'ld' or 'st', got {wait!r}")
+
+    @plgpu.inline_mgpu()
+    def tcgen05_thread_sync(_ctx):
+        mgpu_utils.inline_ptx(f"tcgen05.wait::{wait}.sync.aligned;", has_side_effects=True)
+        nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+        mgpu_utils.warpgroup_barrier()
+        nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+    tcgen05_thread_sync()
 
 
 def tiled_layout(tiles, *, warp_dims, lane_dims, vector_dim=-1):

@@ -100,6 +100,16 @@ BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_m
                       "sparse_decode_attention", "grouped_matmul"}
 
 
+# tcgen05.fence::before_thread_sync per kernel at M3's shapes: one per hand-off of TMEM from the
+# warpgroup's loads or stores to the next MMA (_common.tmem_handoff), as the PTX ISA orders them.
+# The index scoring hands its accumulator back once per key block (emitted twice: the pipeline over
+# fully visible blocks and the causally masked one), the KV-major attention S and O once per tile (also
+# emitted twice: tiles with and without a query's own block), the decode attention O's zeros, S and O's rescale once per page; the grouped GEMM reads its accumulator
+# once, after the last MMA, and frees it.
+FENCES = {"index_scores": 2, "index_topk_fused": 2, "sparse_attention_kv_major": 4, "decode_index_scores": 1,
+          "sparse_decode_attention": 3, "grouped_matmul": 0}
+
+
 def _mma_instruction(name: str, mma: bool, target) -> str | None:
     if not mma:
         return None
@@ -145,6 +155,8 @@ def test_lowers_for_sm100a(mosaic_modules):
             want = _mma_instruction(name, mma, target)
             for instruction in ("wgmma.mma_async", "tcgen05.mma"):
                 assert any(instruction in m for m in mods) == (instruction == want), (name, instruction)
+            if name in FENCES:  # in every module of the kernel (some lower more than one)
+                assert {m.count("nvvm.tcgen05.fence <before>") for m in mods} == {FENCES[name]}, name
     assert (_backend.current_target(), _backend.on_gpu()) == before  # the override is undone
 
 
