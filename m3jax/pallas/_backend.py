@@ -11,7 +11,10 @@ kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline st
 ``num_sms`` (grid sizes) and ``mma``: the grouped GEMM, the prefill and decode index scoring, the
 KV-block-major sparse attention and the sparse decode attention take their Blackwell paths (tcgen05
 into TMEM) when it is ``"tcgen05"``; the query-major attention baseline issues wgmma, a Hopper-only
-instruction, and does not run on sm_100 (``m3jax.selfcheck`` keeps a kernel off a GPU where it fails).
+instruction, and does not run on sm_100 (the self-check, :mod:`m3jax.pallas.verdicts`, keeps a kernel
+off a GPU where it fails). Other compute capabilities are named, not guessed: sm_120-class GPUs
+(``SM120``: no wgmma or tcgen05, 99 KiB of SMEM) and unknown ones get a ``Target`` with a
+``refused`` reason, and no kernel is built for them (the model takes the reference path).
 ``cluster`` and ``tma_gather`` are read by no code: they record what the rest of the port changes
 (2-CTA MMA, TMA gather; each kernel's docstring says where). :func:`lowering_for` and
 :func:`interpret_as` build the kernels for another target on a CPU (lowering tests, interpret tests).
