@@ -3,6 +3,7 @@ this module by name to find them, as it imports m3jax.pallas.canaries for the re
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax.numpy as jnp
@@ -16,9 +17,15 @@ def _hangs():
     raise AssertionError("unreachable: the worker is killed at its deadline")
 
 
+def _ends_the_process():
+    """A kernel that takes its process down (a driver abort, a segfault)."""
+    os._exit(3)
+
+
 def _agrees():
     x = jnp.arange(4, dtype=jnp.float32) * 0.5
     return x + 1.0, jnp.asarray([1.0, 1.5, 2.0, 2.5])
 
 
-CANARIES = {c.name: c for c in (Canary("hang_test", "agrees", _agrees, ()), Canary("hang_test", "sleeps", _hangs, ()))}
+CANARIES = {c.name: c for c in (Canary("hang_test", "agrees", _agrees, ()), Canary("hang_test", "sleeps", _hangs, ()),
+                                Canary("hang_test", "exits", _ends_the_process, ()))}

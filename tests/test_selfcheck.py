@@ -128,9 +128,9 @@ def test_model_hooks_fall_back(fake, monkeypatch):
 
 
 def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monkeypatch):
-    # The real worker process; its first canary passes, the second one sleeps past a 3 s deadline. The
-    # model asks while tracing (moe.resolve_moe_impl runs inside the jitted forward): the worker runs
-    # outside the trace.
+    # The real worker process: its first canary passes, the second one sleeps past a 3 s deadline (the
+    # worker is killed), the third, in a new worker, ends its process. The model asks while tracing
+    # (moe.resolve_moe_impl runs inside the jitted forward): the worker runs outside the trace.
     monkeypatch.setenv("M3JAX_SELFCHECK_DEADLINE", "3")
     for name, c in selfcheck_canaries.CANARIES.items():
         monkeypatch.setitem(canaries.CANARIES, name, c)
@@ -146,10 +146,11 @@ def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monk
         jax.jit(f).trace(jnp.zeros(3))
     elapsed = time.perf_counter() - t0
     assert "hung" in seen[0] and elapsed < 3 + 2 * verdicts._STARTUP_S
-    ok, hung = verdicts.check(canaries.of_kernel("hang_test"))  # this process's memo: nothing runs again
-    assert (ok.status, hung.status) == ("pass", "hung") and 3 <= hung.seconds < 10
+    ok, hung, died = verdicts.check(canaries.of_kernel("hang_test"))  # this process's memo: nothing runs again
+    assert (ok.status, hung.status, died.status) == ("pass", "hung", "fail") and 3 <= hung.seconds < 10
+    assert "worker process ended" in died.error
     stored = json.loads(verdicts.cache_path().read_text())["verdicts"]
-    assert sorted(v["status"] for v in stored.values()) == ["hung", "pass"]
+    assert sorted(v["status"] for v in stored.values()) == ["fail", "hung", "pass"]
 
 
 def test_refused_targets(gpu, monkeypatch):

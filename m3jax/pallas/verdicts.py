@@ -43,6 +43,7 @@ from m3jax.pallas.canaries import CANARIES, SHARED_SOURCES, Canary, compare, of_
 
 DEFAULT_DEADLINE_S = 180.0
 _STARTUP_S = 60.0  # a worker's own start (importing JAX) before its first canary, on top of the deadline
+_TAG = "m3jax-selfcheck "  # marks the worker's report lines among whatever else reaches its stdout
 _PKG_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the m3jax package
 
 
@@ -194,19 +195,24 @@ def _worker_env() -> dict:
 def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = None) -> list[Verdict]:
     """Run canaries in a worker process, each within ``deadline`` seconds (:func:`deadline_s`). The
     worker reports each canary as it starts and ends; one past its deadline is killed with the worker
-    and marked "hung", and the canaries after it run in a new worker."""
+    and marked "hung" (one that ends the worker, "fail"), and the canaries after it run in a new
+    worker."""
     deadline = deadline_s() if deadline is None else deadline
     verdicts: list[Verdict] = []
     pending = list(canaries)
     while pending:
-        argv = [sys.executable, "-m", "m3jax.pallas.verdicts", "--worker",
-                *(f"{c.run.__module__}:{c.name}" for c in pending)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_worker_env(), start_new_session=True)
+        argv = [sys.executable, "-m", "m3jax.pallas.verdicts", *(f"{c.run.__module__}:{c.name}" for c in pending)]
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=_worker_env(), start_new_session=True)
+        except OSError as e:
+            error = f"the worker process did not start: {_first_line(e)}"
+            return verdicts + [Verdict(c.name, dev["target"], dev["device"], "fail", None, 0.0, error) for c in pending]
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout] + [lines.put(None)], daemon=True).start()
         stderr: list[str] = []
-        threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+        err_reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+        err_reader.start()
         current, started, allowed = pending[0], time.perf_counter(), deadline + _STARTUP_S
         try:
             while pending:
@@ -218,15 +224,18 @@ def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = Non
                                             f"no result within the {deadline:g} s deadline (killed)"))
                     pending.remove(current)
                     break
-                if line is None:  # the worker died (a crash in the driver, an abort): the rest fail
+                if line is None:  # the worker died (a crash in the driver, an abort): this canary fails
                     proc.wait()
+                    err_reader.join(timeout=5)
                     tail = "".join(stderr).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-                    for c in pending:
-                        error = f"the worker process ended during the canary: {tail[0][:300]}"
-                        verdicts.append(Verdict(c.name, dev["target"], dev["device"], "fail", None, 0.0, error))
-                    pending = []
+                    error = f"the worker process ended during the canary: {tail[0][:300]}"
+                    seconds = round(time.perf_counter() - started, 3)
+                    verdicts.append(Verdict(current.name, dev["target"], dev["device"], "fail", None, seconds, error))
+                    pending.remove(current)
                     break
-                msg = json.loads(line)
+                if not line.startswith(_TAG):  # the canary's own output
+                    continue
+                msg = json.loads(line[len(_TAG):])
                 if "start" in msg:
                     current = next(c for c in pending if c.name == msg["start"])
                     started, allowed = time.perf_counter(), deadline
@@ -248,9 +257,9 @@ def _worker(specs: list[str]) -> None:
     for spec in specs:
         module, name = spec.split(":", 1)
         canary = importlib.import_module(module).CANARIES[name]
-        print(json.dumps({"start": name}), flush=True)
+        print(_TAG + json.dumps({"start": name}), flush=True)
         v = run_canary(canary, dev)
-        print(json.dumps({k: x for k, x in dataclasses.asdict(v).items() if k != "cached"}), flush=True)
+        print(_TAG + json.dumps({k: x for k, x in dataclasses.asdict(v).items() if k != "cached"}), flush=True)
 
 
 # ---- verdicts and the model's choice ----------------------------------------------------------------
@@ -334,5 +343,5 @@ def canaries_named(names: list[str]) -> list[Canary]:
     return list(dict.fromkeys(out))
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(sys.argv[2:])
+if __name__ == "__main__":  # the worker process of run_isolated
+    _worker(sys.argv[1:])
