@@ -209,7 +209,9 @@ def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = Non
             error = f"the worker process did not start: {_first_line(e)}"
             return verdicts + [Verdict(c.name, dev["target"], dev["device"], "fail", None, 0.0, error) for c in pending]
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout] + [lines.put(None)], daemon=True).start()
+        out_reader = threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout] + [lines.put(None)],
+                                      daemon=True)
+        out_reader.start()
         stderr: list[str] = []
         err_reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
         err_reader.start()
@@ -221,7 +223,7 @@ def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = Non
                 except queue.Empty:
                     seconds = round(time.perf_counter() - started, 3)
                     verdicts.append(Verdict(current.name, dev["target"], dev["device"], "hung", None, seconds,
-                                            f"no result within the {deadline:g} s deadline (killed)"))
+                                            f"no result within the {deadline:g} s deadline; killed"))
                     pending.remove(current)
                     break
                 if line is None:  # the worker died (a crash in the driver, an abort): this canary fails
@@ -246,7 +248,10 @@ def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = Non
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
+            for reader, stream in ((out_reader, proc.stdout), (err_reader, proc.stderr)):
+                reader.join(timeout=5)  # at the pipe's end once the worker is gone
+                stream.close()
     order = {c.name: i for i, c in enumerate(canaries)}
     return sorted(verdicts, key=lambda v: order[v.canary])
 
