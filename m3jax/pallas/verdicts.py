@@ -326,8 +326,10 @@ def kernel_failure(*kernels: str) -> str | None:
         _warn_once("target", f"m3jax: the Mosaic GPU kernels are not used on {dev['device']}: {refused}; "
                              "the reference path runs instead.")
         return refused
+    wanted = list(dict.fromkeys(c for kernel in kernels for c in of_kernel(kernel)))
+    found = {c.name: v for c, v in zip(wanted, check(wanted, dev=dev))}  # one worker for all of them
     for kernel in kernels:
-        bad = [v for v in check(of_kernel(kernel), dev=dev) if not v.passed]
+        bad = [found[c.name] for c in of_kernel(kernel) if not found[c.name].passed]
         if bad:
             reason = _why(kernel, bad[0])
             _warn_once(kernel, f"m3jax: {reason}; it is not used (the reference path runs instead where the choice "
