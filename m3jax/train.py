@@ -557,18 +557,20 @@ def open_run(args) -> Run:
         _check_tokenizer_from(Path(args.tokenizer_from), cfg)
     out = args.out
     corpus = (out, cfg, args.data_mb, args.tokenizer_mb, args.tokenizer_from)
-    # Several processes (one shared --out): process 0 prepares the folder and the corpus, the others read
-    # its tokenizer.json and data.npz back once it is done.
+    # Several processes (one shared --out): process 0 prepares the folder and then the corpus, the others
+    # read its tokenizer.json and data.npz back once it is done.
     if distributed.is_voice():
         prepare_out_dir(out, args.resume, args.overwrite)
-        tok, train_stream, held_stream = data.prepare_corpus(*corpus)
     distributed.barrier("train/run-folder", CORPUS_TIMEOUT_S)
-    if not distributed.is_voice():
-        tok, train_stream, held_stream = data.prepare_corpus(*corpus)
     mngr = checkpoint_manager(out / "ckpt")
     resuming = args.resume and mngr.latest_step() is not None
-    if args.resume and not resuming:
-        print(f"note: --resume: no checkpoint in {out / 'ckpt'} yet; starting at step 0", flush=True)
+    if args.resume and not resuming and distributed.is_voice():
+        print(f"note: --resume: no checkpoint in {out / 'ckpt'} yet; starting at step 0", file=sys.stderr, flush=True)
+    if distributed.is_voice():
+        tok, train_stream, held_stream = data.prepare_corpus(*corpus)
+    distributed.barrier("train/corpus", CORPUS_TIMEOUT_S)
+    if not distributed.is_voice():
+        tok, train_stream, held_stream = data.prepare_corpus(*corpus)
     encode = data.text_encoder(tok, cfg.text.vocab_size)
     mesh = make_mesh(args.data_parallel, data=args.data_parallel) if args.data_parallel else None
     return Run(args, cfg, out, mngr, resuming, tok, train_stream, held_stream, encode, mesh)
