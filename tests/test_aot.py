@@ -174,7 +174,9 @@ def test_warmup_compiles_side_by_side(tmp_path, monkeypatch):
         threads_seen.clear()
         aot.clear()
         with aot.disk_cache(tmp_path / threads) as stats:
-            e = Engine(params, cfg, batch=2, capacity=64, prefill_chunk=16, decode_steps_per_call=4)
+            # one chunk size (no prefill buckets): a program per key window (buckets: tests/test_prefill_buckets.py)
+            e = Engine(params, cfg, batch=2, capacity=64, prefill_chunk=16, decode_steps_per_call=4,
+                       prefill_buckets=False)
             windows = set(e._windows(64))
             e.warmup(keep_logits=True)
             compiled = dict(stats)
