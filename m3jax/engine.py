@@ -6,9 +6,12 @@
   query's future, so the window gives the full forward pass's maths while a chunk costs what it
   reads, not the whole capacity; buckets (of at least ``MIN_KEY_WINDOW`` tokens) keep the compiled
   shapes to O(log capacity). A prompt's last chunk, shorter than the chunk, is padded only up to the
-  smallest size that holds it (:func:`prefill_chunk_sizes`, the prefill buckets: the MSA block size times powers of
-  two, up to the chunk), so a short prompt costs what it is, not a whole chunk; pad rows land beyond
-  the prompt and are rewritten before anything reads them.
+  smallest size that holds it (:func:`prefill_chunk_sizes`, the prefill buckets: the MSA block size
+  times powers of two, up to the chunk), so a short prompt costs what it is, not a whole chunk; pad
+  rows land beyond the prompt and are rewritten before anything reads them. Where an earlier chunk of
+  the prompt runs in the same key window, the last one takes that full-chunk program instead: a
+  prompt never compiles more programs than without buckets (at 1M tokens a last window holds dozens
+  of chunks, and one more program there would be one more long compile for under a chunk's time).
 * Decode runs all sequences together, one token each per step, with static shapes: one compiled
   program runs ``decode_steps_per_call`` steps (a ``lax.fori_loop``; each step embeds, runs the
   layers, samples, and advances positions and the PRNG key on the device) and hands back that many
@@ -178,7 +181,8 @@ class Engine:
     """Holds a model, its cache and the compiled programs; ``generate`` takes prompts of any lengths.
     ``decode_steps_per_call`` (N): decode steps one compiled call runs (tokens come back N at a time).
     ``prefill_buckets``: a prompt's last, shorter chunk runs at the smallest of :func:`prefill_chunk_sizes`
-    that holds it (off: padded to the whole chunk, one prefill program per key window)."""
+    that holds it, unless an earlier chunk runs in its key window (off: padded to the whole chunk; either
+    way one program per key window a prompt runs)."""
 
     def __init__(self, params: dict, cfg: M3Config, *, batch: int, capacity: int, prefill_chunk: int = 512,
                  cache_dtype=None, mesh=None, decode_steps_per_call: int = DECODE_STEPS_PER_CALL,
@@ -239,20 +243,28 @@ class Engine:
         return next(c for c in self.chunk_sizes if c >= n)
 
     def _prefill_plan(self, prompt_len: int) -> list[tuple[int, int, int, int]]:
-        """(start, tokens, key window, compiled size) of each chunk of a ``prompt_len``-token prefill."""
+        """(start, tokens, key window, compiled size) of each chunk of a ``prompt_len``-token prefill: full
+        chunks at the chunk, the last at its bucket when it is alone in its key window."""
         starts = range(0, prompt_len, self.chunk)
-        sizes = [min(self.chunk, prompt_len - start) for start in starts]
         windows = self._windows(prompt_len)
-        return [(start, n, window, self._chunk_size(n)) for start, n, window in zip(starts, sizes, windows)]
+        plan = [(start, min(self.chunk, prompt_len - start), window, self.chunk)
+                for start, window in zip(starts, windows)]
+        start, n, window, _ = plan[-1]
+        if len(plan) == 1 or plan[-2][2] != window:
+            plan[-1] = (start, n, window, self._chunk_size(n))
+        return plan
 
     def _programs_up_to(self, max_prompt_len: int) -> set[tuple[int, int]]:
         """(key window, size) of every prefill program a prompt of up to ``max_prompt_len`` tokens can run:
-        full chunks at their windows, and a last chunk starting at any chunk start at each size up to
-        the one of the tokens left there (one size per window without buckets, as many as
-        ``chunk_sizes`` with them)."""
-        out = set()
-        for start, n, window, size in self._prefill_plan(max_prompt_len):
-            out.update((window, c) for c in self.chunk_sizes if c <= size)
+        a window's first chunk at each size up to that of its tokens (a prompt may end there), its later
+        chunks at the chunk (one program per window without buckets, up to ``len(chunk_sizes)`` with)."""
+        out, last_window = set(), None
+        for _, n, window, _ in self._prefill_plan(max_prompt_len):
+            if window == last_window:  # a later chunk of the window: full, or a last one sharing the full program
+                out.add((window, self.chunk))
+            else:  # a window's first chunk, of up to n tokens
+                out.update((window, c) for c in self.chunk_sizes if c <= self._chunk_size(n))
+            last_window = window
         return out
 
     def _out_tree(self, *outputs):
