@@ -133,9 +133,9 @@ def parse_args(argv=None):
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
     ap.add_argument("--no-prefill-buckets", action="store_true",
-                    help="pad a prompt's last chunk to the whole --prefill-chunk (by default it runs at the smallest "
-                         "of the MSA block size times a power of two that holds it, so a short prompt prefills what "
-                         "it is)")
+                    help="pad a prompt's last chunk to the whole --prefill-chunk (by default a last chunk that starts "
+                         "its own key window, as a one-chunk prompt's does, runs at the smallest MSA block size times a "
+                         "power of two that holds it: a short prompt prefills what it is)")
     ap.add_argument("--decode-steps-per-call", type=cli.positive_int, default=DECODE_STEPS_PER_CALL, metavar="N",
                     help="decode steps one compiled call runs (tokens stream N at a time; the host's per-call cost "
                          "is paid once per N tokens; 1 = a call per token)")
