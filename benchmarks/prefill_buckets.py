@@ -4,6 +4,7 @@ The built-in m3-small (what ``python -m m3jax.generate`` runs), one engine per m
 (--ctx 4096, --prefill-chunk 2048, the dtype and attention path the CLI picks on this device): each
 mode's programs are compiled first (warmup with the prompt lengths), then each prompt is prefilled
 ``--repeat`` times and the median wall time to its logits is reported, with the tokens/s it implies.
+The table is printed and written to ``$OUT/prefill_buckets.md`` (``$OUT`` default benchmarks/out).
 
     PYTHONPATH=. python benchmarks/prefill_buckets.py [--lens 15,1500] [--repeat 5] [--chunk 2048]
 """
@@ -11,17 +12,19 @@ mode's programs are compiled first (warmup with the prompt lengths), then each p
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 import m3jax
-from benchmarks.run_info import header, run_info
 from m3jax.api import resolve_attention_impl
 from m3jax.engine import Engine, SamplingParams
 from m3jax.generate import DEFAULT_CHECKPOINT
+from run_info import header, run_info
 
 
 def main() -> None:
@@ -53,13 +56,16 @@ def main() -> None:
             med = statistics.median(times[1:])
             sizes = [size for *_, size in e._prefill_plan(n)]
             rows.append((buckets, n, sizes, med))
-    print(header(info))
-    print(f"m3-small, bf16, attention_impl={impl}, --ctx {args.ctx}, --prefill-chunk {args.chunk}, "
-          f"median of {args.repeat}\n")
-    print("| buckets | prompt tokens | chunk sizes run | prefill ms | tokens/s |")
-    print("|---|---|---|---|---|")
-    for buckets, n, sizes, med in rows:
-        print(f"| {'on' if buckets else 'off'} | {n} | {', '.join(map(str, sizes))} | {med * 1e3:.1f} | {n / med:.0f} |")
+    lines = [header(info), "",
+             f"m3-small, bf16, attention_impl={impl}, --ctx {args.ctx}, --prefill-chunk {args.chunk}, "
+             f"median of {args.repeat}", "",
+             "| buckets | prompt tokens | chunk sizes run | prefill ms | tokens/s |", "|---|---|---|---|---|"]
+    lines += [f"| {'on' if b else 'off'} | {n} | {', '.join(map(str, sizes))} | {med * 1e3:.1f} | {n / med:.0f} |"
+              for b, n, sizes, med in rows]
+    print("\n".join(lines))
+    out = Path(os.environ.get("OUT", "benchmarks/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_buckets.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
