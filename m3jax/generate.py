@@ -132,6 +132,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
+    ap.add_argument("--no-prefill-buckets", action="store_true",
+                    help="pad a prompt's last chunk to the whole --prefill-chunk (by default a last chunk that starts "
+                         "its own key window, as a one-chunk prompt's does, runs at the smallest MSA block size times a "
+                         "power of two that holds it: a short prompt prefills what it is)")
     ap.add_argument("--decode-steps-per-call", type=cli.positive_int, default=DECODE_STEPS_PER_CALL, metavar="N",
                     help="decode steps one compiled call runs (tokens stream N at a time; the host's per-call cost "
                          "is paid once per N tokens; 1 = a call per token)")
@@ -471,8 +475,8 @@ def _generate(args) -> dict:
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
     engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk, mesh=mesh,
-                    decode_steps_per_call=args.decode_steps_per_call)
-    compile_s = engine.warmup(len(ids), args.sampling)
+                    decode_steps_per_call=args.decode_steps_per_call, prefill_buckets=not args.no_prefill_buckets)
+    compile_s = engine.warmup(sampling=args.sampling, prompt_lens=[len(ids)])
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
 
