@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from m3jax.cache import LayerCache
 from m3jax.config import TextConfig
 from m3jax.msa.parallel import Local, local_window
+from m3jax.pallas import canaries, verdicts
 from m3jax.pallas.decode import decode_index_scores, query_positions, sparse_decode_attention
 from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
 from m3jax.pallas.sparse_attention import sparse_attention
@@ -51,9 +52,7 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
         block_size=cfg.index_block_size, dtype=dtype, implementation="kv_major")
     if reason:
         return reason
-    from m3jax import selfcheck  # a kernel that fails its canary on this GPU is not used
-
-    return selfcheck.kernel_failure(*selfcheck.MSA_PREFILL_KERNELS)
+    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS)  # a kernel failing its canary here is not used
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:
@@ -66,9 +65,8 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
         return f"index_head_dim {cfg.index_head_dim} must be a multiple of 64 (128-byte swizzled index-key pages)"
     if cfg.head_dim % 64 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
-    from m3jax import selfcheck  # failing decode kernels: decode runs the prefill kernels over the gathered cache
-
-    return selfcheck.kernel_failure(*selfcheck.MSA_DECODE_KERNELS)
+    # failing decode kernels: decode runs the prefill kernels over the gathered cache
+    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS)
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
