@@ -73,8 +73,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.msa.reference import lse_merge
-from m3jax.pallas import _backend  # on_gpu through the module: tests stand in for a GPU by patching it
-from m3jax.pallas._backend import HOPPER, Target, current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas import _backend  # on_gpu, current_target via the module: tests patch them
+from m3jax.pallas._backend import HOPPER, Target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import (
     LN2,
     LOG2E,
@@ -222,7 +222,7 @@ def _plan_rows(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig, target: 
     if reason:
         raise ValueError(reason)
     g = n // kh
-    return (target or current_target(), g, *_tile_rows(g, cfg), _n_parts(dtype))
+    return (target or _backend.current_target(), g, *_tile_rows(g, cfg), _n_parts(dtype))
 
 
 def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig,
