@@ -23,13 +23,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from m3jax import train
 from m3jax.api import M3Model
 from m3jax.config import M3Config, TextConfig
 from m3jax.layers import MXFP8Weight, rope_angles, rms_norm
-from m3jax.model import attention, decoder_layer, index_branch, lm_head, project_qkv, scatter_media
+from m3jax.model import attention, check_input_ids, decoder_layer, index_branch, lm_head, project_qkv, scatter_media
 from m3jax.moe import dense_mlp, linear, moe_sorted, route
 from m3jax.msa import layer as msa_layer, reference
 from m3jax.params import ParamSpec, param_specs
@@ -350,6 +351,35 @@ def apply(module: M3, input_ids, pixel_values=None, image_grid: Grid | None = No
 def _apply(graphdef, state, input_ids, pixel_values, image_grid, pixel_values_videos, video_grid):
     return nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(input_ids, pixel_values, image_grid,
                                                                     pixel_values_videos, video_grid)
+
+
+def generate(module: M3, input_ids, max_new_tokens: int) -> np.ndarray:
+    """Greedy continuation of ``input_ids`` (int [B, T]) through the module, replaced layers included:
+    int32 [B, max_new_tokens].
+
+    No cache: each step runs the whole forward over one [B, T + max_new_tokens] buffer (one compiled
+    program), which is exact because every part of the model is causal per token (attention and MSA
+    selection see positions up to the query's, the MoE routes each token alone), so the slots after a
+    position do not change its logits. For research on small models; the engine
+    (``m3jax.engine.Engine`` over ``to_model(module)``) serves the stock layers with its paged caches."""
+    ids = check_input_ids(input_ids, module.config.text)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: need at least 1")
+    b, t = ids.shape
+    buf = np.zeros((b, t + max_new_tokens), np.int32)
+    buf[:, :t] = ids
+    graphdef, state = nnx.split(module)
+    return np.asarray(_greedy(graphdef, state, jnp.asarray(buf), t))[:, t:]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "start"))
+def _greedy(graphdef, state, buf, start):
+    def step(pos, buf):
+        logits, _ = nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(buf)
+        nxt = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, pos - 1, axis=1, keepdims=False), axis=-1)
+        return jax.lax.dynamic_update_index_in_dim(buf, nxt.astype(buf.dtype), pos, axis=1)
+
+    return jax.lax.fori_loop(start, buf.shape[1], step, buf)
 
 
 def selections(intermediates: nnx.State) -> dict[int, jax.Array]:

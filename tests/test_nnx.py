@@ -165,6 +165,11 @@ def test_swapped_msa_changes_that_layer(model, ids, reference_out):
     # the other layers keep the stock modules, and the functional model (engine, probe) is unchanged
     assert [type(layer.attn) for layer in m.text.layers] == [mnnx.FullAttention, mnnx.MSA, Recent]
     assert all(a is b for a, b in zip(jax.tree.leaves(mnnx.to_model(m).params), jax.tree.leaves(model.params)))
+    # greedy generation runs through the swapped layer: each new token is the argmax of the module's
+    # logits one position before
+    new = mnnx.generate(m, ids[:, :T - 4], 4)
+    full = np.concatenate([np.asarray(ids[:, :T - 4]), new], axis=1)
+    assert np.array_equal(np.asarray(jnp.argmax(mnnx.apply(m, full)[0][:, T - 5:T - 1], -1)), new)
 
 
 def _ce(logits, ids):
