@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 import m3jax
 from m3jax import plots
 from m3jax.probe import probe, with_dense_layers
-from m3jax.train import stdlib_files
+from m3jax.data import stdlib_files
 
 model = m3jax.load_pretrained(CHECKPOINT, dtype="float32", progress=False)
 cfg = model.config.text
@@ -231,7 +231,7 @@ NOTEBOOKS_05 = {
         ("code", "from pathlib import Path\nimport numpy as np\nimport jax\nimport matplotlib.pyplot as plt\n"
                  "import optax\nfrom flax import nnx\nimport m3jax\nfrom m3jax import nnx as mnnx, plots\n"
                  "from m3jax.generate import DEFAULT_CHECKPOINT\nfrom m3jax.msa import layer as msa_layer, reference\n"
-                 "from m3jax.probe import LayerProbe, ProbeResult\nfrom m3jax.train import stdlib_files\n\n"
+                 "from m3jax.data import stdlib_files\nfrom m3jax.probe import LayerProbe, ProbeResult\n\n"
                  "CHECKPOINT = DEFAULT_CHECKPOINT  # any HF-layout M3 checkpoint\nSEQ_LEN = 1024\n"
                  "model = m3jax.load_pretrained(CHECKPOINT, dtype='float32', progress=False)\ncfg = model.config.text\n"
                  "if (Path(CHECKPOINT) / 'tokenizer.json').exists():\n"
