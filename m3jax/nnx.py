@@ -245,7 +245,8 @@ class TextDecoder(Group):
         if name != "layers":
             return super()._node(name, x, spec, path)
         _check_list(x, spec, path)
-        return nnx.List([DecoderLayer(xi, si, f"{path}[{i}]", self.config, i) for i, (xi, si) in enumerate(zip(x, spec))])
+        return nnx.List([DecoderLayer(xi, si, f"{path}[{i}]", self.config, i)
+                         for i, (xi, si) in enumerate(zip(x, spec))])
 
     def __call__(self, embeds: jax.Array, positions: jax.Array, cfg: M3Config, cache=None, page_table=None):
         """embeds [B, T, D] at positions [B, T] -> (fp32 logits [B, T, V], cache): the layer loop of
@@ -308,7 +309,7 @@ class M3(nnx.Module):
         for pixels, grid, token in ((pixel_values, image_grid, cfg.image_token_id),
                                     (pixel_values_videos, video_grid, cfg.video_token_id)):
             if pixels is not None:
-                params = {"vision": self.vision.tree(), "projector": self.projector.tree(), "merger": self.merger.tree()}
+                params = {name: getattr(self, name).tree() for name in ("vision", "projector", "merger")}
                 embeds = scatter_media(embeds, input_ids, token, encode_media(pixels, grid, params, cfg)[1])
         b, n = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
