@@ -165,7 +165,7 @@ class MSA(Group):
     def __call__(self, x, lp: dict, angles, q_pos, cfg: M3Config, layer: int):
         t = cfg.text
         q, k, v, iq, ik = project_qkv(x, lp, angles, t, True, cfg.moe_impl)
-        attend = reference.dense_mask_attention if cfg.attention_impl == "dense_mask" else reference.sparse_attention
+        attend = msa_layer.variant(cfg).attention or reference.sparse_attention  # the kernels': the reference maths
 
         def chunk_fn(qp, qc, iqc):
             sel = self.select(iqc, ik, qp, t, layer)

@@ -71,6 +71,8 @@ class Variant:
       cache in place, on one device and context parallel (None: the cache is gathered).
     - ``unsupported_reason(cfg: TextConfig, dtype)`` / ``decode_unsupported_reason(cfg)``: why the
       variant (its decode) cannot run a config (None: it can, or it runs everything).
+    - ``attention(q, k, v, block_ids, q_pos, block_size)``: the jnp attention over selected blocks a
+      chunked variant runs (None: not one), for code that brings its own selection.
     - ``whole_chunk``: the variant tiles a prefill chunk itself (no ``attention_chunk`` sub-chunks).
     - ``dense``: how the full-attention layers run a gathered prefill: ``"flash"`` (cuDNN on the GPU
       for 16-bit models, else key blocks), ``"blocked"`` (key blocks of jnp) or ``"dense_mask"``.
@@ -84,6 +86,7 @@ class Variant:
     local_dense_decode: Callable | None = None
     unsupported_reason: Callable | None = None
     decode_unsupported_reason: Callable | None = None
+    attention: Callable | None = None
     whole_chunk: bool = False
     dense: str = "blocked"
 
@@ -127,8 +130,10 @@ def _kernels_gathered(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
 
 
 VARIANTS: dict[str, Variant] = {
-    "reference": Variant(gathered=_chunked(reference.sparse_attention), local=_reference_local),
-    "dense_mask": Variant(gathered=_chunked(reference.dense_mask_attention), dense="dense_mask"),
+    "reference": Variant(gathered=_chunked(reference.sparse_attention), local=_reference_local,
+                         attention=reference.sparse_attention),
+    "dense_mask": Variant(gathered=_chunked(reference.dense_mask_attention), attention=reference.dense_mask_attention,
+                          dense="dense_mask"),
     "pallas": Variant(
         gathered=_kernels_gathered, local=lambda t, query_chunk: kernels.local_prefill(t),
         decode=kernels.decode, local_decode=kernels.local_decode,

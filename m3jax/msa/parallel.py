@@ -90,8 +90,8 @@ def head_split(kernel: Callable, q, k, v, iq, ik, q_pos, cfg, *, unsupported_rea
     when that axis divides it. Returns (o, block_idx int32 [B, K, T, topk]).
 
     No active mesh (and none given): ``kernel`` is called as is. When the per-device head counts do
-    not fit the kernel (:func:`head_split_reason` with ``unsupported_reason``), every device runs the whole kernel on all
-    heads (replicated, with a warning): correct, no memory or time saved.
+    not fit the kernel (:func:`head_split_reason` with ``unsupported_reason``), every device runs the
+    whole kernel on all heads (replicated, with a warning): correct, no memory or time saved.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or axis not in mesh.axis_names:
