@@ -68,6 +68,7 @@ def test_auto_takes_the_kernels_on_a_gpu_and_falls_back_with_one_warning(monkeyp
     monkeypatch.setattr(_backend, "on_gpu", lambda: False)
     assert msa_layer.resolve_attention_impl("auto", g8) == "reference"  # off the GPU: always the reference
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
+    monkeypatch.setattr(_backend, "current_target", lambda: _backend.HOPPER)  # this CPU is no GPU target
     assert msa_layer.resolve_attention_impl("auto", g8, "float32") == "pallas"
     monkeypatch.setattr(msa_layer, "_FALLBACK_WARNED", set())
     with pytest.warns(RuntimeWarning, match="multiple of 16"):
