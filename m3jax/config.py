@@ -18,6 +18,8 @@ import numbers
 from pathlib import Path
 from typing import Any, Literal
 
+from m3jax.atomic import open_regular
+
 AttentionImpl = Literal["auto", "reference", "dense_mask", "pallas"]
 ATTENTION_IMPLS = ("auto", "reference", "dense_mask", "pallas")
 # MoE grouped matmul: "auto" = the Mosaic GPU kernel on GPU for bf16 shapes it takes, else ragged_dot.
@@ -473,8 +475,10 @@ def config_from_hf(d: dict[str, Any], **overrides) -> M3Config:
 def read_json_object(path: Path) -> dict:
     """A checkpoint's JSON side file (tokenizer_config.json, the preprocessor configs) as a dict; ValueError
     naming the file when it is not JSON text or not a JSON object."""
+    with open_regular(path, "a JSON file") as f:
+        raw = f.read()
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
         raise ValueError(f"{path}: invalid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -490,8 +494,10 @@ def read_config_json(path: str | Path) -> tuple[Path, dict]:
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
+    with open_regular(path, "config.json") as f:
+        raw = f.read()
     try:
-        return path, json.loads(path.read_bytes())
+        return path, json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnsupportedConfigError(f"{path}: not a JSON file ({e})") from None
 
