@@ -64,6 +64,7 @@ import numpy as np
 
 import m3jax
 from m3jax import aot, cli, processing, sharding
+from m3jax.atomic import atomic_write
 from m3jax import plan as device_planner
 from m3jax.checkpoint import checkpoint_dtype
 from m3jax.config import describe_presets, load_config, preset
@@ -364,6 +365,11 @@ def persistent_compile_cache(path: Path | None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    inputs = {"--checkpoint": args.checkpoint or (None if args.config else DEFAULT_CHECKPOINT),
+              "--prompt-file": getattr(args.prompt, "path", None)}
+    inputs.update({f"--image {p}": p for p in args.image})
+    inputs.update({f"--video {p}": p for p in args.video})
+    cli.refuse_overwriting_inputs(args.output_json, "--output-json", inputs)
     try:  # read by the engine's warmup; a bad value is the user's, refused before anything loads
         aot.compile_threads()
     except ValueError as e:
@@ -378,7 +384,7 @@ def main(argv=None) -> dict:
               f"and written; exported programs: {aot_stats['hits']} read, {aot_stats['misses']} written, "
               f"{aot_stats['uncached']} not cacheable", file=sys.stderr)
     if args.output_json:
-        args.output_json.write_text(json.dumps(report, indent=2))
+        atomic_write(args.output_json, json.dumps(report, indent=2))
     return report
 
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from m3jax.atomic import atomic_write
 from m3jax.pallas import _backend
 from m3jax.pallas.tolerances import TOL
 
@@ -324,7 +325,25 @@ def _load() -> dict:
         data = json.loads(cache_path().read_text())
     except (OSError, ValueError):  # absent or unreadable: every canary runs again
         return {}
-    return data.get("verdicts", {}) if isinstance(data, dict) else {}
+    verdicts = data.get("verdicts") if isinstance(data, dict) else None
+    if not isinstance(verdicts, dict):  # malformed: the canaries run again and the file is rebuilt
+        warnings.warn(f"m3jax self-check: {cache_path()} is not a verdict cache (no \"verdicts\" object); "
+                      "ignoring it, it is rebuilt", RuntimeWarning, stacklevel=3)
+        return {}
+    return verdicts
+
+
+def _verdict(key: str, entry) -> Verdict | None:
+    """The cached verdict of ``entry``, or None (with a warning) when it is malformed: rerun then."""
+    fields = {f.name for f in dataclasses.fields(Verdict)}
+    try:
+        if not isinstance(entry, dict) or not isinstance(entry.get("passed"), bool):
+            raise TypeError("no boolean 'passed'")
+        return Verdict(**{k: v for k, v in entry.items() if k in fields and k != "cached"}, cached=True)
+    except TypeError as e:
+        warnings.warn(f"m3jax self-check: ignoring the malformed cached verdict of {key.split('|')[0]} in "
+                      f"{cache_path()} ({e}); its canary runs again", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _save(key: str, verdict: Verdict) -> None:
@@ -374,10 +393,10 @@ def check(name: str, *, force: bool = False, dev: dict | None = None) -> Verdict
         if key in _MEMO:
             return _MEMO[key]
         entry = _load().get(key)
-        if entry is not None:
-            fields = {f.name for f in dataclasses.fields(Verdict)}
-            _MEMO[key] = Verdict(**{k: v for k, v in entry.items() if k in fields}, cached=True)
-            return _MEMO[key]
+        cached = None if entry is None else _verdict(key, entry)
+        if cached is not None:
+            _MEMO[key] = cached
+            return cached
     verdict = run_canary(canary, dev)
     _MEMO[key] = verdict
     _save(key, verdict)
@@ -446,7 +465,7 @@ def main(argv=None) -> int:
     if args.json:
         out = {"device": dev["device"], "jax": jax.__version__,
                "verdicts": [dataclasses.asdict(v) for v in verdicts]}
-        args.json.write_text(json.dumps(out, indent=1))
+        atomic_write(args.json, json.dumps(out, indent=1))
     return 0 if all(v.passed for v in verdicts) else 1
 
 
