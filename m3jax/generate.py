@@ -148,6 +148,12 @@ def parse_args(argv=None):
     ap.add_argument("--allow-beyond-max-position", action="store_true",
                     help="run past the config's max_position_embeddings (RoPE extrapolation: quality unknown)")
     ap.add_argument("--quiet", action="store_true", help="no streaming text, no progress bars")
+    ap.add_argument("--byte-tokenizer", action="store_true",
+                    help="run a checkpoint whose tokenizer files lack tokenizer.json on byte-level ids (refused "
+                         "otherwise: its text would be garbage)")
+    ap.add_argument("--allow-nonfinite-weights", action="store_true",
+                    help="load a checkpoint holding NaN or infinite weights (refused otherwise, naming them), "
+                         "to study a broken model")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not use JAX's persistent compilation cache nor the exported-program cache in its aot/ "
                          "folder (default: both on, in $M3JAX_CACHE_DIR or ~/.cache/m3jax/jax_cache)")
@@ -408,7 +414,7 @@ def _generate(args) -> dict:
     mesh = sharding.make_mesh(len(devices), data=data, devices=devices) if len(devices) > 1 else None
 
     try:
-        tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size)
+        tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size, args.byte_tokenizer)
     except ValueError as e:  # a tokenizer file that does not load (named), or none and a vocabulary too small for bytes
         raise SystemExit(f"cannot load a tokenizer for {args.checkpoint or args.config}: {e}") from None
     media = _prepare_media(args, cfg, tok) if (args.image or args.video) else None
@@ -447,7 +453,8 @@ def _generate(args) -> dict:
     if args.checkpoint:
         # With a mesh each device reads only its shard of the files (a progress bar per file).
         model = m3jax.load_pretrained(args.checkpoint, dtype=dtype, attention_impl=cfg.attention_impl,
-                                      progress=not args.quiet, mesh=mesh, weights=args.weights)
+                                      progress=not args.quiet, mesh=mesh, weights=args.weights,
+                                      allow_nonfinite=args.allow_nonfinite_weights)
         model = m3jax.M3Model(cfg, model.params, mesh)
     elif memory_plan["weights_bytes"] * len(devices) > GiB or args.weights == "mxfp8":
         # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the devices, each

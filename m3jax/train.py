@@ -70,6 +70,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import io
 import json
 import os
 import re
@@ -77,6 +78,7 @@ import shutil
 import sys
 import sysconfig
 import time
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from m3jax import cli
+from m3jax import atomic, cli
 from m3jax.config import M3Config, load_config, preset
 from m3jax.model import index_branch, lm_head, project_qkv, text_hidden
 from m3jax.msa import layer as msa_layer, reference as msa
@@ -655,7 +657,7 @@ CSV_FIELDS = ("step", "mode", "loss", "lm", "kl", "grad_norm", "seconds", "eval_
               "eval_answer_ce")
 # Everything a run writes under --out (--overwrite removes exactly these).
 RUN_FILES = ("ckpt", "model", "tokenizer.json", "data.npz", "time_budget_steps.json", "train_log.csv",
-             "loss_curve.png", "summary.json")
+             "loss_curve.png", "summary.json", "run_args.json")
 
 
 def prepare_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
@@ -724,8 +726,11 @@ def _prepare_data(args, cfg: M3Config, out: Path):
     cache = out / "data.npz"
     if tok_path.exists() and cache.exists():
         tok = Tokenizer.from_file(str(tok_path))
-        d = np.load(cache)
-        return tok, d["train"], d["heldout"]
+        try:
+            with np.load(cache) as d:
+                return tok, d["train"], d["heldout"]
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:  # truncated or not ours
+            print(f"warning: {cache} is damaged ({type(e).__name__}: {e}); rebuilding it", file=sys.stderr, flush=True)
     t0 = time.time()
     train_texts = _read_texts(train_files, budget)
     held_texts = _read_texts(held_files, budget // 20 if budget else None)
@@ -733,13 +738,15 @@ def _prepare_data(args, cfg: M3Config, out: Path):
         tok = Tokenizer.from_file(str(tok_path))
     elif args.tokenizer_from:
         tok = Tokenizer.from_file(str(Path(args.tokenizer_from) / "tokenizer.json"))
-        tok.save(str(tok_path))
+        atomic.atomic_write(tok_path, tok.to_str())
     else:
         tok = train_tokenizer(train_texts, cfg, args.tokenizer_mb)
-        tok.save(str(tok_path))
+        atomic.atomic_write(tok_path, tok.to_str())
     eos = cfg.text.eos_token_id if isinstance(cfg.text.eos_token_id, int) else cfg.text.eos_token_id[0]
     train, held = encode_corpus(tok, train_texts, eos), encode_corpus(tok, held_texts, eos)
-    np.savez(cache, train=train, heldout=held)
+    buf = io.BytesIO()
+    np.savez(buf, train=train, heldout=held)
+    atomic.atomic_write(cache, buf.getvalue())
     print(f"data: {len(train_texts)} train / {len(held_texts)} held-out files -> {len(train)} / {len(held)} tokens "
           f"(vocab {tok.get_vocab_size()}, {time.time() - t0:.1f}s)", flush=True)
     return tok, train, held
@@ -765,11 +772,87 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
     return max(steps, 10)
 
 
-def _write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-         "model_max_length": cfg.text.max_position_embeddings}, indent=1))
+def tokenizer_files(tok, cfg: M3Config) -> dict[str, str]:
+    """{file name: contents} of the tokenizer saved with the model."""
+    return {"tokenizer.json": tok.to_str(),
+            "tokenizer_config.json": json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                 "pad_token": "<pad>", "model_max_length": cfg.text.max_position_embeddings}, indent=1)}
+
+
+def refuse_out_over_inputs(args) -> None:
+    """--out must not be, hold or lie inside an input of the run: --overwrite would remove a
+    checkpoint's tokenizer.json, and the model save would replace its weights."""
+    out = args.out.absolute().resolve()
+    for flag in ("--init-from", "--tokenizer-from", "--config"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None or not Path(value).exists():
+            continue  # a preset name
+        p = Path(value).absolute().resolve()
+        p = p.parent if p.is_file() else p
+        if out == p or out.is_relative_to(p) or p.is_relative_to(out):
+            raise cli.UsageError(f"--out {args.out} overlaps {flag} {value}, an input of this run; choose another --out")
+
+
+# Arguments a resumed run may change (they do not alter what it computes up to its last step);
+# any other difference to the recorded run_args.json is refused, naming the argument.
+RESUME_MAY_CHANGE = ("steps", "ckpt_every", "eval_every", "eval_batches", "stop_after", "time_budget", "save_format")
+_NOT_RECORDED = RESUME_MAY_CHANGE + ("resume", "overwrite", "out", "debug")
+
+
+def check_run_args(out: Path, args) -> None:
+    """Record the run's arguments in ``out/run_args.json`` (a new run), or compare them on --resume."""
+    path = out / "run_args.json"
+    now = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
+           if k not in _NOT_RECORDED}
+    if args.resume and path.exists():
+        try:
+            recorded = json.loads(path.read_text())
+        except ValueError as e:
+            raise cli.UsageError(f"--resume: {path} is not JSON ({e}); it records the run's arguments") from None
+        changed = [k for k in sorted(set(now) | set(recorded)) if now.get(k) != recorded.get(k)]
+        if changed:
+            diffs = ", ".join(f"--{k.replace('_', '-')} {now.get(k)!r} (the run used {recorded.get(k)!r})"
+                              for k in changed)
+            raise cli.UsageError(
+                f"--resume: {diffs} differ from the run in {out}; a resumed run must be the same run (only "
+                f"{', '.join('--' + a.replace('_', '-') for a in RESUME_MAY_CHANGE)} may change): start a new --out "
+                "instead")
+        return
+    atomic.atomic_write(path, json.dumps(now, indent=1))
+
+
+def stop_if_diverged(metrics: dict, step: int, mngr) -> None:
+    """End the run at a non-finite loss or gradient: one line naming the step; nothing is saved (the
+    last good orbax step stays the newest) and the exit status is 2."""
+    if np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]):
+        return
+    kept = mngr.latest_step()
+    raise SystemExit(
+        f"step {step}: loss {metrics['loss']} / gradient norm {metrics['grad_norm']}: the run diverged; stopped "
+        f"without saving (the last good checkpoint, {'step ' + str(kept) if kept is not None else 'none'}, "
+        f"is kept in {mngr.directory})")
+
+
+def restore_intact_state(mngr, like: TrainState) -> TrainState:
+    """Restore the newest orbax step that restores and holds only finite values; a damaged newer step
+    is skipped with a warning naming it. None intact: the run is refused."""
+    steps = sorted(mngr.all_steps(), reverse=True)
+    for step in steps:
+        try:
+            state = restore_state(mngr, like, step)
+        except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many kinds for a damaged step)
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        else:
+            finite = all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(_state_tree(state))
+                         if jnp.issubdtype(x.dtype, jnp.floating))
+            if finite:
+                return state
+            why = "it holds NaN or infinite values"
+        print(f"warning: --resume: checkpoint step {step} in {mngr.directory} is damaged ({why}); trying an older "
+              "step", file=sys.stderr, flush=True)
+    raise cli.UsageError(f"--resume: no intact checkpoint in {mngr.directory} (steps {steps} all damaged); "
+                         "start a new run")
 
 
 def main(argv=None) -> int:
@@ -848,7 +931,16 @@ def main(argv=None) -> int:
     if args.tokenizer_from:
         _check_tokenizer_from(Path(args.tokenizer_from), cfg)
     out = args.out
+    refuse_out_over_inputs(args)
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    with atomic.folder_lock(out, "a second training run"):  # two runs on one --out would corrupt its files
+        return _run(args, cfg, out)
+
+
+def _run(args, cfg: M3Config, out: Path) -> int:
+    """The run, under the lock on ``out``."""
     prepare_out_dir(out, args.resume, args.overwrite)
+    check_run_args(out, args)
     mngr = checkpoint_manager(out / "ckpt")
     resuming = args.resume and mngr.latest_step() is not None
     if args.resume and not resuming:
@@ -890,7 +982,7 @@ def main(argv=None) -> int:
             args.steps = _steps_for_budget(cfg, params, args, batch_for, mesh)
             if args.dense_warmup_frac:
                 args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
-            chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
+            atomic.atomic_write(chosen, json.dumps([args.steps, args.dense_warmup_steps]))
         print(f"time budget {args.time_budget:.0f}s -> --steps {args.steps} --dense-warmup-steps {args.dense_warmup_steps}",
               flush=True)
     phases = [("dense_warmup", args.dense_warmup_steps), (args.mode, args.steps - args.dense_warmup_steps)]
@@ -902,7 +994,7 @@ def main(argv=None) -> int:
     csv_path = out / "train_log.csv"
     rows: list[dict] = []
     if resuming:
-        state = restore_state(mngr, state)
+        state = restore_intact_state(mngr, state)
         if csv_path.exists():
             rows = [r for r in csv.DictReader(open(csv_path)) if int(r["step"]) <= int(state.step)]
         print(f"resumed at step {int(state.step)}", flush=True)
@@ -952,6 +1044,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         state, m = steps[mode](state, batch_for(s, mode))
         m = jax.device_get(m)
+        stop_if_diverged(m, s + 1, mngr)
         row = {"step": s + 1, "mode": mode, "loss": f"{m['loss']:.5f}", "lm": f"{m['lm']:.5f}", "kl": f"{m['kl']:.5f}",
                "grad_norm": f"{m['grad_norm']:.4f}", "seconds": f"{time.time() - t0:.3f}"}
         done = int(state.step)
@@ -973,10 +1066,10 @@ def main(argv=None) -> int:
     final = out / "model"
     fmt = args.save_format
     # prepare_out_dir guarded --out; a --resume of a run that saved its model already saves it again.
+    # The tokenizer goes in the same atomic save: a model folder never lacks the tokenizer it was trained with.
     save_pretrained(M3Model(cfg.replace(attention_impl="auto"), params), final,
                     dtype="bfloat16" if fmt == "mxfp8" else fmt, quantize_mxfp8_weights=fmt == "mxfp8",
-                    overwrite=True)
-    _write_tokenizer_files(tok, cfg, final)
+                    overwrite=True, extra_files=tokenizer_files(tok, cfg))
     summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
                "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
                "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
@@ -991,7 +1084,7 @@ def main(argv=None) -> int:
     if args.data == "retrieval":
         summary.update(heldout_answer_ce=ans, kv_per_1k=args.kv_per_1k, task_share=args.task_share,
                        dense_warmup_seq_len=args.dense_warmup_seq_len, dense_warmup_batch=args.dense_warmup_batch)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic.atomic_write(out / "summary.json", json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
     return 0
 

@@ -381,3 +381,87 @@ def test_malformed_selfcheck_cache_is_ignored_and_rebuilt(tmp_path, monkeypatch)
             entries = selfcheck._load()
             assert isinstance(entries, dict)
             assert all(selfcheck._verdict(k, v) is None for k, v in entries.items())
+
+
+# --------------------------------------------------------------------------------------------------
+# train: one run per --out, a resumed run is the same run, damaged steps skipped, divergence stops
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at_data(monkeypatch):
+    from m3jax import train as tr
+
+    def stop(*a, **k):
+        raise _Stop
+    monkeypatch.setattr(tr, "_prepare_data", stop)
+
+
+def test_train_second_run_on_one_out_is_refused(tmp_path, monkeypatch):
+    from m3jax import train as tr
+
+    _stop_at_data(monkeypatch)
+    out = tmp_path / "run"
+    with atomic.folder_lock(out):  # a first run holds --out
+        with pytest.raises(atomic.FolderBusyError, match="training run"):
+            tr.main(["--out", str(out), "--resume"])
+
+
+def test_train_resume_refuses_changed_arguments(tmp_path, monkeypatch):
+    from m3jax import train as tr
+
+    _stop_at_data(monkeypatch)
+    out = tmp_path / "run"
+    with pytest.raises(_Stop):
+        tr.main(["--out", str(out), "--seed", "3", "--data-mb", "1"])
+    for flag, value in (("--seed", "4"), ("--data-mb", "2"), ("--lr", "0.1"), ("--seq-len", "64")):
+        argv = ["--out", str(out), "--resume", "--seed", "3", "--data-mb", "1"]
+        with pytest.raises(cli.UsageError, match=f"--resume: .*{flag} \\S+ \\(the run used"):
+            tr.main(argv + [flag, value])
+    with pytest.raises(_Stop):  # --steps may change
+        tr.main(["--out", str(out), "--resume", "--seed", "3", "--data-mb", "1", "--steps", "7"])
+
+
+def test_train_out_over_an_input_is_refused(tmp_path, models):
+    from m3jax import train as tr
+
+    ckpt = tmp_path / "ckpt"
+    m3jax.save_pretrained(models[0], ckpt)
+    for out in (ckpt, ckpt / "run", tmp_path):
+        with pytest.raises(cli.UsageError, match="overlaps --init-from"):
+            tr.main(["--out", str(out), "--init-from", str(ckpt), "--overwrite"])
+
+
+def test_train_divergence_stops_naming_the_step(tmp_path):
+    from m3jax import train as tr
+
+    mngr = tr.checkpoint_manager(tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match="step 7: loss nan.*diverged.*last good checkpoint, none"):
+        tr.stop_if_diverged({"loss": np.float32("nan"), "grad_norm": np.float32(1.0)}, 7, mngr)
+    tr.stop_if_diverged({"loss": np.float32(2.0), "grad_norm": np.float32(1.0)}, 8, mngr)
+
+
+def test_resume_skips_a_damaged_orbax_step(tmp_path, capsys):
+    from m3jax import train as tr
+
+    cfg = tiny_config(num_hidden_layers=1, layer_types=("full_attention",), mlp_layer_types=("dense",))
+    tx = tr.make_optimizer("sparse", steps=4, lr=1e-2, warmup=1)
+    mngr = tr.checkpoint_manager(tmp_path / "ckpt")
+    good = tr.init_state(tr.init_train_params(cfg, seed=0), tx)
+    tr.save_state(mngr, tr.TrainState(good.params, good.opt_state, jnp.asarray(1, good.step.dtype)))
+    bad_params = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), good.params)
+    tr.save_state(mngr, tr.TrainState(bad_params, good.opt_state, jnp.asarray(2, good.step.dtype)))
+    like = tr.init_state(tr.init_train_params(cfg, seed=1), tx)
+    restored = tr.restore_intact_state(tr.checkpoint_manager(tmp_path / "ckpt"), like)
+    assert int(restored.step) == 1
+    assert "checkpoint step 2" in capsys.readouterr().err
+    # Bytes of the intact step flipped as well: nothing intact is left, the run is refused.
+    for f in (tmp_path / "ckpt" / "1").rglob("*"):
+        if f.is_file() and f.stat().st_size > 64 and "manifest" not in f.name:
+            data = bytearray(f.read_bytes())
+            data[16:48] = bytes(32)
+            f.write_bytes(bytes(data))
+    with pytest.raises(cli.UsageError, match="no intact checkpoint"):
+        tr.restore_intact_state(tr.checkpoint_manager(tmp_path / "ckpt"), like)
