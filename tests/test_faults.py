@@ -392,11 +392,11 @@ class _Stop(Exception):
 
 
 def _stop_at_data(monkeypatch):
-    from m3jax import train as tr
+    from m3jax import data
 
     def stop(*a, **k):
         raise _Stop
-    monkeypatch.setattr(tr, "_prepare_data", stop)
+    monkeypatch.setattr(data, "prepare_corpus", stop)
 
 
 def test_train_second_run_on_one_out_is_refused(tmp_path, monkeypatch):
