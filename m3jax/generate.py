@@ -117,7 +117,8 @@ def parse_args(argv=None):
                          f"{processing.VIDEO_MIN_FRAMES}-{processing.VIDEO_MAX_FRAMES} frames)")
     ap.add_argument("--fill", action="store_true", help="prepend a synthetic haystack up to the context")
     ap.add_argument("--max-new-tokens", type=cli.nonnegative_int, default=32, help="0 = prefill only")
-    ap.add_argument("--temperature", type=float, default=1.0, help=">= 0; 0 = greedy")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help=">= 0; 0 = greedy (so is one so small that logits / T overflows: the T -> 0 limit)")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = no cut")
     ap.add_argument("--top-k", type=int, default=40,
                     help=">= 1: sample among the k most likely tokens (k >= the vocabulary size: all of them)")
