@@ -164,6 +164,9 @@ def _grid(grid_thw, what: str) -> tuple[tuple[int, int, int], ...]:
     g = np.asarray(grid_thw)
     if g.ndim != 2 or g.shape[1] != 3:
         raise ValueError(f"{what} must be [n, 3] (t, h, w), got shape {g.shape}")
+    # A fractional grid would be truncated silently by int(): refuse values that are not whole numbers.
+    if not (np.issubdtype(g.dtype, np.integer) or (np.issubdtype(g.dtype, np.floating) and np.all(g == np.round(g)))):
+        raise ValueError(f"{what} must hold integers (patches per axis), got {g.tolist()}")
     return tuple(tuple(int(v) for v in row) for row in g)
 
 
@@ -179,6 +182,10 @@ def _media(model, input_ids, pixels, grid_thw, token_id, kind):
     if grid_thw is None:
         raise ValueError(f"{kind} pixels given without their grid_thw")
     grid = _grid(grid_thw, f"{kind}_grid_thw")
+    dtype = np.asarray(pixels).dtype if not hasattr(pixels, "dtype") else pixels.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        # uint8 pixels would skip the processor's rescale and normalisation: the tower would see 0..255.
+        raise ValueError(f"{kind} pixel_values must be floats (the processor's normalised patches), got {dtype}")
     check_grid(tuple(np.shape(pixels)), grid, model.config.vision, kind)
     merge = model.config.vision.spatial_merge_size ** 2
     n_tokens = sum(t * h * w for t, h, w in grid) // merge

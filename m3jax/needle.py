@@ -245,7 +245,10 @@ def main(argv=None) -> dict:
         if unknown:
             raise cli.UsageError(f"--config-override: {unknown} are not text-config fields "
                                  f"(short names: {', '.join(OVERRIDE_ALIASES)})")
-        cfg = cfg.replace_text(**args.config_override)
+        try:
+            cfg = cfg.replace_text(**args.config_override)
+        except (TypeError, ValueError) as e:  # a value of the wrong type (rope_theta=abc) fails in the config's checks
+            raise cli.UsageError(f"--config-override {args.config_override}: {e}") from None
     if args.dense:
         cfg = with_dense_layers(cfg, [i for i in range(cfg.text.num_hidden_layers) if cfg.text.is_sparse_attention(i)])
     model = m3jax.M3Model(cfg, model.params, model.mesh)

@@ -465,3 +465,22 @@ def test_resume_skips_a_damaged_orbax_step(tmp_path, capsys):
             f.write_bytes(bytes(data))
     with pytest.raises(cli.UsageError, match="no intact checkpoint"):
         tr.restore_intact_state(tr.checkpoint_manager(tmp_path / "ckpt"), like)
+
+
+def test_media_inputs_must_be_float_pixels_and_integer_grids():
+    model = m3jax.init_random(tiny_config(vision=True), seed=0)
+    ids = np.array([[1, model.config.image_token_id, 2]])
+    patch = model.config.vision.patch_dim
+    with pytest.raises(ValueError, match="pixel_values must be floats"):
+        m3jax.forward(model, ids, pixel_values=np.zeros((4, patch), np.uint8), image_grid_thw=[[1, 2, 2]])
+    with pytest.raises(ValueError, match="must hold integers"):
+        m3jax.forward(model, ids, pixel_values=np.zeros((4, patch), np.float32), image_grid_thw=[[1, 2.5, 2]])
+
+
+def test_negative_seed_and_bad_dense_layers_are_handled():
+    from m3jax.probe import with_dense_layers
+
+    cfg = tiny_config()
+    m3jax.init_random(cfg, seed=-1)  # --seed takes signed 64-bit values
+    with pytest.raises(ValueError, match="layer 99"):
+        with_dense_layers(cfg, [99])
