@@ -66,10 +66,14 @@ def flat(params) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(params)]
 
 
+REFUSALS: dict[str, int] = {}  # error class -> count, over every refused load
+
+
 def classify(folder: Path, refs: list[list[np.ndarray]]) -> str:
     try:
         got = flat(m3jax.load_pretrained(folder, dtype="float32", progress=False).params)
-    except Exception:  # noqa: BLE001  (any clear refusal counts as refused)
+    except Exception as e:  # noqa: BLE001  (any clear refusal counts as refused)
+        REFUSALS[type(e).__name__] = REFUSALS.get(type(e).__name__, 0) + 1
         return "refused"
     for name, ref in zip(("old", "new"), refs):
         if all(np.array_equal(a, b) for a, b in zip(got, ref)):
@@ -158,6 +162,8 @@ def main() -> None:
             print(layout, "racing loads:", results[f"race_{layout}"], flush=True)
             results[f"concurrent_{layout}"] = concurrent_saves(tmp, template, refs, shard, max(args.tries // 2, 1))
             print(layout, "two saves at once:", results[f"concurrent_{layout}"], flush=True)
+    results["refusals_by_error"] = REFUSALS
+    print("refused loads by error:", REFUSALS, flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -173,6 +173,27 @@ def test_crash_at_every_write_point_leaves_old_or_new(models, tmp_path, monkeypa
     assert [p.name for p in tmp_path.iterdir() if ".staging-" in p.name] == []
 
 
+def test_full_disk_during_save_leaves_the_old_checkpoint(models, tmp_path, monkeypatch):
+    import m3jax.checkpoint as ck
+
+    folder = tmp_path / "ckpt"
+    m3jax.save_pretrained(models[0], folder, max_shard_bytes=20_000)
+    calls = {"n": 0}
+    real = ck.write_safetensors
+
+    def full_after_two(path, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(ck, "write_safetensors", full_after_two)
+    with pytest.raises(OSError, match="No space left"):
+        m3jax.save_pretrained(models[1], folder, max_shard_bytes=20_000, overwrite=True)
+    assert which(load(folder), models) == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.lock", "ckpt"]  # the staging folder is gone
+
+
 def test_concurrent_save_is_refused_and_folder_stays_whole(models, tmp_path):
     old, new = models
     folder = tmp_path / "ckpt"
