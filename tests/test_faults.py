@@ -9,7 +9,6 @@ exactly and costs no subprocess per try; the kill -9 loop itself is in scripts/f
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import sys
@@ -389,19 +388,6 @@ def test_broken_pipe_exits_quietly():
     p = subprocess.run(["bash", "-c", f"{sys.executable} -c \"{code}\" | head -1; echo rc=${{PIPESTATUS[0]}}"],
                        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.stdout == "line 0\nrc=141\n" and p.stderr == ""
-
-
-def test_malformed_selfcheck_cache_is_ignored_and_rebuilt(tmp_path, monkeypatch):
-    from m3jax import selfcheck
-
-    monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
-    for bad in ([1, 2], {"verdicts": [1]}, {"verdicts": {"x": 3}}):
-        (tmp_path / "selfcheck.json").write_text(json.dumps(bad))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            entries = selfcheck._load()
-            assert isinstance(entries, dict)
-            assert all(selfcheck._verdict(k, v) is None for k, v in entries.items())
 
 
 # --------------------------------------------------------------------------------------------------
