@@ -320,10 +320,13 @@ def test_unknown_config_key_warns_with_nearest():
         config_from_hf(config_to_hf(tiny_config()))  # a clean config warns about nothing
 
 
-def test_engine_refuses_a_second_thread(models):
+def test_engine_refuses_a_second_thread():
     from m3jax.engine import Engine
 
-    eng = Engine(models[0].params, models[0].config, batch=1, capacity=32, prefill_chunk=16)
+    # The guard and the argument checks run before the engine touches its model or cache: a bare
+    # instance (no compiled programs) is enough.
+    eng = Engine.__new__(Engine)
+    eng.mesh, eng._busy = None, threading.RLock()
     with eng._busy:  # a generation in progress on this thread
         errors = []
 
