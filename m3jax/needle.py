@@ -36,6 +36,7 @@ import numpy as np
 
 import m3jax
 from m3jax import cli
+from m3jax.atomic import atomic_write
 from m3jax.data import KEY_RANGE, draw_keys, kv_line, plant, stdlib_files, text_encoder
 from m3jax.probe import with_dense_layers
 
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    cli.refuse_overwriting_inputs(args.output_json, "--output-json", {"--checkpoint": args.checkpoint})
     if not (args.checkpoint / "config.json").exists():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json there")
 
@@ -239,7 +241,10 @@ def main(argv=None) -> dict:
         if unknown:
             raise cli.UsageError(f"--config-override: {unknown} are not text-config fields "
                                  f"(short names: {', '.join(OVERRIDE_ALIASES)})")
-        cfg = cfg.replace_text(**args.config_override)
+        try:
+            cfg = cfg.replace_text(**args.config_override)
+        except (TypeError, ValueError) as e:  # a value of the wrong type (rope_theta=abc) fails in the config's checks
+            raise cli.UsageError(f"--config-override {args.config_override}: {e}") from None
     if args.dense:
         cfg = with_dense_layers(cfg, [i for i in range(cfg.text.num_hidden_layers) if cfg.text.is_sparse_attention(i)])
     model = m3jax.M3Model(cfg, model.params, model.mesh)
@@ -266,7 +271,7 @@ def main(argv=None) -> dict:
         print("  needle block selected per MSA layer: "
               + ", ".join(f"{k}: {v:.2f}" for k, v in res["needle_block_selected"].items()))
     if args.output_json:
-        args.output_json.write_text(json.dumps(res, indent=1))
+        atomic_write(args.output_json, json.dumps(res, indent=1))
     return res
 
 
