@@ -5,9 +5,9 @@
     python -m m3jax.needle --ctx 16384 --dense            # every MSA layer dense: the retrieval ceiling
 
 A trial is one row of ``--ctx`` tokens: a window of held-out standard-library source (the files
-``m3jax.train.stdlib_files`` holds out, never trained on) with the line ``\\nKEY <k> = <v>\\n``
+``m3jax.data.stdlib_files`` holds out, never trained on) with the line ``\\nKEY <k> = <v>\\n``
 planted at a depth (share of the row before it) and the row ending in ``\\nKEY <k> = <v>``: the
-format of ``m3jax.train``'s ``--data retrieval`` (same :func:`m3jax.train.kv_line`). The seed
+format of ``m3jax.train``'s ``--data retrieval`` (same :func:`m3jax.data.kv_line`). The seed
 decides the keys, values, haystack windows and (without ``--depths``) the depths.
 
 A trial is correct when greedy decoding reproduces the value. That is checked in one forward pass
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from m3jax import cli
+from m3jax.data import KEY_RANGE, draw_keys, kv_line, plant, stdlib_files, text_encoder
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "assets" / "m3-small"
 
@@ -42,10 +43,8 @@ DEFAULT_CHECKPOINT = Path(__file__).parent / "assets" / "m3-small"
 
 
 def heldout_stream(encode, n_tokens: int, eos_id: int) -> np.ndarray:
-    """Held-out stdlib files (:func:`m3jax.train.stdlib_files`), longest first, encoded and joined with
+    """Held-out stdlib files (:func:`m3jax.data.stdlib_files`), longest first, encoded and joined with
     </s> until ``n_tokens`` are there (the stream repeats when the held-out set is shorter)."""
-    from m3jax.train import stdlib_files
-
     _, held, _ = stdlib_files()
     parts, total = [], 0
     for f in sorted(held, key=lambda f: (-f.stat().st_size, f.as_posix())):
@@ -75,9 +74,7 @@ class NeedleRow:
 
 def needle_row(stream: np.ndarray, ctx: int, depth: float, rng, encode) -> NeedleRow:
     """Plant ``\\nKEY k = v\\n`` at ``depth`` of a random window of ``stream`` and end the row with
-    ``\\nKEY k = v`` (k a random key of :func:`m3jax.train.draw_keys`, v a random 5-digit number)."""
-    from m3jax.train import KEY_RANGE, draw_keys, kv_line, plant
-
+    ``\\nKEY k = v`` (k a random key of :func:`m3jax.data.draw_keys`, v a random 5-digit number)."""
     key, secret = draw_keys(rng, encode, 1)[0], int(rng.integers(*KEY_RANGE))
     prefix, value, close = kv_line(encode, key, secret)
     line, query = np.concatenate([prefix, value, close]), np.concatenate([prefix, value])
@@ -105,8 +102,6 @@ def multi_needle_row(stream: np.ndarray, ctx: int, depths, rng, encode) -> Multi
     """One row holding a ``\\nKEY k = v\\n`` line per depth (distinct keys) in a random window of
     ``stream``, ending with the queries ``\\nKEY k = v`` of all of them in the needles' order: one long
     forward pass checks retrieval from several distances (the long-context probe's row)."""
-    from m3jax.train import KEY_RANGE, draw_keys, kv_line, plant
-
     keys = draw_keys(rng, encode, len(depths))
     secrets = [int(x) for x in rng.integers(*KEY_RANGE, len(depths))]
     parts = [kv_line(encode, k, v) for k, v in zip(keys, secrets)]
@@ -215,7 +210,6 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     import m3jax
     from m3jax.probe import with_dense_layers
-    from m3jax.train import text_encoder
 
     if not (args.checkpoint / "config.json").exists():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json there")

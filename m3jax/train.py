@@ -4,43 +4,16 @@ Objective (per step)::
 
     loss = CE(next token)  +  kl_weight * mean over MSA layers of KL_indexer
 
-**Indexer KL** (one MSA layer; per query t and KV group g). The target is the main branch's own
-attention, computed from ``stop_gradient``'d q/k: the causal softmax of every query head of the
-group, summed per key block, averaged over the group's heads, restricted to the support and
-renormalised. The prediction is a softmax over the support of the index branch's max-pooled block
-scores scaled by ``1/sqrt(index_head_dim)`` (the selection is scale-free, so the scale is only the
-temperature of the KL; 1/sqrt(Hx) puts the scores on the same footing as attention logits). The row
-value is KL(target || prediction); rows are averaged over (batch, group, query) among the rows whose
-support has at least two blocks (a one-block support has KL = 0 by construction).
+The indexer KL (its target, support and gradient paths) is :mod:`m3jax.indexer_objective`; the
+text, tokenizer and retrieval tasks are :mod:`m3jax.data`. This module holds the optimizer (one AdamW
+per parameter group, :func:`param_labels`), the training forward, the jitted step, the orbax
+checkpoints of the whole state, and the CLI.
 
-The support:
-
-* ``sparse``: the blocks the selection actually picked, forced ones (own block, local window, init
-  sinks) included — DSA's sparse stage, KL over S_t;
-* ``dense_warmup`` / ``indexer_only``: every visible block — DSA's dense warm-up.
-
-Forced blocks are kept in the support although their score never decides their selection: the
-softmax over the support then calibrates the history blocks against the local one, and with a small
-top-k (e.g. 2 = own block + one ranked block) a support without them would be a single block and
-carry no signal.
-
-The target is the *dense* softmax restricted afterwards: heads that put much of their mass outside
-the selection weigh less. (MaxText's DeepSeek-V3.2 indexer loss in its sparse stage instead takes
-each head's softmax over the selected keys only, then sums over heads; the two agree when every
-head has the same recall.)
-
-Because the KL and the LM loss reach disjoint parameter groups, and each group has its own Adam,
-``kl_weight`` barely matters (Adam is invariant to a loss scale); the indexer's pace is set by
-``index_lr``.
-
-**Gradient paths.** The index branch reads ``stop_gradient(x)`` of the layer's normed input, and the
-target reads ``stop_gradient(q), stop_gradient(k)``, so the KL reaches only the ``index`` weights
-(wq, wk, q_norm, k_norm). The LM loss reaches the index weights through nothing: the block selection
-is discrete (``lax.top_k`` ids). Sparse attention is differentiated through the gathered
-pure-jnp reference (:func:`m3jax.msa.sparse_attention`): its gradient w.r.t. q/k/v is plain autodiff
-of gathers, einsums and a softmax, which is correct by construction and fast enough for small models
-on CPU/GPU; a custom_vjp for the Pallas kernels is a later, separate step (those kernels are
-forward-only).
+The index branch reads ``stop_gradient(x)`` of the layer's normed input, so the KL trains only the
+index weights, and the LM loss never reaches them (the block selection is discrete). Sparse attention
+is differentiated through the gathered pure-jnp reference (:func:`m3jax.msa.sparse_attention`): its
+gradient w.r.t. q/k/v is plain autodiff of gathers, einsums and a softmax, correct by construction;
+the Pallas kernels are forward-only, so training does not run them.
 
 Modes:
 
@@ -57,8 +30,8 @@ CLI (text from the Python standard library's own sources, byte-level BPE from ``
         [--resume | --overwrite] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR]
 
 ``--data retrieval`` plants key/value lines in the text and repeats some later in the row, with the
-loss weighted onto the repeated values (see "Data: key/value retrieval tasks" below); the long rows
-can take a shorter dense warm-up (``--dense-warmup-seq-len``, ``--dense-warmup-batch``).
+loss weighted onto the repeated values (:func:`m3jax.data.retrieval_batch`); the long rows can take a
+shorter dense warm-up (``--dense-warmup-seq-len``, ``--dense-warmup-batch``).
 
 ``--out`` must be new or empty unless ``--resume`` (continue the run saved there) or ``--overwrite``
 (remove that run's files, :data:`RUN_FILES`, and start again; other files are left alone). Bad
@@ -72,12 +45,9 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import shutil
 import sys
-import sysconfig
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +55,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tokenizers import Tokenizer
 
-from m3jax import cli
+from m3jax import cli, data
+from m3jax.api import M3Model, save_pretrained
+from m3jax.checkpoint import load_params
 from m3jax.config import M3Config, load_config, preset
+from m3jax.indexer_objective import indexer_kl, kl_support
 from m3jax.model import index_branch, lm_head, project_qkv, text_hidden
 from m3jax.msa import layer as msa_layer, reference as msa
 from m3jax.params import ParamSpec, param_specs
+from m3jax.probe import probe
+from m3jax.sharding import DATA, make_mesh, shard_params
 
 MODES = ("dense_warmup", "sparse", "indexer_only")
 DATA_KINDS = ("stdlib", "retrieval")
-_BIG_NEG = -1e30
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,38 +166,6 @@ def init_state(params: dict, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(params, jax.tree.map(commit, opt_state), commit(step))
 
 
-# --------------------------------------------------------------------------------------------------
-# Loss
-
-
-def indexer_kl(q, k, scores, support, q_pos, block_size: int, index_head_dim: int):
-    """KL(target || index prediction) per (batch, group, query) row of one query chunk.
-
-    Args:
-      q: [B, C, N, H] main queries; k: [B, S, K, H] main keys (both used under stop_gradient).
-      scores: fp32 [B, K, C, nb] index block scores (differentiable w.r.t. the index branch).
-      support: bool [B, K, C, nb] blocks the KL runs over.
-    Returns:
-      (kl fp32 [B, K, C], valid bool [B, K, C]) — valid = support has >= 2 blocks.
-    """
-    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-    b, c, n, h = q.shape
-    s_len, kh = k.shape[1], k.shape[2]
-    nb = scores.shape[-1]
-    qg = q.reshape(b, c, kh, n // kh, h).astype(jnp.float32)
-    logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
-    causal = (jnp.arange(s_len)[None, None, :] <= q_pos[:, :, None])[:, None, None]
-    p = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    p = jnp.pad(p, [(0, 0)] * 4 + [(0, nb * block_size - s_len)])
-    mass = p.reshape(*p.shape[:4], nb, block_size).sum(-1).mean(2)  # [B, K, C, nb]
-    target = jnp.where(support, mass, 0.0)
-    z = target.sum(-1, keepdims=True)
-    target = jax.lax.stop_gradient(target / jnp.where(z > 0, z, 1.0))
-    logq = jax.nn.log_softmax(jnp.where(support, scores * index_head_dim**-0.5, _BIG_NEG), axis=-1)
-    pos = target > 0
-    kl = jnp.sum(jnp.where(pos, target * (jnp.log(jnp.where(pos, target, 1.0)) - logq), 0.0), -1)
-    valid = support.sum(-1) >= 2
-    return jnp.where(valid, kl, 0.0), valid
 
 
 def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str):
@@ -247,14 +192,13 @@ def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
 
     def chunk_fn(qp, qc, iqc):
         scores = msa_layer.scores(iqc, ik, qp, t)  # [B, K, C, nb]
-        nb = scores.shape[-1]
         if mode == "sparse":
             sel = msa_layer.select_from_scores(jax.lax.stop_gradient(scores), qp, t, layer)
             o = msa.sparse_attention(qc, k, v, sel, qp, bs)
-            support = jax.nn.one_hot(sel, nb + 1, dtype=jnp.bool_)[..., :nb].any(-2)  # -1 -> no column
+            support = kl_support(scores, sel)
         else:
             o = msa.dense_mask_attention(qc, k, v, None, qp, bs)
-            support = jnp.isfinite(scores)
+            support = kl_support(scores)
         kl, valid = indexer_kl(qc, k, scores, support, qp, bs, t.index_head_dim)
         return o, kl, valid
 
@@ -319,10 +263,6 @@ def make_train_step(cfg: M3Config, tx: optax.GradientTransformation, mode: str, 
     if mesh is None:
         return jitted
 
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from m3jax.sharding import DATA
-
     def run(state, batch):
         batch = {k: jax.device_put(v, NamedSharding(mesh, P(DATA))) for k, v in batch.items()}
         with jax.set_mesh(mesh):
@@ -335,7 +275,6 @@ def make_eval_step(cfg: M3Config, mode: str = "sparse"):
     """Jitted ``(params, batch) -> {"lm", "kl", "kl_layers"}`` (no gradients)."""
     return jax.jit(lambda params, batch: loss_fn(params, batch, cfg, mode)[1])
 
-
 # --------------------------------------------------------------------------------------------------
 # Checkpoints (orbax): the whole TrainState
 
@@ -345,22 +284,16 @@ def _state_tree(state: TrainState) -> dict:
 
 
 def checkpoint_manager(directory: str | Path, max_to_keep: int = 2):
-    import orbax.checkpoint as ocp
-
     return ocp.CheckpointManager(Path(directory).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
 
 def save_state(mngr, state: TrainState) -> None:
-    import orbax.checkpoint as ocp
-
     mngr.save(int(state.step), args=ocp.args.StandardSave(_state_tree(state)))
     mngr.wait_until_finished()
 
 
 def restore_state(mngr, like: TrainState, step: int | None = None) -> TrainState:
     """Restore the latest (or ``step``) checkpoint into the structure, dtypes and shardings of ``like``."""
-    import orbax.checkpoint as ocp
-
     step = mngr.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {mngr.directory}")
@@ -372,243 +305,11 @@ def restore_state(mngr, like: TrainState, step: int | None = None) -> TrainState
 
 
 # --------------------------------------------------------------------------------------------------
-# Data: the Python standard library's own sources
-
-
-def stdlib_files() -> tuple[list[Path], list[Path], Path]:
-    """(train, held-out, root): ``*.py`` under the stdlib (site-packages excluded), sorted by relative
-    path; a file is held out when crc32(relative path) % 20 == 0 (about 5 %, stable across machines)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted((f for f in root.rglob("*.py") if "site-packages" not in f.parts), key=lambda f: f.relative_to(root).as_posix())
-    held = [f for f in files if zlib.crc32(f.relative_to(root).as_posix().encode()) % 20 == 0]
-    held_set = set(held)
-    return [f for f in files if f not in held_set], held, root
-
-
-def _read_texts(files: list[Path], budget_bytes: int | None) -> list[str]:
-    out, total = [], 0
-    for f in files:
-        try:
-            s = f.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        out.append(s)
-        total += len(s)
-        if budget_bytes and total >= budget_bytes:
-            break
-    return out
-
-
-SPECIALS = ("<pad>", "<s>", "</s>")
-
-
-def train_tokenizer(texts: list[str], cfg: M3Config, tokenizer_mb: float = 8.0):
-    """Byte-level BPE (``tokenizers``) to the config's vocabulary. Ids 0, 1, 2 are <pad>, <s>, </s>;
-    when the image / video placeholder ids fall inside the vocabulary, the BPE stops below them and
-    ``<image>`` / ``<video>`` take those ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    v = cfg.text.vocab_size
-    media = sorted(i for i in (cfg.image_token_id, cfg.video_token_id) if i < v)
-    n_bpe = media[0] if media else v
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=n_bpe, special_tokens=list(SPECIALS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    budget, sample = int(tokenizer_mb * 1e6), []
-    for s in texts:
-        sample.append(s)
-        budget -= len(s)
-        if budget <= 0:
-            break
-    tok.train_from_iterator(sample, trainer=trainer)
-    names = {cfg.image_token_id: "<image>", cfg.video_token_id: "<video>"}
-    for i in media:
-        if tok.get_vocab_size() == i:
-            tok.add_special_tokens([names[i]])
-    if tok.get_vocab_size() > v:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids > vocab_size {v}")
-    return tok
-
-
-def encode_corpus(tok, texts: list[str], eos_id: int) -> np.ndarray:
-    """One int32 stream: each file's tokens followed by </s>."""
-    parts = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
-        parts.append(np.asarray(enc.ids, np.int32))
-        parts.append(np.asarray([eos_id], np.int32))
-    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
-
-
-def sample_batch(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int = 0) -> dict:
-    """Deterministic windows of seq_len + 1 tokens for ``step`` (a resumed run sees the same data)."""
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch)
-    return {"tokens": np.stack([stream[s : s + seq_len + 1] for s in starts])}
-
-
-def heldout_batches(stream: np.ndarray, n: int, batch: int, seq_len: int) -> list[dict]:
-    """``n`` fixed, evenly spaced held-out batches."""
-    total = n * batch
-    starts = np.linspace(0, len(stream) - seq_len - 2, total).astype(np.int64)
-    rows = np.stack([stream[s : s + seq_len + 1] for s in starts])
-    return [{"tokens": rows[i * batch : (i + 1) * batch]} for i in range(n)]
-
-
-# --------------------------------------------------------------------------------------------------
-# Data: key/value retrieval tasks planted in the text (``--data retrieval``)
-#
-# A row is ordinary text with lines ``\nKEY access = 90517\n`` planted at random places; later in the
-# row some of those lines appear again (the query), and the value tokens of the repeat are the
-# answers. Keys and values are random per row, so an answer is predictable only by finding the
-# definition: the loss on the answers is a pure retrieval signal at the definition's distance.
-#
-# Keys are words that are one token of the tokenizer (`` access``): the token before `` =`` then names
-# the key, so one previous-token feature plus one matching head (an induction circuit, what small
-# models learn first) solves the lookup; a multi-token key (``48213`` = ``4|8|21|3``) needs the
-# last few tokens composed first. Without such words (no tokenizer) keys are 5-digit numbers.
-
-KEY_RANGE = (10000, 100000)  # 5-digit values (and keys when the tokenizer gives no word keys)
-
-
-@dataclasses.dataclass(frozen=True)
-class TextEncoder:
-    """``encoder(str) -> int32 ids`` (the tokenizer's, or UTF-8 bytes as ids) and ``keys``: words that
-    are one token with their leading space (the retrieval tasks' keys)."""
-
-    tok: Any
-
-    def __call__(self, s: str) -> np.ndarray:
-        if self.tok is None:
-            return np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.int32)
-        return np.asarray(self.tok.encode(s, add_special_tokens=False).ids, np.int32)
-
-    @functools.cached_property
-    def keys(self) -> tuple[str, ...]:
-        if self.tok is None:
-            return ()
-        words = sorted(t[1:] for t in self.tok.get_vocab() if re.fullmatch("\u0120[a-z]{4,}", t))  # Ġ = space
-        return tuple(w for w in words if len(self(" " + w)) == 1)
-
-
-def text_encoder(tok, vocab_size: int) -> TextEncoder:
-    """The tokenizer's encoder, or without one UTF-8 bytes as ids (the byte-level fallback of
-    ``m3jax.generate``; needs vocab_size >= 256)."""
-    if tok is None and vocab_size < 256:
-        raise ValueError(f"vocab_size {vocab_size} < 256: no tokenizer and too small for UTF-8 bytes as ids")
-    return TextEncoder(tok)
-
-
-def draw_keys(rng, encode, n: int) -> list[str]:
-    """``n`` distinct keys: single-token words of ``encode.keys`` when there are enough, else 5-digit numbers."""
-    pool = getattr(encode, "keys", ())
-    if len(pool) >= n:
-        return [pool[i] for i in rng.choice(len(pool), n, replace=False)]
-    return [str(k) for k in rng.choice(np.arange(*KEY_RANGE), n, replace=False)]
-
-
-def kv_line(encode, key: str, value: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(prefix ``\\nKEY <key> =``, value `` <value>``, close ``\\n``) token ids, encoded piece by piece
-    so the value's tokens are the same at the definition and at the query (the byte-level
-    pre-tokenizer splits at ``=`` and before a space anyway: this is the running-text tokenisation)."""
-    return encode(f"\nKEY {key} ="), encode(f" {value}"), encode("\n")
-
-
-@dataclasses.dataclass
-class RetrievalRow:
-    tokens: np.ndarray  # int32 [n]
-    answer: np.ndarray  # bool [n]: the token is a value token of a query line
-    value_at: list[int]  # row position of each definition's first value token, per pair
-    query_value_at: list[int]  # row position of each query's first value token (-1: pair not queried)
-
-
-def plant(filler: np.ndarray, events: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Insert token runs into ``filler``: events (offset into filler, ids, answer mask), applied in the
-    given order (an earlier event at the same offset comes first). Returns (tokens, answer, start of
-    each event's run in the result)."""
-    order = sorted(range(len(events)), key=lambda i: (events[i][0], i))
-    toks, ans, starts, prev, pos = [], [], [0] * len(events), 0, 0
-    for i in order:
-        off, ids, a = events[i]
-        toks += [filler[prev:off], ids]
-        ans += [np.zeros(off - prev, bool), a]
-        pos += off - prev
-        starts[i] = pos
-        pos += len(ids)
-        prev = off
-    toks.append(filler[prev:])
-    ans.append(np.zeros(len(filler) - prev, bool))
-    return np.concatenate(toks).astype(np.int32), np.concatenate(ans), starts
-
-
-def retrieval_row(stream: np.ndarray, n: int, rng, encode, n_pairs: int, query_frac: float = 1.0) -> RetrievalRow:
-    """One training row of ``n`` tokens: ``n_pairs`` key/value lines at random places in a random
-    window of ``stream``, and for ``round(query_frac * n_pairs)`` of them a query (the same line again)
-    later in the row. A query sits uniformly in the last 7/8 of the row and its definition uniformly
-    before it, so definition-to-query distances cover the whole row."""
-    keys = draw_keys(rng, encode, n_pairs)
-    values = rng.integers(*KEY_RANGE, n_pairs)
-    lines = [kv_line(encode, k, int(v)) for k, v in zip(keys, values)]
-    queried = sorted(rng.choice(n_pairs, int(round(query_frac * n_pairs)), replace=False).tolist())
-    line_len = [sum(len(x) for x in ln) for ln in lines]
-    m = n - sum(line_len) - sum(line_len[i] for i in queried)
-    if m < 8:
-        raise ValueError(f"a row of {n} tokens cannot hold {n_pairs} key/value lines and their queries")
-    start = int(rng.integers(0, len(stream) - m))
-    filler = stream[start : start + m]
-    q_off = rng.integers(m // 8, m + 1, n_pairs)
-    d_off = (rng.random(n_pairs) * np.where(np.isin(np.arange(n_pairs), queried), q_off, m)).astype(np.int64)
-    events = []
-    for i, (p, v, c) in enumerate(lines):  # definitions first: one at the same offset as a query precedes it
-        events.append((int(d_off[i]), np.concatenate([p, v, c]), np.zeros(line_len[i], bool)))
-    for i in queried:
-        p, v, c = lines[i]
-        mask = np.concatenate([np.zeros(len(p), bool), np.ones(len(v), bool), np.zeros(len(c), bool)])
-        events.append((int(q_off[i]), np.concatenate([p, v, c]), mask))
-    tokens, answer, starts = plant(filler, events)
-    value_at = [starts[i] + len(lines[i][0]) for i in range(n_pairs)]
-    query_value_at = [-1] * n_pairs
-    for j, i in enumerate(queried):
-        query_value_at[i] = starts[n_pairs + j] + len(lines[i][0])
-    return RetrievalRow(tokens, answer, value_at, query_value_at)
-
-
-def answer_weights(answer: np.ndarray, task_share: float) -> np.ndarray:
-    """``loss_fn``'s ``mask`` for a row's labels (tokens[1:]): 1 on text, and on the answer tokens the
-    weight that gives them ``task_share`` of the row's loss (a few dozen answer tokens among 16K text
-    tokens would otherwise carry no signal)."""
-    labels = answer[1:]
-    n_ans = int(labels.sum())
-    w = np.ones(len(labels), np.float32)
-    if n_ans and task_share > 0:
-        w[labels] = task_share / (1.0 - task_share) * (len(labels) - n_ans) / n_ans
-    return w
-
-
-def retrieval_batch(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int, encode,
-                    pairs_per_1k: float = 1.0, task_share: float = 0.5, answers_only: bool = False) -> dict:
-    """Deterministic batch of retrieval rows for ``step`` (seeded like :func:`sample_batch`):
-    ``{"tokens": int32 [B, seq_len + 1], "mask": fp32 [B, seq_len]}``; ``answers_only``: the mask is 1 on
-    the answer labels and 0 elsewhere (the loss is then the answers' cross-entropy)."""
-    rng = np.random.default_rng([seed, step, 1])
-    n_pairs = max(1, int(round(pairs_per_1k * seq_len / 1024)))
-    rows = [retrieval_row(stream, seq_len + 1, rng, encode, n_pairs) for _ in range(batch)]
-    mask = [r.answer[1:].astype(np.float32) if answers_only else answer_weights(r.answer, task_share) for r in rows]
-    return {"tokens": np.stack([r.tokens for r in rows]), "mask": np.stack(mask)}
-
-
-# --------------------------------------------------------------------------------------------------
 # Recall (m3jax.probe) and plots
 
 
 def mean_recall(params: dict, cfg: M3Config, tokens: np.ndarray) -> dict[int, float]:
     """{MSA layer: mean dense-softmax mass inside the selected blocks} on ``tokens`` [B, T]."""
-    from m3jax.api import M3Model
-    from m3jax.probe import probe
-
     res = probe(M3Model(cfg, params), tokens, query_chunk=cfg.attention_chunk)
     return {r["layer"]: r["recall_mean"] for r in res.summary()}
 
@@ -701,8 +402,6 @@ def _load_cfg(args) -> M3Config:
 def _check_tokenizer_from(folder: Path, cfg: M3Config) -> None:
     """--tokenizer-from's tokenizer must exist and fit the model's vocabulary: ids past it would be clamped
     by the embedding lookup and train a model that never sees them right (the loss goes NaN)."""
-    from tokenizers import Tokenizer
-
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise cli.UsageError(f"--tokenizer-from {folder}: no tokenizer.json there")
@@ -713,36 +412,6 @@ def _check_tokenizer_from(folder: Path, cfg: M3Config) -> None:
     if n > cfg.text.vocab_size:
         raise cli.UsageError(f"--tokenizer-from {folder}: the tokenizer has {n} tokens, the model's vocab_size is "
                              f"{cfg.text.vocab_size}")
-
-
-def _prepare_data(args, cfg: M3Config, out: Path):
-    from tokenizers import Tokenizer
-
-    train_files, held_files, _ = stdlib_files()
-    budget = int(args.data_mb * 1e6) if args.data_mb else None
-    tok_path = out / "tokenizer.json"
-    cache = out / "data.npz"
-    if tok_path.exists() and cache.exists():
-        tok = Tokenizer.from_file(str(tok_path))
-        d = np.load(cache)
-        return tok, d["train"], d["heldout"]
-    t0 = time.time()
-    train_texts = _read_texts(train_files, budget)
-    held_texts = _read_texts(held_files, budget // 20 if budget else None)
-    if tok_path.exists():
-        tok = Tokenizer.from_file(str(tok_path))
-    elif args.tokenizer_from:
-        tok = Tokenizer.from_file(str(Path(args.tokenizer_from) / "tokenizer.json"))
-        tok.save(str(tok_path))
-    else:
-        tok = train_tokenizer(train_texts, cfg, args.tokenizer_mb)
-        tok.save(str(tok_path))
-    eos = cfg.text.eos_token_id if isinstance(cfg.text.eos_token_id, int) else cfg.text.eos_token_id[0]
-    train, held = encode_corpus(tok, train_texts, eos), encode_corpus(tok, held_texts, eos)
-    np.savez(cache, train=train, heldout=held)
-    print(f"data: {len(train_texts)} train / {len(held_texts)} held-out files -> {len(train)} / {len(held)} tokens "
-          f"(vocab {tok.get_vocab_size()}, {time.time() - t0:.1f}s)", flush=True)
-    return tok, train, held
 
 
 def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int:
@@ -765,14 +434,12 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
     return max(steps, 10)
 
 
-def _write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-         "model_max_length": cfg.text.max_position_embeddings}, indent=1))
+
+# --------------------------------------------------------------------------------------------------
+# main, step by step
 
 
-def main(argv=None) -> int:
+def build_parser() -> cli.ArgumentParser:
     ap = cli.ArgumentParser(prog="python -m m3jax.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None,
                     help="preset name (m3jax/configs/; m3 = minimax_m3) or a config.json / checkpoint dir "
@@ -830,6 +497,13 @@ def main(argv=None) -> int:
     ap.add_argument("--save-format", choices=["float32", "bfloat16", "mxfp8"], default="float32",
                     help="dtype of the saved HF checkpoint (mxfp8: the released MXFP8 layout, 1 byte per linear weight)")
     cli.add_debug_flag(ap)
+    return ap
+
+
+def parse_args(argv=None):
+    """The CLI's arguments, checked against each other; the warm-up's sequence length and batch
+    default to the run's."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not args.time_budget and args.dense_warmup_steps > args.steps:
         ap.error(f"--dense-warmup-steps {args.dense_warmup_steps} exceeds --steps {args.steps}")
@@ -840,8 +514,36 @@ def main(argv=None) -> int:
     if args.data_parallel and args.dense_warmup_batch % args.data_parallel:
         ap.error(f"--dense-warmup-batch {args.dense_warmup_batch} does not split over --data-parallel "
                  f"{args.data_parallel} devices")
+    return args
 
-    # Everything that can refuse the run does so before --out is touched.
+
+@dataclasses.dataclass
+class Run:
+    """What the steps of :func:`main` share: arguments, config, run folder, data and mesh."""
+
+    args: Any
+    cfg: M3Config
+    out: Path
+    mngr: Any  # orbax CheckpointManager of out/ckpt
+    resuming: bool
+    tok: Any
+    train_stream: np.ndarray
+    held_stream: np.ndarray
+    encode: data.TextEncoder
+    mesh: Any
+
+    def batch(self, step: int, mode: str) -> dict:
+        """The training batch of ``step`` (deterministic: a resumed run sees the same data)."""
+        a = self.args
+        seq, b = (a.dense_warmup_seq_len, a.dense_warmup_batch) if mode == "dense_warmup" else (a.seq_len, a.batch)
+        if a.data == "retrieval":
+            return data.retrieval_batch(self.train_stream, step, b, seq, a.seed, self.encode, a.kv_per_1k, a.task_share)
+        return data.sample_batch(self.train_stream, step, b, seq, a.seed)
+
+
+def open_run(args) -> Run:
+    """Config, run folder, checkpoint manager, data and mesh. Everything that can refuse the run does
+    so before --out is touched."""
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
         raise cli.UsageError(f"--init-from {args.init_from}: no config.json there (an HF checkpoint folder)")
     cfg = _load_cfg(args)
@@ -853,84 +555,100 @@ def main(argv=None) -> int:
     resuming = args.resume and mngr.latest_step() is not None
     if args.resume and not resuming:
         print(f"note: --resume: no checkpoint in {out / 'ckpt'} yet; starting at step 0", file=sys.stderr, flush=True)
-    tok, train_stream, held_stream = _prepare_data(args, cfg, out)
+    tok, train_stream, held_stream = data.prepare_corpus(out, cfg, args.data_mb, args.tokenizer_mb, args.tokenizer_from)
+    encode = data.text_encoder(tok, cfg.text.vocab_size)
+    mesh = make_mesh(args.data_parallel, data=args.data_parallel) if args.data_parallel else None
+    return Run(args, cfg, out, mngr, resuming, tok, train_stream, held_stream, encode, mesh)
 
-    encode = text_encoder(tok, cfg.text.vocab_size)
 
-    def batch_for(step: int, mode: str) -> dict:
-        """The training batch of ``step`` (deterministic: a resumed run sees the same data)."""
-        seq, b = (args.dense_warmup_seq_len, args.dense_warmup_batch) if mode == "dense_warmup" else (args.seq_len, args.batch)
-        if args.data == "retrieval":
-            return retrieval_batch(train_stream, step, b, seq, args.seed, encode, args.kv_per_1k, args.task_share)
-        return sample_batch(train_stream, step, b, seq, args.seed)
-
-    mesh = None
-    if args.data_parallel:
-        from m3jax.sharding import make_mesh
-
-        mesh = make_mesh(args.data_parallel, data=args.data_parallel)
-
-    if args.init_from:
-        from m3jax.checkpoint import load_params
-
-        params = load_params(args.init_from, cfg, dtype="float32", progress=False)
+def initial_params(run: Run) -> dict:
+    """fp32 weights from --init-from's checkpoint or fresh, placed on the mesh when there is one."""
+    if run.args.init_from:
+        params = load_params(run.args.init_from, run.cfg, dtype="float32", progress=False)
     else:
-        params = init_train_params(cfg, args.seed)
-    if mesh is not None:
-        from m3jax.sharding import shard_params
+        params = init_train_params(run.cfg, run.args.seed)
+    return params if run.mesh is None else shard_params(params, run.cfg, run.mesh)
 
-        params = shard_params(params, cfg, mesh)
 
-    if args.time_budget:
-        # The chosen counts set the LR schedule and the phase boundary: a resumed run must reuse them.
-        chosen = out / "time_budget_steps.json"
-        if resuming and chosen.exists():
-            args.steps, args.dense_warmup_steps = json.loads(chosen.read_text())
-        else:
-            args.steps = _steps_for_budget(cfg, params, args, batch_for, mesh)
-            if args.dense_warmup_frac:
-                args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
-            chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
-        print(f"time budget {args.time_budget:.0f}s -> --steps {args.steps} --dense-warmup-steps {args.dense_warmup_steps}",
-              flush=True)
-    phases = [("dense_warmup", args.dense_warmup_steps), (args.mode, args.steps - args.dense_warmup_steps)]
+def settle_step_counts(run: Run, params: dict) -> None:
+    """With --time-budget: set ``args.steps`` (and the warm-up's share) to what fits, or to the counts
+    an earlier run chose (they set the LR schedule and the phase boundary: a resumed run reuses them)."""
+    args = run.args
+    if not args.time_budget:
+        return
+    chosen = run.out / "time_budget_steps.json"
+    if run.resuming and chosen.exists():
+        args.steps, args.dense_warmup_steps = json.loads(chosen.read_text())
+    else:
+        args.steps = _steps_for_budget(run.cfg, params, args, run.batch, run.mesh)
+        if args.dense_warmup_frac:
+            args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
+        chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
+    print(f"time budget {args.time_budget:.0f}s -> --steps {args.steps} --dense-warmup-steps {args.dense_warmup_steps}",
+          flush=True)
+
+
+def phase_plan(args) -> list[tuple[str, int]]:
+    """[(mode, steps)]: a dense warm-up before a sparse run when asked for, else one phase."""
     if args.mode != "sparse" or args.dense_warmup_steps <= 0:
-        phases = [(args.mode, args.steps)]
-    tx = make_optimizer(phases[-1][0], args.steps, args.lr, args.index_lr, args.warmup)
-    state = init_state(params, tx)
-    index_init = jax.tree.map(np.asarray, [lp.get("index") for lp in params["text"]["layers"]])
-    csv_path = out / "train_log.csv"
-    rows: list[dict] = []
-    if resuming:
-        state = restore_state(mngr, state)
-        if csv_path.exists():
-            rows = [r for r in csv.DictReader(open(csv_path)) if int(r["step"]) <= int(state.step)]
-        print(f"resumed at step {int(state.step)}", flush=True)
+        return [(args.mode, args.steps)]
+    return [("dense_warmup", args.dense_warmup_steps), (args.mode, args.steps - args.dense_warmup_steps)]
 
-    steps = {m: make_train_step(cfg, tx, m, args.kl_weight, mesh) for m, _ in phases}
-    eval_step = make_eval_step(cfg, "sparse")
-    evals = heldout_batches(held_stream, args.eval_batches, args.batch, args.seq_len)
-    probe_tokens = evals[0]["tokens"][:, :-1]
-    boundary = phases[0][1] if len(phases) == 2 else 0
-    task_evals = []
-    if args.data == "retrieval":
-        # Held-out rows with the tasks, loss on the answers only: the retrieval learning curve. The text
-        # batches get an all-ones mask so both kinds share one compiled eval step.
-        evals = [{**b, "mask": np.ones(b["tokens"][:, 1:].shape, np.float32)} for b in evals]
-        task_evals = [retrieval_batch(held_stream, i, args.batch, args.seq_len, args.seed, encode, args.kv_per_1k,
-                                      answers_only=True) for i in range(args.eval_batches)]
 
-    def evaluate(params, rec=None):
-        """(held-out text lm, kl, recall, answer CE of the held-out retrieval rows or NaN). ``rec``: the
-        per-layer recall when the caller has it already (a probe pass at 16K takes tens of seconds)."""
-        ms = [eval_step(params, b) for b in evals]
+def resume(run: Run, state: TrainState) -> tuple[TrainState, list[dict]]:
+    """The saved state and the log rows up to its step when resuming, else ``state`` and no rows."""
+    if not run.resuming:
+        return state, []
+    state = restore_state(run.mngr, state)
+    csv_path = run.out / "train_log.csv"
+    rows = []
+    if csv_path.exists():
+        with open(csv_path) as f:
+            rows = [r for r in csv.DictReader(f) if int(r["step"]) <= int(state.step)]
+    print(f"resumed at step {int(state.step)}", flush=True)
+    return state, rows
+
+
+class Evaluator:
+    """``evaluator(params, rec=None)`` -> (held-out text lm, kl, recall, answer CE of the held-out
+    retrieval rows or NaN) on fixed held-out batches."""
+
+    def __init__(self, run: Run):
+        args, self.cfg = run.args, run.cfg
+        self.step = make_eval_step(run.cfg, "sparse")
+        text = data.heldout_batches(run.held_stream, args.eval_batches, args.batch, args.seq_len)
+        self.evals, self.probe_tokens = text, text[0]["tokens"][:, :-1]
+        self.task_evals = []
+        if args.data == "retrieval":
+            # Held-out rows with the tasks, loss on the answers only: the retrieval learning curve. The text
+            # batches get an all-ones mask so both kinds share one compiled eval step.
+            self.evals = [{**b, "mask": np.ones(b["tokens"][:, 1:].shape, np.float32)} for b in text]
+            self.task_evals = [data.retrieval_batch(run.held_stream, i, args.batch, args.seq_len, args.seed, run.encode,
+                                                    args.kv_per_1k, answers_only=True) for i in range(args.eval_batches)]
+
+    def recall(self, params) -> dict[int, float]:
+        return mean_recall(params, self.cfg, self.probe_tokens)
+
+    def __call__(self, params, rec=None):
+        """``rec``: the per-layer recall when the caller has it already (a probe pass over long rows
+        is slow)."""
+        ms = [self.step(params, b) for b in self.evals]
         lm = float(np.mean([m["lm"] for m in ms]))
         kl = float(np.mean([m["kl"] for m in ms]))
         if rec is None:
-            rec = mean_recall(params, cfg, probe_tokens) if cfg.text.has_sparse_layers else {}
-        ans = float(np.mean([eval_step(params, b)["lm"] for b in task_evals])) if task_evals else float("nan")
+            rec = self.recall(params) if self.cfg.text.has_sparse_layers else {}
+        ans = float(np.mean([self.step(params, b)["lm"] for b in self.task_evals])) if self.task_evals else float("nan")
         return lm, kl, float(np.mean(list(rec.values()))) if rec else float("nan"), ans
 
+
+def train_loop(run: Run, state: TrainState, tx, phases, evaluate: Evaluator, rows: list[dict]):
+    """Run the phases' steps up to ``args.steps`` (or --stop-after), logging every step to
+    train_log.csv, evaluating every --eval-every and saving every --ckpt-every steps; then plot the
+    curves. Returns (state, wall time the loop started)."""
+    args = run.args
+    steps = {m: make_train_step(run.cfg, tx, m, args.kl_weight, run.mesh) for m, _ in phases}
+    boundary = phases[0][1] if len(phases) == 2 else 0
+    csv_path = run.out / "train_log.csv"
     # The CSV is rewritten with the rows up to the (restored) step, then appended to every step.
     csv_file = open(csv_path, "w", newline="")
     log = csv.DictWriter(csv_file, CSV_FIELDS)
@@ -945,12 +663,12 @@ def main(argv=None) -> int:
     while int(state.step) < args.steps:
         if args.stop_after and time.time() - t_start > args.stop_after:
             print(f"--stop-after {args.stop_after:.0f}s: stopped at step {int(state.step)} of {args.steps}", flush=True)
-            save_state(mngr, state)
+            save_state(run.mngr, state)
             break
         s = int(state.step)
         mode = phases[0][0] if s < boundary else phases[-1][0]
         t0 = time.time()
-        state, m = steps[mode](state, batch_for(s, mode))
+        state, m = steps[mode](state, run.batch(s, mode))
         m = jax.device_get(m)
         row = {"step": s + 1, "mode": mode, "loss": f"{m['loss']:.5f}", "lm": f"{m['lm']:.5f}", "kl": f"{m['kl']:.5f}",
                "grad_norm": f"{m['grad_norm']:.4f}", "seconds": f"{time.time() - t0:.3f}"}
@@ -963,36 +681,62 @@ def main(argv=None) -> int:
         log.writerow(row)
         csv_file.flush()
         if done % args.ckpt_every == 0 or done == args.steps:
-            save_state(mngr, state)
+            save_state(run.mngr, state)
     csv_file.close()
-    plot_curves(csv_path, out / "loss_curve.png")
+    plot_curves(csv_path, run.out / "loss_curve.png")
+    return state, t_start
 
-    from m3jax.api import M3Model, save_pretrained
 
+def save_model(run: Run, state: TrainState) -> dict:
+    """The trained weights as an HF checkpoint with its tokenizer in OUT/model; returns them on the host."""
     params = jax.device_get(state.params)
-    final = out / "model"
-    fmt = args.save_format
+    final = run.out / "model"
+    fmt = run.args.save_format
     # prepare_out_dir guarded --out; a --resume of a run that saved its model already saves it again.
-    save_pretrained(M3Model(cfg.replace(attention_impl="auto"), params), final,
+    save_pretrained(M3Model(run.cfg.replace(attention_impl="auto"), params), final,
                     dtype="bfloat16" if fmt == "mxfp8" else fmt, quantize_mxfp8_weights=fmt == "mxfp8",
                     overwrite=True)
-    _write_tokenizer_files(tok, cfg, final)
+    data.write_tokenizer_files(run.tok, run.cfg, final)
+    return params
+
+
+def write_summary(run: Run, state: TrainState, params: dict, index_init: list, evaluate: Evaluator,
+                  t_start: float) -> None:
+    """OUT/summary.json (also printed): the run's settings, held-out losses and, with MSA layers, the
+    recall of the trained index branch against the one it started from."""
+    args, cfg = run.args, run.cfg
     summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
                "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
-               "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1), "save_format": fmt,
-               "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+               "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1),
+               "save_format": args.save_format, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     rec = None
     if cfg.text.has_sparse_layers:
         untrained = with_index_branch(params, index_init)
-        rec = summary["recall_trained_index"] = mean_recall(params, cfg, probe_tokens)
-        summary["recall_initial_index"] = mean_recall(untrained, cfg, probe_tokens)
+        rec = summary["recall_trained_index"] = evaluate.recall(params)
+        summary["recall_initial_index"] = evaluate.recall(untrained)
     lm, kl, _, ans = evaluate(params, rec)
     summary.update(heldout_lm=lm, heldout_kl=kl)
     if args.data == "retrieval":
         summary.update(heldout_answer_ce=ans, kv_per_1k=args.kv_per_1k, task_share=args.task_share,
                        dense_warmup_seq_len=args.dense_warmup_seq_len, dense_warmup_batch=args.dense_warmup_batch)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run = open_run(args)
+    params = initial_params(run)
+    settle_step_counts(run, params)
+    phases = phase_plan(args)
+    tx = make_optimizer(phases[-1][0], args.steps, args.lr, args.index_lr, args.warmup)
+    state = init_state(params, tx)
+    index_init = jax.tree.map(np.asarray, [lp.get("index") for lp in params["text"]["layers"]])
+    state, rows = resume(run, state)
+    evaluate = Evaluator(run)
+    state, t_start = train_loop(run, state, tx, phases, evaluate, rows)
+    params = save_model(run, state)
+    write_summary(run, state, params, index_init, evaluate, t_start)
     return 0
 
 

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 import m3jax
 from m3jax import plots
 from m3jax.probe import probe, with_dense_layers
-from m3jax.train import stdlib_files
+from m3jax.data import stdlib_files
 
 model = m3jax.load_pretrained(CHECKPOINT, dtype="float32", progress=False)
 cfg = model.config.text

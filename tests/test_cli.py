@@ -13,7 +13,7 @@ import json
 import pytest
 
 import m3jax
-from m3jax import cli, demo, generate, plan
+from m3jax import cli, data, demo, generate, plan
 from m3jax import train as tr
 
 # Arguments that would run a quick generation if nothing were refused.
@@ -148,7 +148,7 @@ def test_demo_refuses_bad_numbers(capsys):
 
 def _stop_at_data(monkeypatch):
     """End a training run where it would start reading data (after --out is prepared)."""
-    monkeypatch.setattr(tr, "_prepare_data", lambda *a: (_ for _ in ()).throw(Stop()))
+    monkeypatch.setattr(data, "prepare_corpus", lambda *a: (_ for _ in ()).throw(Stop()))
 
 
 def test_train_refuses_a_non_empty_out(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import m3jax
 from m3jax import generate, needle
 from m3jax.config import preset
-from m3jax.train import stdlib_files
+from m3jax.data import stdlib_files
 
 ASSET = generate.DEFAULT_CHECKPOINT
 

@@ -1,5 +1,6 @@
-"""Retrieval data (``m3jax.train --data retrieval``) and ``python -m m3jax.needle``: answer positions and
-loss weights, determinism by seed, held-out text for the needle, and the CLI on a tiny random model."""
+"""Retrieval data (``m3jax.data``, as ``m3jax.train --data retrieval`` uses it) and
+``python -m m3jax.needle``: answer positions and loss weights, determinism by seed, held-out text for
+the needle, and the CLI on a tiny random model."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import numpy as np
 import pytest
 
 from m3jax import needle
-from m3jax import train as tr
+from m3jax import data
 
 # Filler ids far above the UTF-8 byte ids of the planted lines: a token >= FILLER is text, below is planted.
 FILLER = 1000
-BYTES = tr.text_encoder(None, 256)
+BYTES = data.text_encoder(None, 256)
 
 
 def _stream(n=20_000):
@@ -21,7 +22,7 @@ def _stream(n=20_000):
 
 
 def test_retrieval_row_answers_and_filler():
-    row = tr.retrieval_row(_stream(), 1025, np.random.default_rng(3), BYTES, n_pairs=4)
+    row = data.retrieval_row(_stream(), 1025, np.random.default_rng(3), BYTES, n_pairs=4)
     tok, ans = row.tokens, row.answer
     assert tok.shape == ans.shape == (1025,)
     # The text is one contiguous window of the stream, in order, around the planted lines.
@@ -36,31 +37,31 @@ def test_retrieval_row_answers_and_filler():
         assert bytes(tok[d - 12 : d].astype(np.uint8)).startswith(b"\nKEY ") and tok[d - 1] == ord("=")
     assert ans.sum() == 4 * 6
     # Loss weights over the labels (tokens[1:]): the answers carry task_share of the row's loss.
-    w = tr.answer_weights(ans, 0.25)
+    w = data.answer_weights(ans, 0.25)
     assert w.shape == (1024,)
     assert np.isclose(w[ans[1:]].sum() / w.sum(), 0.25) and np.all(w[~ans[1:]] == 1)
 
 
 def test_retrieval_batch_deterministic_by_seed_and_step():
     s = _stream()
-    a = tr.retrieval_batch(s, 5, 2, 512, 0, BYTES)
+    a = data.retrieval_batch(s, 5, 2, 512, 0, BYTES)
     assert a["tokens"].shape == (2, 513) and a["mask"].shape == (2, 512) and a["tokens"].dtype == np.int32
-    assert all(np.array_equal(a[k], tr.retrieval_batch(s, 5, 2, 512, 0, BYTES)[k]) for k in a)
-    answers = tr.retrieval_batch(s, 5, 2, 512, 0, BYTES, answers_only=True)  # held-out eval: answers' CE only
+    assert all(np.array_equal(a[k], data.retrieval_batch(s, 5, 2, 512, 0, BYTES)[k]) for k in a)
+    answers = data.retrieval_batch(s, 5, 2, 512, 0, BYTES, answers_only=True)  # held-out eval: answers' CE only
     assert np.array_equal(answers["tokens"], a["tokens"]) and np.array_equal(answers["mask"] == 1, a["mask"] > 1)
     assert answers["mask"].sum() == 2 * 6  # one pair per 512 tokens, a 6-byte value
-    assert not np.array_equal(a["tokens"], tr.retrieval_batch(s, 6, 2, 512, 0, BYTES)["tokens"])
-    assert not np.array_equal(a["tokens"], tr.retrieval_batch(s, 5, 2, 512, 1, BYTES)["tokens"])
+    assert not np.array_equal(a["tokens"], data.retrieval_batch(s, 6, 2, 512, 0, BYTES)["tokens"])
+    assert not np.array_equal(a["tokens"], data.retrieval_batch(s, 5, 2, 512, 1, BYTES)["tokens"])
     with pytest.raises(ValueError, match="cannot hold"):
-        tr.retrieval_row(s, 40, np.random.default_rng(0), BYTES, n_pairs=4)
+        data.retrieval_row(s, 40, np.random.default_rng(0), BYTES, n_pairs=4)
 
 
 def test_word_keys_are_one_token():
     from tokenizers import Tokenizer
 
-    enc = tr.text_encoder(Tokenizer.from_file(str(needle.DEFAULT_CHECKPOINT / "tokenizer.json")), 4096)
+    enc = data.text_encoder(Tokenizer.from_file(str(needle.DEFAULT_CHECKPOINT / "tokenizer.json")), 4096)
     assert len(enc.keys) >= 256 and all(len(enc(" " + k)) == 1 for k in enc.keys[:50])
-    row = tr.retrieval_row(_stream(), 2049, np.random.default_rng(0), enc, n_pairs=8)
+    row = data.retrieval_row(_stream(), 2049, np.random.default_rng(0), enc, n_pairs=8)
     eq = enc(" =")[0]
     key_tokens = [row.tokens[d - 2] for d in row.value_at]  # "\nKEY <key> =" then the value
     assert all(row.tokens[d - 1] == eq for d in row.value_at)
@@ -68,7 +69,7 @@ def test_word_keys_are_one_token():
 
 
 def test_needle_text_is_held_out():
-    train, held, _ = tr.stdlib_files()
+    train, held, _ = data.stdlib_files()
     seen = []
     needle.heldout_stream(lambda text: seen.append(text) or BYTES(text[:10]), 10**5, 2)
     assert len(seen) == len(held)  # the stream asked for more than there is: every held-out file, no other

@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import m3jax
-from m3jax import needle
-from m3jax import train as tr
+from m3jax import data, needle
 from tests.conftest import tiny_config
 
 SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "2026-12-01_probe_long" / "probe_long.py"
@@ -27,7 +26,7 @@ def _load():
 
 
 def test_multi_needle_row():
-    enc = tr.text_encoder(None, 256)
+    enc = data.text_encoder(None, 256)
     stream = np.arange(5000, dtype=np.int32) + 1000  # filler ids above the bytes of the planted lines
     row = needle.multi_needle_row(stream, 600, [0.1, 0.5, 0.9], np.random.default_rng(0), enc)
     assert row.tokens.shape == (600,) and len(set(row.keys)) == 3

@@ -1,5 +1,6 @@
-"""m3jax.train: loss goes down, gradient paths of the two objectives, frozen main weights in
-indexer_only, orbax resume equivalence, the KL definition against a numpy loop, the tokenizer."""
+"""m3jax.train (with m3jax.indexer_objective and m3jax.data): loss goes down, gradient paths of the
+two objectives, frozen main weights in indexer_only, orbax resume equivalence, the KL definition
+against a numpy loop, the tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from m3jax import train as tr
+from m3jax import data, indexer_objective, train as tr
 from tests.conftest import tiny_config
 
 SEQ = 32
@@ -162,7 +163,7 @@ def test_indexer_kl_definition():
     pos = np.arange(c)[None]
     visible = (np.arange(nb)[None, None, None, :] <= (pos // bs)[:, None, :, None]).repeat(kh, 1)
     scores = np.where(visible, rng.normal(size=(b, kh, c, nb)) * 4, -np.inf).astype(np.float32)
-    kl, valid = tr.indexer_kl(jnp.asarray(q), jnp.asarray(k), jnp.asarray(scores), jnp.asarray(visible),
+    kl, valid = indexer_objective.indexer_kl(jnp.asarray(q), jnp.asarray(k), jnp.asarray(scores), jnp.asarray(visible),
                               jnp.asarray(pos), bs, hx)
     ref = _kl_numpy(q, k, scores, visible, bs, hx)
     np.testing.assert_allclose(np.asarray(kl), ref, rtol=1e-4, atol=1e-6)
@@ -177,23 +178,23 @@ def test_indexer_kl_definition():
                 p /= p.sum()
                 np.add.at(mass[0, gi, t], np.arange(t + 1) // bs, p / (n // kh))
     exact = np.where(visible, np.log(np.maximum(mass, 1e-30)) * np.sqrt(hx), -np.inf).astype(np.float32)
-    kl0, _ = tr.indexer_kl(jnp.asarray(q), jnp.asarray(k), jnp.asarray(exact), jnp.asarray(visible),
+    kl0, _ = indexer_objective.indexer_kl(jnp.asarray(q), jnp.asarray(k), jnp.asarray(exact), jnp.asarray(visible),
                            jnp.asarray(pos), bs, hx)
     assert np.abs(np.asarray(kl0)).max() < 1e-5
 
 
 def test_tokenizer_and_split():
-    train, held, root = tr.stdlib_files()
+    train, held, root = data.stdlib_files()
     assert train and held and not set(train) & set(held)
     assert 0.02 < len(held) / (len(train) + len(held)) < 0.1
     cfg = tiny_config(vocab_size=300).replace(image_token_id=298, video_token_id=299)
-    texts = tr._read_texts(train[:40], 300_000)
-    tok = tr.train_tokenizer(texts, cfg, tokenizer_mb=0.3)
+    texts = data.read_texts(train[:40], 300_000)
+    tok = data.train_tokenizer(texts, cfg, tokenizer_mb=0.3)
     assert tok.get_vocab_size() == 300
     assert [tok.token_to_id(s) for s in ("<pad>", "<s>", "</s>", "<image>", "<video>")] == [0, 1, 2, 298, 299]
     ids = tok.encode("def f(x):\n    return x + 1\n", add_special_tokens=False).ids
     assert max(ids) < 298 and tok.decode(ids) == "def f(x):\n    return x + 1\n"
-    stream = tr.encode_corpus(tok, texts[:3], eos_id=2)
-    b1 = tr.sample_batch(stream, 7, 2, 16)
-    assert np.array_equal(b1["tokens"], tr.sample_batch(stream, 7, 2, 16)["tokens"])
+    stream = data.encode_corpus(tok, texts[:3], eos_id=2)
+    b1 = data.sample_batch(stream, 7, 2, 16)
+    assert np.array_equal(b1["tokens"], data.sample_batch(stream, 7, 2, 16)["tokens"])
     assert b1["tokens"].shape == (2, 17)

@@ -3,7 +3,7 @@ dense, and the attention-mass recall of its trained indexer vs an untrained one,
 
     python experiments/2026-11-29_m3_small/eval_long.py [--ctx 4096 8192 16384] [--docs 4]
 
-Documents: the held-out standard-library files (m3jax.train.stdlib_files), tokenized with the
+Documents: the held-out standard-library files (m3jax.data.stdlib_files), tokenized with the
 checkpoint's tokenizer and concatenated into --docs windows of ctx tokens. NLL is averaged over the
 second half of each window, where every MSA query sees far more than top-k x block tokens. Writes
 results/long_context.json and prints a markdown table.
@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
+from m3jax.data import stdlib_files
 from m3jax.generate import DEFAULT_CHECKPOINT
 from m3jax.probe import probe, with_dense_layers
-from m3jax.train import init_train_params, stdlib_files, with_index_branch
+from m3jax.train import init_train_params, with_index_branch
 
 HERE = Path(__file__).parent
 

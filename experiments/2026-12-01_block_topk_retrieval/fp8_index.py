@@ -18,7 +18,7 @@ import numpy as np
 import m3jax
 from m3jax.needle import DEFAULT_CHECKPOINT, evaluate as needle_eval, heldout_stream
 from m3jax.probe import probe
-from m3jax.train import text_encoder
+from m3jax.data import text_encoder
 
 FP8 = "float8_e4m3fn"
 

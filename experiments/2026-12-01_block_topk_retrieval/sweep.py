@@ -34,7 +34,7 @@ import numpy as np
 
 import m3jax
 from m3jax.needle import DEFAULT_CHECKPOINT, heldout_stream, needle_row
-from m3jax.train import text_encoder
+from m3jax.data import text_encoder
 
 HERE = Path(__file__).resolve().parent
 OLD_SWEEP = HERE.parent / "2026-11-29_block_topk" / "sweep.py"

@@ -103,7 +103,7 @@ def run(args) -> dict:
     import m3jax
     from m3jax.needle import DEFAULT_CHECKPOINT, heldout_stream, multi_needle_row
     from m3jax.probe import probe
-    from m3jax.train import text_encoder
+    from m3jax.data import text_encoder
 
     t0 = time.time()
     ckpt = Path(args.checkpoint or DEFAULT_CHECKPOINT)
