@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
+from m3jax.data import text_encoder
 from m3jax.msa import compare, reference
 from m3jax.needle import DEFAULT_CHECKPOINT, evaluate as needle_eval, heldout_stream
 from m3jax.probe import probe
-from m3jax.train import text_encoder
 
 try:
     from benchmarks.run_info import header, run_info
