@@ -60,7 +60,7 @@ NOTEBOOKS = {
                "later layers also see the earlier layers' changes. Numbers at 4K and on M3's shapes: "
                "`benchmarks/RESULTS.md`, section \"fp8 indexer against bf16 selections\"."),
         ("code", "res8 = probe(m3jax.M3Model(model.config.replace_text(index_score_dtype='float8_e4m3fn'), model.params),\n"
-                 "             ids, query_chunk=256)\n"
+                 "             ids, query_chunk=256, share_compilation=True)  # one compilation per layer kind\n"
                  "bs = cfg.index_block_size\nnb = -(-ids.shape[1] // bs)\n"
                  "own = (np.arange(ids.shape[1]) // bs)[None, None, :, None]\n"
                  "fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.5))\nequal = []\n"
