@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from m3jax import cli
+from m3jax.atomic import atomic_write
 from m3jax.data import KEY_RANGE, draw_keys, kv_line, plant, stdlib_files, text_encoder
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "assets" / "m3-small"
@@ -208,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    cli.refuse_overwriting_inputs(args.output_json, "--output-json", {"--checkpoint": args.checkpoint})
     import m3jax
     from m3jax.probe import with_dense_layers
 
@@ -245,7 +247,7 @@ def main(argv=None) -> dict:
         print("  needle block selected per MSA layer: "
               + ", ".join(f"{k}: {v:.2f}" for k, v in res["needle_block_selected"].items()))
     if args.output_json:
-        args.output_json.write_text(json.dumps(res, indent=1))
+        atomic_write(args.output_json, json.dumps(res, indent=1))
     return res
 
 
