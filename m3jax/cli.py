@@ -12,6 +12,7 @@ as Unix tools do). A tool may give its own meaning to 1 (``m3jax.plan``: the pla
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -272,3 +273,41 @@ def refuse_overwriting_inputs(output: Path | None, flag: str, inputs: dict[str, 
         if same or inside:
             raise UsageError(f"{flag} {out} would overwrite {what} {p}{' (a file in it)' if inside else ''}, an input "
                              "of this run; write it elsewhere")
+
+
+# Short names for --config-override; any other TextConfig field is given by its own name.
+OVERRIDE_ALIASES = {"block": "index_block_size", "topk": "index_topk_blocks"}
+CONFIG_OVERRIDE_HELP = ("text-config fields for this run, e.g. block=128,topk=4 or index_cache_dtype=float8_e4m3fn "
+                        "or index_score_dtype=float8_e4m3fn (the fp8 indexer)")
+
+
+def parse_overrides(text: str) -> dict:
+    """``block=128,topk=4`` -> {"index_block_size": 128, "index_topk_blocks": 4}; values that read as
+    integers are integers (e.g. ``index_cache_dtype=float8_e4m3fn`` stays a string)."""
+    out = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value pairs separated by commas, got {part!r}")
+        value = value.strip()
+        try:
+            parsed: int | str = int(value)
+        except ValueError:
+            parsed = value
+        out[OVERRIDE_ALIASES.get(name.strip(), name.strip())] = parsed
+    return out
+
+
+def apply_overrides(cfg, overrides: dict):
+    """``cfg`` (an M3Config) with the ``--config-override`` text fields set; an unknown field, or a value
+    the config refuses (its message names the field), is a UsageError."""
+    if not overrides:
+        return cfg
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cfg.text)})
+    if unknown:
+        raise UsageError(f"--config-override: {unknown} are not text-config fields "
+                         f"(short names: {', '.join(OVERRIDE_ALIASES)})")
+    try:
+        return cfg.replace_text(**overrides)
+    except (TypeError, ValueError) as e:  # a value of the wrong type (rope_theta=abc) fails in the config's checks
+        raise UsageError(f"--config-override {overrides}: {e}") from None

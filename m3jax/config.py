@@ -31,6 +31,10 @@ MOE_IMPLS = ("auto", "ragged_dot", "pallas")
 # Storage of the MSA index-key cache: "bfloat16" keeps the index keys at the cache's dtype (bf16 when
 # serving), "float8_e4m3fn" rounds them to fp8 e4m3 (half the bytes of the decode index scan).
 INDEX_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
+# The index product (the lightning indexer's dot products): "bfloat16" multiplies the index queries and
+# keys as they are (the model as released); "float8_e4m3fn" is the fp8 indexer, an fp8 x fp8 product of
+# per-row scaled e4m3 queries and keys (m3jax.msa.reference.fp8_dot_scores).
+INDEX_SCORE_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 FULL_ATTENTION = "full_attention"
 SPARSE_ATTENTION = "minimax_m3_sparse"
@@ -104,6 +108,9 @@ class TextConfig:
     # "float8_e4m3fn" applies everywhere the index keys are read (reference, kernels, cache), so a
     # forward pass and a cached decode select from the same rounded keys.
     index_cache_dtype: str = "bfloat16"
+    # Research knob (not in any checkpoint): the index product, one of INDEX_SCORE_DTYPES. The jnp
+    # reference computes it on every backend; the MSA kernels take "bfloat16" only.
+    index_score_dtype: str = "bfloat16"
     bos_token_id: int | None = 200034
     eos_token_id: int | tuple[int, ...] | None = 200020
 
@@ -125,6 +132,9 @@ class TextConfig:
         if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
             raise UnsupportedConfigError(
                 f"index_cache_dtype={self.index_cache_dtype!r}; choose one of {INDEX_CACHE_DTYPES}")
+        if self.index_score_dtype not in INDEX_SCORE_DTYPES:
+            raise UnsupportedConfigError(
+                f"index_score_dtype={self.index_score_dtype!r}; choose one of {INDEX_SCORE_DTYPES}")
         bad = set(self.mlp_layer_types) - {"dense", "sparse"}
         if bad:
             raise UnsupportedConfigError(f"text_config.mlp_layer_types has unknown entries {sorted(bad)}")
@@ -264,6 +274,11 @@ class M3Config:
             raise UnsupportedConfigError(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
         if self.moe_impl not in MOE_IMPLS:
             raise UnsupportedConfigError(f"moe_impl={self.moe_impl!r}; choose one of {MOE_IMPLS}")
+        if self.attention_impl == "pallas" and self.text.index_score_dtype != "bfloat16":
+            # the MSA kernels multiply bf16 index operands: never a bf16 product under an fp8 setting
+            raise UnsupportedConfigError(
+                f"attention_impl='pallas' with index_score_dtype={self.text.index_score_dtype!r}: the fp8 indexer "
+                "has no kernel; use attention_impl='reference' or 'auto' (which runs the jnp reference)")
 
     def replace(self, **changes) -> "M3Config":
         return dataclasses.replace(self, **changes)

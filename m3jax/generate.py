@@ -143,6 +143,8 @@ def parse_args(argv=None):
                     help="decode steps one compiled call runs (tokens stream N at a time; the host's per-call cost "
                          "is paid once per N tokens; 1 = a call per token)")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "dense_mask", "pallas"])
+    ap.add_argument("--config-override", type=cli.parse_overrides, default={}, metavar="K=V,...",
+                    help=cli.CONFIG_OVERRIDE_HELP)
     ap.add_argument("--devices", type=cli.positive_int, default=None,
                     help="devices to run on, the first N visible (default: all of them, or D*M with --mesh); "
                          "1 = the plain single-device path")
@@ -414,7 +416,8 @@ def main(argv=None) -> dict:
 def _generate(args) -> dict:
     if args.checkpoint is None and args.config is None:
         args.checkpoint = DEFAULT_CHECKPOINT
-    cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
+    cfg = cli.apply_overrides(load_config(args.checkpoint) if args.checkpoint else preset(args.config),
+                              args.config_override)
     if args.allow_beyond_max_position:
         cfg = cfg.replace_text(max_position_embeddings=max(args.ctx, cfg.text.max_position_embeddings))
     elif args.ctx > cfg.text.max_position_embeddings:

@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from m3jax.cache import LayerCache, cached_index_keys
+from m3jax.cache import LayerCache, cached_block_scores, cached_index_keys
 from m3jax.config import M3Config, TextConfig, UnsupportedConfigError
 from m3jax.mesh_axes import MODEL
 from m3jax.msa import kernels, parallel, reference
@@ -34,8 +34,8 @@ def forced_blocks(cfg: TextConfig, layer: int) -> tuple[tuple[int, ...], tuple[i
 
 def scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
     """Index block scores of one query chunk: fp32 [B, K, C, nb] (see :func:`reference.block_scores`), from
-    the index keys as the cache holds them (``cfg.index_cache_dtype``)."""
-    return reference.block_scores(iq, cached_index_keys(ik, cfg), q_pos, cfg.index_block_size)
+    the index keys as the cache holds them (``cfg.index_cache_dtype``), in ``cfg.index_score_dtype``."""
+    return cached_block_scores(iq, ik, q_pos, cfg)
 
 
 def select_from_scores(block_scores: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
@@ -110,8 +110,8 @@ def _reference_local(cfg: TextConfig, query_chunk: int) -> parallel.Local:
     """Per-device pieces of the jnp variant's context-parallel prefill, in query chunks."""
     bs = cfg.index_block_size
 
-    def local_scores(iq, keys, local_len):
-        return reference.block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, bs)
+    def local_scores(iq, keys, local_len):  # fp8 index pages upcast (exact); scores in cfg.index_score_dtype
+        return cached_block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, cfg)
 
     def local_attend(q, keys, local_sel, local_len):
         return reference.sparse_attention(q, keys[0], keys[1], local_sel, jnp.maximum(local_len - 1, 0), bs,
