@@ -428,7 +428,7 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
         jax.block_until_ready(m)
         times.append(time.time() - t0)
     per_step = float(np.median(times[2:]))
-    n_evals_share = 1.15  # evaluations every eval_every steps + checkpoints, measured at about 10-15 %
+    n_evals_share = 1.15  # a margin for the evaluations every eval_every steps and the checkpoints
     steps = int(args.time_budget / (per_step * n_evals_share))
     print(f"timing: {per_step * 1e3:.0f} ms/step after compile ({times[0]:.1f}s first step)", flush=True)
     return max(steps, 10)
