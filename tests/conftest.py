@@ -21,8 +21,8 @@ from m3jax.pallas.tolerances import TOL as TOLERANCES
 # CPU computations run inline, not dispatched to XLA's worker pool. The Mosaic GPU interpreter's host
 # callbacks dispatch JAX ops of their own (jax 0.11.2: barrier deallocation indexes a jax.Array); with
 # async dispatch on two cores, a callback waiting on the pool while the test's next op held it
-# deadlocked a clean-clone run (2026-12-02, test_moe_layer_warp_specialized_matches_ragged_dot, all
-# threads in futex waits).
+# deadlocked a clean-clone run (test_moe_layer_warp_specialized_matches_ragged_dot, all threads in
+# futex waits).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 ROOT = Path(__file__).resolve().parent.parent
