@@ -434,7 +434,6 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
     return max(steps, 10)
 
 
-
 # --------------------------------------------------------------------------------------------------
 # main, step by step
 
@@ -623,8 +622,11 @@ class Evaluator:
             # Held-out rows with the tasks, loss on the answers only: the retrieval learning curve. The text
             # batches get an all-ones mask so both kinds share one compiled eval step.
             self.evals = [{**b, "mask": np.ones(b["tokens"][:, 1:].shape, np.float32)} for b in text]
-            self.task_evals = [data.retrieval_batch(run.held_stream, i, args.batch, args.seq_len, args.seed, run.encode,
-                                                    args.kv_per_1k, answers_only=True) for i in range(args.eval_batches)]
+            self.task_evals = [
+                data.retrieval_batch(run.held_stream, i, args.batch, args.seq_len, args.seed, run.encode,
+                                     args.kv_per_1k, answers_only=True)
+                for i in range(args.eval_batches)
+            ]
 
     def recall(self, params) -> dict[int, float]:
         return mean_recall(params, self.cfg, self.probe_tokens)
@@ -705,9 +707,9 @@ def write_summary(run: Run, state: TrainState, params: dict, index_init: list, e
     """OUT/summary.json (also printed): the run's settings, held-out losses and, with MSA layers, the
     recall of the trained index branch against the one it started from."""
     args, cfg = run.args, run.cfg
-    summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
-               "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
-               "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1),
+    summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps,
+               "config": args.config, "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks,
+               "seq_len": args.seq_len, "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1),
                "save_format": args.save_format, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     rec = None
     if cfg.text.has_sparse_layers:

@@ -46,5 +46,6 @@ def test_layout_table_names_only_what_exists():
         if not (ROOT / path).exists():
             stale.append(path)
         elif path.endswith("/"):
-            stale += [f"{path}{name}" for name in re.findall(r"`([\w.]+\.py)`", what) if not (ROOT / path / name).exists()]
+            named = re.findall(r"`([\w.]+\.py)`", what)
+            stale += [f"{path}{name}" for name in named if not (ROOT / path / name).exists()]
     assert not stale, f"README's layout table names {stale}, which do not exist"
