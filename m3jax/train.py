@@ -168,6 +168,7 @@ def init_state(params: dict, tx: optax.GradientTransformation) -> TrainState:
 
 
 
+# TODO(custom_vjp): a backward pass for the Pallas MSA kernels, so that training can run them.
 def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str):
     """:func:`m3jax.model.decoder_layer`'s attention hook in training: (out [B, T, D], aux) with aux
     (kl_sum, kl_rows) on MSA layers and None on dense ones.
