@@ -37,9 +37,9 @@ Compiled programs are also kept in memory for the process (a second engine reuse
 :func:`clear` drops those (a benchmark's "second run" in one process). Nothing is evicted from the
 folder: entries of older sources are never read again, and the folder can be deleted at any time.
 
-A hit does not trace the model, so the kernels' self-check (:mod:`m3jax.selfcheck`, consulted while
+A hit does not trace the model, so the kernels' self-check (:mod:`m3jax.pallas.verdicts`, consulted while
 tracing) is not asked again: the stored program is the one built when the checks had passed for the
-same sources, JAX version and device kind, which is what their verdicts are keyed on too.
+same sources, JAX version and device kind, which their verdicts are keyed on too (with the driver).
 """
 
 from __future__ import annotations

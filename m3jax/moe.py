@@ -100,7 +100,7 @@ def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight, weights: 
         return None
     from m3jax.pallas._backend import on_gpu
     from m3jax.pallas.grouped_matmul import mxfp8_unsupported_reason
-    from m3jax.selfcheck import kernel_failure
+    from m3jax.pallas.verdicts import kernel_failure
 
     if impl == "auto" and not on_gpu():
         return None
@@ -169,8 +169,8 @@ def resolve_moe_impl(impl: str, xs: jax.Array, w: jax.Array | MXFP8Weight) -> st
         (m, k), (g, _, n) = xs.shape, w.shape
         reason = unsupported_reason(m, k, n, g, _grouped_matmul_config(m, w))
     shape_reason = reason
-    if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.selfcheck, which warns)
-        from m3jax.selfcheck import kernel_failure
+    if reason is None:  # a kernel that fails its canary on this GPU is not used (m3jax.pallas.verdicts, which warns)
+        from m3jax.pallas.verdicts import kernel_failure
 
         reason = kernel_failure("grouped_matmul")
     if impl == "pallas":

@@ -1,9 +1,13 @@
-"""m3jax.selfcheck: verdict keys and the JSON cache, the fallback of a failing kernel (fake kernel /
-reference pairs standing in for a GPU), the comparison rules, and one real canary in interpret mode."""
+"""The self-check (m3jax.pallas.verdicts, m3jax.selfcheck): verdict keys and the JSON cache, the fallback
+of a failing kernel (fake kernel / reference pairs standing in for a GPU), a canary that hangs in its
+worker process, targets the kernels refuse, the comparison rules, and real canaries in interpret mode.
+All of it describes a CPU machine standing in for a GPU (device_key / on_gpu patched)."""
 
 from __future__ import annotations
 
 import json
+import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,80 +15,94 @@ import numpy as np
 import pytest
 
 from m3jax import selfcheck
-from m3jax.pallas import _backend
+from m3jax.pallas import _backend, canaries, verdicts
+from tests import selfcheck_canaries
 
-FAKE_GPU = {"device": "NVIDIA B200 (sm_100)", "target": "sm_100a"}
+FAKE_GPU = {"device": "NVIDIA B200 (sm_100)", "target": "sm_100a", "driver": "cuda 13000"}
 
 
 @pytest.fixture
-def fake(tmp_path, monkeypatch):
-    """A fake kernel "fake" on a fake GPU, its verdicts in tmp_path; ``fake.out`` is what the kernel
-    returns (the reference returns [1, 2, 3]); ``fake.runs`` counts canary runs."""
+def gpu(tmp_path, monkeypatch):
+    """A fake GPU (its device key) with its verdicts in tmp_path and a fresh process state."""
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(selfcheck, "_MEMO", {})
-    monkeypatch.setattr(selfcheck, "_WARNED", set())
-    monkeypatch.setattr(selfcheck, "_SOURCE_HASHES", {})
+    monkeypatch.setattr(verdicts, "_MEMO", {})
+    monkeypatch.setattr(verdicts, "_WARNED", set())
+    monkeypatch.setattr(verdicts, "_SOURCE_HASHES", {})
     dev = dict(FAKE_GPU)
-    monkeypatch.setattr(selfcheck, "device_key", lambda: dict(dev))
+    monkeypatch.setattr(verdicts, "device_key", lambda: dict(dev))
+    monkeypatch.setattr(_backend, "current_target", lambda: _backend.BLACKWELL)
+    return dev
+
+
+@pytest.fixture
+def fake(gpu, tmp_path, monkeypatch):
+    """A fake kernel "fake" (one path, "p") run in this process; ``fake.out`` is what the kernel returns
+    (the reference returns [1, 2, 3]); ``fake.runs`` counts canary runs."""
+    monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [verdicts.run_canary(c, dev) for c in cs])
     src = tmp_path / "fake_kernel.py"
     src.write_text("# version 1\n")
 
     class State:
         runs = 0
         out = jnp.array([1.0, 2.0, 3.0])
-        device = dev
+        device = gpu
         source = src
 
     def run():
         State.runs += 1
         if isinstance(State.out, Exception):
             raise State.out
-        return State.out + 0, jnp.array([1.0, 2.0, 3.0])  # binds a primitive: a tracer inside a trace
+        return State.out, jnp.array([1.0, 2.0, 3.0])
 
-    monkeypatch.setitem(selfcheck.CANARIES, "fake", selfcheck.Canary("fake", run, (src,), 1e-3))
+    monkeypatch.setitem(canaries.TOLERANCES, "fake", 1e-3)
+    monkeypatch.setitem(canaries.CANARIES, "fake@p", canaries.Canary("fake", "p", run, (src,)))
     return State
 
 
-def test_verdict_cached_per_device_jax_and_source(fake, monkeypatch):
-    assert selfcheck.check("fake").passed and fake.runs == 1
-    assert selfcheck.check("fake").passed and fake.runs == 1  # this process's memo
-    monkeypatch.setattr(selfcheck, "_MEMO", {})
-    v = selfcheck.check("fake")  # a new process: the JSON file
-    assert v.passed and v.cached and v.target == "sm_100a" and fake.runs == 1
-    entries = json.loads(selfcheck.cache_path().read_text())["verdicts"]
+def _fresh_process(monkeypatch):
+    monkeypatch.setattr(verdicts, "_MEMO", {})
+    monkeypatch.setattr(verdicts, "_SOURCE_HASHES", {})
+
+
+def test_verdict_cached_per_device_driver_jax_and_source(fake, monkeypatch):
+    (c,) = canaries.of_kernel("fake")
+    assert verdicts.check([c])[0].passed and fake.runs == 1
+    assert verdicts.check([c])[0].passed and fake.runs == 1  # this process's memo
+    _fresh_process(monkeypatch)
+    (v,) = verdicts.check([c])  # a new process: the JSON file
+    assert v.passed and v.cached and v.target == "sm_100a" and v.canary == "fake@p" and fake.runs == 1
+    entries = json.loads(verdicts.cache_path().read_text())["verdicts"]
     assert len(entries) == 1 and "NVIDIA B200 (sm_100)" in next(iter(entries))
 
     fake.source.write_text("# version 2\n")  # the kernel's source changed, seen by a new process
-    monkeypatch.setattr(selfcheck, "_MEMO", {})
-    monkeypatch.setattr(selfcheck, "_SOURCE_HASHES", {})
-    assert not selfcheck.check("fake").cached and fake.runs == 2
-    fake.device["device"] = "NVIDIA H200 (sm_90)"  # another GPU
-    selfcheck.check("fake")
-    assert fake.runs == 3
-    monkeypatch.setattr(jax, "__version__", "0.0.1")  # another JAX
-    selfcheck.check("fake")
+    _fresh_process(monkeypatch)
+    assert not verdicts.check([c])[0].cached and fake.runs == 2
+    for field, value in (("device", "NVIDIA H200 (sm_90)"), ("driver", "cuda 13010")):  # another GPU, driver
+        fake.device[field] = value
+        verdicts.check([c])
     assert fake.runs == 4
-    selfcheck.check("fake", force=True)
+    monkeypatch.setattr(jax, "__version__", "0.0.1")  # another JAX
+    verdicts.check([c])
     assert fake.runs == 5
-    assert len(json.loads(selfcheck.cache_path().read_text())["verdicts"]) == 4
+    verdicts.check([c], force=True)
+    assert fake.runs == 6
+    assert len(json.loads(verdicts.cache_path().read_text())["verdicts"]) == 5
 
 
-def test_failing_canary_is_not_used_and_warns_once(fake, monkeypatch):
+def test_failing_canary_is_not_used_and_warns_once(fake):
     fake.out = jnp.array([1.0, 2.5, 3.0])
-    with pytest.warns(RuntimeWarning, match=r"the fake kernel failed its self-check on NVIDIA B200.*max \|error\| 0\.5"):
-        reason = selfcheck.kernel_failure("fake")
-    assert "fake" in reason and "0.5" in reason
-    import warnings
-
+    with pytest.warns(RuntimeWarning, match=r"the fake kernel failed its self-check at fake@p on NVIDIA B200.*0\.5"):
+        reason = verdicts.kernel_failure("fake")
+    assert "fake@p" in reason and "0.5" in reason
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert selfcheck.kernel_failure("fake") == reason  # no second warning, no rerun
+        assert verdicts.kernel_failure("fake") == reason  # no second warning, no rerun
     assert fake.runs == 1
 
     # A kernel that raises (e.g. ptxas refusing an instruction) fails with the error's first line.
     fake.out = RuntimeError("ptxas: wgmma not supported on sm_100a\nmore")
-    v = selfcheck.check("fake", force=True)
-    assert not v.passed and v.error == "RuntimeError: ptxas: wgmma not supported on sm_100a"
+    (v,) = verdicts.check(canaries.of_kernel("fake"), force=True)
+    assert v.status == "fail" and v.error == "RuntimeError: ptxas: wgmma not supported on sm_100a"
 
 
 def test_model_hooks_fall_back(fake, monkeypatch):
@@ -93,9 +111,8 @@ def test_model_hooks_fall_back(fake, monkeypatch):
     from tests.conftest import tiny_text
 
     fake.out = jnp.array([0.0, 0.0, 0.0])
-    monkeypatch.setitem(selfcheck.CANARIES, "grouped_matmul", selfcheck.CANARIES["fake"])
-    monkeypatch.setattr(selfcheck, "MSA_PREFILL_KERNELS", ("fake",))
-    monkeypatch.setattr(selfcheck, "MSA_DECODE_KERNELS", ("fake",))
+    monkeypatch.setattr(canaries, "of_kernel", lambda kernel: [canaries.CANARIES["fake@p"]])  # every kernel is fake
+    monkeypatch.setattr(verdicts, "of_kernel", canaries.of_kernel)
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
     x, w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
     with pytest.warns(RuntimeWarning, match="grouped_matmul kernel failed"):
@@ -104,58 +121,122 @@ def test_model_hooks_fall_back(fake, monkeypatch):
         moe.resolve_moe_impl("pallas", x, w)
     cfg = tiny_text(num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_head_dim=64,
                     index_block_size=64)
-    with pytest.warns(RuntimeWarning, match="fake kernel failed"):
-        assert "fake kernel failed" in kernels.unsupported_reason(cfg)
-    assert "fake kernel failed" in kernels.decode_unsupported_reason(cfg)  # warned once already
+    with pytest.warns(RuntimeWarning, match="index_scores kernel failed"):
+        assert "index_scores kernel failed" in kernels.unsupported_reason(cfg)
+    with pytest.warns(RuntimeWarning, match="decode_index_scores kernel failed"):
+        assert "decode_index_scores kernel failed" in kernels.decode_unsupported_reason(cfg)
+
+
+def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monkeypatch):
+    # The real worker process: its first canary passes, the second one sleeps past a 3 s deadline (the
+    # worker is killed), the third, in a new worker, ends its process. The model asks while tracing
+    # (moe.resolve_moe_impl runs inside the jitted forward): the worker runs outside the trace.
+    monkeypatch.setenv("M3JAX_SELFCHECK_DEADLINE", "3")
+    for name, c in selfcheck_canaries.CANARIES.items():
+        monkeypatch.setitem(canaries.CANARIES, name, c)
+    seen = []
+
+    def f(x):
+        seen.append(verdicts.kernel_failure("hang_test"))
+        return x + 1
+
+    t0 = time.perf_counter()
+    hung_warning = r"hang_test kernel hung in its self-check at hang_test@sleeps .*3 s deadline"
+    with pytest.warns(RuntimeWarning, match=hung_warning):
+        jax.jit(f).trace(jnp.zeros(3))
+    elapsed = time.perf_counter() - t0
+    assert "hung" in seen[0] and elapsed < 3 + 2 * verdicts._STARTUP_S
+    ok, hung, died = verdicts.check(canaries.of_kernel("hang_test"))  # this process's memo: nothing runs again
+    assert (ok.status, hung.status, died.status) == ("pass", "hung", "fail") and 3 <= hung.seconds < 10
+    assert "worker process ended" in died.error
+    stored = json.loads(verdicts.cache_path().read_text())["verdicts"]
+    assert sorted(v["status"] for v in stored.values()) == ["fail", "hung", "pass"]
+
+
+def test_refused_targets(gpu, monkeypatch):
+    assert _backend.target_of("9.0") is _backend.HOPPER
+    assert _backend.target_of("10.0") is _backend.BLACKWELL and _backend.target_of("10.3") is _backend.BLACKWELL
+    sm120 = _backend.target_of("12.0")
+    assert sm120.mma == "none" and sm120.smem_bytes < 102_400 and "neither wgmma nor tcgen05" in sm120.refused
+    future = _backend.target_of("11.0")
+    assert future.name == "sm_110" and "compute capability 11.0 is not a target" in future.refused
+
+    monkeypatch.setattr(_backend, "current_target", lambda: sm120)
+    monkeypatch.setattr(verdicts, "run_isolated", lambda *a: pytest.fail("no canary runs on a refused target"))
+    with pytest.warns(RuntimeWarning, match="kernels are not used on NVIDIA B200.*neither wgmma nor tcgen05"):
+        assert "neither wgmma" in verdicts.kernel_failure("grouped_matmul")
+    assert "neither wgmma" in verdicts.kernel_failure("index_scores")  # warned once
 
 
 def test_off_gpu_nothing_is_checked(fake, monkeypatch):
-    monkeypatch.setattr(selfcheck, "device_key", lambda: {"device": "cpu interpret", "target": "interpret"})
+    monkeypatch.setattr(verdicts, "device_key", lambda: {"device": "cpu interpret", "target": "interpret"})
     fake.out = jnp.zeros(3)
-    assert selfcheck.kernel_failure("fake") is None and fake.runs == 0
+    assert verdicts.kernel_failure("fake") is None and fake.runs == 0
 
 
-def test_unreadable_cache_is_rewritten(fake):
-    selfcheck.cache_path().parent.mkdir(parents=True)
-    selfcheck.cache_path().write_text("{not json")
-    assert selfcheck.check("fake").passed and fake.runs == 1
-    assert len(json.loads(selfcheck.cache_path().read_text())["verdicts"]) == 1
+@pytest.mark.parametrize("text", ["{not json", '{"verdicts": {"a": 1', '{"verdicts": [1]}', "[]"])
+def test_malformed_cache_is_ignored_with_a_warning_and_rewritten(fake, text):
+    verdicts.cache_path().parent.mkdir(parents=True)
+    verdicts.cache_path().write_text(text)
+    with pytest.warns(RuntimeWarning, match="ignoring the verdict cache"):
+        assert verdicts.check(canaries.of_kernel("fake"))[0].passed and fake.runs == 1
+    assert len(json.loads(verdicts.cache_path().read_text())["verdicts"]) == 1
+    assert not list(verdicts.cache_path().parent.glob("*.tmp"))
 
 
 def test_compare_rules():
     inf = -np.inf
-    assert selfcheck.compare(np.array([inf, 1.0]), np.array([inf, 1.0001]), 2e-4)[0]
-    ok, err, why = selfcheck.compare(np.array([0.0, 1.0], np.float32), np.array([inf, 1.0], np.float32), 2e-4)
+    assert canaries.compare(np.array([inf, 1.0]), np.array([inf, 1.0001]), 2e-4)[0]
+    ok, err, why = canaries.compare(np.array([0.0, 1.0], np.float32), np.array([inf, 1.0], np.float32), 2e-4)
     assert not ok and "-inf" in why
-    assert not selfcheck.compare(np.array([np.nan, 1.0]), np.array([0.0, 1.0]), 1.0)[0]
-    ok, err, why = selfcheck.compare(np.array([3, 1, -1], np.int32), np.array([1, 3, -1], np.int32), None)
+    assert not canaries.compare(np.array([np.nan, 1.0]), np.array([0.0, 1.0]), 1.0)[0]
+    ok, err, why = canaries.compare(np.array([3, 1, -1], np.int32), np.array([1, 3, -1], np.int32), None)
     assert not ok and err == 2 and "2 of 3" in why
-    assert not selfcheck.compare(np.zeros(3, np.int32), np.zeros(3, np.float32), None)[0]  # dtypes differ
+    assert not canaries.compare(np.zeros(3, np.int32), np.zeros(3, np.float32), None)[0]  # dtypes differ
 
 
-def test_cli_runs_a_real_canary_in_interpret_mode(tmp_path, monkeypatch, capsys):
+def test_every_tcgen05_kernel_has_a_canary_at_m3s_tile_path():
+    m3 = {c.kernel for c in canaries.CANARIES.values() if c.m3}
+    assert {"index_scores", "sparse_attention_kv_major", "decode_index_scores", "sparse_decode_attention",
+            "grouped_matmul"} <= m3
+    assert set(canaries.MSA_PREFILL_KERNELS + canaries.MSA_DECODE_KERNELS) <= set(canaries.KERNELS)
+
+
+def test_cli_runs_real_canaries_in_interpret_mode(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(selfcheck, "_MEMO", {})
+    monkeypatch.setattr(verdicts, "_MEMO", {})
     out = tmp_path / "selfcheck.out.json"
-    assert selfcheck.main(["--kernels", "decode_index_scores", "--json", str(out)]) == 0
+    assert selfcheck.main(["--kernels", "decode_index_scores@b64-m64", "--json", str(out)]) == 0
     (v,) = json.loads(out.read_text())["verdicts"]
-    assert v["kernel"] == "decode_index_scores" and v["target"] == "interpret" and v["passed"]
+    assert v["canary"] == "decode_index_scores@b64-m64" and v["target"] == "interpret" and v["status"] == "pass"
     assert v["max_error"] <= 2e-4
     table = capsys.readouterr().out
-    assert "decode_index_scores" in table and "pass" in table
+    assert "decode_index_scores@b64-m64" in table and "pass" in table
+    with pytest.raises(SystemExit):
+        selfcheck.main(["--kernels", "no_such_kernel"])
+    with pytest.raises(SystemExit):
+        selfcheck.main(["--full"])  # --report is required
+    assert "unknown kernels or canaries ['no_such_kernel']" in capsys.readouterr().err
 
 
-def test_canary_runs_eagerly_when_asked_inside_a_jit_trace(fake):
-    # The model asks while tracing (moe.resolve_moe_impl runs inside the jitted forward): the canary
-    # runs in its own thread, outside the trace, on concrete arrays.
-    seen = []
+def test_full_report(tmp_path, monkeypatch):
+    # Every canary afresh, written to one JSON report (the canaries stubbed: the CLI's report, not the kernels).
+    monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(verdicts, "_MEMO", {})
+    dev = {"device": "cpu interpret", "target": "interpret", "driver": "-"}
+    ran = []
 
-    def f(x):
-        seen.append(selfcheck.kernel_failure("fake"))
-        return x + 1
+    def stub(cs, dev):
+        ran.extend(c.name for c in cs)
+        return [verdicts.Verdict(c.name, dev["target"], dev["device"], "pass", 0.0, 0.1) for c in cs]
 
-    jax.jit(f).trace(jnp.zeros(3))
-    assert seen == [None] and fake.runs == 1
+    monkeypatch.setattr(verdicts, "run_isolated", stub)
+    report = tmp_path / "report.json"
+    assert selfcheck.main(["--full", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert ran == list(canaries.CANARIES) and data["passed"] and data["device"] == dev
+    assert {v["canary"] for v in data["verdicts"] if v["m3"]} >= {"decode_index_scores@b128-m128-n8"}
+    assert selfcheck.main(["--full", "--report", str(report)]) == 0 and len(ran) == 2 * len(canaries.CANARIES)
 
 
 def test_canaries_run_the_blackwell_variants_on_blackwell(monkeypatch):
@@ -173,7 +254,8 @@ def test_canaries_run_the_blackwell_variants_on_blackwell(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, _n=name, _f=fn, **kw: ran.add(_n) or _f(*a, **kw))
     dev = {"device": "cpu interpret", "target": "interpret"}
     with _backend.interpret_as(_backend.BLACKWELL):
-        for kernel in ("index_scores", "sparse_attention_kv_major", "sparse_decode_attention"):
-            verdict = selfcheck.run_canary(selfcheck.CANARIES[kernel], dev)
+        for canary in ("index_scores@b16-hx64", "sparse_attention_kv_major@b64-h64-g8",
+                       "sparse_decode_attention@b64-h64-g8"):
+            verdict = verdicts.run_canary(canaries.CANARIES[canary], dev)
             assert verdict.passed, verdict
     assert ran == {"tcgen05_row_max", "tcgen05_tile", "sparse_decode_attention_tcgen05"}

@@ -46,9 +46,9 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
         block_size=cfg.index_block_size, dtype=dtype)
     if reason:
         return reason
-    from m3jax import selfcheck  # a kernel that fails its canary on this GPU is not used
+    from m3jax.pallas import canaries, verdicts  # a kernel that fails its canary on this GPU is not used
 
-    return selfcheck.kernel_failure(*selfcheck.MSA_PREFILL_KERNELS)
+    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS)
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:
@@ -61,9 +61,9 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
         return f"index_head_dim {cfg.index_head_dim} must be a multiple of 64 (128-byte swizzled index-key pages)"
     if cfg.head_dim % 64 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
-    from m3jax import selfcheck  # failing decode kernels: decode runs the prefill kernels over the gathered cache
+    from m3jax.pallas import canaries, verdicts  # failing decode kernels: decode runs the prefill kernels over the gathered cache
 
-    return selfcheck.kernel_failure(*selfcheck.MSA_DECODE_KERNELS)
+    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS)
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):

@@ -11,7 +11,10 @@ kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline st
 ``num_sms`` (grid sizes) and ``mma``: the grouped GEMM, the prefill and decode index scoring, the
 KV-block-major sparse attention and the sparse decode attention take their Blackwell paths (tcgen05
 into TMEM) when it is ``"tcgen05"``; the query-major attention baseline issues wgmma, a Hopper-only
-instruction, and does not run on sm_100 (``m3jax.selfcheck`` keeps a kernel off a GPU where it fails).
+instruction, and does not run on sm_100 (the self-check, :mod:`m3jax.pallas.verdicts`, keeps a kernel
+off a GPU where it fails). Other compute capabilities are named, not guessed: sm_120-class GPUs
+(``SM120``: no wgmma or tcgen05, 99 KiB of SMEM) and unknown ones get a ``Target`` with a
+``refused`` reason, and no kernel is built for them (the model takes the reference path).
 ``cluster`` and ``tma_gather`` are read by no code: they record what the rest of the port changes
 (2-CTA MMA, TMA gather; each kernel's docstring says where). :func:`lowering_for` and
 :func:`interpret_as` build the kernels for another target on a CPU (lowering tests, interpret tests).
@@ -26,7 +29,9 @@ import functools
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
 from jax.experimental.mosaic.gpu import fragmented_array
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import nvvm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +42,30 @@ class Target:
     num_sms: int
     cluster: int = 1  # CTAs cooperating on one tile (2 on Blackwell's 2-CTA MMA)
     tma_gather: bool = False  # indexed TMA of many rows in one copy (Blackwell only)
+    refused: str | None = None  # why no kernel runs on this target (the model takes the reference path)
 
 
 HOPPER = Target("sm_90a", mma="wgmma", smem_bytes=232_448, num_sms=132)
 BLACKWELL = Target("sm_100a", mma="tcgen05", smem_bytes=232_448, num_sms=148, cluster=2, tma_gather=True)
+# Consumer Blackwell (RTX 50xx, RTX PRO 6000 Blackwell): neither wgmma nor tcgen05, 99 KiB of SMEM per block.
+SM120 = Target("sm_120a", mma="none", smem_bytes=101_376, num_sms=1,  # num_sms: nothing is launched
+               refused="sm_120-class GPUs have neither wgmma nor tcgen05, which every MMA kernel here issues")
+# Compute capabilities the kernels are built for: Hopper, and the datacenter Blackwells (sm_103 runs
+# sm_100a code). Anything else is refused by name rather than guessed from its major version.
+_TARGETS = {(9, 0): HOPPER, (10, 0): BLACKWELL, (10, 3): BLACKWELL, (12, 0): SM120, (12, 1): SM120}
+
+
+def target_of(compute_capability: str) -> Target:
+    """The target of a compute capability ("10.0"); one the kernels do not know is refused by name."""
+    try:
+        major, minor = (int(x) for x in compute_capability.split("."))
+    except ValueError:
+        major = minor = None
+    if (major, minor) in _TARGETS:
+        return _TARGETS[(major, minor)]
+    return Target(f"sm_{compute_capability.replace('.', '')}", mma="none", smem_bytes=0, num_sms=1,
+                  refused=f"compute capability {compute_capability} is not a target the kernels are built for "
+                          "(sm_90a, sm_100a/sm_103a)")
 
 
 # Set by lowering_for / interpret_as: the target the kernels are built for, and whether they lower
@@ -58,8 +83,7 @@ def current_target() -> Target:
     if _target_override is not None:
         return _target_override
     if on_gpu():
-        major = int(getattr(jax.devices()[0], "compute_capability", "9.0").split(".")[0])
-        return BLACKWELL if major >= 10 else HOPPER
+        return target_of(str(getattr(jax.devices()[0], "compute_capability", "?")))
     return HOPPER
 
 
@@ -98,6 +122,27 @@ def interpret_as(target: Target):
     return _override(target, lowering=False)
 
 
+def tcgen05_thread_sync(wait: str) -> None:
+    """Hand TMEM from this warpgroup's threads to the tensor core (kernel body, not interpret mode):
+    ``tcgen05.wait::{wait}`` (this thread's TMEM loads, "ld", or stores, "st", are done),
+    ``tcgen05.fence::before_thread_sync``, the warpgroup's ``bar.sync``, then
+    ``tcgen05.fence::after_thread_sync``. The PTX ISA orders tcgen05 operations of different threads
+    only through a synchronisation bracketed by these two fences; Pallas' ``wait_load_tmem`` /
+    ``commit_tmem`` emit the wait and the ``bar.sync`` without them. Lowered through ``inline_mgpu``
+    (Pallas exposes the fences only inside its barriers with ``orders_tensor_core``)."""
+    if wait not in ("ld", "st"):
+        raise ValueError(f"tcgen05_thread_sync: wait must be 'ld' or 'st', got {wait!r}")
+
+    @plgpu.inline_mgpu()
+    def tcgen05_thread_sync(_ctx):
+        mgpu_utils.inline_ptx(f"tcgen05.wait::{wait}.sync.aligned;", has_side_effects=True)
+        nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+        mgpu_utils.warpgroup_barrier()
+        nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+    tcgen05_thread_sync()
+
+
 def tiled_layout(tiles, *, warp_dims, lane_dims, vector_dim=-1):
     """A register layout of Mosaic GPU's general tiled family (``plgpu.Layout.TILED``), for loads and
     stores whose thread-to-element map no named layout gives."""
@@ -119,6 +164,9 @@ def mosaic_kernel(body, *, interpret: bool | None = None, detect_races: bool = T
     if interpret is None:
         interpret = not on_gpu()
     if not interpret:
+        refused = current_target().refused
+        if refused:
+            raise NotImplementedError(f"Mosaic GPU kernel on {current_target().name}: {refused}")
         return plgpu.kernel(body, **kwargs)
     kernel = plgpu.kernel(body, interpret=interpret_params(detect_races), **kwargs)
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from m3jax.pallas._backend import interpreting, plgpu
+from m3jax.pallas._backend import interpreting, plgpu, tcgen05_thread_sync
 
 
 def check_dims(where: str, **arrays: tuple) -> dict[str, int]:
@@ -83,6 +83,20 @@ def bf16_split_in_kernel(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         return bf16_split(x, 2)
     hi = x.astype(jnp.bfloat16)
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def tmem_handoff(wait: str) -> None:
+    """After this warpgroup read TMEM ("ld": ``async_load_tmem``) or wrote it ("st": ``async_store_tmem``),
+    before one thread issues a tcgen05 MMA that overwrites or reads those columns: every thread's
+    loads or stores are done and ordered before the MMA, across threads, as the PTX ISA asks
+    (``tcgen05.fence::before_thread_sync`` / ``after_thread_sync`` around the ``bar.sync``:
+    :func:`m3jax.pallas._backend.tcgen05_thread_sync`). Replaces ``wait_load_tmem`` / ``commit_tmem``
+    at such a hand-off. Interpret mode has no cross-thread TMEM ordering to model: there it is
+    ``wait_load_tmem`` / ``commit_tmem``, which the interpreter simulates."""
+    if interpreting():
+        plgpu.wait_load_tmem() if wait == "ld" else plgpu.commit_tmem()
+    else:
+        tcgen05_thread_sync(wait)
 
 
 def swizzle_transforms(minor: int, itemsize: int = 2) -> tuple:

@@ -1,5 +1,5 @@
-"""The one table of kernel-vs-reference tolerances: the kernel tests, the GPU checks and the canaries of
-:mod:`m3jax.selfcheck`.
+"""The one table of kernel-vs-reference tolerances: the kernel tests, the GPU checks and the self-check's
+canaries (:mod:`m3jax.pallas.canaries`).
 
 ``TOL[(quantity, dtype)]`` is passed to ``np.testing.assert_allclose(got, ref, **TOL[...])``:
 ``|got - ref| <= atol + rtol * |ref|`` element-wise, the reference computed in fp32 at HIGHEST

@@ -603,8 +603,9 @@ def _count_mxfp8_kernel_calls(monkeypatch) -> list:
 
 def test_linear_mxfp8_takes_the_kernel_at_decode_rows(monkeypatch):
     # the MXFP8 matmuls outside the routed experts (m3jax.moe.linear): the kernel with one group up to
-    # MXFP8_KERNEL_MAX_ROWS rows, the weight dequantised at use past them, on "ragged_dot" and for "auto"
-    # off the GPU; every way the dequantised weight's product (bf16 accumulation-order tolerance)
+    # MXFP8_KERNEL_MAX_ROWS rows, the weight dequantised at use past them and on "ragged_dot"; "auto"
+    # takes the kernel on a GPU (where its canary passed) and dequantises off it (this test runs on
+    # both); every way the dequantised weight's product (bf16 accumulation-order tolerance)
     from m3jax.layers import MXFP8Weight, dequantize
     from m3jax.moe import MXFP8_KERNEL_MAX_ROWS, linear
 
@@ -618,7 +619,7 @@ def test_linear_mxfp8_takes_the_kernel_at_decode_rows(monkeypatch):
     }
     for name, (trail, w, in_axes) in weights.items():
         for rows, impl, kernel in ((3, "pallas", True), (MXFP8_KERNEL_MAX_ROWS + 1, "pallas", False),
-                                   (3, "ragged_dot", False), (3, "auto", False)):
+                                   (3, "ragged_dot", False), (3, "auto", _backend.on_gpu())):
             x = jnp.asarray(r.normal(size=(1, rows, *trail)), jnp.bfloat16)
             before = len(calls)
             got = linear(x, w, impl, in_axes=in_axes)

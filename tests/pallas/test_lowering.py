@@ -5,10 +5,11 @@
 it) and the kernels trace as on that GPU. Lowering builds and verifies the Mosaic module and emits
 its custom call; PTX and ptxas run only when XLA compiles on a GPU, so nothing here is compiled.
 
-What this shows for sm_100a: the kernels lower, and Mosaic does not refuse wgmma there. The MMA
-kernels' modules for sm_100a carry Hopper ``wgmma.mma_async`` as inline PTX, an sm_90a-only
-instruction, so on a B200 they can fail only later, at ptxas (not verifiable here: the self-check
-canary, ``python -m m3jax.selfcheck``, is where it shows); top-k has no MMA and carries none. The
+What this shows for sm_100a: the kernels lower. The query-major attention baseline, a Hopper-only
+kernel, lowers too: its module carries ``wgmma`` (and Mosaic's wgmma fences), and it is when that
+module is compiled to PTX for sm_100a that Mosaic refuses it (``nvvm.wgmma.fence.aligned`` is not
+supported there: tests/pallas/test_compile.py), so on a B200 its canary fails and the model never
+picks it; top-k has no MMA and carries none. The
 grouped GEMM, the prefill index scoring (with its fused top-k), the KV-block-major sparse attention,
 the decode index scoring and the sparse decode attention have Blackwell paths (``BLACKWELL_VARIANTS``): for sm_100a their modules carry
 ``tcgen05.mma`` and no wgmma (the lowering checks tcgen05's shape, layout and TMEM rules, which
@@ -99,6 +100,16 @@ BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_m
                       "sparse_decode_attention", "grouped_matmul"}
 
 
+# tcgen05.fence::before_thread_sync per kernel at M3's shapes: one per hand-off of TMEM from the
+# warpgroup's loads or stores to the next MMA (_common.tmem_handoff), as the PTX ISA orders them.
+# The index scoring hands its accumulator back once per key block (emitted twice: the pipeline over
+# fully visible blocks and the causally masked one), the KV-major attention S and O once per tile (also
+# emitted twice: tiles with and without a query's own block), the decode attention O's zeros, S and O's rescale once per page; the grouped GEMM reads its accumulator
+# once, after the last MMA, and frees it.
+FENCES = {"index_scores": 2, "index_topk_fused": 2, "sparse_attention_kv_major": 4, "decode_index_scores": 1,
+          "sparse_decode_attention": 3, "grouped_matmul": 0}
+
+
 def _mma_instruction(name: str, mma: bool, target) -> str | None:
     if not mma:
         return None
@@ -106,9 +117,9 @@ def _mma_instruction(name: str, mma: bool, target) -> str | None:
 
 
 def test_every_selfcheck_kernel_is_lowered_here():
-    from m3jax import selfcheck
+    from m3jax.pallas import canaries
 
-    assert set(KERNELS) == set(selfcheck.CANARIES)
+    assert set(KERNELS) == set(canaries.KERNELS)
 
 
 @pytest.fixture
@@ -144,6 +155,8 @@ def test_lowers_for_sm100a(mosaic_modules):
             want = _mma_instruction(name, mma, target)
             for instruction in ("wgmma.mma_async", "tcgen05.mma"):
                 assert any(instruction in m for m in mods) == (instruction == want), (name, instruction)
+            if name in FENCES:  # in every module of the kernel (some lower more than one)
+                assert {m.count("nvvm.tcgen05.fence <before>") for m in mods} == {FENCES[name]}, name
     assert (_backend.current_target(), _backend.on_gpu()) == before  # the override is undone
 
 

@@ -46,7 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms
+from m3jax.pallas._common import (online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms,
+                                  tmem_handoff)
 from m3jax.pallas.decode.kernel import (
     IndexScoreConfig,
     SparseDecodeConfig,
@@ -141,7 +142,7 @@ def decode_index_scores_tcgen05(
                 s = plgpu.async_load_tmem(acc_tmem[t], layout=layout)
                 s = jnp.where(row + (j * bs + t * m_tile) <= q_pos, s, -jnp.inf).max(axis=0)
                 best = s if best is None else jnp.maximum(best, s)
-            plgpu.wait_load_tmem()  # the next page's MMAs overwrite the accumulator
+            tmem_handoff("ld")  # the next page's MMAs overwrite the accumulator
             score_smem[i] = best
 
         _score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
@@ -211,7 +212,7 @@ def sparse_decode_attention_tcgen05(
         for c, w in pieces:  # O starts at 0 (TMEM is not initialised; alpha = 0 would keep a NaN)
             plgpu.async_store_tmem(o_tmem.at[:, pl.ds(c, w)],
                                    plgpu.layout_cast(jnp.zeros((m_pad, w), jnp.float32), layout))
-        plgpu.commit_tmem()
+        tmem_handoff("st")  # the first P V MMA accumulates onto these zeros
 
         m0, l0 = _softmax_start(plan, layout.reduce(1))
 
@@ -223,14 +224,14 @@ def sparse_decode_attention_tcgen05(
             plgpu.tcgen05_commit_arrive(s_bar)
             plgpu.barrier_wait(s_bar)
             s = plgpu.async_load_tmem(s_tmem, layout=layout) * plan.scale
-            plgpu.wait_load_tmem()  # the next step's S MMAs overwrite it
+            tmem_handoff("ld")  # the next step's S MMAs overwrite it
             ok = _visible(plan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
             m_new, alpha, p, l_i = online_softmax_step(jnp.where(ok, s, -jnp.inf), m_i, l_i)
             for c, w in pieces:  # O *= alpha (the last step's P V was waited for)
                 o = plgpu.async_load_tmem(o_tmem.at[:, pl.ds(c, w)], layout=layout)
                 plgpu.wait_load_tmem()  # the load is asynchronous: done before the store overwrites it
                 plgpu.async_store_tmem(o_tmem.at[:, pl.ds(c, w)], o * lax.broadcast_in_dim(alpha, o.shape, [0]))
-            plgpu.commit_tmem()  # the stores are visible to the P V MMA
+            tmem_handoff("st")  # the stores are visible to the P V MMA
             for a, part in enumerate(p_mma_parts(p, plan.n_parts, plan.dtype)):
                 p_smem[a] = part
             plgpu.commit_smem()

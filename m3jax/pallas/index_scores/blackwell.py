@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import pl, plgpu
-from m3jax.pallas._common import split_products
+from m3jax.pallas._common import split_products, tmem_handoff
 from m3jax.pallas.index_scores.row_max import RowMax
 
 ROWS = 128  # tcgen05's M per CTA (64-row MMAs use half of TMEM's lanes)
@@ -57,7 +57,7 @@ def tcgen05_row_max(n_parts: int, rows: int, bs: int) -> RowMax:
                 s = mask(s, col0, LAYOUT)
             s = s.max(axis=1)
             best = s if best is None else jnp.maximum(best, s)
-        plgpu.wait_load_tmem()  # the next block's MMAs overwrite the accumulator
+        tmem_handoff("ld")  # the next block's MMAs overwrite the accumulator
         return best
 
     scratch = (plgpu.Barrier(num_arrivals=1, orders_tensor_core=True), plgpu.TMEM((rows, bs), jnp.float32))

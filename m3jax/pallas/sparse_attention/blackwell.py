@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import pl, plgpu
-from m3jax.pallas._common import LN2, LOG2E, split_products
+from m3jax.pallas._common import LN2, LOG2E, split_products, tmem_handoff
 from m3jax.pallas.sparse_attention.tile import p_operands, row_limits
 
 ROWS = 128  # tcgen05's M per CTA
@@ -74,7 +74,7 @@ def tcgen05_tile(plan, dtype):
             parts = p_operands(p, None, n_parts, dtype)  # the 16-bit pieces, in registers
             for a, part in enumerate(parts):
                 (p_smem if n_parts == 1 else p_smem.at[a]).at[:, pl.ds(c, w)][...] = part
-        plgpu.wait_load_tmem()  # the next tile's S MMAs overwrite S
+        tmem_handoff("ld")  # the next tile's S MMAs overwrite S
         plgpu.commit_smem()  # P's stores are visible to the MMA
         for n, (a, c) in enumerate(prods):
             p_tile = p_smem if n_parts == 1 else p_smem.at[a]
@@ -85,7 +85,7 @@ def tcgen05_tile(plan, dtype):
         for c, w in _pieces(h):
             o = plgpu.async_load_tmem(o_tmem.at[:, pl.ds(c, w)], layout=LAYOUT)
             o_smem.at[:, pl.ds(c, w)][...] = (o * lax.broadcast_in_dim(inv, o.shape, [0])).astype(o_smem.dtype)
-        plgpu.wait_load_tmem()  # the next tile's P V MMAs overwrite O
+        tmem_handoff("ld")  # the next tile's P V MMAs overwrite O
         return (mx + jnp.log2(l)) * LN2
 
     scratch = [plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),

@@ -1,0 +1,278 @@
+"""The self-check canaries: each Mosaic GPU kernel, at each tile path the model takes, on one tiny case
+run through the kernel and through the jnp reference beside it (``m3jax/pallas/<op>/reference.py``),
+compared at the kernel's tolerance (docs/MSA.md §4.3).
+
+A canary is a (kernel, path) pair. The path names the tile shape that selects the kernel's code path:
+the decode index scoring takes a 64-row MMA with half-lane TMEM reads below block 128 and a 128-row
+MMA with N = 8 query rows at block 128 (M3); the prefill index scoring and the KV-major attention
+change their MMA shapes and swizzles with the block and the head dim. Paths marked ``m3`` are the
+ones M3 (block 128, head dim 128, G 16, 4 index heads) runs. :mod:`m3jax.pallas.verdicts` runs them
+(in a worker process with a deadline) and keeps their verdicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.pallas.tolerances import TOL
+
+_PALLAS = Path(__file__).resolve().parent
+# Hashed into every verdict's key with the kernel's own files: the backend layer, the shared kernel
+# helpers, the tolerance table, the maths the references compute, and this file (the canary cases).
+SHARED_SOURCES = (_PALLAS / "_backend.py", _PALLAS / "_common.py", _PALLAS / "tolerances.py",
+                  _PALLAS.parent / "msa" / "reference.py", Path(__file__).resolve())
+
+# Canary tolerances: |got - ref| <= tol + tol * |ref| element-wise; None = exact. The bf16 rows of the
+# kernel tests' table (m3jax/pallas/tolerances.py, docs/MSA.md §4.3): attention canaries use bf16 inputs
+# (the model's dtype). The grouped GEMM's inputs are small integers, so its fp32 sums are exact and both
+# sides round them to bf16 identically: any difference is a kernel error, the 1e-2 only absorbs a
+# different (valid) rounding of the output.
+TOLERANCES: dict[str, float | None] = {
+    "index_scores": TOL[("index_scores", "bfloat16")]["atol"],
+    "index_topk_fused": None,
+    "topk_blockmajor": None,
+    "topk_rowsplit": None,
+    "sparse_attention_kv_major": TOL[("attention", "bfloat16")]["atol"],
+    "sparse_attention_query_major": TOL[("attention", "bfloat16")]["atol"],
+    "decode_index_scores": TOL[("index_scores", "bfloat16")]["atol"],
+    "sparse_decode_attention": TOL[("decode_attention", "bfloat16")]["atol"],
+    "grouped_matmul": 1e-2,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Canary:
+    """``run() -> (got, ref)``: the kernel's and the reference's outputs on one tiny case at one path."""
+
+    kernel: str
+    path: str  # the tile shape that picks the kernel's code path
+    run: Callable[[], tuple[jax.Array, jax.Array]]
+    sources: tuple[Path, ...]  # files whose contents key the verdict (with SHARED_SOURCES)
+    m3: bool = False  # M3's own tile path
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}@{self.path}"
+
+    @property
+    def tol(self) -> float | None:
+        return TOLERANCES.get(self.kernel)  # a kernel not in the table (a test's) compares exactly
+
+
+def _normal(rng, shape, dtype=jnp.bfloat16):
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def _ints(rng, shape, lo=-3, hi=3, dtype=jnp.bfloat16):
+    """Small integers: products and sums are exact in fp32 whatever the accumulation order, so scores
+    have exact ties but no near-ties (a kernel and the reference must then pick the same blocks)."""
+    return jnp.asarray(rng.integers(lo, hi + 1, shape).astype(np.float32)).astype(dtype)
+
+
+def _index_inputs(rng, integer=False, hi=2, hx=64, bs=16, t=24, prefix=64, tail=0):
+    """A block-aligned prefix then ``t`` queries and ``tail`` keys past the last one (S ragged)."""
+    b, s = 1, prefix + t + tail
+    make = _ints if integer else _normal
+    iq, ik = make(rng, (b, t, hi, hx)), make(rng, (b, s, hx))
+    q_pos = (prefix + jnp.arange(t, dtype=jnp.int32))[None]
+    return iq, ik, q_pos, bs
+
+
+def _index_scores(**tile):
+    from m3jax.pallas import index_scores as I
+
+    iq, ik, q_pos, bs = _index_inputs(np.random.default_rng(0), **tile)
+    return (I.index_block_scores(iq, ik, q_pos, block_size=bs),
+            I.index_block_scores(iq, ik, q_pos, block_size=bs, implementation="reference"))
+
+
+def _index_topk_fused():
+    from m3jax.pallas import index_scores as I
+
+    iq, ik, q_pos, bs = _index_inputs(np.random.default_rng(1), integer=True)
+    kw = {"block_size": bs, "topk": 3, "local_blocks": 1, "init_blocks": 1}
+    return (I.index_select_blocks(iq, ik, q_pos, config=I.IndexScoreConfig(fused_topk=True), **kw),
+            I.index_select_blocks(iq, ik, q_pos, implementation="reference", **kw))
+
+
+def _topk_scores(rng, b, hi, t, nb, bs, q_pos):
+    """fp32 integer scores in [-2, 2] (ties) with -inf past each query's own block, as block_scores."""
+    s = rng.integers(-2, 3, (b, hi, t, nb)).astype(np.float32)
+    visible = np.arange(nb) <= (np.asarray(q_pos) // bs)[:, None, :, None]
+    return jnp.asarray(np.where(visible, s, -np.inf).astype(np.float32))
+
+
+def _topk(implementation, b, t, nb, bs, q_pos, topk):
+    from m3jax.pallas import topk as K
+
+    scores = _topk_scores(np.random.default_rng(2), b, 2, t, nb, bs, q_pos)
+    kw = {"block_size": bs, "topk": topk, "local_blocks": 2, "init_blocks": 1}
+    return (K.select_blocks(scores, q_pos, implementation=implementation, **kw),
+            K.select_blocks(scores, q_pos, implementation="reference", **kw))
+
+
+def _topk_blockmajor():
+    t, bs = 40, 16
+    return _topk("pallas_blockmajor", 1, t, 45, bs, (640 + jnp.arange(t, dtype=jnp.int32))[None], 4)
+
+
+def _topk_rowsplit():
+    # 300 blocks: not a multiple of the 128 threads; the second row sees fewer blocks than top-k.
+    return _topk("pallas_rowsplit", 2, 1, 300, 4, jnp.array([[1199], [9]], jnp.int32), 8)
+
+
+def _sparse_attention(implementation, n=16, k=2, h=64, bs=64, t=10, prefix=64, topk=3):
+    """N query heads on K KV heads (G = N / K), head dim H; a prefix then ``t`` queries."""
+    from m3jax.msa import reference as msa
+    from m3jax.pallas.sparse_attention import sparse_attention
+
+    rng = np.random.default_rng(3)
+    s = prefix + t
+    q, kk, v = _normal(rng, (1, t, n, h)), _normal(rng, (1, s, k, h)), _normal(rng, (1, s, k, h))
+    q_pos = (prefix + jnp.arange(t, dtype=jnp.int32))[None]
+    scores = msa.block_scores(_normal(rng, (1, t, k, 16), jnp.float32), _normal(rng, (1, s, 16), jnp.float32),
+                              q_pos, bs)
+    sel = msa.select_blocks(scores, q_pos, block_size=bs, topk=topk)
+    args = (q, kk, v, sel, q_pos)
+    return (sparse_attention(*args, block_size=bs, implementation=implementation),
+            sparse_attention(*args, block_size=bs, implementation="reference"))
+
+
+def _decode_case(rng, seq_lens, bs=64, kh=2, n=16, h=64, hx=64, q_len=1):
+    """Paged decode inputs: a shuffled page table over num_pages = B * max_pages + 2 pages."""
+    seq_lens = np.asarray(seq_lens, np.int32)
+    b = len(seq_lens)
+    max_pages = int(-(-seq_lens.max() // bs))
+    num_pages = b * max_pages + 2
+    pt = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+    return {"q": _normal(rng, (b, q_len, n, h)), "iq": _normal(rng, (b, q_len, kh, hx)),
+            "k": _normal(rng, (num_pages, bs, kh, h)), "v": _normal(rng, (num_pages, bs, kh, h)),
+            "ik": _normal(rng, (num_pages, bs, hx)), "pt": jnp.asarray(pt), "sl": jnp.asarray(seq_lens), "bs": bs}
+
+
+def _decode_index_scores(seq_lens=(100, 200), **tile):
+    from m3jax.pallas import decode as D
+
+    c = _decode_case(np.random.default_rng(4), seq_lens, **tile)
+    # bf16 and fp8 e4m3 index-key pages (an fp8 index cache: the kernel converts its pages in SMEM)
+    pages = (c["ik"], c["ik"].astype(jnp.float8_e4m3fn))
+    runs = [[D.decode_index_scores(c["iq"], ik, c["pt"], c["sl"], block_size=c["bs"], implementation=impl)
+             for ik in pages] for impl in ("pallas", "reference")]
+    return jnp.stack(runs[0]), jnp.stack(runs[1])
+
+
+def _sparse_decode_attention(seq_lens=(100, 200), **tile):
+    from m3jax.msa import reference as msa
+    from m3jax.pallas import decode as D
+
+    c = _decode_case(np.random.default_rng(5), seq_lens, **tile)
+    bs = c["bs"]
+    q_pos = D.query_positions(c["sl"], 1)
+    scores = D.decode_index_scores(c["iq"], c["ik"], c["pt"], c["sl"], block_size=bs, implementation="reference")
+    sel = msa.select_blocks(scores, q_pos, block_size=bs, topk=2)
+    args = (c["q"], c["k"], c["v"], c["pt"], sel, c["sl"])
+    return (D.sparse_decode_attention(*args, block_size=bs),
+            D.sparse_decode_attention(*args, block_size=bs, implementation="reference"))
+
+
+def _grouped_matmul():
+    from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_mxfp8, layer_config
+
+    # 6 experts, empty groups, rows past sum(group_sizes); K = 128, N = 256. The bf16 kernel and the MXFP8
+    # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products), each with
+    # the default tiles and with the MoE layer's prefill config (385 rows > 64 per expert: on Hopper the
+    # warp-specialised schedule, so its verdict also covers what the model runs for prefill), and the MXFP8
+    # variant on 5 decode rows with the layer's decode config (the gemv schedule, split over K, as for a
+    # decode step's routed experts and the shared expert).
+    rng = np.random.default_rng(6)
+    m, k, n, g = 385, 128, 256, 6
+    lhs, rhs = _ints(rng, (m, k)), _ints(rng, (g, k, n))
+    gs = jnp.asarray([0, 130, 0, 0, 170, 60], jnp.int32)
+    fp8, scales = rhs.astype(jnp.float8_e4m3fn), jnp.asarray(rng.integers(126, 129, (g, k // 32, n)), jnp.uint8)
+    def run(mx, **kw):
+        return grouped_matmul_mxfp8(lhs, fp8, scales, gs, **kw) if mx else grouped_matmul(lhs, rhs, gs, **kw)
+
+    got, ref = [], []
+    for mx in (False, True):
+        want = run(mx, implementation="reference")
+        for config in dict.fromkeys([GroupedMatmulConfig(), layer_config(m, k, n, g, k // 32 if mx else None)]):
+            got.append(run(mx, config=config))
+            ref.append(want)
+    dec, dec_gs = lhs[:5], jnp.asarray([0, 2, 0, 0, 3, 0], jnp.int32)
+    got.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, config=layer_config(5, k, n, g, k // 32)))
+    ref.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, implementation="reference"))
+    return jnp.concatenate([x.ravel() for x in got]), jnp.concatenate([x.ravel() for x in ref])
+
+
+def _dirs(*ops: str) -> tuple[Path, ...]:
+    return tuple(sorted(p for op in ops for p in (_PALLAS / op).glob("*.py")))
+
+
+# M3's tiles: block 128, head dim and index head dim 128, G 16 query heads per KV head, 4 index heads.
+_M3_DECODE = {"bs": 128, "kh": 1, "n": 16, "h": 128, "hx": 128}
+_IDX, _TOPK, _ATT, _DEC, _GMM = (_dirs("index_scores", "topk"), _dirs("topk"), _dirs("sparse_attention"),
+                                 _dirs("decode"), _dirs("grouped_matmul"))
+
+CANARIES: dict[str, Canary] = {
+    c.name: c for c in (
+        Canary("index_scores", "b16-hx64", _index_scores, _IDX),
+        Canary("index_scores", "b128-hx128", lambda: _index_scores(hi=4, hx=128, bs=128, t=8, prefix=256, tail=9),
+               _IDX, m3=True),
+        Canary("index_topk_fused", "b16-hx64", _index_topk_fused, _IDX),
+        Canary("topk_blockmajor", "rows40", _topk_blockmajor, _TOPK),
+        Canary("topk_rowsplit", "rows1", _topk_rowsplit, _TOPK, m3=True),
+        Canary("sparse_attention_kv_major", "b64-h64-g8", lambda: _sparse_attention("kv_major"), _ATT),
+        Canary("sparse_attention_kv_major", "b128-h128-g16",
+               lambda: _sparse_attention("kv_major", n=16, k=1, h=128, bs=128, t=8, prefix=256, topk=2), _ATT, m3=True),
+        Canary("sparse_attention_query_major", "b64-h64-g8", lambda: _sparse_attention("query_major"), _ATT),
+        # M = 64 with half-lane TMEM reads and 32-byte swizzles (block 64), M = 128 with N = 8 (M3)
+        Canary("decode_index_scores", "b64-m64", _decode_index_scores, _DEC),
+        Canary("decode_index_scores", "b128-m128-n8",
+               lambda: _decode_index_scores((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True),
+        Canary("sparse_decode_attention", "b64-h64-g8", _sparse_decode_attention, _DEC),
+        Canary("sparse_decode_attention", "b128-h128-g16", lambda: _sparse_decode_attention((100, 300), **_M3_DECODE),
+               _DEC, m3=True),
+        Canary("grouped_matmul", "bf16-mxfp8", _grouped_matmul, _GMM, m3=True),
+    )
+}
+KERNELS = tuple(dict.fromkeys(c.kernel for c in CANARIES.values()))
+
+# What the model runs (m3jax.msa.kernels): prefill = index scores + block-major top-k + KV-major
+# attention; in-place decode = decode index scores + either top-k kernel + sparse decode attention.
+MSA_PREFILL_KERNELS = ("index_scores", "topk_blockmajor", "sparse_attention_kv_major")
+MSA_DECODE_KERNELS = ("decode_index_scores", "topk_rowsplit", "topk_blockmajor", "sparse_decode_attention")
+
+
+def of_kernel(kernel: str) -> list[Canary]:
+    """Every canary of one kernel (each of its paths)."""
+    return [c for c in CANARIES.values() if c.kernel == kernel]
+
+
+# ---- comparison -------------------------------------------------------------------------------------
+
+
+def compare(got, ref, tol: float | None) -> tuple[bool, float, str | None]:
+    """(passed, max error, why not). Float outputs: -inf where the reference is -inf, finite values
+    within ``tol``; ids (``tol`` None): equal entries (max error = how many differ)."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False, float("inf"), f"output {got.dtype}{list(got.shape)} != reference {ref.dtype}{list(ref.shape)}"
+    if tol is None:
+        bad = int((got != ref).sum())
+        return bad == 0, float(bad), None if bad == 0 else f"{bad} of {ref.size} entries differ"
+    g, r = got.astype(np.float64), ref.astype(np.float64)
+    if not np.array_equal(np.isneginf(g), np.isneginf(r)):
+        return False, float("inf"), "-inf entries differ from the reference"
+    fin = np.isfinite(r)
+    if not np.isfinite(g[fin]).all():
+        return False, float("inf"), "non-finite output where the reference is finite"
+    diff = np.abs(g[fin] - r[fin])
+    err = float(diff.max()) if diff.size else 0.0
+    ok = bool((diff <= tol + tol * np.abs(r[fin])).all())
+    return ok, err, None if ok else f"max |error| {err:.3g} over atol = rtol = {tol:g}"
