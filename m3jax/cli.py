@@ -13,9 +13,13 @@ import argparse
 import math
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+import jax
+
+from m3jax import distributed
 from m3jax.config import UnsupportedConfigError
 from m3jax.safetensors_io import CheckpointError
 
@@ -63,18 +67,38 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None,
         result = main(argv)
     except USER_ERRORS as e:
         if debug:
+            _fail_others(e, 2)
             raise
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _exit(2, str(e))
     except SystemExit as e:
         # The tools' own refusals are SystemExit("message"): the same one line, the same status.
         if isinstance(e.code, str):
-            print(f"error: {e.code}", file=sys.stderr)
-            raise SystemExit(2) from None
+            _exit(2, e.code)
+        if e.code not in (0, None):
+            _fail_others(e, e.code if isinstance(e.code, int) else 1)
+        raise
+    except BaseException as e:  # a bug: the traceback is kept; the job's other processes stop too
+        _fail_others(e, 1)
         raise
     if exit_code is not None:
         raise SystemExit(exit_code(result))
     raise SystemExit(result if isinstance(result, int) else 0)
+
+
+def _exit(code: int, message: str) -> NoReturn:
+    """Print ``error: <message>`` (naming this process when the job has several) and exit ``code``."""
+    if distributed.active():
+        message = f"process {jax.process_index()}: {message}"
+    print(f"error: {message}", file=sys.stderr)
+    distributed.fail(message, code)
+    raise SystemExit(code) from None
+
+
+def _fail_others(e: BaseException, code: int) -> None:
+    """In a job of several processes: print the traceback, tell the others and exit (distributed.fail)."""
+    if distributed.active():
+        traceback.print_exc()
+        distributed.fail(f"process {jax.process_index()}: {type(e).__name__}: {e}", code)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,13 @@
   end rounded up to a bucket (:func:`key_window_pages`). Keys past the chunk's end are in every
   query's future, so the window gives the full forward pass's maths while a chunk costs what it
   reads, not the whole capacity; buckets (of at least ``MIN_KEY_WINDOW`` tokens) keep the compiled
-  shapes to O(log capacity).
+  shapes to O(log capacity). A prompt's last chunk, shorter than the chunk, is padded only up to the
+  smallest size that holds it (:func:`prefill_chunk_sizes`, the prefill buckets: the MSA block size
+  times powers of two, up to the chunk), so a short prompt costs what it is, not a whole chunk; pad
+  rows land beyond the prompt and are rewritten before anything reads them. Where an earlier chunk of
+  the prompt runs in the same key window, the last one takes that full-chunk program instead: a
+  prompt never compiles more programs than without buckets (at 1M tokens a last window holds dozens
+  of chunks, and one more program there would be one more long compile for under a chunk's time).
 * Decode runs all sequences together, one token each per step, with static shapes: one compiled
   program runs ``decode_steps_per_call`` steps (a ``lax.fori_loop``; each step embeds, runs the
   layers, samples, and advances positions and the PRNG key on the device) and hands back that many
@@ -100,6 +106,17 @@ def key_window_pages(end: int, block_size: int, max_pages: int) -> int:
     return min(w, max_pages)
 
 
+def prefill_chunk_sizes(chunk: int, block_size: int) -> tuple[int, ...]:
+    """Sizes a prefill chunk is compiled at, ascending: ``block_size * 2^k`` below ``chunk``, then ``chunk``
+    (log2(chunk / block) + 1 programs per key window at most). A chunk of n tokens runs at the smallest
+    size >= n; every full chunk runs at ``chunk``."""
+    sizes, b = [], block_size
+    while b < chunk:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, chunk)
+
+
 def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, *, cfg: M3Config, key_pages: int):
     """One prefill chunk of one sequence. embeds [1, C, D] at positions start..start+C-1 of sequence
     ``row``, all below ``key_pages * block``; returns (fp32 logits [V] at chunk index ``last``, cache).
@@ -163,10 +180,14 @@ DECODE_STEPS_PER_CALL = 8
 
 class Engine:
     """Holds a model, its cache and the compiled programs; ``generate`` takes prompts of any lengths.
-    ``decode_steps_per_call`` (N): decode steps one compiled call runs (tokens come back N at a time)."""
+    ``decode_steps_per_call`` (N): decode steps one compiled call runs (tokens come back N at a time).
+    ``prefill_buckets``: a prompt's last, shorter chunk runs at the smallest of :func:`prefill_chunk_sizes`
+    that holds it, unless an earlier chunk runs in its key window (off: padded to the whole chunk; either
+    way one program per key window a prompt runs)."""
 
     def __init__(self, params: dict, cfg: M3Config, *, batch: int, capacity: int, prefill_chunk: int = 512,
-                 cache_dtype=None, mesh=None, decode_steps_per_call: int = DECODE_STEPS_PER_CALL):
+                 cache_dtype=None, mesh=None, decode_steps_per_call: int = DECODE_STEPS_PER_CALL,
+                 prefill_buckets: bool = True):
         for name, value in (("batch", batch), ("capacity", capacity), ("prefill_chunk", prefill_chunk),
                             ("decode_steps_per_call", decode_steps_per_call)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -178,6 +199,9 @@ class Engine:
         self.params, self.cfg = params, cfg
         self.batch, self.capacity = batch, capacity
         self.chunk = min(prefill_chunk, capacity)
+        # The sizes a chunk is compiled at (prefill_chunk_sizes); without buckets every chunk runs at the chunk.
+        block = cfg.text.index_block_size
+        self.chunk_sizes = prefill_chunk_sizes(self.chunk, block) if prefill_buckets else (self.chunk,)
         self.steps_per_call = decode_steps_per_call
         dtype = cache_dtype or params["text"]["embed"].dtype
         self.cache = init_cache(cfg, batch, capacity, dtype) if mesh is None else None
@@ -190,10 +214,10 @@ class Engine:
             self.params = sharding.shard_params(params, cfg, mesh)
             self.cache = sharding.init_sharded_cache(cfg, batch, capacity, dtype, mesh)
         self.max_pages = self.cache.page_table.shape[1]
-        # This engine's prefill programs by key window: every chunk looks its program up here, not
-        # through the AOT cache, whose key hashes every parameter leaf's shape and sharding on every
-        # lookup (hundreds of leaves per model).
-        self._prefill_programs: dict[int, Callable] = {}
+        # This engine's prefill programs by (key window, chunk size): every chunk looks its program up
+        # here, not through the AOT cache, whose key hashes every parameter leaf's shape and sharding on
+        # every lookup (hundreds of leaves per model).
+        self._prefill_programs: dict[tuple[int, int], Callable] = {}
         # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated (and logits
         # come out so under a mesh), and the decode loop's small arrays on the engine's devices (nothing
         # moves host-to-device per call).
@@ -215,6 +239,35 @@ class Engine:
         bs = self.cfg.text.index_block_size
         return [key_window_pages(start + self.chunk, bs, self.max_pages) for start in range(0, prompt_len, self.chunk)]
 
+    def _chunk_size(self, n: int) -> int:
+        """The compiled size a chunk of ``n`` tokens runs at: the smallest of ``chunk_sizes`` >= n."""
+        return next(c for c in self.chunk_sizes if c >= n)
+
+    def _prefill_plan(self, prompt_len: int) -> list[tuple[int, int, int, int]]:
+        """(start, tokens, key window, compiled size) of each chunk of a ``prompt_len``-token prefill: full
+        chunks at the chunk, the last at its bucket when it is alone in its key window."""
+        starts = range(0, prompt_len, self.chunk)
+        windows = self._windows(prompt_len)
+        plan = [(start, min(self.chunk, prompt_len - start), window, self.chunk)
+                for start, window in zip(starts, windows)]
+        start, n, window, _ = plan[-1]
+        if len(plan) == 1 or plan[-2][2] != window:
+            plan[-1] = (start, n, window, self._chunk_size(n))
+        return plan
+
+    def _programs_up_to(self, max_prompt_len: int) -> set[tuple[int, int]]:
+        """(key window, size) of every prefill program a prompt of up to ``max_prompt_len`` tokens can run:
+        a window's first chunk at each size up to that of its tokens (a prompt may end there), its later
+        chunks at the chunk (one program per window without buckets, up to ``len(chunk_sizes)`` with)."""
+        out, last_window = set(), None
+        for _, n, window, _ in self._prefill_plan(max_prompt_len):
+            if window == last_window:  # a later chunk of the window: full, or a last one sharing the full program
+                out.add((window, self.chunk))
+            else:  # a window's first chunk, of up to n tokens
+                out.update((window, c) for c in self.chunk_sizes if c <= self._chunk_size(n))
+            last_window = window
+        return out
+
     def _out_tree(self, *outputs):
         """Output pytree of a program returning ``outputs`` and then the cache (declared, so that a
         program read from the AOT cache needs no trace)."""
@@ -228,21 +281,21 @@ class Engine:
             return None
         return (*outputs, jax.tree.map(lambda x: x.sharding, self.cache))
 
-    def _prefill_spec(self, key_pages: int) -> aot.Program:
-        """The prefill chunk for one key window, as the AOT cache compiles it."""
+    def _prefill_spec(self, key_pages: int, size: int) -> aot.Program:
+        """The prefill chunk of ``size`` tokens for one key window, as the AOT cache compiles it."""
         embed = self.params["text"]["embed"]
-        embeds = jax.ShapeDtypeStruct((1, self.chunk, embed.shape[1]), embed.dtype, sharding=self._replicated)
+        embeds = jax.ShapeDtypeStruct((1, size, embed.shape[1]), embed.dtype, sharding=self._replicated)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)  # host scalars
         return aot.Program("prefill_chunk", prefill_chunk, (self.params, self.cache, embeds, i32, i32, i32),
                            out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
                            donate_argnums=(1,), out_shardings=self._out_shardings(self._replicated))
 
-    def _prefill_step(self, key_pages: int) -> Callable:
-        """The prefill chunk compiled for one key window (ahead of time: warmup builds every window
-        without running a chunk per window)."""
-        fn = self._prefill_programs.get(key_pages)
+    def _prefill_step(self, key_pages: int, size: int) -> Callable:
+        """The prefill chunk of ``size`` tokens compiled for one key window (ahead of time: warmup builds
+        every program without running a chunk per program)."""
+        fn = self._prefill_programs.get((key_pages, size))
         if fn is None:
-            fn = self._prefill_programs[key_pages] = aot.compile_all([self._prefill_spec(key_pages)])[0]
+            fn = self._prefill_programs[key_pages, size] = aot.compile_all([self._prefill_spec(key_pages, size)])[0]
         return fn
 
     def _decode_spec(self, sampling: SamplingParams, with_logits: bool) -> aot.Program:
@@ -263,21 +316,28 @@ class Engine:
 
     @_under_mesh
     def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),
-               keep_logits: bool = False) -> float:
-        """Compile the prefill chunk for every key window a prompt of up to ``max_prompt_len`` tokens
-        (default: the capacity) uses, and the decode program for ``sampling`` (and ``keep_logits``),
-        and run one decode call (its first run loads the kernels), so that timings after it measure
-        running, not compiling. The dummy call writes positions 0..N-1 of each row, which the real
-        prefill or decode rewrites before anything reads them. Returns the seconds spent; their split
-        is in ``warmup_split`` (programs compiled or read back; the decode call)."""
+               keep_logits: bool = False, *, prompt_lens: Sequence[int] | None = None) -> float:
+        """Compile the prefill programs that prompts of up to ``max_prompt_len`` tokens (default: the
+        capacity) can run (every key window, and with prefill buckets every chunk size of a last chunk),
+        or, given ``prompt_lens``, exactly those that prompts of these lengths run (what the CLI knows);
+        and the decode program for ``sampling`` (and ``keep_logits``); then run one decode call (its
+        first run loads the kernels), so that timings after it measure running, not compiling. The
+        dummy call writes positions 0..N-1 of each row, which the real prefill or decode rewrites
+        before anything reads them. Returns the seconds spent; their split is in ``warmup_split``
+        (programs compiled or read back; the decode call)."""
         t0 = time.perf_counter()
+        if prompt_lens is None:
+            wanted = self._programs_up_to(min(max_prompt_len or self.capacity, self.capacity))
+        elif max_prompt_len is not None:
+            raise ValueError("warmup takes max_prompt_len or prompt_lens, not both")
+        else:
+            wanted = {(w, c) for t in prompt_lens for _, _, w, c in self._prefill_plan(min(t, self.capacity))}
         # Traced one after the other, compiled by XLA side by side (aot.compile_all): at 1M tokens of M3
         # widths that is ten prefill programs, one per key window, and the decode program.
-        windows = [w for w in sorted(set(self._windows(min(max_prompt_len or self.capacity, self.capacity))))
-                   if w not in self._prefill_programs]
-        *prefill, decode = aot.compile_all([*(self._prefill_spec(w) for w in windows),
+        programs = [wc for wc in sorted(wanted) if wc not in self._prefill_programs]
+        *prefill, decode = aot.compile_all([*(self._prefill_spec(*wc) for wc in programs),
                                             self._decode_spec(sampling, keep_logits)])
-        self._prefill_programs.update(zip(windows, prefill))
+        self._prefill_programs.update(zip(programs, prefill))
         t1 = time.perf_counter()
         zeros = jax.device_put(np.zeros((self.batch,), np.int32), self._small_sharding)
         key = jax.device_put(np.zeros((2,), np.uint32), self._small_sharding)
@@ -311,13 +371,12 @@ class Engine:
         t = prompt.shape[0]
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens exceeds the context capacity {self.capacity}")
-        for start, window in zip(range(0, t, self.chunk), self._windows(t)):
-            n = min(self.chunk, t - start)
+        for start, n, window, size in self._prefill_plan(t):
             piece = embed[jnp.asarray(prompt[start : start + n])] if by_id else prompt[start : start + n]
-            if n < self.chunk:  # pad to the compiled chunk; pad rows land beyond the prompt and are rewritten later
-                piece = jnp.concatenate([piece, jnp.zeros((self.chunk - n, piece.shape[1]), piece.dtype)])
+            if n < size:  # pad to the compiled size; pad rows land beyond the prompt and are rewritten later
+                piece = jnp.concatenate([piece, jnp.zeros((size - n, piece.shape[1]), piece.dtype)])
             piece = jax.device_put(piece[None], self._replicated)
-            logits, self.cache = self._prefill_step(window)(
+            logits, self.cache = self._prefill_step(window, size)(
                 self.params, self.cache, piece, np.int32(row), np.int32(start), np.int32(n - 1))
             if on_progress:
                 on_progress(n)

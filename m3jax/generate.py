@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
-from m3jax import aot, cli, processing, sharding
+from m3jax import aot, cli, distributed, processing, sharding
 from m3jax import plan as device_planner
 from m3jax.checkpoint import checkpoint_dtype
 from m3jax.config import describe_presets, load_config, preset
@@ -132,6 +132,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
+    ap.add_argument("--no-prefill-buckets", action="store_true",
+                    help="pad a prompt's last chunk to the whole --prefill-chunk (by default a last chunk that starts "
+                         "its own key window, as a one-chunk prompt's does, runs at the smallest MSA block size times a "
+                         "power of two that holds it: a short prompt prefills what it is)")
     ap.add_argument("--decode-steps-per-call", type=cli.positive_int, default=DECODE_STEPS_PER_CALL, metavar="N",
                     help="decode steps one compiled call runs (tokens stream N at a time; the host's per-call cost "
                          "is paid once per N tokens; 1 = a call per token)")
@@ -150,6 +154,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not use JAX's persistent compilation cache nor the exported-program cache in its aot/ "
                          "folder (default: both on, in $M3JAX_CACHE_DIR or ~/.cache/m3jax/jax_cache)")
+    distributed.add_arguments(ap)
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     try:
@@ -160,7 +165,9 @@ def parse_args(argv=None):
 
 
 def _peak_memory(devices) -> dict:
-    """Peak bytes of each device used (the largest in ``peak_device_memory_bytes``); host RSS on the CPU."""
+    """Peak bytes of each of this process's devices used (the largest in ``peak_device_memory_bytes``);
+    host RSS on the CPU."""
+    devices = [d for d in devices if d.process_index == jax.process_index()]
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     if all(s and "peak_bytes_in_use" in s for s in stats):
         per = {str(d): int(s["peak_bytes_in_use"]) for d, s in zip(devices, stats)}
@@ -173,12 +180,15 @@ def _peak_memory(devices) -> dict:
 
 def select_devices(args) -> tuple[list, int]:
     """(the devices to run on, the data-axis size) from ``--devices`` / ``--mesh``; all visible by default."""
-    visible = jax.devices()
+    visible = jax.devices()  # every process's devices when the job has several
     data, model = args.mesh if args.mesh else (1, None)
     n = args.devices or (data * model if model else len(visible))
     if n > len(visible):
         raise SystemExit(f"--devices {n} / --mesh: {n} devices asked for, {len(visible)} visible "
                          f"({visible[0].platform})")
+    if jax.process_count() > 1 and n != len(visible):
+        raise SystemExit(f"--devices {n} / --mesh: a job of {jax.process_count()} processes runs on all their "
+                         f"{len(visible)} devices")
     if model is not None and data * model != n:
         raise SystemExit(f"--mesh {data}x{model} is {data * model} devices, but --devices {n}")
     if n % data:
@@ -226,7 +236,8 @@ def _check_memory(cfg, args, dtype: str, devices: list, data: int) -> dict:
         return {"devices": 1, "weights_bytes": mem.weights, "cache_bytes": mem.cache,
                 "activation_bytes": mem.activations, "total_bytes": mem.total, "budget_bytes": mem.available,
                 "text": mem.describe()}
-    budget, where = device_memory(devices)
+    # This process's devices (the others' are not addressable here; every host runs the same check).
+    budget, where = device_memory([d for d in devices if d.process_index == jax.process_index()])
     budget = float("inf") if budget is None else budget
     # (the plan's "mxfp8": MXFP8 weights + BF16 rest; an fp32 run is planned with fp32 weights, an upper bound)
     plan_dtype = "mxfp8" if args.weights == "mxfp8" and dtype == "bfloat16" else dtype
@@ -364,6 +375,7 @@ def persistent_compile_cache(path: Path | None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    distributed.initialize(args)  # several processes: join the job; only process 0 prints and writes
     try:  # read by the engine's warmup; a bad value is the user's, refused before anything loads
         aot.compile_threads()
     except ValueError as e:
@@ -377,7 +389,10 @@ def main(argv=None) -> dict:
         print(f"compile cache {cache_stats['dir']}: {cache_stats['hits']} hits, {cache_stats['misses']} compiled "
               f"and written; exported programs: {aot_stats['hits']} read, {aot_stats['misses']} written, "
               f"{aot_stats['uncached']} not cacheable", file=sys.stderr)
-    if args.output_json:
+    # Every process must have computed the same tokens (they ran the same program on one mesh).
+    report["generated_ids_sha256"] = distributed.check_same("generated ids", report["generated_ids"])
+    report["processes"] = jax.process_count()
+    if args.output_json and distributed.is_voice():
         args.output_json.write_text(json.dumps(report, indent=2))
     return report
 
@@ -460,8 +475,8 @@ def _generate(args) -> dict:
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
     engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk, mesh=mesh,
-                    decode_steps_per_call=args.decode_steps_per_call)
-    compile_s = engine.warmup(len(ids), args.sampling)
+                    decode_steps_per_call=args.decode_steps_per_call, prefill_buckets=not args.no_prefill_buckets)
+    compile_s = engine.warmup(sampling=args.sampling, prompt_lens=[len(ids)])
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
 

@@ -79,6 +79,14 @@ def matmul_precision(dtype):
     return jax.default_matmul_precision("highest") if jnp.dtype(dtype) == jnp.float32 else contextlib.nullcontext()
 
 
+def dot_precision(dtype):
+    """``precision=`` for a fallback matmul of ``dtype`` operands, on top of :func:`matmul_precision`'s scope:
+    ``HIGHEST`` for fp32, None (the scope's default) otherwise. The MoE's ``ragged_dot`` and the dense
+    MLP's dots pass it themselves, so fp32 stays fp32 wherever they are traced, inside the model's scope
+    or not (a benchmark, the expert-parallel shard_map, a caller of :mod:`m3jax.moe`)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """Gemma RMSNorm over the last axis: normalise in fp32, scale by (1 + w), cast back.
 

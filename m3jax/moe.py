@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax.config import TextConfig
-from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, swiglu_oai
+from m3jax.layers import MXFP8Weight, dequantize, dequantize_tree, dot_precision, swiglu_oai
 
 
 def dequantize_layer(lp: dict, dtype) -> dict:
@@ -68,7 +68,7 @@ def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tup
     takes run as one launch (``grouped_matmuls_mxfp8``: an MLP's gate and up, attention's k and v)."""
     if not _one_mxfp8_shape(ws):
         return tuple(linears(x, (w,), impl, in_axes)[0] if isinstance(w, MXFP8Weight)
-                     else jnp.tensordot(x, w, axes=in_axes) for w in ws)
+                     else jnp.tensordot(x, w, axes=in_axes, precision=dot_precision(x.dtype)) for w in ws)
     for w in ws:
         if w.group_axis != in_axes - 1:
             raise ValueError(f"MXFP8 weight {w.values.shape} groups axis {w.group_axis}, not its last input axis "
@@ -80,7 +80,8 @@ def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tup
     ones = [(w.values.reshape(1, k, n), w.scales.reshape(1, -1, n)) for w in ws]
     config = _dense_kernel_config(impl, rows, MXFP8Weight(*ones[0]), len(ws))
     if config is None:
-        return tuple(jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes) for w in ws)
+        return tuple(jnp.tensordot(x, dequantize(w, x.dtype), axes=in_axes, precision=dot_precision(x.dtype))
+                     for w in ws)
     from m3jax.pallas.grouped_matmul import grouped_matmuls_mxfp8
 
     sizes = np.full((1,), rows.shape[0], np.int32)  # known when tracing: the kernel's schedule is a constant
@@ -201,7 +202,7 @@ def grouped_matmul(xs: jax.Array, w: jax.Array | MXFP8Weight, group_sizes: jax.A
         from m3jax.pallas.grouped_matmul import grouped_matmul as kernel
 
         return kernel(xs, w, group_sizes, config=_grouped_matmul_config(xs.shape[0], w))
-    return jax.lax.ragged_dot(xs, w, group_sizes)
+    return jax.lax.ragged_dot(xs, w, group_sizes, precision=dot_precision(xs.dtype))
 
 
 def grouped_matmuls(xs: jax.Array, ws, group_sizes: jax.Array, impl: str = "auto") -> tuple:

@@ -2,6 +2,7 @@
 
     python -m m3jax.plan --config minimax_m3 --devices 8 --hbm-gb 192 --ctx 1000000 --dtype bfloat16
     python -m m3jax.plan --config minimax_m3 --devices 8 --hbm-gb 141 --ctx 1000000 --dtype mxfp8
+    python -m m3jax.plan --config minimax_m3 --hosts 2 --devices 8 --hbm-gb 141 --ctx 1000000 --dtype bfloat16
 
 ``--dtype mxfp8`` counts what ``load_pretrained(..., weights="mxfp8")`` holds (the generate CLI's
 ``--weights mxfp8``): MXFP8 weights at 1 byte per weight + 1 byte of scale per 32 weights, everything else BF16.
@@ -13,6 +14,10 @@ the 4 KV heads; the KV and index caches split by pages over the N devices (conte
 striped), each prefill chunk's index scoring and attention run on every device over its own pages
 and are merged by log-sum-exp. Weights are counted from the parameter declarations through the same
 rule table the loader uses; the caches with :func:`m3jax.cache.cache_bytes`. GB = 1e9 bytes.
+
+``--hosts H``: a job of H processes (one per host, ``--devices`` each; README "Several hosts"): one
+mesh of H x ``--devices`` devices under the same rules, so the model axis, and with it the expert
+all-to-all and the tensor-parallel reductions, crosses the hosts' network.
 
 Exit status: 0 the plan fits, 1 it does not (the table says by how much and the largest context that
 fits), 2 bad arguments or config (one ``error:`` line; ``--debug`` for the traceback).
@@ -125,9 +130,10 @@ def workspace_bytes(hbm: float) -> float:
 
 
 def plan(cfg: M3Config, *, devices: int, hbm_gb: float, ctx: int, dtype: str, batch: int = 1, chunk: int = 8192,
-         kv_dtype_bytes: int = 2, data: int = 1, workspace: float | None = None) -> dict:
+         kv_dtype_bytes: int = 2, data: int = 1, workspace: float | None = None, hosts: int = 1) -> dict:
     """The per-device plan on a ``data`` x ``devices // data`` mesh of devices with ``hbm_gb`` each (also
     what ``python -m m3jax.generate`` checks before it allocates anything on more than one device).
+    ``devices`` counts every host's; ``hosts`` only labels the plan (the rules see one mesh).
     ``workspace``: bytes per device outside the arrays (default :func:`workspace_bytes`, the GPU's)."""
     mesh = PlanMesh(devices, data)
     n = mesh.shape[sh.MODEL]
@@ -138,7 +144,7 @@ def plan(cfg: M3Config, *, devices: int, hbm_gb: float, ctx: int, dtype: str, ba
     ws = workspace_bytes(hbm) if workspace is None else workspace
     total = w + kv + idx + sum(acts.values()) + ws
     return {
-        "devices": devices, "data": data, "hbm": hbm, "dtype": dtype, "ctx": ctx, "batch": batch, "chunk": chunk,
+        "devices": devices, "hosts": hosts, "data": data, "hbm": hbm, "dtype": dtype, "ctx": ctx, "batch": batch, "chunk": chunk,
         "weights": w, "weights_total": w_total, "kv_cache": kv, "index_cache": idx,
         "activations": sum(acts.values()), "activation_terms": acts, "workspace": ws,
         "total": total, "fits": total <= hbm, "headroom": hbm - total,
@@ -160,7 +166,9 @@ def max_ctx(cfg: M3Config, *, upper: int, **plan_kw) -> int:
 def describe(r: dict) -> str:
     g = lambda x: f"{x / GB:8.2f} GB"  # noqa: E731
     lines = [
-        f"MiniMax-M3 on {r['devices']} devices x {r['hbm'] / GB:.0f} GB"
+        f"MiniMax-M3 on {r['devices']} devices"
+        + (f" ({r['hosts']} hosts x {r['devices'] // r['hosts']})" if r.get("hosts", 1) > 1 else "")
+        + f" x {r['hbm'] / GB:.0f} GB"
         + (f" (data {r['data']} x model {r['devices'] // r['data']})" if r["data"] > 1 else "") + f", {r['dtype']} weights, "
         f"context {r['ctx']:,} tokens x batch {r['batch']}, prefill chunk {r['chunk']}",
         f"  weights      {g(r['weights'])}   (whole model {r['weights_total'] / GB:.1f} GB)",
@@ -182,7 +190,9 @@ def main(argv=None) -> dict:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", default="minimax_m3", help=f"preset: {describe_presets()}")
     src.add_argument("--checkpoint", help="directory with a config.json")
-    ap.add_argument("--devices", type=cli.positive_int, default=8)
+    ap.add_argument("--devices", type=cli.positive_int, default=8, help="devices (per host with --hosts)")
+    ap.add_argument("--hosts", type=cli.positive_int, default=1,
+                    help="hosts of one job, --devices each: one mesh over all of them")
     ap.add_argument("--data", type=cli.positive_int, default=1,
                     help="data-parallel replicas (mesh data x devices/data; the model axis is devices/data)")
     ap.add_argument("--hbm-gb", type=cli.positive_float, default=141.0, help="memory per device in GB (1e9 bytes)")
@@ -193,9 +203,10 @@ def main(argv=None) -> dict:
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
-    if args.devices % args.data:
-        raise cli.UsageError(f"--data {args.data} does not divide --devices {args.devices}")
-    kw = dict(devices=args.devices, data=args.data, hbm_gb=args.hbm_gb, dtype=args.dtype, batch=args.batch,
+    devices = args.hosts * args.devices
+    if devices % args.data:
+        raise cli.UsageError(f"--data {args.data} does not divide the {devices} devices")
+    kw = dict(devices=devices, hosts=args.hosts, data=args.data, hbm_gb=args.hbm_gb, dtype=args.dtype, batch=args.batch,
               chunk=args.chunk)
     r = plan(cfg, ctx=args.ctx, **kw)
     weights = "mxfp8" if args.dtype == "mxfp8" else "dequantize"

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax.cache import cached_index_keys
+from m3jax.distributed import to_host
 from m3jax.config import FULL_ATTENTION, M3Config, UnsupportedConfigError
 from m3jax.layers import rms_norm, rope_angles
 from m3jax.model import attention, check_input_ids, decoder_layer, lm_head, project_qkv, text_hidden
@@ -354,9 +355,10 @@ def _probe(model, input_ids, query_chunk, keep_scores, progress, share_compilati
     for i, lp in it:
         cfg_i, i_step = _shared_layer_step(cfg, i) if share_compilation else (cfg, i)
         h, metrics = _probe_layer(lp, h, positions, cfg_i, i_step, keep_scores, key_tile)
-        layers[i] = LayerProbe(i, **{k: np.asarray(v) for k, v in metrics.items()})
+        # (a value split over several processes' devices is gathered: every process gets the whole result)
+        layers[i] = LayerProbe(i, **{k: to_host(v) for k, v in metrics.items()})
     h = rms_norm(h, params["final_norm"], cfg.text.rms_norm_eps)
-    return ProbeResult(np.asarray(lm_head(model.params, h)), layers, cfg.text.index_block_size)
+    return ProbeResult(to_host(lm_head(model.params, h)), layers, cfg.text.index_block_size)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -40,6 +40,7 @@ arguments end in one ``error:`` line and exit status 2 (``--debug`` for the trac
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import functools
@@ -59,7 +60,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tokenizers import Tokenizer
 
-from m3jax import cli, data
+from m3jax import cli, data, distributed
 from m3jax.api import M3Model, save_pretrained
 from m3jax.checkpoint import load_params
 from m3jax.config import M3Config, load_config, preset
@@ -360,6 +361,10 @@ RUN_FILES = ("ckpt", "model", "tokenizer.json", "data.npz", "time_budget_steps.j
              "loss_curve.png", "summary.json")
 
 
+# How long the other processes wait for process 0 to prepare the run folder (training a tokenizer).
+CORPUS_TIMEOUT_S = 3600
+
+
 def prepare_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     """Create ``out``, refusing one that holds anything unless resuming or overwriting: a new run would
     write over the files there (an earlier run's log, checkpoint and model, or someone else's)."""
@@ -496,6 +501,7 @@ def build_parser() -> cli.ArgumentParser:
                     help="batch of the dense warm-up steps (0 = --batch)")
     ap.add_argument("--save-format", choices=["float32", "bfloat16", "mxfp8"], default="float32",
                     help="dtype of the saved HF checkpoint (mxfp8: the released MXFP8 layout, 1 byte per linear weight)")
+    distributed.add_arguments(ap)
     cli.add_debug_flag(ap)
     return ap
 
@@ -550,12 +556,21 @@ def open_run(args) -> Run:
     if args.tokenizer_from:
         _check_tokenizer_from(Path(args.tokenizer_from), cfg)
     out = args.out
-    prepare_out_dir(out, args.resume, args.overwrite)
+    corpus = (out, cfg, args.data_mb, args.tokenizer_mb, args.tokenizer_from)
+    # Several processes (one shared --out): process 0 prepares the folder and then the corpus, the others
+    # read its tokenizer.json and data.npz back once it is done.
+    if distributed.is_voice():
+        prepare_out_dir(out, args.resume, args.overwrite)
+    distributed.barrier("train/run-folder", CORPUS_TIMEOUT_S)
     mngr = checkpoint_manager(out / "ckpt")
     resuming = args.resume and mngr.latest_step() is not None
-    if args.resume and not resuming:
+    if args.resume and not resuming and distributed.is_voice():
         print(f"note: --resume: no checkpoint in {out / 'ckpt'} yet; starting at step 0", file=sys.stderr, flush=True)
-    tok, train_stream, held_stream = data.prepare_corpus(out, cfg, args.data_mb, args.tokenizer_mb, args.tokenizer_from)
+    if distributed.is_voice():
+        tok, train_stream, held_stream = data.prepare_corpus(*corpus)
+    distributed.barrier("train/corpus", CORPUS_TIMEOUT_S)
+    if not distributed.is_voice():
+        tok, train_stream, held_stream = data.prepare_corpus(*corpus)
     encode = data.text_encoder(tok, cfg.text.vocab_size)
     mesh = make_mesh(args.data_parallel, data=args.data_parallel) if args.data_parallel else None
     return Run(args, cfg, out, mngr, resuming, tok, train_stream, held_stream, encode, mesh)
@@ -579,11 +594,12 @@ def settle_step_counts(run: Run, params: dict) -> None:
     chosen = run.out / "time_budget_steps.json"
     if run.resuming and chosen.exists():
         args.steps, args.dense_warmup_steps = json.loads(chosen.read_text())
-    else:
-        args.steps = _steps_for_budget(run.cfg, params, args, run.batch, run.mesh)
+    else:  # process 0's timing decides for every process
+        args.steps = distributed.from_voice(_steps_for_budget(run.cfg, params, args, run.batch, run.mesh))
         if args.dense_warmup_frac:
             args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
-        chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
+        if distributed.is_voice():
+            chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
     print(f"time budget {args.time_budget:.0f}s -> --steps {args.steps} --dense-warmup-steps {args.dense_warmup_steps}",
           flush=True)
 
@@ -653,7 +669,7 @@ def train_loop(run: Run, state: TrainState, tx, phases, evaluate: Evaluator, row
     boundary = phases[0][1] if len(phases) == 2 else 0
     csv_path = run.out / "train_log.csv"
     # The CSV is rewritten with the rows up to the (restored) step, then appended to every step.
-    csv_file = open(csv_path, "w", newline="")
+    csv_file = open(csv_path if distributed.is_voice() else os.devnull, "w", newline="")
     log = csv.DictWriter(csv_file, CSV_FIELDS)
     log.writeheader()
     log.writerows(rows)
@@ -664,7 +680,8 @@ def train_loop(run: Run, state: TrainState, tx, phases, evaluate: Evaluator, row
         print(f"step 0: held-out lm {lm0:.4f} kl {kl0:.4f} recall {rec0:.4f} answer ce {ans0:.4f}", flush=True)
     t_start = time.time()
     while int(state.step) < args.steps:
-        if args.stop_after and time.time() - t_start > args.stop_after:
+        # (process 0's clock decides, so that every process stops at the same step)
+        if args.stop_after and distributed.from_voice(time.time() - t_start > args.stop_after):
             print(f"--stop-after {args.stop_after:.0f}s: stopped at step {int(state.step)} of {args.steps}", flush=True)
             save_state(run.mngr, state)
             break
@@ -686,13 +703,16 @@ def train_loop(run: Run, state: TrainState, tx, phases, evaluate: Evaluator, row
         if done % args.ckpt_every == 0 or done == args.steps:
             save_state(run.mngr, state)
     csv_file.close()
-    plot_curves(csv_path, run.out / "loss_curve.png")
+    if distributed.is_voice():
+        plot_curves(csv_path, run.out / "loss_curve.png")
     return state, t_start
 
 
 def save_model(run: Run, state: TrainState) -> dict:
     """The trained weights as an HF checkpoint with its tokenizer in OUT/model; returns them on the host."""
     params = jax.device_get(state.params)
+    if not distributed.is_voice():
+        return params
     final = run.out / "model"
     fmt = run.args.save_format
     # prepare_out_dir guarded --out; a --resume of a run that saved its model already saves it again.
@@ -722,12 +742,25 @@ def write_summary(run: Run, state: TrainState, params: dict, index_init: list, e
     if args.data == "retrieval":
         summary.update(heldout_answer_ce=ans, kv_per_1k=args.kv_per_1k, task_share=args.task_share,
                        dense_warmup_seq_len=args.dense_warmup_seq_len, dense_warmup_batch=args.dense_warmup_batch)
-    (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary["processes"] = jax.process_count()
+    if distributed.is_voice():
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if distributed.initialize(args) and args.data_parallel != jax.device_count():
+        raise cli.UsageError(f"a job of {jax.process_count()} processes trains data parallel over all its "
+                             f"{jax.device_count()} devices: pass --data-parallel {jax.device_count()}")
+    # One voice: the other processes' step lines go nowhere (their errors still reach stderr).
+    with contextlib.ExitStack() as stack:
+        if not distributed.is_voice():
+            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+        return _main(args)
+
+
+def _main(args) -> int:
     run = open_run(args)
     params = initial_params(run)
     settle_step_counts(run, params)

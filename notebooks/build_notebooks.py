@@ -222,8 +222,72 @@ NOTEBOOKS_04 = {
                  "          f\"recall at the answer {[round(v, 2) for v in n['recall_at_answer'].values()]}\")"),
     ],
 }
+NOTEBOOKS_05 = {
+    "05_flax_nnx.ipynb": [
+        ("md", "# 05 — The model as Flax NNX modules\n\n`m3jax.nnx.from_model` wraps a model's arrays (no copy) in "
+               "NNX modules that call the same functions as `m3jax.forward`. Here: browse m3-small with "
+               "`nnx.display`, swap one layer's MSA top-k rule for a subclass, and compare the selections before "
+               "and after."),
+        ("code", "from pathlib import Path\nimport numpy as np\nimport jax\nimport matplotlib.pyplot as plt\n"
+                 "import optax\nfrom flax import nnx\nimport m3jax\nfrom m3jax import nnx as mnnx, plots\n"
+                 "from m3jax.generate import DEFAULT_CHECKPOINT\nfrom m3jax.msa import layer as msa_layer, reference\n"
+                 "from m3jax.data import stdlib_files\nfrom m3jax.probe import LayerProbe, ProbeResult\n\n"
+                 "CHECKPOINT = DEFAULT_CHECKPOINT  # any HF-layout M3 checkpoint\nSEQ_LEN = 1024\n"
+                 "model = m3jax.load_pretrained(CHECKPOINT, dtype='float32', progress=False)\ncfg = model.config.text\n"
+                 "if (Path(CHECKPOINT) / 'tokenizer.json').exists():\n"
+                 "    from tokenizers import Tokenizer\n"
+                 "    tok = Tokenizer.from_file(str(Path(CHECKPOINT) / 'tokenizer.json'))\n"
+                 "    text = '\\n'.join(f.read_text(encoding='utf-8', errors='replace') for f in stdlib_files()[1][:4])\n"
+                 "    ids = np.asarray(tok.encode(text).ids[:SEQ_LEN])[None]\n"
+                 "else:\n"
+                 "    ids = np.random.default_rng(0).integers(0, min(cfg.vocab_size, 256), (1, SEQ_LEN))\n"
+                 "m = mnnx.from_model(model)\n"
+                 "same = all(a is b for a, b in zip(jax.tree.leaves(mnnx.to_model(m).params), jax.tree.leaves(model.params)))\n"
+                 "print('round trip shares every buffer:', same)"),
+        ("md", "## Browse the parameters\n\nThe state has the paths, shapes and dtypes of the parameter tree "
+               "(`m3jax/params.py`); the logical axes ride along as `out_sharding` metadata, and MXFP8 weights are "
+               "two Params (`values`, `scales`)."),
+        ("code", "nnx.display(m.text.layers[2])"),
+        ("md", "## Swap one layer's top-k rule\n\n`MSA.select` is the block top-k rule. This subclass keeps the "
+               "index scores' visibility but ranks visible blocks by recency: a sliding window of blocks. Only the "
+               "last MSA layer gets it; the layers before it see the same input, so their selections must not "
+               "move."),
+        ("code", "class RecentBlocks(mnnx.MSA):\n"
+                 "    def select(self, iq, ik, q_pos, cfg, layer):\n"
+                 "        scores = msa_layer.scores(iq, ik, q_pos, cfg)  # -inf where a block is not visible\n"
+                 "        recency = np.arange(scores.shape[-1], dtype=np.float32)\n"
+                 "        ranked = jax.numpy.where(scores > reference.NEG_INF, recency, scores)\n"
+                 "        return reference.select_blocks(ranked, q_pos, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks)\n\n"
+                 "msa = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_attention(i)]\nlast = msa[-1]\n"
+                 "logits_before, inter = mnnx.apply(m, ids)\nbefore = mnnx.selections(inter)\n"
+                 "m.text.layers[last].attn = mnnx.swap(m.text.layers[last].attn, RecentBlocks)\n"
+                 "logits_after, inter = mnnx.apply(m, ids)\nafter = mnnx.selections(inter)\n\n"
+                 "def nll(logits):\n"
+                 "    logp = np.asarray(jax.nn.log_softmax(logits[0, :-1]))\n"
+                 "    return float(-np.take_along_axis(logp, ids[0, 1:, None], -1).mean())\n\n"
+                 "def changed_rows(a, b):  # share of (group, query) rows whose selected set changed\n"
+                 "    a, b = np.sort(np.asarray(a), -1), np.sort(np.asarray(b), -1)\n"
+                 "    return float((a != b).any(-1).mean()) if a.shape == b.shape else 1.0\n\n"
+                 "for i in msa:\n    print(f'layer {i}: {changed_rows(before[i], after[i]):.1%} of the rows select other blocks')\n"
+                 "delta = float(np.abs(np.asarray(logits_after - logits_before)).max())\n"
+                 "print(f'NLL {nll(logits_before):.5f} -> {nll(logits_after):.5f}, max |logit change| {delta:.4f}')"),
+        ("code", "def as_probe(sel):\n"
+                 "    return ProbeResult(None, {last: LayerProbe(last, block_indices=np.asarray(sel[last]))}, cfg.index_block_size)\n\n"
+                 "fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)\n"
+                 "for ax, sel, name in zip(axes, (before, after), ('learned index top-k', 'RecentBlocks')):\n"
+                 "    plots.selection_heatmap(as_probe(sel), last, group=0, ax=ax)\n"
+                 "    ax.set_title(f'layer {last}, KV group 0: {name}')\nfig.tight_layout()"),
+        ("md", "## Train one group\n\n`param_group` names the parameter groups of `m3jax.train` (main, index, "
+               "frozen) as Flax filters: this optimizer holds state for the index branch only, and an update leaves "
+               "every other Param as it is."),
+        ("code", "opt = nnx.Optimizer(m, optax.adamw(1e-3), wrt=mnnx.param_group('index'))\n"
+                 "count = lambda f: sum(x.size for x in jax.tree.leaves(nnx.state(m, f)))\n"
+                 "print({g: count(mnnx.param_group(g)) for g in ('main', 'index', 'frozen')})"),
+    ],
+}
 NOTEBOOKS = {**{k: v for k, v in NOTEBOOKS.items() if k < "02"}, **NOTEBOOKS_02,
-             **{k: v for k, v in NOTEBOOKS.items() if k > "02"}, **NOTEBOOKS_04}
+             **{k: v for k, v in NOTEBOOKS.items() if k > "02"}, **NOTEBOOKS_04,
+             **NOTEBOOKS_05}
 
 
 def build(names=None):

@@ -40,12 +40,13 @@ def test_second_engine_reads_the_exported_programs(tmp_path, monkeypatch):
     params = m3jax.init_random(cfg, seed=4).params
     sampling = SamplingParams(0.8, 0.9, 5)
     first, st1 = _run(cfg, params, tmp_path, sampling=sampling, seed=3)
-    assert st1["misses"] == 2 and st1["hits"] == 0 and st1["uncached"] == 0  # one prefill window, decode
-    assert len(list(tmp_path.glob("*.m3aot"))) == 2
+    # one prefill window at two chunk sizes (the 7- and 2-token prompts run 8 and 4), decode
+    assert st1["misses"] == 3 and st1["hits"] == 0 and st1["uncached"] == 0
+    assert len(list(tmp_path.glob("*.m3aot"))) == 3
     monkeypatch.setattr(eng, "prefill_chunk", _untraceable)
     monkeypatch.setattr(eng, "decode_steps", _untraceable)
     second, st2 = _run(cfg, params, tmp_path, sampling=sampling, seed=3)
-    assert st2["hits"] == 2 and st2["misses"] == 0
+    assert st2["hits"] == 3 and st2["misses"] == 0
     assert second.generated == first.generated
     np.testing.assert_array_equal(np.stack(second.step_logits), np.stack(first.step_logits))
     aot.clear()
@@ -174,7 +175,9 @@ def test_warmup_compiles_side_by_side(tmp_path, monkeypatch):
         threads_seen.clear()
         aot.clear()
         with aot.disk_cache(tmp_path / threads) as stats:
-            e = Engine(params, cfg, batch=2, capacity=64, prefill_chunk=16, decode_steps_per_call=4)
+            # one chunk size (no prefill buckets): a program per key window (buckets: tests/test_prefill_buckets.py)
+            e = Engine(params, cfg, batch=2, capacity=64, prefill_chunk=16, decode_steps_per_call=4,
+                       prefill_buckets=False)
             windows = set(e._windows(64))
             e.warmup(keep_logits=True)
             compiled = dict(stats)

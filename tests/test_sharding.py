@@ -142,7 +142,7 @@ def multidevice_results(request):
 @pytest.mark.parametrize("check", ["forward_divisible", "forward_replicated", "forward_mixed_4", "engine_divisible",
                                    "engine_replicated", "engine_data", "aot_mesh", "loading", "context_parallel", "pallas_mesh",
                                    "pallas_cuda_lowering", "decode_kernels", "prefill_kernels", "generate_cli",
-                                   "generate_plan", "engine_pallas", "probe_mesh"])
+                                   "generate_plan", "engine_pallas", "probe_mesh", "nnx_shardings"])
 def test_on_8_cpu_devices(multidevice_results, check):
     r = multidevice_results.get(check)
     assert r is not None, f"check {check} did not report"

@@ -9,6 +9,11 @@ of the whole MSA step at M3 shapes. See README.md beside this file for the hypot
     python experiments/2026-11-29_block_topk/sweep.py --quick --out /tmp/bt
     python experiments/2026-11-29_block_topk/sweep.py --speed --dry --out /tmp/bt
 
+Several hosts: the same command on every process with ``--coordinator HOST:PORT --num-processes N
+--process-id I`` (or under SLURM / Open MPI, detected), the quality sweep on one mesh over every
+process's devices; process 0 prints and writes the results, and the rows are compared across the
+processes at the end (m3jax.distributed).
+
 Every finished cell is one JSON line in ``<out>/quality.jsonl`` / ``<out>/speed.jsonl``, keyed by
 (setup id, cell); a rerun with the same setup skips finished cells, so an interrupted sweep resumes.
 A cell that raised is written with ``error`` and retried on the next run.
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
+from m3jax import distributed
 from m3jax.needle import heldout_stream
 from m3jax.probe import probe
 
@@ -231,9 +237,10 @@ def finished(path: Path, setup_id: str) -> set[str]:
 def _record(out, rows: list, row: dict, t0: float) -> None:
     """A finished (or failed) cell: its time, one line in the results file, one printed line."""
     row["seconds"] = round(time.time() - t0, 2)
-    append_row(out, row)
     rows.append(row)
-    print(_fmt_row(row), flush=True)
+    if distributed.is_voice():  # one voice when the sweep runs as several processes
+        append_row(out, row)
+        print(_fmt_row(row), flush=True)
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -262,8 +269,12 @@ def _checkpoint_fingerprint(ckpt: Path | None, preset_name: str, seed: int) -> d
 
 
 def _mesh(devices: int | None):
-    """Mesh over the first ``devices`` visible devices (default all); None for one device."""
+    """Mesh over the first ``devices`` visible devices (default all, every process's when the job has
+    several); None for one device."""
     n = devices or len(jax.devices())
+    if jax.process_count() > 1 and n != len(jax.devices()):
+        raise SystemExit(f"--devices {n}: a job of {jax.process_count()} processes runs on all their "
+                         f"{len(jax.devices())} devices")
     if n < 2:
         return None
     from m3jax.sharding import make_mesh
@@ -302,7 +313,8 @@ def run_quality(args) -> list[dict]:
     blocks, topks, budget = (QUICK_BLOCKS, QUICK_TOPKS, QUICK_BUDGET) if args.quick else (BLOCKS, TOPKS, BUDGET)
     cells = grid_cells(args.blocks or blocks, args.topks or topks, args.budget or budget)
     todo = [c for c in cells if c.name not in done]
-    print(f"quality: setup {setup_id} ({setup}), {len(cells) - len(todo)} of {len(cells)} cells done", flush=True)
+    if distributed.is_voice():
+        print(f"quality: setup {setup_id} ({setup}), {len(cells) - len(todo)} of {len(cells)} cells done", flush=True)
     rows = []
     for c in todo:
         t0 = time.time()
@@ -319,6 +331,8 @@ def run_quality(args) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - one failing cell must not stop the sweep; rerun retries it
             row["error"] = f"{type(e).__name__}: {e}"
         _record(out, rows, row, t0)
+    # every process evaluated the same cells on one mesh: their numbers must agree
+    distributed.check_same("quality rows", [{k: v for k, v in r.items() if k not in ("time", "seconds")} for r in rows])
     return rows
 
 
@@ -585,6 +599,7 @@ def parse_args(argv=None):
     ap.add_argument("--speed-chunk", type=int, default=8192, help="queries per timed prefill chunk")
     ap.add_argument("--plot", action="store_true", help="write plots + summary.md from --out into --plots")
     ap.add_argument("--plots", default=str(PLOTS))
+    distributed.add_arguments(ap)
     ap.add_argument("--setup", default=None, help="--plot: setup id to show (default: the latest)")
     args = ap.parse_args(argv)
     q = args.quick
@@ -597,6 +612,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    distributed.initialize(args)
+    if args.plot and not distributed.is_voice():
+        return 0
     if args.plot:
         for p in plot(Path(args.out), Path(args.plots), args.setup):
             print("wrote", p)

@@ -103,6 +103,31 @@ def check_forward(name, sizes, jit_shardings=True):
     return ok, out
 
 
+def check_nnx_shardings(n=8):
+    """m3jax.nnx over a model placed on the mesh: every Param is the placed array itself, its logical-axes
+    metadata maps (sharding.spec_for) to the spec the array carries, and the module's forward under the
+    mesh gives the functional forward's logits."""
+    from flax import nnx
+    from m3jax import nnx as mnnx
+
+    cfg = cfg_of("divisible")
+    mesh = sh.make_mesh(n)
+    model = m3jax.init_random(cfg, seed=0, mesh=mesh)
+    m = mnnx.from_model(model)
+    arrays = jax.tree.leaves(model.params)
+    params = jax.tree.leaves(nnx.state(m, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Param))
+    same = sum(p[...] is a for p, a in zip(params, arrays))
+    spec_ok = sum(sh.spec_for(p.get_metadata()["out_sharding"], p.shape, mesh) == p[...].sharding.spec for p in params)
+    ids = np.random.default_rng(0).integers(0, 80, (2, 19))
+    ref = np.asarray(m3jax.forward(model, ids).logits)
+    with jax.set_mesh(mesh):
+        got = np.asarray(mnnx.apply(m, ids)[0])
+    out = {"params": len(params), "same_arrays": same, "specs_match": spec_ok, "logits_rel_l2": rel_l2(got, ref),
+           "split_params": sum(len(p[...].sharding.device_set) > 1 and not p[...].sharding.is_fully_replicated
+                               for p in params)}
+    return same == spec_ok == len(params) == len(arrays) and out["split_params"] > 0 and out["logits_rel_l2"] <= TOL, out
+
+
 def check_engine(name, n=8, data=1):
     cfg = cfg_of(name)
     model = m3jax.init_random(cfg, seed=1)
@@ -681,6 +706,7 @@ CHECKS = {
     "generate_plan": check_generate_plan,
     "engine_pallas": check_engine_pallas,
     "probe_mesh": check_probe_mesh,
+    "nnx_shardings": check_nnx_shardings,
 }
 
 

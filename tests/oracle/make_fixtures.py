@@ -92,6 +92,7 @@ def text_config(
     index_topk_blocks,
     rope_theta,
     head_dim=HEAD_DIM,
+    hidden_size=64,
     intermediate_size=32,
     dense_intermediate_size=96,
     shared_intermediate_size=32,
@@ -100,7 +101,7 @@ def text_config(
     """Text config kwargs with partial RoPE (half of each head rotated) as in the real model."""
     return dict(
         vocab_size=VOCAB,
-        hidden_size=64,
+        hidden_size=hidden_size,
         num_hidden_layers=len(layer_types),
         layer_types=layer_types,
         mlp_layer_types=mlp_layer_types,
@@ -245,6 +246,28 @@ SPECS = [
         ),
         make_inputs=text_inputs(batch=1, length=130),
         greedy_tokens=34,
+    ),
+    # Held out from the parity suite (tests/test_fp32_fallbacks.py): hidden and expert widths of 96, which
+    # the grouped-GEMM kernel refuses (K must be a multiple of its 64-wide K tile), so on the GPU every
+    # MoE matmul takes the ragged_dot fallback, and fp32 must stay fp32 there.
+    FixtureSpec(
+        name="wide_96",
+        seed=4,
+        text=text_config(
+            layer_types=[FULL, SPARSE, SPARSE],
+            mlp_layer_types=[DENSE, MOE, MOE],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=6,
+            index_head_dim=16,
+            index_block_size=8,
+            index_topk_blocks=3,
+            rope_theta=1e4,
+            hidden_size=96,
+            intermediate_size=96,
+            dense_intermediate_size=96,
+        ),
+        make_inputs=text_inputs(batch=1, length=96),
     ),
     FixtureSpec(
         name="image",
