@@ -12,7 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3jax.checkpoint import checkpoint_dtype, dtype_name, load_params, save_checkpoint
+from m3jax.checkpoint import (
+    CheckpointChanged,
+    CheckpointError,
+    checkpoint_dtype,
+    dtype_name,
+    load_params,
+    save_checkpoint,
+    saved_id,
+)
 from m3jax.config import M3Config, UnsupportedConfigError, load_config
 from m3jax.model import check_input_ids, forward_jit
 from m3jax.params import init_random as _init_params
@@ -78,16 +86,47 @@ def resolve_attention_impl(impl: str, cfg=None, dtype="bfloat16") -> str:
 
 
 def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True,
-                    mesh=None, weights: str = "dequantize") -> M3Model:
+                    mesh=None, weights: str = "dequantize", allow_nonfinite: bool = False) -> M3Model:
     """Load an HF-layout MiniMax-M3 checkpoint directory (config.json + safetensors, BF16 or MXFP8).
 
     ``dtype="auto"`` runs in the checkpoint's own dtype (:func:`m3jax.checkpoint.checkpoint_dtype`).
     With ``mesh`` (``m3jax.sharding.make_mesh``) each device reads only its shard from the files.
     ``weights="mxfp8"`` keeps an MXFP8 checkpoint's quantised weights as fp8 values + E8M0 scales on the
     device (:class:`m3jax.layers.MXFP8Weight`; the MoE grouped GEMM reads them as they are, and so do the
-    other matmuls at decode row counts, :func:`m3jax.moe.linear`; elsewhere they dequantise at use); ``"dequantize"`` (default) holds them in ``dtype``."""
+    other matmuls at decode row counts, :func:`m3jax.moe.linear`; elsewhere they dequantise at use); ``"dequantize"`` (default) holds them in ``dtype``.
+
+    A checkpoint holding NaN or infinite values is refused by name (:class:`m3jax.checkpoint.NonFiniteError`)
+    unless ``allow_nonfinite=True``. A load that overlaps a save of the same folder reads it again
+    (the save id in config.json changed while reading), and after a few such tries raises
+    :class:`m3jax.checkpoint.CheckpointChanged`: the model returned is all of one save."""
     if dtype not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"dtype={dtype!r}; choose 'auto', 'bfloat16' or 'float32'")
+    for _ in range(_LOAD_TRIES):
+        before = saved_id(path)
+        try:
+            model = _load(path, dtype, attention_impl, progress, mesh, weights, allow_nonfinite, before)
+        except (CheckpointError, UnsupportedConfigError, OSError):
+            if saved_id_or_none(path) == before:
+                raise  # the folder did not change under the load: the error is the checkpoint's own
+            continue
+        if saved_id_or_none(path) == before:
+            return model
+    raise CheckpointChanged(f"{path}: the checkpoint was replaced during each of {_LOAD_TRIES} tries to load it; "
+                            "load it once the saves into it have finished")
+
+
+_LOAD_TRIES = 3
+
+
+def saved_id_or_none(path) -> str | None:
+    """The folder's save id, or None when its config.json cannot be read (e.g. mid-swap)."""
+    try:
+        return saved_id(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _load(path, dtype, attention_impl, progress, mesh, weights, allow_nonfinite, save_id) -> M3Model:
     cfg = load_config(path)
     if dtype == "auto":
         dtype = checkpoint_dtype(path)
@@ -95,8 +134,10 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
     if mesh is not None:
         from m3jax.sharding import load_sharded
 
-        return M3Model(cfg, load_sharded(path, cfg, mesh, dtype=dtype, progress=progress, weights=weights), mesh)
-    params = load_params(path, cfg, dtype=dtype, progress=progress, weights=weights)
+        return M3Model(cfg, load_sharded(path, cfg, mesh, dtype=dtype, progress=progress, weights=weights,
+                                         allow_nonfinite=allow_nonfinite, save_id=save_id), mesh)
+    params = load_params(path, cfg, dtype=dtype, progress=progress, weights=weights,
+                         allow_nonfinite=allow_nonfinite, save_id=save_id)
     return M3Model(cfg, params)
 
 
@@ -123,6 +164,9 @@ def _grid(grid_thw, what: str) -> tuple[tuple[int, int, int], ...]:
     g = np.asarray(grid_thw)
     if g.ndim != 2 or g.shape[1] != 3:
         raise ValueError(f"{what} must be [n, 3] (t, h, w), got shape {g.shape}")
+    # A fractional grid would be truncated silently by int(): refuse values that are not whole numbers.
+    if not (np.issubdtype(g.dtype, np.integer) or (np.issubdtype(g.dtype, np.floating) and np.all(g == np.round(g)))):
+        raise ValueError(f"{what} must hold integers (patches per axis), got {g.tolist()}")
     return tuple(tuple(int(v) for v in row) for row in g)
 
 
@@ -138,6 +182,10 @@ def _media(model, input_ids, pixels, grid_thw, token_id, kind):
     if grid_thw is None:
         raise ValueError(f"{kind} pixels given without their grid_thw")
     grid = _grid(grid_thw, f"{kind}_grid_thw")
+    dtype = np.asarray(pixels).dtype if not hasattr(pixels, "dtype") else pixels.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        # uint8 pixels would skip the processor's rescale and normalisation: the tower would see 0..255.
+        raise ValueError(f"{kind} pixel_values must be floats (the processor's normalised patches), got {dtype}")
     check_grid(tuple(np.shape(pixels)), grid, model.config.vision, kind)
     merge = model.config.vision.spatial_merge_size ** 2
     n_tokens = sum(t * h * w for t, h, w in grid) // merge

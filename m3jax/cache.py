@@ -19,23 +19,20 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.config import M3Config, TextConfig
+from m3jax.msa.reference import FP8, block_scores, to_e4m3
 
-FP8 = jnp.float8_e4m3fn
-# Largest finite e4m3fn value: a cast beyond it gives NaN (the format has no infinity), so keys are
-# clipped first. Index keys are RMS-normed (then scaled by the norm weight), far inside this range.
-_FP8_MAX = float(jnp.finfo(FP8).max)
+FP8_NAME = "float8_e4m3fn"
 
 
 def index_page_dtype(cfg: TextConfig, dtype) -> jnp.dtype:
     """Storage dtype of the index-key pages of a cache whose K/V pages are ``dtype``."""
-    return jnp.dtype(FP8) if cfg.index_cache_dtype == "float8_e4m3fn" else jnp.dtype(dtype)
+    return jnp.dtype(FP8) if cfg.index_cache_dtype == FP8_NAME else jnp.dtype(dtype)
 
 
 def _store(x: jax.Array, dtype) -> jax.Array:
-    """``x`` cast to a page dtype (clipped to the finite range first for fp8)."""
-    if jnp.dtype(dtype) == FP8 and x.dtype != FP8:
-        x = jnp.clip(x, -_FP8_MAX, _FP8_MAX)
-    return x.astype(dtype)
+    """``x`` cast to a page dtype (clipped to the finite range first for fp8: a cast beyond it is NaN;
+    index keys are RMS-normed, then scaled by the norm weight, far inside it)."""
+    return to_e4m3(x) if jnp.dtype(dtype) == FP8 else x.astype(dtype)
 
 
 def cached_index_keys(ik: jax.Array, cfg: TextConfig, dtype=None) -> jax.Array:
@@ -43,9 +40,17 @@ def cached_index_keys(ik: jax.Array, cfg: TextConfig, dtype=None) -> jax.Array:
     "float8_e4m3fn"``), returned in ``dtype`` (default: ik's own dtype; fp8 keys default to fp32).
     The upcast is exact, so scores computed from the result are the fp8 cache's scores."""
     out = jnp.float32 if dtype is None and ik.dtype == FP8 else (dtype or ik.dtype)
-    if cfg.index_cache_dtype == "float8_e4m3fn":
+    if cfg.index_cache_dtype == FP8_NAME:
         ik = _store(ik, FP8)
     return ik.astype(out)
+
+
+def cached_block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
+    """Index block scores fp32 [B, Hi, C, nb] of iq [B, C, Hi, Hx] at q_pos [B, C] against the index
+    keys ik [B, S, Hx] as the cache holds them, multiplied in ``cfg.index_score_dtype``
+    (:func:`m3jax.msa.reference.block_scores`; the fp8 indexer takes fp8 cache pages as stored)."""
+    return block_scores(iq, cached_index_keys(ik, cfg), q_pos, cfg.index_block_size,
+                        score_dtype=cfg.index_score_dtype, keys_fp8=cfg.index_cache_dtype == FP8_NAME)
 
 
 @jax.tree_util.register_dataclass
@@ -105,7 +110,7 @@ def cache_bytes(cfg: M3Config, batch: int, capacity: int, dtype_bytes: int = 2) 
     t = cfg.text
     bs = t.index_block_size
     tokens = batch * -(-capacity // bs) * bs
-    index_bytes = 1 if t.index_cache_dtype == "float8_e4m3fn" else dtype_bytes
+    index_bytes = 1 if t.index_cache_dtype == FP8_NAME else dtype_bytes
     per_token = 0
     for i in range(t.num_hidden_layers):
         per_token += 2 * t.num_key_value_heads * t.head_dim * dtype_bytes

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +35,21 @@ import numpy as np
 from m3jax.config import M3Config, UnsupportedConfigError, config_to_hf, read_config_json
 from m3jax.layers import MXFP8_BLOCK, MXFP8Weight, dequantize
 from m3jax.params import ParamSpec, param_specs
+from m3jax.atomic import folder_lock, new_save_id, open_regular, staging_folder, swap_in
 from m3jax.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
+
+# The key under which every file of an m3jax save records the save's id (config.json, the index's
+# metadata, each safetensors file's __metadata__): a reader checks that all it read is of one save.
+SAVE_ID_KEY = "m3jax_save_id"
+
+
+class CheckpointChanged(CheckpointError):
+    """The files of a checkpoint come from different saves: it was replaced while being read."""
+
+
+class NonFiniteError(CheckpointError):
+    """A checkpoint holds NaN or infinite values; the message names the tensors."""
+
 
 # Tensors transformers also skips on load: MTP heads the base model does not use.
 IGNORED = re.compile(r"(^|\.)mtp\.")
@@ -206,7 +222,8 @@ class CheckpointReader:
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
             try:
-                contents = json.loads(index.read_bytes())
+                with open_regular(index, "a shard index") as f:
+                    contents = json.loads(f.read())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: corrupt shard index, not a JSON file ({e})") from None
             weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
@@ -239,10 +256,26 @@ class CheckpointReader:
         self.location: dict[str, SafetensorsFile] = {}
         for fname, f in self.files.items():
             for name in f.keys():
-                self.location[name] = f
+                if name in self.location and not weight_map:
+                    # Without an index nothing says which copy is meant; taking one would be a guess.
+                    raise CheckpointError(
+                        f"{self.directory}: tensor {name!r} is in both {self.location[name].path.name} and {fname}; "
+                        "a folder without model.safetensors.index.json must hold each tensor once")
+                self.location.setdefault(name, f)
+        ids = {f.metadata.get(SAVE_ID_KEY) for f in self.files.values()}
+        if weight_map:
+            meta = contents.get("metadata")
+            ids.add(meta.get(SAVE_ID_KEY) if isinstance(meta, dict) else None)
+        if len(ids) > 1:
+            raise CheckpointChanged(
+                f"{self.directory}: its safetensors files come from different saves ({sorted(map(str, ids))}); "
+                "another save replaced some of them, or a save was mixed with another: save the checkpoint again")
+        # The save that wrote these files (None for checkpoints not written by m3jax).
+        self.save_id: str | None = ids.pop() if ids else None
         for name, fname in weight_map.items():
-            if name not in self.location or self.location[name] is not self.files[fname]:
+            if name not in self.files[fname].entries:
                 raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname} but that file does not hold it")
+            self.location[name] = self.files[fname]
 
     def names(self) -> set[str]:
         return set(self.location)
@@ -386,30 +419,76 @@ def _convert(reader: CheckpointReader, e: Entry, out_dtype) -> tuple[np.ndarray 
     return a.reshape(e.spec.shape).astype(out_dtype), used
 
 
+def nonfinite_names(e: Entry, arr, index: tuple | None = None) -> list[str]:
+    """The checkpoint names of entry ``e`` whose values in ``arr`` (the leaf in our layout, or its
+    slice ``index``) hold a NaN or an infinity: the experts by number, other leaves by their tensor."""
+    values = np.asarray(arr.values if isinstance(arr, MXFP8Weight) else arr)
+    if e.kind == "experts":
+        first = 0 if index is None or not index else index[0].indices(len(e.names))[0]
+        ok = np.isfinite(values).reshape(values.shape[0], -1).all(axis=1)
+        return [e.names[first + i] for i in np.flatnonzero(~ok)]
+    return [] if np.isfinite(values).all() else [e.names[0]]
+
+
+def refuse_nonfinite(directory, bad: list[str]) -> None:
+    """Raise :class:`NonFiniteError` naming the tensors in ``bad`` (nothing when it is empty)."""
+    if bad:
+        raise NonFiniteError(
+            f"{directory}: {len(bad)} tensor(s) hold NaN or infinite values: {sorted(set(bad))[:8]}; the model "
+            "would compute NaN (a corrupt or diverged checkpoint). allow_nonfinite=True "
+            "(--allow-nonfinite-weights) loads it anyway, to study it")
+
+
 def iter_checkpoint_arrays(
-    directory: str | Path, cfg: M3Config, dtype="bfloat16", progress: bool = True, weights: str = "dequantize"
+    directory: str | Path, cfg: M3Config, dtype="bfloat16", progress: bool = True, weights: str = "dequantize",
+    *, allow_nonfinite: bool = False, save_id: str | None | bool = False,
 ) -> Iterator[tuple[Entry, np.ndarray | MXFP8Weight]]:
     """Yield (entry, numpy array in our layout) one leaf at a time; verifies nothing is left unused.
-    ``weights="mxfp8"``: the MXFP8 leaves come as :class:`MXFP8Weight` of their stored values and scales."""
+    ``weights="mxfp8"``: the MXFP8 leaves come as :class:`MXFP8Weight` of their stored values and scales.
+
+    Every leaf is checked for NaN and infinities; :class:`NonFiniteError` after the last leaf names
+    them all, unless ``allow_nonfinite``. ``save_id`` (a str, or None for a checkpoint not saved by
+    m3jax; False: not checked): the id of the config.json the caller read, which the weight files
+    must carry (:class:`CheckpointChanged` otherwise)."""
     from tqdm.auto import tqdm
 
     reader = CheckpointReader(directory)
+    check_save_id(reader, save_id)
     plan = tensor_plan(cfg, weights)
     require_mxfp8_storage(reader, plan)
     unexpected = {n for n in reader.names() if not IGNORED.search(n)}
+    bad: list[str] = []
     bar = tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress)
     for e in bar:
         np_dtype = None if e.mxfp8 else _np_dtype(e.spec.resolve_dtype(dtype))
         arr, used = _convert(reader, e, np_dtype)
         unexpected.difference_update(used)
+        if not allow_nonfinite:
+            bad += nonfinite_names(e, arr)
         yield e, arr
         del arr  # before converting the next leaf, so at most one converted leaf is alive here
+    refuse_nonfinite(directory, bad)
     if unexpected:
         sample = sorted(unexpected)[:8]
         raise CheckpointError(
             f"{directory}: {len(unexpected)} unexpected tensor(s) not used by this config, e.g. {sample}; "
             "the config.json and the weights disagree"
         )
+
+
+def saved_id(directory: str | Path) -> str | None:
+    """The save id in ``directory``'s config.json (None: not saved by m3jax), read afresh."""
+    _, d = read_config_json(directory)
+    value = d.get(SAVE_ID_KEY) if isinstance(d, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def check_save_id(reader: CheckpointReader, save_id: str | None | bool) -> None:
+    """Refuse weight files of another save than the config.json read (``save_id``; False: no check)."""
+    if save_id is not False and reader.save_id != save_id:
+        raise CheckpointChanged(
+            f"{reader.directory}: config.json is of save {save_id} but the weights are of save {reader.save_id}: "
+            "the folder was replaced while being read, or its files were mixed; load it again")
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -423,15 +502,20 @@ def load_params(
     progress: bool = True,
     place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
     weights: str = "dequantize",
+    *,
+    allow_nonfinite: bool = False,
+    save_id: str | None | bool = False,
 ) -> dict:
     """Load a checkpoint into our parameter tree (``weights``: "dequantize" or "mxfp8", see the module).
 
     ``place(path, array)`` puts one leaf on device(s) (default: ``jax.device_put``); the sharding
     module passes a function that shards it. The host copy is dropped right after placement.
+    ``allow_nonfinite`` and ``save_id``: see :func:`iter_checkpoint_arrays`.
     """
     place = place or (lambda path, a: jax.device_put(a))
     tree = jax.tree.map(lambda s: None, param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
-    for e, arr in iter_checkpoint_arrays(directory, cfg, dtype, progress, weights):
+    for e, arr in iter_checkpoint_arrays(directory, cfg, dtype, progress, weights,
+                                         allow_nonfinite=allow_nonfinite, save_id=save_id):
         parent = _get(tree, e.path[:-1])
         parent[e.path[-1]] = place(e.path, arr)
         del arr
@@ -476,9 +560,8 @@ def dtype_name(dtype) -> str | None:
         return None
 
 
-# The files a save writes (the tmp names are its shards before they are renamed).
+# The weight files a save writes.
 _SAVED_FILE = re.compile(r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json")
-_TMP_SHARD = re.compile(r"shard-\d{5}\.tmp")
 
 
 def checkpoint_tensors(params: dict, cfg: M3Config, dtype=None, quantize_mxfp8_weights: bool = False):
@@ -516,6 +599,7 @@ def save_checkpoint(
     max_shard_bytes: int = 4 << 30,
     quantize_mxfp8_weights: bool = False,
     overwrite: bool = False,
+    extra_files: dict[str, bytes | str] | None = None,
 ) -> Path:
     """Write ``config.json`` + safetensors shards (+ index when several) in the official naming.
 
@@ -523,35 +607,92 @@ def save_checkpoint(
 
     ``dtype``: None (as held) or one of :data:`SAVE_DTYPES`, for the leaves the model's dtype applies to.
 
+    ``extra_files``: {file name: contents} saved with the weights (a tokenizer), in the same swap.
+
     A folder that already holds a checkpoint (``config.json``, shards, an index) is refused unless
-    ``overwrite=True``; an empty or new folder is fine. With ``overwrite=True`` the older files this save
-    does not rewrite (an index, shards of another count, a single file) are removed, with a warning naming
-    them: left in place they would be loaded instead of, or mixed with, the new weights. Other
-    ``*.safetensors`` files are refused before anything is written: a folder without an index is read whole.
+    ``overwrite=True``; an empty or new folder is fine. Other ``*.safetensors`` files are refused
+    before anything is written: a folder without an index is read whole.
+
+    The save is atomic and single-writer: the files are written into a new hidden folder beside
+    ``directory``, which then takes its place in one rename (:func:`m3jax.atomic.swap_in`); the
+    other files of the folder are carried over (hard links where the filesystem allows), and the
+    older checkpoint files this save does not rewrite (an index, shards of another count) are dropped
+    with a warning naming them. A reader sees the old checkpoint or the new one, never a mix; a save
+    cut short (a kill, a full disk) leaves the old folder as it was and a hidden staging folder that
+    the next save of that folder removes. A second save into the same folder while one runs is
+    refused (:class:`m3jax.atomic.FolderBusyError`). Every file records the save's id
+    (:data:`SAVE_ID_KEY`), which the loader checks.
     """
     if dtype is not None and dtype_name(dtype) not in SAVE_DTYPES:
         raise ValueError(f"dtype={dtype!r}; a checkpoint is saved in one of {list(SAVE_DTYPES)} (or None: as held)")
     if not isinstance(max_shard_bytes, (int, float)) or not max_shard_bytes > 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r}; must be a positive number of bytes")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    entries = sorted(directory.iterdir())
-    foreign = [f.name for f in entries if f.name.endswith(".safetensors") and not _SAVED_FILE.fullmatch(f.name)]
-    if foreign:
-        raise CheckpointError(
-            f"{directory}: holds {foreign}, which a checkpoint save does not write; the loader reads every "
-            "*.safetensors file of a folder without an index, so they would be mixed with the new weights: "
-            "move them or save elsewhere"
-        )
-    held = [f.name for f in entries if f.name == "config.json" or _SAVED_FILE.fullmatch(f.name)]
-    if held and not overwrite:
-        raise CheckpointError(
-            f"{directory}: already holds a checkpoint ({held}); pass overwrite=True to replace it, or save elsewhere"
-        )
-    for f in entries:
-        if _TMP_SHARD.fullmatch(f.name):  # left by an interrupted save: never part of a checkpoint
-            f.unlink()
-    old = [f for f in entries if _SAVED_FILE.fullmatch(f.name)]
+    extra_files = dict(extra_files or {})
+    for name in extra_files:
+        if Path(name).name != name or name == "config.json" or _SAVED_FILE.fullmatch(name):
+            raise ValueError(f"extra_files: {name!r} must be a plain file name other than the checkpoint's own files")
+    directory = Path(directory).resolve()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with folder_lock(directory):
+        entries = sorted(directory.iterdir()) if directory.is_dir() else []
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"{directory} is a file, not a folder")
+        foreign = [f.name for f in entries if f.name.endswith(".safetensors") and not _SAVED_FILE.fullmatch(f.name)]
+        if foreign:
+            raise CheckpointError(
+                f"{directory}: holds {foreign}, which a checkpoint save does not write; the loader reads every "
+                "*.safetensors file of a folder without an index, so they would be mixed with the new weights: "
+                "move them or save elsewhere"
+            )
+        held = [f.name for f in entries if f.name == "config.json" or _SAVED_FILE.fullmatch(f.name)]
+        if held and not overwrite:
+            raise CheckpointError(
+                f"{directory}: already holds a checkpoint ({held}); pass overwrite=True to replace it, or save elsewhere"
+            )
+        for old in directory.parent.glob(f".{directory.name}.staging-*"):  # left by a save that was killed
+            shutil.rmtree(old, ignore_errors=True)
+        staging = staging_folder(directory)
+        try:
+            names = _write_checkpoint(params, cfg, staging, dtype, max_shard_bytes, quantize_mxfp8_weights,
+                                      extra_files)
+            # The folder's other files (a README, a tokenizer the save does not replace) go with it.
+            for f in entries:
+                if f.name not in names and f.name != "config.json" and not _SAVED_FILE.fullmatch(f.name):
+                    _carry(f, staging / f.name)
+            if directory.is_dir():
+                shutil.copymode(directory, staging)
+            swap_in(staging, directory)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    stale = [f.name for f in entries if _SAVED_FILE.fullmatch(f.name) and f.name not in names]
+    if stale:
+        warnings.warn(f"{directory}: dropped {stale} of the checkpoint saved there before; left in place they "
+                      "would be loaded instead of, or mixed with, the new weights", stacklevel=2)
+    return directory
+
+
+def _carry(src: Path, dst: Path) -> None:
+    """Put ``src`` (a file or a folder) at ``dst``: hard links where the filesystem allows, else copies."""
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    elif src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    else:
+        link(src, dst)
+
+
+def _write_checkpoint(params, cfg, folder: Path, dtype, max_shard_bytes, quantize_mxfp8_weights,
+                      extra_files: dict) -> list[str]:
+    """Write a whole checkpoint into the empty ``folder``; returns the names of the files written."""
+    save_id = new_save_id()
+    meta = {SAVE_ID_KEY: save_id}
     # Shards are flushed as they fill (host memory stays one shard); names get their final
     # "-of-N" once N is known.
     written: list[tuple[Path, list[str]]] = []
@@ -559,8 +700,8 @@ def save_checkpoint(
     size = total = 0
 
     def flush():
-        path = directory / f"shard-{len(written):05d}.tmp"
-        write_safetensors(path, shard)
+        path = folder / f"shard-{len(written):05d}.tmp"
+        write_safetensors(path, shard, meta)
         written.append((path, list(shard)))
 
     for name, a in checkpoint_tensors(params, cfg, dtype, quantize_mxfp8_weights):
@@ -574,29 +715,23 @@ def save_checkpoint(
     names = (["model.safetensors"] if len(written) == 1 else
              [f"model-{k + 1:05d}-of-{len(written):05d}.safetensors" for k in range(len(written))] +
              ["model.safetensors.index.json"])
-    # The old files go before the new ones take their names: a save cut short here leaves a folder that
-    # fails to load, never one that silently loads the old weights.
-    stale = [f.name for f in old if f.name not in names]
-    for f in old:
-        f.unlink()
-    if stale:
-        warnings.warn(f"{directory}: removed {stale} of the checkpoint saved there before; left in place they "
-                      "would be loaded instead of, or mixed with, the new weights", stacklevel=2)
     if len(written) == 1:
-        written[0][0].rename(directory / "model.safetensors")
+        written[0][0].rename(folder / "model.safetensors")
     else:
         weight_map = {}
         for fname, (path, tensor_names) in zip(names, written):
-            path.rename(directory / fname)
+            path.rename(folder / fname)
             weight_map.update({n: fname for n in tensor_names})
-        with open(directory / "model.safetensors.index.json", "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total, **meta}, "weight_map": weight_map}, indent=1))
+    for fname, data in extra_files.items():
+        (folder / fname).write_bytes(data.encode() if isinstance(data, str) else data)
     hf = config_to_hf(dataclasses.replace(cfg, quantization="mxfp8" if quantize_mxfp8_weights else cfg.quantization))
     # The dtype the weights were saved in (for MXFP8, that of the unquantized ones), as transformers writes it.
     hf["dtype"] = jnp.dtype(dtype if dtype is not None else _get(params, ("text", "embed")).dtype).name
-    with open(directory / "config.json", "w") as f:
-        json.dump(hf, f, indent=2)
-    return directory
+    hf[SAVE_ID_KEY] = save_id
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    return names + list(extra_files) + ["config.json"]
 
 
 # --------------------------------------------------------------------------------------------------

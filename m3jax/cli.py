@@ -2,14 +2,17 @@
 and :func:`run`, which turns a user's mistake into one line instead of a traceback.
 
 Exit status of every tool: 0 done, 2 a user error (bad argument, unreadable or unsupported checkpoint or
-config, missing file), 1 anything else (a bug: the traceback is kept). A tool may give its own meaning
-to 1 (``m3jax.plan``: the plan does not fit). ``--debug`` or ``M3JAX_DEBUG=1`` shows the traceback of
-a user error too.
+config, missing file, a folder another process is writing), 1 an error of the environment (a full
+disk, a read-only filesystem, an I/O error: one ``error:`` line naming the path) or anything else (a
+bug: the traceback is kept), 130 Ctrl-C (one line), 141 a closed output pipe (``| head``: quietly,
+as Unix tools do). A tool may give its own meaning to 1 (``m3jax.plan``: the plan does not fit).
+``--debug`` or ``M3JAX_DEBUG=1`` shows the traceback of a user or environment error too.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -20,6 +23,7 @@ from typing import Any, Callable, NoReturn
 import jax
 
 from m3jax import distributed
+from m3jax.atomic import FolderBusyError, NotARegularFileError, open_regular
 from m3jax.config import UnsupportedConfigError
 from m3jax.safetensors_io import CheckpointError
 
@@ -34,6 +38,8 @@ class UsageError(ValueError):
 # one-line SystemExit where it is caught; OSError subclasses cover missing, unreadable and unwritable paths.
 USER_ERRORS = (
     UsageError,
+    FolderBusyError,
+    NotARegularFileError,
     UnsupportedConfigError,
     CheckpointError,
     FileNotFoundError,
@@ -77,9 +83,27 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None,
         if e.code not in (0, None):
             _fail_others(e, e.code if isinstance(e.code, int) else 1)
         raise
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+        raise SystemExit(141) from None
+    except KeyboardInterrupt as e:
+        if debug:
+            _fail_others(e, 130)
+            raise
+        _exit(130, "interrupted (Ctrl-C)")
+    except OSError as e:  # the environment (no space, read-only, I/O): one line naming the path
+        if debug:
+            _fail_others(e, 1)
+            raise
+        _exit(1, os_error_line(e))
     except BaseException as e:  # a bug: the traceback is kept; the job's other processes stop too
         _fail_others(e, 1)
         raise
+    try:
+        sys.stdout.flush()  # a pipe closed after the last write fails here, not in the interpreter's exit
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+        raise SystemExit(141) from None
     if exit_code is not None:
         raise SystemExit(exit_code(result))
     raise SystemExit(result if isinstance(result, int) else 0)
@@ -99,6 +123,21 @@ def _fail_others(e: BaseException, code: int) -> None:
     if distributed.active():
         traceback.print_exc()
         distributed.fail(f"process {jax.process_index()}: {type(e).__name__}: {e}", code)
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: what failed and the path(s), without the errno's brackets."""
+    what = e.strerror or str(e)
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return f"{what}: {' -> '.join(paths)}" if paths else what
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader of stdout went away: point stdout at /dev/null, so the interpreter's final flush of
+    what is still buffered does not print a second BrokenPipeError on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,11 +220,22 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-def utf8_file(text: str) -> str:
-    """The contents of a UTF-8 text file."""
+class FileText(str):
+    """A file's text (a str) that remembers its ``path``: an output must not overwrite it."""
+
+    path: Path
+
+
+def utf8_file(text: str) -> FileText:
+    """The contents of a UTF-8 text file (refused by name when it is a FIFO, a device or a folder)."""
     path = Path(text)
     try:
-        return path.read_text(encoding="utf-8")
+        with open_regular(path, "the file") as f:
+            out = FileText(f.read().decode("utf-8"))
+        out.path = path
+        return out
+    except NotARegularFileError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     except UnicodeDecodeError as e:
         raise argparse.ArgumentTypeError(
             f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
@@ -205,3 +255,59 @@ def writable_file(text: str) -> Path:
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{path} is not writable")
     return path
+
+
+def refuse_overwriting_inputs(output: Path | None, flag: str, inputs: dict[str, Path | str | None]) -> None:
+    """Refuse, before any work, an output path that is one of the run's inputs ({what: path}): the same
+    file (or a hard link to it), or an existing file inside an input folder (a checkpoint's weights or
+    config). A new file in an input folder is fine: it replaces nothing."""
+    if output is None:
+        return
+    out = Path(output)
+    for what, p in inputs.items():
+        if p is None:
+            continue
+        p = Path(p)
+        same = out.exists() and p.exists() and os.path.samefile(out, p)
+        inside = p.is_dir() and out.exists() and out.resolve().is_relative_to(p.resolve())
+        if same or inside:
+            raise UsageError(f"{flag} {out} would overwrite {what} {p}{' (a file in it)' if inside else ''}, an input "
+                             "of this run; write it elsewhere")
+
+
+# Short names for --config-override; any other TextConfig field is given by its own name.
+OVERRIDE_ALIASES = {"block": "index_block_size", "topk": "index_topk_blocks"}
+CONFIG_OVERRIDE_HELP = ("text-config fields for this run, e.g. block=128,topk=4 or index_cache_dtype=float8_e4m3fn "
+                        "or index_score_dtype=float8_e4m3fn (the fp8 indexer)")
+
+
+def parse_overrides(text: str) -> dict:
+    """``block=128,topk=4`` -> {"index_block_size": 128, "index_topk_blocks": 4}; values that read as
+    integers are integers (e.g. ``index_cache_dtype=float8_e4m3fn`` stays a string)."""
+    out = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value pairs separated by commas, got {part!r}")
+        value = value.strip()
+        try:
+            parsed: int | str = int(value)
+        except ValueError:
+            parsed = value
+        out[OVERRIDE_ALIASES.get(name.strip(), name.strip())] = parsed
+    return out
+
+
+def apply_overrides(cfg, overrides: dict):
+    """``cfg`` (an M3Config) with the ``--config-override`` text fields set; an unknown field, or a value
+    the config refuses (its message names the field), is a UsageError."""
+    if not overrides:
+        return cfg
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cfg.text)})
+    if unknown:
+        raise UsageError(f"--config-override: {unknown} are not text-config fields "
+                         f"(short names: {', '.join(OVERRIDE_ALIASES)})")
+    try:
+        return cfg.replace_text(**overrides)
+    except (TypeError, ValueError) as e:  # a value of the wrong type (rope_theta=abc) fails in the config's checks
+        raise UsageError(f"--config-override {overrides}: {e}") from None

@@ -12,11 +12,15 @@ default (transformers >= 5.23 is the reference implementation); a value we canno
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import numbers
+import warnings
 from pathlib import Path
 from typing import Any, Literal
+
+from m3jax.atomic import open_regular
 
 AttentionImpl = Literal["auto", "reference", "dense_mask", "pallas"]
 ATTENTION_IMPLS = ("auto", "reference", "dense_mask", "pallas")
@@ -27,6 +31,10 @@ MOE_IMPLS = ("auto", "ragged_dot", "pallas")
 # Storage of the MSA index-key cache: "bfloat16" keeps the index keys at the cache's dtype (bf16 when
 # serving), "float8_e4m3fn" rounds them to fp8 e4m3 (half the bytes of the decode index scan).
 INDEX_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
+# The index product (the lightning indexer's dot products): "bfloat16" multiplies the index queries and
+# keys as they are (the model as released); "float8_e4m3fn" is the fp8 indexer, an fp8 x fp8 product of
+# per-row scaled e4m3 queries and keys (m3jax.msa.reference.fp8_dot_scores).
+INDEX_SCORE_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 FULL_ATTENTION = "full_attention"
 SPARSE_ATTENTION = "minimax_m3_sparse"
@@ -100,6 +108,9 @@ class TextConfig:
     # "float8_e4m3fn" applies everywhere the index keys are read (reference, kernels, cache), so a
     # forward pass and a cached decode select from the same rounded keys.
     index_cache_dtype: str = "bfloat16"
+    # Research knob (not in any checkpoint): the index product, one of INDEX_SCORE_DTYPES. The jnp
+    # reference computes it on every backend; the MSA kernels take "bfloat16" only.
+    index_score_dtype: str = "bfloat16"
     bos_token_id: int | None = 200034
     eos_token_id: int | tuple[int, ...] | None = 200020
 
@@ -121,6 +132,9 @@ class TextConfig:
         if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
             raise UnsupportedConfigError(
                 f"index_cache_dtype={self.index_cache_dtype!r}; choose one of {INDEX_CACHE_DTYPES}")
+        if self.index_score_dtype not in INDEX_SCORE_DTYPES:
+            raise UnsupportedConfigError(
+                f"index_score_dtype={self.index_score_dtype!r}; choose one of {INDEX_SCORE_DTYPES}")
         bad = set(self.mlp_layer_types) - {"dense", "sparse"}
         if bad:
             raise UnsupportedConfigError(f"text_config.mlp_layer_types has unknown entries {sorted(bad)}")
@@ -260,6 +274,11 @@ class M3Config:
             raise UnsupportedConfigError(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
         if self.moe_impl not in MOE_IMPLS:
             raise UnsupportedConfigError(f"moe_impl={self.moe_impl!r}; choose one of {MOE_IMPLS}")
+        if self.attention_impl == "pallas" and self.text.index_score_dtype != "bfloat16":
+            # the MSA kernels multiply bf16 index operands: never a bf16 product under an fp8 setting
+            raise UnsupportedConfigError(
+                f"attention_impl='pallas' with index_score_dtype={self.text.index_score_dtype!r}: the fp8 indexer "
+                "has no kernel; use attention_impl='reference' or 'auto' (which runs the jnp reference)")
 
     def replace(self, **changes) -> "M3Config":
         return dataclasses.replace(self, **changes)
@@ -439,6 +458,45 @@ def vision_config_from_hf(v: dict, where: str = "vision_config") -> VisionConfig
     )
 
 
+# Keys every transformers config may carry, which m3jax has no use for (not warned about).
+_GENERIC_KEYS = frozenset({
+    "architectures", "transformers_version", "dtype", "torch_dtype", "model_type", "_name_or_path", "_comment",
+    "auto_map", "tie_word_embeddings", "use_cache", "initializer_range", "pad_token_id", "bos_token_id",
+    "eos_token_id", "output_hidden_states", "output_attentions", "return_dict", "id2label", "label2id",
+    "problem_type", "tokenizer_class", "is_encoder_decoder", "chunk_size_feed_forward", "attention_dropout",
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "quantization_config",
+    "m3jax_save_id",
+})
+# The keys each part of a MiniMax-M3 config.json has (read by m3jax, or known and unused).
+_KNOWN_KEYS = {
+    "config.json": frozenset({
+        "text_config", "vision_config", "image_token_index", "image_token_id", "video_token_index",
+        "video_token_id", "projector_hidden_size", "merged_hidden_size"}),
+    "text_config": frozenset({
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "layer_types", "mlp_layer_types", "moe_layer_freq", "intermediate_size", "dense_intermediate_size",
+        "shared_intermediate_size", "num_local_experts", "num_experts", "num_experts_per_tok",
+        "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "rms_norm_eps", "rope_parameters", "rope_theta",
+        "rotary_dim", "partial_rotary_factor", "max_position_embeddings", "index_n_heads", "index_head_dim",
+        "index_block_size", "index_topk_blocks", "index_local_blocks", "index_init_blocks",
+        "sparse_attention_config", "hidden_act", "qk_norm_type", "use_gemma_norm", "attention_output_gate",
+        "num_mtp_modules"}),
+    "vision_config": frozenset(set(_VISION_SIZES) | {
+        "layer_norm_eps", "rope_parameters", "rope_theta", "rope_mode", "hidden_act", "projection_dim",
+        "image_size", "vision_segment_max_frames"}),
+}
+
+
+def warn_unknown_keys(d: dict, where: str) -> None:
+    """Warn about keys of ``d`` that no MiniMax-M3 config has, with the nearest known key: a misspelled
+    field would otherwise be ignored and its default used without a word."""
+    known = _KNOWN_KEYS[where] | _GENERIC_KEYS
+    for key in sorted(k for k in d if isinstance(k, str) and k not in known):
+        near = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        warnings.warn(f"{where}: unknown key {key!r} is ignored{hint}", UserWarning, stacklevel=3)
+
+
 def config_from_hf(d: dict[str, Any], **overrides) -> M3Config:
     """Build an :class:`M3Config` from a parsed HF ``config.json`` dict."""
     if not isinstance(d, dict):
@@ -449,6 +507,10 @@ def config_from_hf(d: dict[str, Any], **overrides) -> M3Config:
     if "text_config" not in d:
         raise UnsupportedConfigError("config.json has no 'text_config': not a MiniMax-M3 (minimax_m3_vl) config")
     text_d = _dict(d, "text_config", "config.json")
+    warn_unknown_keys(d, "config.json")
+    warn_unknown_keys(text_d, "text_config")
+    if isinstance(d.get("vision_config"), dict):
+        warn_unknown_keys(d["vision_config"], "vision_config")
     quant = d.get("quantization_config") or text_d.get("quantization_config")
     quant_method = None
     if quant:
@@ -473,8 +535,10 @@ def config_from_hf(d: dict[str, Any], **overrides) -> M3Config:
 def read_json_object(path: Path) -> dict:
     """A checkpoint's JSON side file (tokenizer_config.json, the preprocessor configs) as a dict; ValueError
     naming the file when it is not JSON text or not a JSON object."""
+    with open_regular(path, "a JSON file") as f:
+        raw = f.read()
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
         raise ValueError(f"{path}: invalid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -490,8 +554,10 @@ def read_config_json(path: str | Path) -> tuple[Path, dict]:
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
+    with open_regular(path, "config.json") as f:
+        raw = f.read()
     try:
-        return path, json.loads(path.read_bytes())
+        return path, json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnsupportedConfigError(f"{path}: not a JSON file ({e})") from None
 

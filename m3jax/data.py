@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import re
+import sys
 import sysconfig
 import time
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from m3jax.atomic import atomic_write
 from m3jax.config import M3Config
 
 # --------------------------------------------------------------------------------------------------
@@ -126,8 +130,11 @@ def prepare_corpus(folder: Path, cfg: M3Config, data_mb: float = 0.0, tokenizer_
     cache = folder / "data.npz"
     if tok_path.exists() and cache.exists():
         tok = Tokenizer.from_file(str(tok_path))
-        d = np.load(cache)
-        return tok, d["train"], d["heldout"]
+        try:
+            with np.load(cache) as d:
+                return tok, d["train"], d["heldout"]
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:  # truncated, or not ours
+            print(f"warning: {cache} is damaged ({type(e).__name__}: {e}); rebuilding it", file=sys.stderr, flush=True)
     t0 = time.time()
     train_texts = read_texts(train_files, budget)
     held_texts = read_texts(held_files, budget // 20 if budget else None)
@@ -135,24 +142,27 @@ def prepare_corpus(folder: Path, cfg: M3Config, data_mb: float = 0.0, tokenizer_
         tok = Tokenizer.from_file(str(tok_path))
     elif tokenizer_from:
         tok = Tokenizer.from_file(str(Path(tokenizer_from) / "tokenizer.json"))
-        tok.save(str(tok_path))
+        atomic_write(tok_path, tok.to_str(pretty=True))
     else:
         tok = train_tokenizer(train_texts, cfg, tokenizer_mb)
-        tok.save(str(tok_path))
+        atomic_write(tok_path, tok.to_str(pretty=True))
     eos = cfg.text.eos_token_id if isinstance(cfg.text.eos_token_id, int) else cfg.text.eos_token_id[0]
     train, held = encode_corpus(tok, train_texts, eos), encode_corpus(tok, held_texts, eos)
-    np.savez(cache, train=train, heldout=held)
+    buf = io.BytesIO()  # written whole or not at all: a killed run must not leave a truncated cache
+    np.savez(buf, train=train, heldout=held)
+    atomic_write(cache, buf.getvalue())
     print(f"data: {len(train_texts)} train / {len(held_texts)} held-out files -> {len(train)} / {len(held)} tokens "
           f"(vocab {tok.get_vocab_size()}, {time.time() - t0:.1f}s)", flush=True)
     return tok, train, held
 
 
-def write_tokenizer_files(tok, cfg: M3Config, directory: Path) -> None:
-    """``tokenizer.json`` and a ``tokenizer_config.json`` naming the special tokens, beside a saved model."""
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-         "model_max_length": cfg.text.max_position_embeddings}, indent=1))
+def tokenizer_files(tok, cfg: M3Config) -> dict[str, str]:
+    """{name: contents} of ``tokenizer.json`` and a ``tokenizer_config.json`` naming the special tokens,
+    saved with a model (in the same atomic save as its weights)."""
+    return {"tokenizer.json": tok.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                 "pad_token": "<pad>", "model_max_length": cfg.text.max_position_embeddings}, indent=1)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@
   tracing and lowering the model again; ``warmup`` hands all of them to :func:`m3jax.aot.compile_all`,
   so XLA compiles them side by side.
 * Sampling follows the model card by default (temperature 1.0, top-p 0.95, top-k 40);
-  temperature 0 is greedy.
+  temperature 0 is greedy, and so is one so small that ``logits / T`` overflows (the limit).
+* One engine serves one thread at a time: a call from a second thread while one runs raises
+  RuntimeError (the engine holds one cache).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
+import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +62,18 @@ class SamplingParams:
     top_k: int = 40
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))  # numpy scalars too: the jit cache keys on the value
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1 (k >= vocabulary size keeps every token), got {self.top_k}")
+        object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:
@@ -72,9 +82,15 @@ class SamplingParams:
 
 @functools.partial(jax.jit, static_argnames=("params",))
 def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-    """logits [B, V] fp32 -> token ids [B]. Top-k, then top-p (nucleus) over the renormalised rest."""
+    """logits [B, V] fp32 -> token ids [B]. Top-k, then top-p (nucleus) over the renormalised rest.
+
+    A temperature so small that ``logits / T`` overflows (e.g. 1e-39) picks the argmax: the limit of
+    sampling as T -> 0 (the overflowed softmax would be NaN and draw token 0)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy
+    spread = jnp.max(jnp.abs(jnp.where(jnp.isfinite(logits), logits, 0.0)), axis=-1)
+    overflow = ~jnp.isfinite(spread / params.temperature)
     logits = logits / params.temperature
     k = min(params.top_k, logits.shape[-1])
     vals, idx = jax.lax.top_k(logits, k)  # sorted descending
@@ -83,7 +99,8 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
     keep = (jnp.cumsum(probs, axis=-1) - probs) < params.top_p
     vals = jnp.where(keep, vals, -jnp.inf)
     choice = jax.random.categorical(key, vals, axis=-1)
-    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    sampled = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(overflow, greedy, sampled)
 
 
 # Smallest key window (tokens) of a prefill chunk. Below it a wider window costs next to nothing
@@ -223,6 +240,7 @@ class Engine:
         # moves host-to-device per call).
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._small_sharding = self.cache.page_table.sharding
+        self._busy = threading.RLock()  # re-entrant: generate calls prefill (see _exclusive)
 
     def _under_mesh(fn):  # noqa: N805  (method decorator: run under the engine's mesh, if any)
         @functools.wraps(fn)
@@ -231,6 +249,22 @@ class Engine:
                 return fn(self, *args, **kwargs)
             with jax.set_mesh(self.mesh):
                 return fn(self, *args, **kwargs)
+
+        return wrapped
+
+    def _exclusive(fn):  # noqa: N805  (method decorator: one thread at a time)
+        """The engine holds one cache: two threads generating at once would write each other's rows and
+        return wrong tokens. A second thread is refused at once (not queued: a caller that shares an
+        engine by mistake learns it, and one that means to can hold its own lock)."""
+        @functools.wraps(fn)
+        def wrapped(self, *args, **kwargs):
+            if not self._busy.acquire(blocking=False):
+                raise RuntimeError(f"Engine.{fn.__name__}: this engine is in use by another thread; an engine "
+                                   "runs one generation at a time (use one engine per thread, or a lock)")
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self._busy.release()
 
         return wrapped
 
@@ -353,6 +387,7 @@ class Engine:
         if np.ndim(x) != 2 or np.shape(x)[1] != d:
             raise ValueError(f"{name} must be [T, hidden_size={d}], got shape {np.shape(x)}")
 
+    @_exclusive
     @_under_mesh
     def prefill(self, row: int, prompt: Sequence[int] | jax.Array, on_progress: Callable[[int], None] | None = None):
         """Prefill sequence ``row`` with token ids or embeddings [T, D]; returns fp32 logits [V] at the
@@ -382,6 +417,7 @@ class Engine:
                 on_progress(n)
         return logits
 
+    @_exclusive
     @_under_mesh
     def generate(
         self,
@@ -397,8 +433,14 @@ class Engine:
         on_prefill_progress: Callable[[int], None] | None = None,
     ) -> GenerationResult:
         """Generate for up to ``batch`` prompts (token ids, or precomputed embeddings [T, D] each)."""
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0 (0 = prefill only), got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (an integer; 0 = prefill only), got {max_new_tokens!r}")
+        eos = tuple(eos_ids) if isinstance(eos_ids, Iterable) and not isinstance(eos_ids, (str, bytes)) else None
+        if eos is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in eos):
+            raise ValueError(f"eos_ids must be a sequence of integer token ids, got {eos_ids!r}")
+        eos_ids = eos
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not (np.ndim(seed) == 0 and np.issubdtype(np.asarray(seed).dtype, np.integer)
                 and -(2**63) <= int(seed) < 2**63):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63) (a JAX PRNG key), got {seed!r}")
@@ -429,6 +471,10 @@ class Engine:
             first_logits.append(self.prefill(row, p, on_progress=on_prefill_progress))
         logits = jnp.stack(first_logits + [first_logits[0]] * (self.batch - n))
         key, sub = jax.random.split(key)
+        if not bool(jnp.isfinite(logits[:n]).all()):
+            bad = [i for i in range(n) if not bool(jnp.isfinite(logits[i]).all())]
+            raise FloatingPointError(f"the logits at the end of prompt(s) {bad} hold NaN or infinite values: the "
+                                     "weights or the inputs overflow; refusing to sample from them")
         tokens = sample(logits, sub, sampling)
         tokens.block_until_ready()
         timings["ttft_s"] = time.perf_counter() - t0

@@ -64,6 +64,7 @@ import numpy as np
 
 import m3jax
 from m3jax import aot, cli, distributed, processing, sharding
+from m3jax.atomic import atomic_write
 from m3jax import plan as device_planner
 from m3jax.checkpoint import checkpoint_dtype
 from m3jax.config import describe_presets, load_config, preset
@@ -116,7 +117,8 @@ def parse_args(argv=None):
                          f"{processing.VIDEO_MIN_FRAMES}-{processing.VIDEO_MAX_FRAMES} frames)")
     ap.add_argument("--fill", action="store_true", help="prepend a synthetic haystack up to the context")
     ap.add_argument("--max-new-tokens", type=cli.nonnegative_int, default=32, help="0 = prefill only")
-    ap.add_argument("--temperature", type=float, default=1.0, help=">= 0; 0 = greedy")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help=">= 0; 0 = greedy (so is one so small that logits / T overflows: the T -> 0 limit)")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]; 1 = no cut")
     ap.add_argument("--top-k", type=int, default=40,
                     help=">= 1: sample among the k most likely tokens (k >= the vocabulary size: all of them)")
@@ -140,6 +142,8 @@ def parse_args(argv=None):
                     help="decode steps one compiled call runs (tokens stream N at a time; the host's per-call cost "
                          "is paid once per N tokens; 1 = a call per token)")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "dense_mask", "pallas"])
+    ap.add_argument("--config-override", type=cli.parse_overrides, default={}, metavar="K=V,...",
+                    help=cli.CONFIG_OVERRIDE_HELP)
     ap.add_argument("--devices", type=cli.positive_int, default=None,
                     help="devices to run on, the first N visible (default: all of them, or D*M with --mesh); "
                          "1 = the plain single-device path")
@@ -151,6 +155,12 @@ def parse_args(argv=None):
     ap.add_argument("--allow-beyond-max-position", action="store_true",
                     help="run past the config's max_position_embeddings (RoPE extrapolation: quality unknown)")
     ap.add_argument("--quiet", action="store_true", help="no streaming text, no progress bars")
+    ap.add_argument("--byte-tokenizer", action="store_true",
+                    help="run a checkpoint whose tokenizer files lack tokenizer.json on byte-level ids (refused "
+                         "otherwise: its text would be garbage)")
+    ap.add_argument("--allow-nonfinite-weights", action="store_true",
+                    help="load a checkpoint holding NaN or infinite weights (refused otherwise, naming them), "
+                         "to study a broken model")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not use JAX's persistent compilation cache nor the exported-program cache in its aot/ "
                          "folder (default: both on, in $M3JAX_CACHE_DIR or ~/.cache/m3jax/jax_cache)")
@@ -375,6 +385,11 @@ def persistent_compile_cache(path: Path | None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    inputs = {"--checkpoint": args.checkpoint or (None if args.config else DEFAULT_CHECKPOINT),
+              "--prompt-file": getattr(args.prompt, "path", None)}
+    inputs.update({f"--image {p}": p for p in args.image})
+    inputs.update({f"--video {p}": p for p in args.video})
+    cli.refuse_overwriting_inputs(args.output_json, "--output-json", inputs)
     distributed.initialize(args)  # several processes: join the job; only process 0 prints and writes
     try:  # read by the engine's warmup; a bad value is the user's, refused before anything loads
         aot.compile_threads()
@@ -393,14 +408,15 @@ def main(argv=None) -> dict:
     report["generated_ids_sha256"] = distributed.check_same("generated ids", report["generated_ids"])
     report["processes"] = jax.process_count()
     if args.output_json and distributed.is_voice():
-        args.output_json.write_text(json.dumps(report, indent=2))
+        atomic_write(args.output_json, json.dumps(report, indent=2))
     return report
 
 
 def _generate(args) -> dict:
     if args.checkpoint is None and args.config is None:
         args.checkpoint = DEFAULT_CHECKPOINT
-    cfg = load_config(args.checkpoint) if args.checkpoint else preset(args.config)
+    cfg = cli.apply_overrides(load_config(args.checkpoint) if args.checkpoint else preset(args.config),
+                              args.config_override)
     if args.allow_beyond_max_position:
         cfg = cfg.replace_text(max_position_embeddings=max(args.ctx, cfg.text.max_position_embeddings))
     elif args.ctx > cfg.text.max_position_embeddings:
@@ -417,7 +433,7 @@ def _generate(args) -> dict:
     mesh = sharding.make_mesh(len(devices), data=data, devices=devices) if len(devices) > 1 else None
 
     try:
-        tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size)
+        tok = load_tokenizer(args.checkpoint, cfg.text.vocab_size, args.byte_tokenizer)
     except ValueError as e:  # a tokenizer file that does not load (named), or none and a vocabulary too small for bytes
         raise SystemExit(f"cannot load a tokenizer for {args.checkpoint or args.config}: {e}") from None
     media = _prepare_media(args, cfg, tok) if (args.image or args.video) else None
@@ -456,7 +472,8 @@ def _generate(args) -> dict:
     if args.checkpoint:
         # With a mesh each device reads only its shard of the files (a progress bar per file).
         model = m3jax.load_pretrained(args.checkpoint, dtype=dtype, attention_impl=cfg.attention_impl,
-                                      progress=not args.quiet, mesh=mesh, weights=args.weights)
+                                      progress=not args.quiet, mesh=mesh, weights=args.weights,
+                                      allow_nonfinite=args.allow_nonfinite_weights)
         model = m3jax.M3Model(cfg, model.params, mesh)
     elif memory_plan["weights_bytes"] * len(devices) > GiB or args.weights == "mxfp8":
         # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the devices, each

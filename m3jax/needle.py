@@ -33,11 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from m3jax import cli
+from m3jax.atomic import atomic_write
 from m3jax.data import KEY_RANGE, draw_keys, kv_line, plant, stdlib_files, text_encoder
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "assets" / "m3-small"
-# Short names for --config-override; any other TextConfig field is given by its own name.
-OVERRIDE_ALIASES = {"block": "index_block_size", "topk": "index_topk_blocks"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,23 +180,6 @@ def evaluate(model, encode, stream: np.ndarray, *, ctx: int, trials: int, seed: 
 # CLI
 
 
-def parse_overrides(text: str) -> dict:
-    """``block=128,topk=4`` -> {"index_block_size": 128, "index_topk_blocks": 4}; values that read as
-    integers are integers (e.g. ``index_cache_dtype=float8_e4m3fn`` stays a string)."""
-    out = {}
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        name, sep, value = part.partition("=")
-        if not sep or not name.strip() or not value.strip():
-            raise argparse.ArgumentTypeError(f"expected key=value pairs separated by commas, got {part!r}")
-        value = value.strip()
-        try:
-            parsed: int | str = int(value)
-        except ValueError:
-            parsed = value
-        out[OVERRIDE_ALIASES.get(name.strip(), name.strip())] = parsed
-    return out
-
-
 def depth_value(text: str) -> float:
     value = cli._float(text)
     if not 0 <= value <= 1:
@@ -216,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--depths", type=depth_value, nargs="+", default=None,
                     help="needle depths (shares of the row); trials cycle through them. Default: random per trial")
     ap.add_argument("--attention-impl", choices=["auto", "reference", "dense_mask", "pallas"], default="auto")
-    ap.add_argument("--config-override", type=parse_overrides, default={},
-                    help="text-config fields for this run, e.g. block=128,topk=4 or index_cache_dtype=float8_e4m3fn")
+    ap.add_argument("--config-override", type=cli.parse_overrides, default={}, help=cli.CONFIG_OVERRIDE_HELP)
     ap.add_argument("--dense", action="store_true", help="every MSA layer runs dense causal attention")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--batch", type=cli.positive_int, default=2, help="rows per forward pass")
@@ -228,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    cli.refuse_overwriting_inputs(args.output_json, "--output-json", {"--checkpoint": args.checkpoint})
     import m3jax
     from m3jax.probe import with_dense_layers
 
@@ -236,14 +218,9 @@ def main(argv=None) -> dict:
 
     t0 = time.time()
     model = m3jax.load_pretrained(args.checkpoint, dtype=args.dtype, attention_impl=args.attention_impl, progress=False)
-    cfg = model.config
-    if args.config_override:
-        names = {f.name for f in dataclasses.fields(cfg.text)}
-        unknown = sorted(set(args.config_override) - names)
-        if unknown:
-            raise cli.UsageError(f"--config-override: {unknown} are not text-config fields "
-                                 f"(short names: {', '.join(OVERRIDE_ALIASES)})")
-        cfg = cfg.replace_text(**args.config_override)
+    # the attention path is resolved again for the overridden config (the fp8 indexer has no kernel)
+    cfg = cli.apply_overrides(model.config.replace(attention_impl="reference"), args.config_override)
+    cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg, args.dtype))
     if args.dense:
         cfg = with_dense_layers(cfg, [i for i in range(cfg.text.num_hidden_layers) if cfg.text.is_sparse_attention(i)])
     model = m3jax.M3Model(cfg, model.params, model.mesh)
@@ -270,7 +247,7 @@ def main(argv=None) -> dict:
         print("  needle block selected per MSA layer: "
               + ", ".join(f"{k}: {v:.2f}" for k, v in res["needle_block_selected"].items()))
     if args.output_json:
-        args.output_json.write_text(json.dumps(res, indent=1))
+        atomic_write(args.output_json, json.dumps(res, indent=1))
     return res
 
 

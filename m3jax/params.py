@@ -223,7 +223,7 @@ def init_random(cfg: M3Config, seed: int = 0, dtype=jnp.float32, scale: float = 
     1 + N(0, 0.2) LayerNorm scales. Norm offsets are random (not zero) so a missing (1 + w) shows up."""
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed % 2**64)  # any signed 64-bit seed (numpy's generator takes only >= 0)
     out = []
     for s in leaves:
         if s.init == "normal":

@@ -167,6 +167,8 @@ def with_dense_layers(cfg: M3Config, layers) -> M3Config:
     """Config where the given MSA layers run dense causal attention (their index weights go unused)."""
     types = list(cfg.text.layer_types)
     for i in layers:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(types):
+            raise ValueError(f"with_dense_layers: layer {i!r} is not a layer index in [0, {len(types)})")
         types[i] = FULL_ATTENTION
     return cfg.replace_text(layer_types=tuple(types))
 

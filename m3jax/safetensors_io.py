@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from m3jax.atomic import NotARegularFileError, open_regular
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -46,21 +49,29 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise CheckpointError(f"{self.path}: file is truncated (no safetensors header)")
-            (n,) = struct.unpack("<Q", raw)
-            if 8 + n > size:
-                raise CheckpointError(f"{self.path}: file is truncated (header of {n} bytes, file has {size})")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        # One descriptor for the header and every tensor: a save that replaces the file meanwhile
+        # cannot hand this reader tensors of another file than the header it checked.
+        try:
+            self._file = open_regular(self.path, "a safetensors file")
+        except NotARegularFileError as e:
+            raise CheckpointError(str(e)) from None
+        f = self._file
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{self.path}: file is truncated (no safetensors header)")
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise CheckpointError(f"{self.path}: file is truncated (header of {n} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (__metadata__ is not an object)")
         self.data_start = 8 + n
         self.entries: dict[str, dict] = header
         spans = []
@@ -101,6 +112,9 @@ class SafetensorsFile:
                     "corrupt safetensors header"
                 )
 
+    def close(self) -> None:
+        self._file.close()
+
     def keys(self) -> list[str]:
         return list(self.entries)
 
@@ -113,14 +127,15 @@ class SafetensorsFile:
     def get(self, name: str) -> np.ndarray:
         """Read-only view of the tensor (pages are read on access).
 
-        Each call maps only this tensor's bytes, and the mapping is released with the returned view,
-        so a long load never keeps the whole file set resident.
+        Each call maps only this tensor's bytes (of the descriptor opened with the header, never the
+        path again), and the mapping is released with the returned view, so a long load never keeps
+        the whole file set resident.
         """
         e = self.entries[name]
         begin, end = e["data_offsets"]
         if end == begin:
             return np.empty(e["shape"], DTYPES[e["dtype"]])
-        buf = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start + begin, shape=(end - begin,))
+        buf = np.memmap(self._file, dtype=np.uint8, mode="r", offset=self.data_start + begin, shape=(end - begin,))
         return buf.view(DTYPES[e["dtype"]]).reshape(e["shape"])
 
 

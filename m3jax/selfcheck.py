@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from m3jax.atomic import atomic_write
 from m3jax.pallas import _backend
 from m3jax.pallas.canaries import CANARIES
 from m3jax.pallas.tolerances import TOL
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     ok = all(v.passed for v in verdicts)
     rows = [dict(dataclasses.asdict(v), kernel=v.kernel, m3=CANARIES[v.canary].m3) for v in verdicts]
     if args.json:
-        args.json.write_text(json.dumps({"device": dev["device"], "jax": jax.__version__, "verdicts": rows}, indent=1))
+        atomic_write(args.json, json.dumps({"device": dev["device"], "jax": jax.__version__, "verdicts": rows}, indent=1))
     if args.full:
         report = {"device": dev, "target": dataclasses.asdict(target), "jax": jax.__version__,
                   "jaxlib": getattr(__import__("jaxlib"), "__version__", "?"), "python": sys.version.split()[0],
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
                                                  f"{p['attention_impl']} path)" if "rel_l2" in p else p["error"]))
             ok = ok and p["passed"]
         report["passed"] = ok
-        args.report.write_text(json.dumps(report, indent=1))
+        atomic_write(args.report, json.dumps(report, indent=1))
         print(f"report written to {args.report}")
     return 0 if ok else 1
 

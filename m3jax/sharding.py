@@ -294,12 +294,17 @@ def load_sharded(
     read_log: dict | None = None,
     progress: bool = False,
     weights: str = "dequantize",
+    *,
+    allow_nonfinite: bool = False,
+    save_id: str | None | bool = False,
 ) -> dict:
     """Load a checkpoint straight into its shards: each device's slice is read from the memory-mapped
     safetensors files by ``jax.make_array_from_callback`` (experts: only the local ones; linears: only
     the local rows / columns). No full copy of a sharded leaf exists on host or device.
 
     ``read_log``, if given, collects {checkpoint name: times read} (tests check expert locality).
+    ``allow_nonfinite`` and ``save_id``: as in :func:`m3jax.checkpoint.iter_checkpoint_arrays` (each
+    slice is checked as it is read).
     """
     from tqdm.auto import tqdm
 
@@ -308,13 +313,18 @@ def load_sharded(
         CheckpointError,
         CheckpointReader,
         _get,
+        check_save_id,
+        nonfinite_names,
         read_entry_shard,
+        refuse_nonfinite,
         require_mxfp8_storage,
         tensor_plan,
     )
 
     reader = CheckpointReader(directory)
+    check_save_id(reader, save_id)
     plan = tensor_plan(cfg, weights)
+    bad: set[str] = set()
     expected = set()
     for e in plan:
         for n in e.names:
@@ -342,6 +352,8 @@ def load_sharded(
     for e in entries:
         def read(index, e=e, part=None, np_dtype=None):
             a, used = read_entry_shard(reader, e, index, np_dtype, part)
+            if not allow_nonfinite and part != "scales":
+                bad.update(nonfinite_names(e, a, index))
             if read_log is not None:
                 for n in used:
                     read_log[n] = read_log.get(n, 0) + 1
@@ -359,6 +371,7 @@ def load_sharded(
             sharding = NamedSharding(mesh, spec_for(e.spec.axes, e.spec.shape, mesh, rules))
             leaf = jax.make_array_from_callback(e.spec.shape, sharding, functools.partial(read, np_dtype=np_dtype))
         _get(tree, e.path[:-1])[e.path[-1]] = leaf
+    refuse_nonfinite(directory, sorted(bad))
     return tree
 
 

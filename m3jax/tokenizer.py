@@ -107,7 +107,19 @@ def _named_template(value, source: str) -> str | None:
                      f"got {type(value).__name__}")
 
 
-def load_tokenizer(checkpoint: Path | None, vocab_size: int):
+# Files that say a checkpoint has a tokenizer of its own (m3jax reads only tokenizer.json of them).
+TOKENIZER_SIGNS = ("tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(checkpoint: Path | None, vocab_size: int, byte_fallback: bool = False):
+    """The checkpoint's ``tokenizer.json``, else byte-level ids. A checkpoint that has tokenizer files
+    but no ``tokenizer.json`` (a save cut short, a copy that missed it, a sentencepiece-only repo) is
+    refused: its ids are not bytes, and byte-level text would be garbage; ``byte_fallback`` runs it so."""
     if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").exists():
         return HFTokenizer(Path(checkpoint))
+    signs = [n for n in TOKENIZER_SIGNS if checkpoint is not None and (Path(checkpoint) / n).exists()]
+    if signs and not byte_fallback:
+        raise ValueError(f"{checkpoint} has {signs} but no tokenizer.json: the model was trained with a tokenizer "
+                         "that m3jax cannot read from these files; copy its tokenizer.json there, or pass "
+                         "--byte-tokenizer to run on byte-level ids anyway")
     return ByteTokenizer(vocab_size)

@@ -60,7 +60,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tokenizers import Tokenizer
 
-from m3jax import cli, data, distributed
+from m3jax import atomic, cli, data, distributed
 from m3jax.api import M3Model, save_pretrained
 from m3jax.checkpoint import load_params
 from m3jax.config import M3Config, load_config, preset
@@ -294,6 +294,39 @@ def save_state(mngr, state: TrainState) -> None:
     mngr.wait_until_finished()
 
 
+def restore_intact_state(mngr, like: TrainState) -> TrainState:
+    """Restore the newest orbax step that restores and holds only finite values; a damaged newer step
+    is skipped with a warning naming it. None intact: the run is refused."""
+    steps = sorted(mngr.all_steps(), reverse=True)
+    for step in steps:
+        try:
+            state = restore_state(mngr, like, step)
+        except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many kinds for a damaged step)
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        else:
+            finite = all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(_state_tree(state))
+                         if jnp.issubdtype(x.dtype, jnp.floating))
+            if finite:
+                return state
+            why = "it holds NaN or infinite values"
+        print(f"warning: --resume: checkpoint step {step} in {mngr.directory} is damaged ({why}); trying an older "
+              "step", file=sys.stderr, flush=True)
+    raise cli.UsageError(f"--resume: no intact checkpoint in {mngr.directory} (steps {steps} all damaged); "
+                         "start a new run")
+
+
+def stop_if_diverged(metrics: dict, step: int, mngr) -> None:
+    """End the run at a non-finite loss or gradient: one line naming the step; nothing is saved (the
+    last good orbax step stays the newest) and the exit status is 2."""
+    if np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]):
+        return
+    kept = mngr.latest_step()
+    raise SystemExit(
+        f"step {step}: loss {metrics['loss']} / gradient norm {metrics['grad_norm']}: the run diverged; stopped "
+        f"without saving (the last good checkpoint, {'step ' + str(kept) if kept is not None else 'none'}, "
+        f"is kept in {mngr.directory})")
+
+
 def restore_state(mngr, like: TrainState, step: int | None = None) -> TrainState:
     """Restore the latest (or ``step``) checkpoint into the structure, dtypes and shardings of ``like``."""
     step = mngr.latest_step() if step is None else step
@@ -358,7 +391,7 @@ CSV_FIELDS = ("step", "mode", "loss", "lm", "kl", "grad_norm", "seconds", "eval_
               "eval_answer_ce")
 # Everything a run writes under --out (--overwrite removes exactly these).
 RUN_FILES = ("ckpt", "model", "tokenizer.json", "data.npz", "time_budget_steps.json", "train_log.csv",
-             "loss_curve.png", "summary.json")
+             "loss_curve.png", "summary.json", "run_args.json")
 
 
 # How long the other processes wait for process 0 to prepare the run folder (training a tokenizer).
@@ -442,6 +475,47 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
 
 # --------------------------------------------------------------------------------------------------
 # main, step by step
+
+
+def refuse_out_over_inputs(args) -> None:
+    """--out must not be, hold or lie inside an input of the run: --overwrite would remove a
+    checkpoint's tokenizer.json, and the model save would replace its weights."""
+    out = args.out.absolute().resolve()
+    for flag in ("--init-from", "--tokenizer-from", "--config"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None or not Path(value).exists():
+            continue  # a preset name
+        p = Path(value).absolute().resolve()
+        p = p.parent if p.is_file() else p
+        if out == p or out.is_relative_to(p) or p.is_relative_to(out):
+            raise cli.UsageError(f"--out {args.out} overlaps {flag} {value}, an input of this run; choose another --out")
+
+
+# Arguments a resumed run may change (they do not alter what it computes up to its last step);
+# any other difference to the recorded run_args.json is refused, naming the argument.
+RESUME_MAY_CHANGE = ("steps", "ckpt_every", "eval_every", "eval_batches", "stop_after", "time_budget", "save_format")
+_NOT_RECORDED = RESUME_MAY_CHANGE + ("resume", "overwrite", "out", "debug")
+
+
+def check_run_args(out: Path, args) -> None:
+    """Record the run's arguments in ``out/run_args.json`` (a new run), or compare them on --resume."""
+    path = out / "run_args.json"
+    now = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items()) if k not in _NOT_RECORDED}
+    if args.resume and path.exists():
+        try:
+            recorded = json.loads(path.read_text())
+        except ValueError as e:
+            raise cli.UsageError(f"--resume: {path} is not JSON ({e}); it records the run's arguments") from None
+        changed = [k for k in sorted(set(now) | set(recorded)) if now.get(k) != recorded.get(k)]
+        if changed:
+            diffs = ", ".join(f"--{k.replace('_', '-')} {now.get(k)!r} (the run used {recorded.get(k)!r})"
+                              for k in changed)
+            raise cli.UsageError(
+                f"--resume: {diffs} differ from the run in {out}; a resumed run must be the same run (only "
+                f"{', '.join('--' + a.replace('_', '-') for a in RESUME_MAY_CHANGE)} may change): start a new --out "
+                "instead")
+        return
+    atomic.atomic_write(path, json.dumps(now, indent=1))
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -561,6 +635,7 @@ def open_run(args) -> Run:
     # read its tokenizer.json and data.npz back once it is done.
     if distributed.is_voice():
         prepare_out_dir(out, args.resume, args.overwrite)
+        check_run_args(out, args)
     distributed.barrier("train/run-folder", CORPUS_TIMEOUT_S)
     mngr = checkpoint_manager(out / "ckpt")
     resuming = args.resume and mngr.latest_step() is not None
@@ -599,7 +674,7 @@ def settle_step_counts(run: Run, params: dict) -> None:
         if args.dense_warmup_frac:
             args.dense_warmup_steps = int(round(args.steps * args.dense_warmup_frac))
         if distributed.is_voice():
-            chosen.write_text(json.dumps([args.steps, args.dense_warmup_steps]))
+            atomic.atomic_write(chosen, json.dumps([args.steps, args.dense_warmup_steps]))
     print(f"time budget {args.time_budget:.0f}s -> --steps {args.steps} --dense-warmup-steps {args.dense_warmup_steps}",
           flush=True)
 
@@ -615,7 +690,7 @@ def resume(run: Run, state: TrainState) -> tuple[TrainState, list[dict]]:
     """The saved state and the log rows up to its step when resuming, else ``state`` and no rows."""
     if not run.resuming:
         return state, []
-    state = restore_state(run.mngr, state)
+    state = restore_intact_state(run.mngr, state)
     csv_path = run.out / "train_log.csv"
     rows = []
     if csv_path.exists():
@@ -690,6 +765,7 @@ def train_loop(run: Run, state: TrainState, tx, phases, evaluate: Evaluator, row
         t0 = time.time()
         state, m = steps[mode](state, run.batch(s, mode))
         m = jax.device_get(m)
+        stop_if_diverged(m, s + 1, run.mngr)
         row = {"step": s + 1, "mode": mode, "loss": f"{m['loss']:.5f}", "lm": f"{m['lm']:.5f}", "kl": f"{m['kl']:.5f}",
                "grad_norm": f"{m['grad_norm']:.4f}", "seconds": f"{time.time() - t0:.3f}"}
         done = int(state.step)
@@ -716,10 +792,10 @@ def save_model(run: Run, state: TrainState) -> dict:
     final = run.out / "model"
     fmt = run.args.save_format
     # prepare_out_dir guarded --out; a --resume of a run that saved its model already saves it again.
+    # The tokenizer goes in the same atomic save: the folder never holds the weights without it.
     save_pretrained(M3Model(run.cfg.replace(attention_impl="auto"), params), final,
                     dtype="bfloat16" if fmt == "mxfp8" else fmt, quantize_mxfp8_weights=fmt == "mxfp8",
-                    overwrite=True)
-    data.write_tokenizer_files(run.tok, run.cfg, final)
+                    overwrite=True, extra_files=data.tokenizer_files(run.tok, run.cfg))
     return params
 
 
@@ -744,7 +820,7 @@ def write_summary(run: Run, state: TrainState, params: dict, index_init: list, e
                        dense_warmup_seq_len=args.dense_warmup_seq_len, dense_warmup_batch=args.dense_warmup_batch)
     summary["processes"] = jax.process_count()
     if distributed.is_voice():
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        atomic.atomic_write(run.out / "summary.json", json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
 
 
@@ -753,9 +829,12 @@ def main(argv=None) -> int:
     if distributed.initialize(args) and args.data_parallel != jax.device_count():
         raise cli.UsageError(f"a job of {jax.process_count()} processes trains data parallel over all its "
                              f"{jax.device_count()} devices: pass --data-parallel {jax.device_count()}")
-    # One voice: the other processes' step lines go nowhere (their errors still reach stderr).
+    refuse_out_over_inputs(args)
     with contextlib.ExitStack() as stack:
-        if not distributed.is_voice():
+        if distributed.is_voice():  # process 0 holds the run lock for the job: two runs on one --out would corrupt it
+            args.out.absolute().parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(atomic.folder_lock(args.out, "a second training run"))
+        else:  # one voice: the other processes' step lines go nowhere (their errors still reach stderr)
             stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
         return _main(args)
 

@@ -52,6 +52,27 @@ NOTEBOOKS = {
         ("md", "## Distance of the selected blocks from the query, and cross-layer overlap"),
         ("code", "fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.5))\nplots.distance_histograms(res, ax=a)\nplots.layer_overlap(res, ax=b)\nfig.tight_layout()"),
         ("code", "print('KV-group overlap, first MSA layer:')\nprint(np.round(res.jaccard_groups(res.msa_layers[0]), 3))"),
+        ("md", "## The fp8 indexer: where its selections differ from bf16's\n\n"
+               "`index_score_dtype=\"float8_e4m3fn\"` scores blocks with an fp8 x fp8 product (index queries per row "
+               "and keys per token quantised to e4m3 with a scale). Below, per MSA layer: the share of rows (query, KV "
+               "group) whose selected sets are equal, and, by distance from the query's own block, the blocks the "
+               "default selects that the fp8 indexer drops (per row). Each probe runs on its own residual stream, so "
+               "later layers also see the earlier layers' changes. Numbers at 4K and on M3's shapes: "
+               "`benchmarks/RESULTS.md`, section \"fp8 indexer against bf16 selections\"."),
+        ("code", "res8 = probe(m3jax.M3Model(model.config.replace_text(index_score_dtype='float8_e4m3fn'), model.params),\n"
+                 "             ids, query_chunk=256, share_compilation=True)  # one compilation per layer kind\n"
+                 "bs = cfg.index_block_size\nnb = -(-ids.shape[1] // bs)\n"
+                 "own = (np.arange(ids.shape[1]) // bs)[None, None, :, None]\n"
+                 "fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.5))\nequal = []\n"
+                 "for i in res.msa_layers:\n"
+                 "    s16, s8 = res.layers[i].block_indices, res8.layers[i].block_indices  # [B, K, T, topk]\n"
+                 "    dropped = (s16 >= 0) & ~(s16[..., :, None] == s8[..., None, :]).any(-1)  # bf16's, not fp8's\n"
+                 "    equal.append(1 - dropped.any(-1).mean())\n"
+                 "    b.plot(np.bincount((own - s16)[dropped], minlength=nb)[:nb] / dropped[..., 0].size, label=f'layer {i}')\n"
+                 "a.bar([str(i) for i in res.msa_layers], equal)\n"
+                 "a.set(xlabel='MSA layer', ylabel='rows with equal sets', ylim=(min(equal) - 0.05, 1))\n"
+                 "b.set(xlabel='distance from the own block (blocks)', ylabel='dropped blocks per row', yscale='log')\n"
+                 "b.legend(fontsize=7)\nfig.tight_layout()"),
     ],
     "03_what_if.ipynb": [
         ("md", "# 03 — What if?\n\nInterventions are configuration, not monkeypatching: switch a layer to dense "

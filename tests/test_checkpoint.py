@@ -104,10 +104,11 @@ def read_all(path: Path) -> dict[str, np.ndarray]:
 
 def rewrite(path: Path, edit) -> None:
     """Rewrite one safetensors file with ``edit(tensors) -> tensors`` (written aside, then renamed,
-    so no live memmap ever sees its file truncated)."""
+    so no live memmap ever sees its file truncated). Its metadata (the save id) is kept: the edit
+    stands for a damaged file, not for a file of another save."""
     tensors = edit(read_all(path))
     tmp = path.with_suffix(".rewrite")
-    write_safetensors(tmp, tensors)
+    write_safetensors(tmp, tensors, SafetensorsFile(path).metadata)
     os.replace(tmp, path)
 
 

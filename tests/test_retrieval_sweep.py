@@ -57,3 +57,8 @@ def test_fp8_index_on_a_checkpoint(byte_text_checkpoint, tmp_path):
     assert 0 <= res["rows_equal"] <= 1 and set(res["rows_equal_per_layer"]) == {"1", "2"}
     for name in ("bfloat16", fp8.FP8):
         assert 0 < res[name]["recall_mean"] <= 1 + 1e-6 and 0 <= res[name]["needle_accuracy"] <= 1
+
+
+def test_config_override_parses():
+    args = sweep.parse_args(["--config-override", "index_score_dtype=float8_e4m3fn"])
+    assert args.config_override == {"index_score_dtype": "float8_e4m3fn"}

@@ -30,7 +30,9 @@ def gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(verdicts, "_SOURCE_HASHES", {})
     dev = dict(FAKE_GPU)
     monkeypatch.setattr(verdicts, "device_key", lambda: dict(dev))
-    monkeypatch.setattr(_backend, "current_target", lambda: _backend.BLACKWELL)
+    # The override, not a patched current_target: kernel modules import that function by name, and one
+    # first imported under the patch would keep the fake target for the rest of the session.
+    monkeypatch.setattr(_backend, "_target_override", _backend.BLACKWELL)
     return dev
 
 
@@ -161,7 +163,7 @@ def test_refused_targets(gpu, monkeypatch):
     future = _backend.target_of("11.0")
     assert future.name == "sm_110" and "compute capability 11.0 is not a target" in future.refused
 
-    monkeypatch.setattr(_backend, "current_target", lambda: sm120)
+    monkeypatch.setattr(_backend, "_target_override", sm120)
     monkeypatch.setattr(verdicts, "run_isolated", lambda *a: pytest.fail("no canary runs on a refused target"))
     with pytest.warns(RuntimeWarning, match="kernels are not used on NVIDIA B200.*neither wgmma nor tcgen05"):
         assert "neither wgmma" in verdicts.kernel_failure("grouped_matmul")

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 import m3jax
+from m3jax import cli
 from m3jax.needle import DEFAULT_CHECKPOINT, heldout_stream, needle_row
 from m3jax.data import text_encoder
 
@@ -80,6 +81,8 @@ def run_quality(args) -> list[dict]:
     else:  # CPU smoke run: a tiny random model, UTF-8 bytes as token ids
         cfg = m3jax.preset("m3_tiny")
         model = m3jax.init_random(cfg, seed=args.seed, dtype=args.dtype)
+    # text-config fields for every cell (e.g. index_score_dtype=float8_e4m3fn); the reference path runs them all
+    model = m3jax.M3Model(cli.apply_overrides(model.config, args.config_override), model.params)
     t = model.config.text
     tok = bt._load_tokenizer(ckpt)
     encode = text_encoder(tok, t.vocab_size)
@@ -91,7 +94,8 @@ def run_quality(args) -> list[dict]:
     tail_start = int(ctx * args.tail_start)
     setup = {**bt._checkpoint_fingerprint(ckpt, "m3_tiny", args.seed), "ctx": ctx, "n_docs": args.n_docs,
              "n_needles": args.n_needles, "needle": "kv-retrieval", "depths": list(args.depths),
-             "tail_start": tail_start, "dtype": args.dtype, "seed": args.seed}
+             "tail_start": tail_start, "dtype": args.dtype, "seed": args.seed,
+             **({"config_override": args.config_override} if args.config_override else {})}
     setup_id = bt._setup_id(setup)
     out = Path(args.out) / "quality.jsonl"
     done = bt.finished(out, setup_id)
@@ -137,6 +141,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new cell after this many seconds (finished cells are kept; rerun to continue)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--config-override", type=cli.parse_overrides, default={}, help=cli.CONFIG_OVERRIDE_HELP)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny random model, ctx 256, a 2 x 2 grid (CPU)")
     ap.add_argument("--speed", action="store_true", help="MSA-step speed per cell vs cuDNN dense, 128K (old sweep's runner)")

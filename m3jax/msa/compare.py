@@ -13,6 +13,14 @@ margin <= 4 (Hx - 1) u S, with S the row's largest sum_i |iq_i ik_i| over its vi
 bound used, :func:`summation_bound`, doubles that once more (8 Hx u) because the tensor cores' fp32
 accumulation is not guaranteed to round to nearest. Rows whose sets differ with a margin above it are
 errors, never near-ties.
+
+The fp8 indexer (``index_score_dtype="float8_e4m3fn"``) changes the scores themselves: e4m3 keeps 3
+mantissa bits, so each quantised element is within u8 = 2^-4 of itself (relative, round to nearest;
+elements below e4m3's normal range, 2^-6 of the row's scaled maximum, round to a fixed step instead:
+outside this bound, and negligible for RMS-normed index vectors) and each product within 2 u8 + u8^2.
+A block's score moves by at most that times S, and two blocks swap only if their bf16 margin is below
+twice it: :func:`fp8_score_bound` (plus the fp32 summation bound). It is a loose bound: it says which
+differences can come from quantisation, and the selection study measures how often they do.
 """
 
 from __future__ import annotations
@@ -23,12 +31,19 @@ import jax.numpy as jnp
 import numpy as np
 
 U_FP32 = 2.0**-24
+U_E4M3 = 2.0**-4  # unit roundoff of fp8 e4m3 (3 mantissa bits)
 
 
 def summation_bound(index_head_dim: int) -> float:
     """Largest reference margin (relative to the row's sum |iq . ik| scale) at which two fp32
     summation orders of the same bf16 products can swap the k-th and (k+1)-th blocks."""
     return 8 * index_head_dim * U_FP32
+
+
+def fp8_score_bound(index_head_dim: int) -> float:
+    """Largest bf16 margin (relative to the row's sum |iq . ik| scale) at which the fp8 indexer can
+    select a different set than the bf16 one (module docstring)."""
+    return 2 * (2 * U_E4M3 + U_E4M3**2) + summation_bound(index_head_dim)
 
 
 def selection_margin(scores, sel, q_pos, block_size: int):

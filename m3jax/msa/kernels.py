@@ -9,17 +9,33 @@ from __future__ import annotations
 import jax
 
 from m3jax.cache import LayerCache
-from m3jax.config import TextConfig
+from m3jax.config import TextConfig, UnsupportedConfigError
 
 # The top-k kernels keep a row's list in registers (topk values + topk ids per thread): 64, the largest
 # top-k of the research grid (experiments/2026-11-29_block_topk), is the largest we test.
 MAX_TOPK = 64
 
 
+def _score_dtype_reason(cfg: TextConfig) -> str | None:
+    """The index-score kernels multiply bf16 (or fp32 split into bf16) operands: the fp8 indexer is the
+    jnp reference's only, so a kernel never computes it in bf16 instead."""
+    if cfg.index_score_dtype != "bfloat16":
+        return (f"index_score_dtype={cfg.index_score_dtype!r} has no index-score kernel; the fp8 indexer "
+                "runs on the jnp reference path")
+    return None
+
+
+def _refuse_score_dtype(cfg: TextConfig) -> None:
+    if reason := _score_dtype_reason(cfg):
+        raise UnsupportedConfigError(f"MSA kernels: {reason}")
+
+
 def _selection_reason(cfg: TextConfig) -> str | None:
     """What the prefill index-score and top-k kernels cannot take (None when they can)."""
     from m3jax.pallas.index_scores import IndexScoreConfig
 
+    if reason := _score_dtype_reason(cfg):
+        return reason
     rows = IndexScoreConfig().rows
     if cfg.index_head_dim not in (16, 32) and cfg.index_head_dim % 64:
         return (f"index_head_dim {cfg.index_head_dim} must be 16, 32 or a multiple of 64 (rows of 32 or 64 bytes, "
@@ -55,6 +71,8 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
     """Why the paged decode kernels cannot read this config's cache in place, or one failed its
     self-check on this GPU (None when they can): the index-score kernel puts a page's keys on the wgmma
     M side (64 rows), and the attention kernel's key tiles are multiples of 64."""
+    if reason := _score_dtype_reason(cfg):
+        return reason
     if cfg.index_block_size % 64:
         return f"index_block_size {cfg.index_block_size} is not a multiple of 64 (a page is the decode kernels' wgmma M tile)"
     if cfg.index_head_dim % 64:
@@ -76,6 +94,7 @@ def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] =
     from m3jax.pallas.index_scores import index_select_blocks
     from m3jax.pallas.sparse_attention import sparse_attention
 
+    _refuse_score_dtype(cfg)
     bs = cfg.index_block_size
     # Fused scores + top-k: the kernel's block-major scores go straight into the top-k kernel, never
     # transposed to [B, Hi, T, nb] (1 GiB per 8K-token chunk at 1M context).
@@ -93,6 +112,7 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
     from m3jax.pallas.decode import decode_index_scores, sparse_decode_attention
     from m3jax.pallas.topk import select_blocks
 
+    _refuse_score_dtype(cfg)
     bs = cfg.index_block_size
     seq_lens = q_pos[:, -1] + 1
     # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts each page in SMEM

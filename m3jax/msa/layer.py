@@ -13,7 +13,7 @@ import warnings
 
 import jax
 
-from m3jax.cache import LayerCache, cached_index_keys
+from m3jax.cache import LayerCache, cached_block_scores, cached_index_keys
 from m3jax.config import M3Config, TextConfig
 from m3jax.msa import kernels, reference
 from m3jax.msa import parallel
@@ -28,8 +28,8 @@ def forced_blocks(cfg: TextConfig, layer: int) -> tuple[tuple[int, ...], tuple[i
 
 def scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
     """Index block scores of one query chunk: fp32 [B, K, C, nb] (see :func:`reference.block_scores`), from
-    the index keys as the cache holds them (``cfg.index_cache_dtype``)."""
-    return reference.block_scores(iq, cached_index_keys(ik, cfg), q_pos, cfg.index_block_size)
+    the index keys as the cache holds them (``cfg.index_cache_dtype``), in ``cfg.index_score_dtype``."""
+    return cached_block_scores(iq, ik, q_pos, cfg)
 
 
 def select_from_scores(block_scores: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:

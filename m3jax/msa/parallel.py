@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from m3jax.cache import LayerCache
+from m3jax.cache import LayerCache, cached_block_scores
 from m3jax.config import M3Config
 from m3jax.msa.kernels import unsupported_reason
 from m3jax.msa.reference import forced_out, forced_priority, lse_merge, rank_scores
@@ -341,7 +341,7 @@ def msa_prefill_sharded(q, iq, kv: LayerCache, page_table, q_pos, cfg, *, implem
         if kernels:
             scores = index_block_scores(iq_, ik_loc, lq, block_size=bs)
         else:
-            scores = reference.block_scores(iq_, ik_loc, lq, bs)
+            scores = cached_block_scores(iq_, ik_loc, lq, t)  # in t.index_score_dtype
         # a query that sees no local key scores -inf everywhere (the kernel may leave such rows unwritten)
         scores = jnp.where(lq[:, None, :, None] >= 0, scores, -jnp.inf)
         gid = jnp.arange(nb_loc) * n + me  # global block id of each local block

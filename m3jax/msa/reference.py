@@ -25,6 +25,9 @@ import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
+FP8 = jnp.float8_e4m3fn
+# Largest finite e4m3fn value (448): a cast beyond it gives NaN (the format has no infinity).
+FP8_MAX = float(jnp.finfo(FP8).max)
 
 
 def map_query_chunks(fn: Callable, chunk: int, q_pos: jax.Array, *per_query: jax.Array):
@@ -63,19 +66,64 @@ def _softmax_or_zero(logits: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(logits).any(-1, keepdims=True), p, 0.0)
 
 
-def block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, block_size: int) -> jax.Array:
+def to_e4m3(x: jax.Array) -> jax.Array:
+    """``x`` rounded to fp8 e4m3, clipped to the finite range first (e4m3 values stay as they are)."""
+    if x.dtype == FP8:
+        return x
+    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def quantize_e4m3(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """Per-row e4m3 quantisation along ``axis``: ``(values, scale)`` with ``values * scale ~ x``.
+
+    ``scale`` is fp32 (``axis`` kept, size 1): the row's largest magnitude over 448, so that it lands
+    on e4m3's largest value and the row uses the format's whole range; a row of zeros (or one so small
+    that the scale underflows) gets scale 1. ``values`` float8_e4m3fn, the shape of ``x``.
+    """
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / FP8_MAX
+    scale = jnp.where(scale > 0, scale, 1.0)
+    return to_e4m3(x / scale), scale
+
+
+def fp8_dot_scores(iq: jax.Array, ik: jax.Array, keys_fp8: bool = False) -> jax.Array:
+    """Index dot products as an fp8 x fp8 product (the fp8 indexer): fp32 [B, Hi, C, S].
+
+    Each index query row (token, index head) is quantised to e4m3 with its own fp32 scale
+    (:func:`quantize_e4m3`), each index key per token likewise, or with ``keys_fp8`` (an fp8 index
+    cache, whose keys are e4m3 as stored) taken as stored with scale 1. The e4m3 products are exact in
+    fp32, summed in fp32 and rescaled by the two scales. iq [B, C, Hi, Hx], ik [B, S, Hx].
+    """
+    qv, qs = quantize_e4m3(iq)  # [B, C, Hi, Hx], [B, C, Hi, 1]
+    if keys_fp8:
+        kv, ks = to_e4m3(ik), jnp.ones((*ik.shape[:2], 1), jnp.float32)
+    else:
+        kv, ks = quantize_e4m3(ik)  # [B, S, Hx], [B, S, 1]
+    s = jnp.einsum("bchx,bsx->bhcs", qv.astype(jnp.float32), kv.astype(jnp.float32), precision=HIGHEST)
+    return s * jnp.moveaxis(qs, 2, 1) * ks[:, None, None, :, 0]
+
+
+def block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, block_size: int, *,
+                 score_dtype: str = "bfloat16", keys_fp8: bool = False) -> jax.Array:
     """Max-pooled index scores.
 
     Args:
       iq: [B, C, Hi, Hx] index queries (post norm + RoPE).
       ik: [B, S, Hx] index keys; key s sits at absolute position s.
       q_pos: [B, C] absolute query positions.
+      score_dtype: ``"bfloat16"`` (the dot products of the inputs as given, in fp32: the model as
+        released) or ``"float8_e4m3fn"`` (:func:`fp8_dot_scores`, with ``keys_fp8``).
     Returns:
       fp32 [B, Hi, C, nb], nb = ceil(S / block_size); blocks wholly in the future are -inf.
     """
     s_len = ik.shape[1]
     nb = -(-s_len // block_size)
-    s = jnp.einsum("bchx,bsx->bhcs", iq.astype(jnp.float32), ik.astype(jnp.float32), precision=HIGHEST)
+    if score_dtype == "float8_e4m3fn":
+        s = fp8_dot_scores(iq, ik, keys_fp8)
+    elif score_dtype != "bfloat16":
+        raise ValueError(f"block_scores: score_dtype={score_dtype!r}; choose 'bfloat16' or 'float8_e4m3fn'")
+    else:
+        s = jnp.einsum("bchx,bsx->bhcs", iq.astype(jnp.float32), ik.astype(jnp.float32), precision=HIGHEST)
     future = jnp.arange(s_len)[None, None, None, :] > q_pos[:, None, :, None]
     s = jnp.where(future, NEG_INF, s)
     s = jnp.pad(s, [(0, 0), (0, 0), (0, 0), (0, nb * block_size - s_len)], constant_values=NEG_INF)
