@@ -1,8 +1,8 @@
 """Ahead-of-time program cache: a second run skips tracing and Mosaic GPU lowering, not only XLA.
 
 JAX's persistent compilation cache is looked up with the lowered module, so a run that hits it has
-already traced the model and lowered every Mosaic GPU kernel (measured on the H200 at M3 widths: 45 s of
-a second ``generate``'s compile). Mosaic GPU also names each kernel module after a per-process
+already traced the model and lowered every Mosaic GPU kernel, which at M3 widths is most of a second
+``generate``'s compile (``benchmarks/RESULTS.md#generate-second-process``). Mosaic GPU also names each kernel module after a per-process
 counter (``mosaic_gpu.dump_basename = "body_<n>"``), so a program lowered after a different number of
 kernels (a self-check canary ran first, or an earlier program in the same process) has other bytes and
 misses that cache altogether.

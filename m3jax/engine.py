@@ -190,7 +190,8 @@ class GenerationResult:
 
 # Decode steps per compiled call by default: the host's per-call cost (dispatch, reading the tokens)
 # is paid once per 8 tokens, while a stop token wastes at most 2 calls (the one that found it and the
-# one in flight), ~24 ms of a 1.5 ms step.
+# one in flight), 16 steps' compute. Wall against device time per step, by steps per call:
+# benchmarks/RESULTS.md#generate-second-process.
 DECODE_STEPS_PER_CALL = 8
 
 
@@ -228,9 +229,9 @@ class Engine:
             self.params = sharding.shard_params(params, cfg, mesh)
             self.cache = sharding.init_sharded_cache(cfg, batch, capacity, dtype, mesh)
         self.max_pages = self.cache.page_table.shape[1]
-        # This engine's prefill programs by (key window, chunk size): every chunk looks its program up here, not
-        # through the AOT cache, whose key hashes every parameter leaf's shape and sharding (~1 ms per
-        # chunk for m3-small's 188 leaves, more for M3's).
+        # This engine's prefill programs by (key window, chunk size): every chunk looks its program up
+        # here, not through the AOT cache, whose key hashes every parameter leaf's shape and sharding on
+        # every lookup (hundreds of leaves per model).
         self._prefill_programs: dict[tuple[int, int], Callable] = {}
         # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated (and logits
         # come out so under a mesh), and the decode loop's small arrays on the engine's devices (nothing

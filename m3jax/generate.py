@@ -129,9 +129,9 @@ def parse_args(argv=None):
                          "runs as float32); bfloat16 for random --config presets")
     ap.add_argument("--weights", default="dequantize", choices=["dequantize", "mxfp8"],
                     help="MXFP8 checkpoint weights: dequantize on load (default) or keep them fp8 + scales on the "
-                         "device (about half the bytes, the memory plan counts them so; on the H200 MoE decode takes ~0.6x bf16 "
-                         "weights' time and the prefill MoE GEMMs ~1.02x, see benchmarks/RESULTS.md); random presets: "
-                         "drawn as MXFP8")
+                         "device (about half the bytes, the memory plan counts them so; their speed against bf16 in "
+                         "benchmarks/RESULTS.md#moe-decode-mxfp8 and #mxfp8-prefill-gemms); random presets: drawn "
+                         "as MXFP8")
     ap.add_argument("--prefill-chunk", type=cli.positive_int, default=2048,
                     help="tokens per prefill chunk (one compiled shape per key window; larger chunks amortise "
                          "the per-chunk weight reads and compile fewer windows, smaller ones need less memory)")
@@ -348,9 +348,9 @@ _CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests"
 def persistent_compile_cache(path: Path | None):
     """JAX's persistent compilation cache in ``path`` while the block runs (None: left as it is), and
     the previous settings back afterwards (``main`` is also called in-process, by tests and
-    benchmarks). Every executable is written, however small or fast to compile: the 1 s default
-    would skip the decode step and the small windows. A hit skips XLA's compile only; tracing and
-    lowering still run. cuDNN attention is a ``custom_partitioning`` op that puts a Python pointer
+    benchmarks). Every executable is written, however small or fast to compile: JAX's default
+    minimum compile time would skip the decode step and the small windows. A hit skips XLA's compile
+    only; tracing and lowering still run. cuDNN attention is a ``custom_partitioning`` op that puts a Python pointer
     in the key when lowered for several devices; it is left out of the key so that a sharded run
     hits too (the op's partitioning depends only on what the key keeps). Yields {"dir", "hits",
     "misses"}, counted from JAX's monitoring events while the block runs."""

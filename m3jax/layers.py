@@ -52,9 +52,9 @@ def dequantize(w, dtype):
 
     Called inside jit (by :func:`m3jax.moe.linear` where it does not take the MXFP8 kernel, and by
     :func:`dequantize_tree`), so XLA sees convert(f8 -> f32) x broadcast(2^(e - 127)) -> convert feeding
-    the dot. XLA:GPU writes the dequantised weight to a temporary that the dot reads (H200: the shared
-    expert's three weights 0.07 ms of converts per call; the resident weights stay fp8, the temporary
-    lives for one layer). The routed experts do not come here: their grouped GEMM reads the fp8 tiles
+    the dot. XLA:GPU writes the dequantised weight to a temporary that the dot reads (convert fusions
+    before the GEMM, ``benchmarks/RESULTS.md#mxfp8-xla-dequantise``; the resident weights stay fp8, the
+    temporary lives for one layer). The routed experts do not come here: their grouped GEMM reads the fp8 tiles
     itself (:mod:`m3jax.pallas.grouped_matmul`). Values x power-of-two scales are exact in bf16, so the result
     equals the bf16 weight a dequantise-on-load model holds.
     """
@@ -76,8 +76,8 @@ def matmul_precision(dtype):
     """The precision scope of the model's matmuls for weights of ``dtype``: the precision contract.
 
     ``dtype="float32"`` means fp32 arithmetic on every backend. XLA runs fp32 dots as TF32 (10-bit
-    mantissa) on NVIDIA GPUs by default, which put the fp32 model 9e-3 (logits rel-L2) from the oracle
-    on the H200 and flipped 0.9 % of its MSA selections; so an fp32 model traces its matmuls under
+    mantissa) on NVIDIA GPUs by default, far outside the fp32 tolerance against the oracle and enough to
+    flip MSA selections (docs/MSA.md §1.6); so an fp32 model traces its matmuls under
     ``jax.default_matmul_precision("highest")`` (full fp32, on CPU a no-op). bf16 keeps DEFAULT: bf16
     tensor cores, the fast setting. The scope is entered where a model computation starts
     (:func:`m3jax.model.decoder_layer`, :func:`m3jax.model.lm_head`, :func:`m3jax.vision.encode_media`),

@@ -209,8 +209,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     visited in blocks of ``key_block`` with an online softmax (fp32), so memory is O(C * key_block)
     and not O(C * S), and the loop stops after the last block any query can see: keys past the
     chunk (a bucketed cache window, or the causal future of a query chunk) cost nothing. Heads are
-    laid out [B, K, G, C, H] before the loop so both products are plain batched matmuls (the
-    [B, C, K, G, H] layout ran ~3x slower on the CPU backend). Rows with no visible key give 0.
+    laid out [B, K, G, C, H] before the loop so both products are plain batched matmuls (on the CPU
+    backend the faster of the two layouts). Rows with no visible key give 0.
     """
     b, c, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]

@@ -169,6 +169,7 @@ def init_state(params: dict, tx: optax.GradientTransformation) -> TrainState:
 
 
 
+# TODO(custom_vjp): a backward pass for the Pallas MSA kernels, so that training can run them.
 def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str):
     """:func:`m3jax.model.decoder_layer`'s attention hook in training: (out [B, T, D], aux) with aux
     (kl_sum, kl_rows) on MSA layers and None on dense ones.
@@ -466,11 +467,10 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
         jax.block_until_ready(m)
         times.append(time.time() - t0)
     per_step = float(np.median(times[2:]))
-    n_evals_share = 1.15  # evaluations every eval_every steps + checkpoints, measured at about 10-15 %
+    n_evals_share = 1.15  # a margin for the evaluations every eval_every steps and the checkpoints
     steps = int(args.time_budget / (per_step * n_evals_share))
     print(f"timing: {per_step * 1e3:.0f} ms/step after compile ({times[0]:.1f}s first step)", flush=True)
     return max(steps, 10)
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -714,8 +714,11 @@ class Evaluator:
             # Held-out rows with the tasks, loss on the answers only: the retrieval learning curve. The text
             # batches get an all-ones mask so both kinds share one compiled eval step.
             self.evals = [{**b, "mask": np.ones(b["tokens"][:, 1:].shape, np.float32)} for b in text]
-            self.task_evals = [data.retrieval_batch(run.held_stream, i, args.batch, args.seq_len, args.seed, run.encode,
-                                                    args.kv_per_1k, answers_only=True) for i in range(args.eval_batches)]
+            self.task_evals = [
+                data.retrieval_batch(run.held_stream, i, args.batch, args.seq_len, args.seed, run.encode,
+                                     args.kv_per_1k, answers_only=True)
+                for i in range(args.eval_batches)
+            ]
 
     def recall(self, params) -> dict[int, float]:
         return mean_recall(params, self.cfg, self.probe_tokens)
@@ -801,9 +804,9 @@ def write_summary(run: Run, state: TrainState, params: dict, index_init: list, e
     """OUT/summary.json (also printed): the run's settings, held-out losses and, with MSA layers, the
     recall of the trained index branch against the one it started from."""
     args, cfg = run.args, run.cfg
-    summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps, "config": args.config,
-               "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks, "seq_len": args.seq_len,
-               "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1),
+    summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps,
+               "config": args.config, "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks,
+               "seq_len": args.seq_len, "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1),
                "save_format": args.save_format, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     rec = None
     if cfg.text.has_sparse_layers:

@@ -1,4 +1,5 @@
-"""Shared test setup: fixture locations, tolerances (one table), and small config builders."""
+"""Shared test setup: fixture locations, the model-level tolerances (read from the one tolerance table,
+m3jax/pallas/tolerances.py), and small config builders."""
 
 from __future__ import annotations
 
@@ -15,22 +16,25 @@ import numpy as np
 import pytest
 
 from m3jax.config import M3Config, TextConfig, VisionConfig
+from m3jax.pallas.tolerances import TOL as TOLERANCES
 
 # CPU computations run inline, not dispatched to XLA's worker pool. The Mosaic GPU interpreter's host
 # callbacks dispatch JAX ops of their own (jax 0.11.2: barrier deallocation indexes a jax.Array); with
 # async dispatch on two cores, a callback waiting on the pool while the test's next op held it
-# deadlocked a clean-clone run (2026-12-02, test_moe_layer_warp_specialized_matches_ragged_dot, all
-# threads in futex waits).
+# deadlocked a clean-clone run (test_moe_layer_warp_specialized_matches_ragged_dot, all threads in
+# futex waits).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("M3JAX_FIXTURES", Path(__file__).parent / "fixtures"))
 ORACLE_CONFIGS = ("text_mixed", "text_wide_block", "image", "video", "mxfp8", "kernel_g8", "kernel_g2")
 
-# Tolerances: the single written table. Relative L2 error unless marked atol.
+# Relative-L2 bounds of model-level comparisons (against the oracle, between implementations, sharded
+# against unsharded), by dtype. The values live in the one tolerance table: fp32 its model-logits row,
+# bf16 its bf16 attention row (two bf16 roundings of 2^-8 relative each).
 TOL = {
-    "float32": 1e-5,  # fp32 vs the transformers oracle / vs our own reference paths
-    "bfloat16": 2e-2,
+    "float32": TOLERANCES[("model_logits", "float32")],
+    "bfloat16": TOLERANCES[("attention", "bfloat16")]["rtol"],
 }
 
 
