@@ -639,8 +639,10 @@ def check_pallas_cuda_lowering():
                             is_leaf=lambda x: isinstance(x, ParamSpec))
 
     out = {}
-    saved = _backend.on_gpu  # the kernels ask through the module, so one patch stands in for a GPU
-    _backend.on_gpu = lambda: True
+    # The kernels ask through the module, so these patches stand in for a GPU: a Hopper, whose SMEM and
+    # SM count size the tiles (this CPU's compute capability is no target the kernels know).
+    saved = _backend.on_gpu, _backend._target_override
+    _backend.on_gpu, _backend._target_override = (lambda: True), _backend.HOPPER
     jax.clear_caches()
     try:
         for n in (1, 2, 4, 8):
@@ -682,7 +684,7 @@ def check_pallas_cuda_lowering():
                                  "shard_map": "sdy.manual_computation" in txt,
                                  "callbacks": len(re.findall(r"callback", txt))}
     finally:
-        _backend.on_gpu = saved
+        _backend.on_gpu, _backend._target_override = saved
         jax.clear_caches()
     # a shard_map over a 1-device axis is inlined: no manual computation left to see for n = 1
     # the full-attention decode is one kernel (attention); MSA is scoring (+ top-k) and attention
