@@ -175,6 +175,30 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def add_distributed_arguments(ap: argparse.ArgumentParser) -> None:
+    """The multi-process flags, the same on every tool."""
+    g = ap.add_argument_group("several processes (one job over several hosts; docs: README 'Several hosts')")
+    g.add_argument("--coordinator", metavar="HOST:PORT", type=host_port, default=None,
+                   help="address of process 0's coordination service (default: what JAX detects: SLURM, Open MPI, "
+                        "$JAX_COORDINATOR_ADDRESS; none: one process)")
+    g.add_argument("--num-processes", type=positive_int, default=None, metavar="N",
+                   help="processes in the job (default: detected, else 1)")
+    g.add_argument("--process-id", type=nonnegative_int, default=None, metavar="I",
+                   help="this process's index in [0, N) (default: detected)")
+    g.add_argument("--heartbeat-timeout", type=positive_int, default=distributed.HEARTBEAT_TIMEOUT_S, metavar="S",
+                   help=f"seconds without a heartbeat before a process counts as dead and the others abort "
+                        f"(default {distributed.HEARTBEAT_TIMEOUT_S})")
+    g.add_argument("--init-timeout", type=positive_int, default=distributed.INIT_TIMEOUT_S, metavar="S",
+                   help=f"seconds to wait for every process to join at start (default {distributed.INIT_TIMEOUT_S})")
+
+
 def seed(text: str) -> int:
     """A random seed: any integer JAX's PRNG keys take (64-bit signed)."""
     value = _int(text)

@@ -1,7 +1,7 @@
 """Several processes of one job (JAX's multi-controller runtime): every host runs the same command
 on its own devices, and one mesh spans all of them.
 
-* :func:`add_arguments` gives a tool ``--coordinator HOST:PORT --num-processes N --process-id I``
+* :func:`m3jax.cli.add_distributed_arguments` gives a tool ``--coordinator HOST:PORT --num-processes N --process-id I``
   and the two timeouts; :func:`initialize` starts ``jax.distributed`` from them, or from what JAX
   detects itself (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``), or not at all (one process).
 * One voice: only process 0 prints, shows progress and writes files (:func:`is_voice`).
@@ -42,43 +42,6 @@ _PREFIX = "m3jax/"
 _state = {"on": False, "failing": False, "watchdog": None}
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The multi-process flags, the same on every tool."""
-    g = ap.add_argument_group("several processes (one job over several hosts; docs: README 'Several hosts')")
-    g.add_argument("--coordinator", metavar="HOST:PORT", type=_host_port, default=None,
-                   help="address of process 0's coordination service (default: what JAX detects: SLURM, Open MPI, "
-                        "$JAX_COORDINATOR_ADDRESS; none: one process)")
-    g.add_argument("--num-processes", type=_positive, default=None, metavar="N",
-                   help="processes in the job (default: detected, else 1)")
-    g.add_argument("--process-id", type=_nonnegative, default=None, metavar="I",
-                   help="this process's index in [0, N) (default: detected)")
-    g.add_argument("--heartbeat-timeout", type=_positive, default=HEARTBEAT_TIMEOUT_S, metavar="S",
-                   help=f"seconds without a heartbeat before a process counts as dead and the others abort "
-                        f"(default {HEARTBEAT_TIMEOUT_S})")
-    g.add_argument("--init-timeout", type=_positive, default=INIT_TIMEOUT_S, metavar="S",
-                   help=f"seconds to wait for every process to join at start (default {INIT_TIMEOUT_S})")
-
-
-def _nonnegative(text: str) -> int:
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return int(text)
-
-
-def _positive(text: str) -> int:
-    value = _nonnegative(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _host_port(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return text
-
-
 def _detected() -> bool:
     """Whether the environment describes a job of more than one process that JAX can read."""
     env = os.environ
@@ -92,7 +55,7 @@ def _detected() -> bool:
 
 
 def initialize(args: argparse.Namespace) -> bool:
-    """Join the job described by ``args`` (see :func:`add_arguments`) or by the environment; returns
+    """Join the job described by ``args`` (see :func:`m3jax.cli.add_distributed_arguments`) or by the environment; returns
     whether this is one of several processes. Then the parsed arguments are compared across the
     processes (a mismatch exits with status 2 on every process) and, on processes other than 0,
     ``args.quiet`` is set (one voice). Call before anything touches a JAX device."""

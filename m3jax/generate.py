@@ -165,7 +165,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not use JAX's persistent compilation cache nor the exported-program cache in its aot/ "
                          "folder (default: both on, in $M3JAX_CACHE_DIR or ~/.cache/m3jax/jax_cache)")
-    distributed.add_arguments(ap)
+    cli.add_distributed_arguments(ap)
     cli.add_debug_flag(ap)
     args = ap.parse_args(argv)
     try:

@@ -575,7 +575,7 @@ def build_parser() -> cli.ArgumentParser:
                     help="batch of the dense warm-up steps (0 = --batch)")
     ap.add_argument("--save-format", choices=["float32", "bfloat16", "mxfp8"], default="float32",
                     help="dtype of the saved HF checkpoint (mxfp8: the released MXFP8 layout, 1 byte per linear weight)")
-    distributed.add_arguments(ap)
+    cli.add_distributed_arguments(ap)
     cli.add_debug_flag(ap)
     return ap
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import m3jax
-from m3jax import distributed
+from m3jax import cli, distributed
 from m3jax.needle import heldout_stream
 from m3jax.probe import probe
 
@@ -599,7 +599,7 @@ def parse_args(argv=None):
     ap.add_argument("--speed-chunk", type=int, default=8192, help="queries per timed prefill chunk")
     ap.add_argument("--plot", action="store_true", help="write plots + summary.md from --out into --plots")
     ap.add_argument("--plots", default=str(PLOTS))
-    distributed.add_arguments(ap)
+    cli.add_distributed_arguments(ap)
     ap.add_argument("--setup", default=None, help="--plot: setup id to show (default: the latest)")
     args = ap.parse_args(argv)
     q = args.quick

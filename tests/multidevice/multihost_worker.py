@@ -25,7 +25,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 import m3jax  # noqa: E402
-from m3jax import distributed, sharding  # noqa: E402
+from m3jax import cli, distributed, sharding  # noqa: E402
 from m3jax.engine import Engine, SamplingParams  # noqa: E402
 from m3jax.generate import mesh_shape  # noqa: E402
 from m3jax.probe import probe  # noqa: E402
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mesh", type=mesh_shape, required=True)
     ap.add_argument("--max-new-tokens", type=int, default=3)
     ap.add_argument("--quiet", action="store_true")
-    distributed.add_arguments(ap)
+    cli.add_distributed_arguments(ap)
     args = ap.parse_args(argv)
     distributed.initialize(args)
     print("joined", flush=True)  # tests/test_distributed.py waits for it before killing a process
