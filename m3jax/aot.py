@@ -51,7 +51,6 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +60,7 @@ import jax
 import numpy as np
 from jax import export
 
+from m3jax.atomic import atomic_write
 from m3jax.pallas import _backend
 
 FORMAT = 2  # 2: shardings and the device count in the header
@@ -272,10 +272,7 @@ def _write(path: Path, data: bytes) -> None:
     """Atomically (a reader sees the old file or the whole new one); a failure only warns."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        atomic_write(path, data)
     except OSError as e:
         _warn(f"cannot write {path} ({e}); programs are not cached")
 

@@ -30,7 +30,6 @@ import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import jax
 
+from m3jax.atomic import atomic_write
 from m3jax.pallas import _backend
 from m3jax.pallas.canaries import CANARIES, SHARED_SOURCES, Canary, compare, of_kernel
 
@@ -136,9 +136,7 @@ def _save(key: str, verdict: Verdict) -> None:
     entries[key] = {k: v for k, v in dataclasses.asdict(verdict).items() if k in _FIELDS}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump({"verdicts": entries}, f, indent=1, sort_keys=True)
-        os.replace(f.name, path)  # atomic: a reader sees the old file or the new one, never half
+        atomic_write(path, json.dumps({"verdicts": entries}, indent=1, sort_keys=True))
     except OSError as e:  # a read-only home still runs; the canaries just run again next time
         warnings.warn(f"m3jax self-check: cannot write {path}: {e}", RuntimeWarning, stacklevel=3)
 
