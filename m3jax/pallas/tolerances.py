@@ -16,6 +16,12 @@ precision on the same (possibly bf16) inputs. Why these values:
   max |err| 1.0e-5, three pieces 5e-7, two pieces "bf16x3" 3.0e-4).
 - decode attention: as attention (fp32 bf16x3, 2e-5: the decode kernel's split-K LSE merge adds a
   rounding; bf16 3e-2: P and the output in bf16, partial outputs merged in fp32).
+- attention gradients (dQ, dK, dV of the sparse-attention backward; relative L2 error per gradient):
+  fp32 2e-5: bf16x3 in every MMA as the forward, but dQ and dK chain two of them (S and dP = dO V^T
+  into dS, then dS K or dS^T Q), each ~2^-16 relative, so they land at 1.0e-5 where the forward's
+  output is at 3.5e-6 (m3-small's G, H and block; dV, one chained product fewer, 3.8e-6); a 1e-5
+  bound needs the six products of three-piece splits in S and dP. bf16 2e-2 (P and dS rounded to
+  bf16 for their MMAs).
 - model logits (relative L2 error): fp32 1e-5 against the oracle (its bound, tests.conftest.TOL).
   bf16 has no fixed bound: random weights make bf16 noise large (1e-2 to 7e-2 from the fp32 oracle
   for the reference path on the kernel fixtures). The kernels path in bf16 is held to at most 2x the
@@ -35,6 +41,8 @@ TOL = {
     ("index_scores", "bfloat16"): dict(atol=2e-4, rtol=2e-4),
     ("decode_attention", "float32"): dict(atol=2e-5, rtol=2e-5),
     ("decode_attention", "bfloat16"): dict(atol=3e-2, rtol=3e-2),
+    ("attention_grad", "float32"): 2e-5,
+    ("attention_grad", "bfloat16"): 2e-2,
     ("model_logits", "float32"): 1e-5,
     ("model_logits_vs_reference_error", "bfloat16"): 2.0,
 }

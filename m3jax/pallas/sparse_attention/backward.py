@@ -1,0 +1,352 @@
+"""Backward of the KV-block-major sparse attention (docs/KERNELS.md §2.6): dQ, dK, dV in one Mosaic GPU
+kernel over the forward's CSR inversion, no atomics.
+
+Given the forward's output O and natural-log LSE, per (query, head) ``D = rowsum(dO * O) - dLSE``
+(XLA; ``dLSE`` is the LSE's cotangent when the caller differentiates it, else 0). Then for each edge
+(query t selected key block j) with P = exp(S - LSE) over the block's visible keys:
+``dV_j += P^T dO``, ``dS = P * (dO V_j^T - D)``, ``dK_j += dS^T Q / sqrt(H)``, ``dQ_t += dS K_j / sqrt(H)``.
+
+1. :func:`.csr.build_work` inverts the selections (in ``KEY_BLOCK``-key sub-blocks) with one work item
+   per (KV head, batch, block) row: the whole list of tiles of the queries that selected it.
+2. A persistent kernel (grid = SMs) loads an item's K and V block once and streams its Q and dO tiles
+   (``tq`` tokens x ``gp`` heads, gathered per token by TMA into a ring, with the rows' LSE and D from
+   edge-space arrays). Per tile, keys on the MMA rows (S^T = K Q^T, dP^T = V dO^T: the accumulators
+   dK, dV [kb, H] stay in registers across the row's tiles) and P^T, dS^T through SMEM as the 16-bit
+   A operands of dV += P^T dO, dK += dS^T Q and, transposed, dQ_e = dS K. The item ends by writing
+   its dK and dV block once; a block no query selected gets zeros in XLA.
+3. dQ: each edge's partial [gp, H] (fp32) is staged by padded edge, as the forward stages its O
+   partials, and XLA sums a query's slots (a gather + reduce like the forward's combine). A separate
+   query-major dQ kernel would re-read every selected K/V block once per query token, the memory
+   bound of the query-major forward baseline; here each block is read once per item for all three.
+
+Padding edges and zero heads of a padded group get LSE = +inf, so P = 0 and they add nothing.
+Numerics as the forward: 16-bit MMAs with fp32 accumulation; fp32 inputs as bf16 parts
+(:func:`m3jax.pallas._common.split_parts` in XLA; P^T and dS^T by ``bf16_split_in_kernel``) with the
+three products of :func:`m3jax.pallas._common.split_products`.
+
+Targets: Hopper (wgmma). On a tcgen05 target, and for shapes :func:`unsupported_reason` names, the
+custom VJP of :func:`m3jax.pallas.sparse_attention.sparse_attention` takes the reference gradient
+(:func:`.reference.sparse_attention_vjp`) instead: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from m3jax.pallas import _backend
+from m3jax.pallas._backend import Target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import LOG2E, p_mma_parts, split_parts, split_products
+
+from . import csr
+from .kernel import (
+    SparseAttentionConfig,
+    _compute_dtype,
+    _pad_groups,
+    _pad_kv,
+    _parts_shape,
+    _shape_reason,
+    _smem,
+    _unpad_groups,
+    group_rows,
+    split_blocks,
+)
+from .tile import parts
+
+KEY_BLOCK = 64  # keys per kernel block: the MMA rows of S^T and of the dK / dV accumulators
+MAX_G_ROWS = 64  # padded G per token: one token's heads fit the 64-row tile
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """What :func:`kv_major_backward_kernel` runs: ``gp`` rows per token, ``tq`` tokens per ``m``-row
+    tile, ``kb`` keys per block, ``n_parts`` bf16 parts per operand, a ``stages``-deep Q/dO ring,
+    ``smem`` bytes per CTA, ``ctas`` persistent CTAs."""
+
+    g: int
+    gp: int
+    m: int
+    tq: int
+    kb: int
+    h: int
+    n_parts: int
+    stages: int
+    interpret: bool
+    smem: int
+    ctas: int
+
+
+def smem_bytes(*, m, h, kb, stages, n_parts) -> int:
+    """Q and dO rings, K, V, P^T and dS^T per part, the fp32 dQ / dK / dV staging tile, the LSE and D rings."""
+    tiles = n_parts * (2 * stages * m * h + 2 * kb * h + 2 * kb * m) * 2
+    return tiles + m * h * 4 + 2 * stages * m * 4 + 1024
+
+
+def plan_backward(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig | None = None,
+                  target: Target | None = None) -> BackwardPlan:
+    """Tiles for the backward kernel; ValueError (the :func:`unsupported_reason`) if it cannot run."""
+    cfg = cfg or SparseAttentionConfig()
+    target = target or _backend.current_target()
+    reason = _shape_reason(n, kh, h, block_size, dtype, cfg)
+    if reason:
+        raise ValueError(reason)
+    if target.mma != "wgmma":
+        raise ValueError(f"the sparse-attention backward kernel is Hopper-only (wgmma); {target.name} takes the "
+                         "reference gradient")
+    if block_size % KEY_BLOCK:
+        raise ValueError(f"block_size {block_size} must be a multiple of {KEY_BLOCK} for the backward kernel "
+                         "(keys are the wgmma M side of dK and dV)")
+    if h % 64:
+        raise ValueError(f"head_dim {h} must be a multiple of 64 for the backward kernel (at 16 and 32 its "
+                         "layouts do not lower)")
+    g = n // kh
+    gp = group_rows(g)
+    if gp > MAX_G_ROWS:
+        raise ValueError(f"query heads per KV head G={g} > {MAX_G_ROWS} for the backward kernel")
+    m = 64
+    n_parts = 2 if jnp.dtype(dtype) == jnp.float32 else 1
+    for stages in (2, 1):
+        smem = smem_bytes(m=m, h=h, kb=KEY_BLOCK, stages=stages, n_parts=n_parts)
+        if smem <= target.smem_bytes - 4096:
+            ctas = cfg.num_ctas or (target.num_sms if _backend.on_gpu() else 2)
+            return BackwardPlan(g=g, gp=gp, m=m, tq=m // gp, kb=KEY_BLOCK, h=h, n_parts=n_parts, stages=stages,
+                                interpret=not _backend.on_gpu(), smem=smem, ctas=ctas)
+    raise ValueError(f"no backward tiles fit in {target.smem_bytes} B of SMEM (H={h}, {jnp.dtype(dtype).name})")
+
+
+def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype="bfloat16",
+                       config: SparseAttentionConfig | None = None, target: Target | None = None) -> str | None:
+    """Why the backward kernel cannot run these shapes on ``target`` (None when it can); then the
+    gradient is the reference's. Plain Python."""
+    try:
+        plan_backward(n=num_heads, kh=num_kv_heads, h=head_dim, block_size=block_size, dtype=dtype, cfg=config,
+                      target=target)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _col_limits(lims, kb, m, g):
+    """[kb, m] int32 tile (WGMMA layout) whose column c holds lims[c // g]: the per-token causal limits
+    with the tile's rows on the columns (S^T)."""
+    col = plgpu.broadcasted_iota(jnp.int32, (kb, m), 1, layout=plgpu.Layout.WGMMA)
+    out = jnp.full((kb, m), lims[-1], jnp.int32)
+    for i in range(len(lims) - 2, -1, -1):
+        out = jnp.where(col < (i + 1) * g, lims[i], out)
+    return out
+
+
+def _mm(shape, operands):
+    """Sum of wgmma products ``[(a, b), ...]`` into a fresh fp32 accumulator of ``shape``."""
+    def run(acc_ref):
+        for a, b in operands:
+            plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _store_parts(x, refs, n_parts, dtype):
+    """fp32 registers -> their 16-bit MMA parts in SMEM."""
+    for ref, part in zip(refs, p_mma_parts(x, n_parts, dtype)):
+        ref[...] = part
+
+
+def _body(plan: BackwardPlan, dtype):
+    m, tq, gp, kb, h, stages, n_parts = plan.m, plan.tq, plan.gp, plan.kb, plan.h, plan.stages, plan.n_parts
+    scale2 = (h**-0.5) * LOG2E
+    prods = split_products(n_parts)
+    wg = plgpu.Layout.WGMMA
+
+    def body(*refs):
+        items_ref, nitems_ref, tok_ref, lim_ref, lse_ref, d_ref = refs[:6]
+        rest = refs[6:]
+        q_refs, do_refs = rest[:n_parts], rest[n_parts : 2 * n_parts]
+        k_refs, v_refs = rest[2 * n_parts : 3 * n_parts], rest[3 * n_parts : 4 * n_parts]
+        (dq_ref, dk_ref, dv_ref, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, out_smem, lse_smem, d_smem,
+         kv_bar, q_bar) = rest[4 * n_parts :]
+        q_rings, do_rings = parts(q_smem, n_parts), parts(do_smem, n_parts)
+        k_tiles, v_tiles = parts(k_smem, n_parts), parts(v_smem, n_parts)
+        p_tiles, ds_tiles = parts(p_smem, n_parts), parts(ds_smem, n_parts)
+        kv_out = out_smem if m == kb else out_smem.at[pl.ds(0, kb)]
+
+        @plgpu.nd_loop((nitems_ref[0],), collective_axes="sm")
+        def _item(info):
+            w = info.index[0]
+            hh, bb, blk, t0, nt = (items_ref[w, i] for i in range(5))
+            plgpu.commit_smem()  # the previous item's SMEM reads precede this item's TMA writes
+            kv_at = (bb, pl.ds(blk * kb, kb), hh)
+            for c in range(n_parts):
+                plgpu.copy_gmem_to_smem(k_refs[c].at[kv_at], k_tiles[c], kv_bar)
+                plgpu.copy_gmem_to_smem(v_refs[c].at[kv_at], v_tiles[c], kv_bar)
+
+            def load(tile, slot):
+                e0 = (t0 + tile) * tq
+                for i in range(tq):
+                    tok = tok_ref[hh, e0 + i]
+                    at = (bb, tok, pl.ds(hh * gp, gp))
+                    for a in range(n_parts):
+                        plgpu.copy_gmem_to_smem(q_refs[a].at[at], q_rings[a].at[slot, pl.ds(i * gp, gp)],
+                                                q_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(do_refs[a].at[at], do_rings[a].at[slot, pl.ds(i * gp, gp)],
+                                                q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[hh, pl.ds(e0 * gp, m)], lse_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(d_ref.at[hh, pl.ds(e0 * gp, m)], d_smem.at[slot], q_bar.at[slot])
+
+            for s in range(stages):
+                @pl.when(s < nt)
+                def _():
+                    load(s, s)
+
+            plgpu.barrier_wait(kv_bar)
+
+            def tile(j, carry):
+                dk, dv = carry
+                slot = lax.rem(j, stages)
+                e0 = (t0 + j) * tq
+                lims = [lim_ref[hh, e0 + i] for i in range(tq)]
+                plgpu.barrier_wait(q_bar.at[slot])
+                q_t = [r.at[slot] for r in q_rings]
+                do_t = [r.at[slot] for r in do_rings]
+                s_t = _mm((kb, m), [(k_tiles[c], q_t[a].transpose((1, 0))) for a, c in prods]) * scale2
+                key = plgpu.broadcasted_iota(jnp.int32, (kb, m), 0, layout=wg)
+                s_t = jnp.where(key <= _col_limits(lims, kb, m, gp), s_t, -jnp.inf)  # own block: causal
+                lse = plgpu.load(lse_smem.at[slot], layout=wg.reduce(0))
+                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, (kb, m), [1]))
+                dp_t = _mm((kb, m), [(v_tiles[c], do_t[a].transpose((1, 0))) for a, c in prods])
+                d = plgpu.load(d_smem.at[slot], layout=wg.reduce(0))
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(d, (kb, m), [1]))
+                _store_parts(p_t, p_tiles, n_parts, dtype)
+                _store_parts(ds_t, ds_tiles, n_parts, dtype)
+                plgpu.commit_smem()
+                dv = dv + _mm((kb, h), [(p_tiles[a], do_t[c]) for a, c in prods])
+                dk = dk + _mm((kb, h), [(ds_tiles[a], q_t[c]) for a, c in prods])
+                dq = _mm((m, h), [(ds_tiles[a].transpose((1, 0)), k_tiles[c]) for a, c in prods])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dQ store left the staging tile
+                out_smem[...] = dq * (h**-0.5)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[hh, pl.ds(e0 * gp, m)])
+
+                @pl.when(j + stages < nt)
+                def _():
+                    load(j + stages, slot)  # every read of this slot is done (the MMAs waited)
+
+                return dk, dv
+
+            zero = plgpu.layout_cast(jnp.zeros((kb, h), jnp.float32), wg)
+            dk, dv = lax.fori_loop(0, nt, tile, (zero, zero))
+            for grad, ref, mult in ((dk, dk_ref, h**-0.5), (dv, dv_ref, 1.0)):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                kv_out[...] = grad * mult
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(kv_out, ref.at[kv_at])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    return body
+
+
+def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMajorWork, lse_e, d_e, *,
+                             plan: BackwardPlan, e_pad: int):
+    """(dq_stage [K, E_pad*gp, H], dk, dv [B, S_pad, K, H]), all fp32. q/do_parts [B, T, K*gp, H], k/v_parts
+    [B, S_pad, K, H] (bf16 parts); lse_e, d_e [K, E_pad*gp] fp32 (LSE in log2 units, +inf on padding rows)."""
+    b, s_pad, kh, h = k_parts[0].shape
+    dtype = q_parts[0].dtype
+    m, kb, n_parts, stages = plan.m, plan.kb, plan.n_parts, plan.stages
+    scratch = [
+        _smem(_parts_shape(n_parts, (stages, m, h)), dtype),
+        _smem(_parts_shape(n_parts, (stages, m, h)), dtype),
+        _smem(_parts_shape(n_parts, (kb, h)), dtype),
+        _smem(_parts_shape(n_parts, (kb, h)), dtype),
+        _smem(_parts_shape(n_parts, (kb, m)), dtype),
+        _smem(_parts_shape(n_parts, (kb, m)), dtype),
+        plgpu.SMEM((m, h), jnp.float32),
+        plgpu.SMEM((stages, m), jnp.float32),
+        plgpu.SMEM((stages, m), jnp.float32),
+        plgpu.Barrier(num_arrivals=2 * n_parts),
+        plgpu.Barrier(num_arrivals=2 * plan.tq * n_parts + 2, num_barriers=stages),
+    ]
+    out_type = (
+        jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), jnp.float32),
+        jax.ShapeDtypeStruct((b, s_pad, kh, h), jnp.float32),
+        jax.ShapeDtypeStruct((b, s_pad, kh, h), jnp.float32),
+    )
+    call = mosaic_kernel(
+        _body(plan, dtype),
+        interpret=plan.interpret,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(plan.ctas,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    )
+    return call(work.items, work.n_items, work.qtok, work.qlim, lse_e, d_e, *q_parts, *do_parts, *k_parts, *v_parts)
+
+
+def _to_edges(x, epos, fill, e_pad: int):
+    """Per-(query, head) rows x [B, T, K*gp] -> edge space [K, E_pad*gp] (rows of edges no slot maps to:
+    ``fill``)."""
+    b, kh, t, topk = epos.shape
+    gp = x.shape[-1] // kh
+    vals = jnp.broadcast_to(jnp.moveaxis(x.reshape(b, t, kh, gp), 2, 1)[:, :, :, None], (b, kh, t, topk, gp))
+    hi = jnp.arange(kh)[None, :, None, None]
+    out = jnp.full((kh, e_pad, gp), fill, jnp.float32)
+    out = out.at[hi, jnp.where(epos >= 0, epos, e_pad)].set(vals, mode="drop")
+    return out.reshape(kh, e_pad * gp)
+
+
+def _pad_rows(x, kh, gp, fill):
+    """[B, T, N] -> [B, T, K*gp] with ``fill`` in the zero heads' rows."""
+    b, t, n = x.shape
+    g = n // kh
+    if g == gp:
+        return x
+    return jnp.pad(x.reshape(b, t, kh, g), [(0, 0), (0, 0), (0, 0), (0, gp - g)],
+                   constant_values=fill).reshape(b, t, kh * gp)
+
+
+def kv_major_backward(q, k, v, block_idx, q_pos, o, lse, do, dlse=None, *, block_size: int,
+                      cfg: SparseAttentionConfig | None = None):
+    """(dq, dk, dv) of :func:`.kernel.kv_major_attention` given its output ``o``, natural-log ``lse``
+    [B, T, N], the cotangent ``do`` and (optionally) the LSE's ``dlse``. Shapes and dtypes as q, k, v."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    cdt = _compute_dtype(q, k, v)
+    plan = plan_backward(n=n, kh=kh, h=h, block_size=block_size, dtype=cdt, cfg=cfg)
+    gp = plan.gp
+    d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, N]
+    if dlse is not None:
+        d = d - dlse.astype(jnp.float32)
+    q_parts = split_parts(_pad_groups(q.astype(cdt), kh, gp))
+    do_parts = split_parts(_pad_groups(do.astype(cdt), kh, gp))
+    k_parts = split_parts(_pad_kv(k, plan.kb).astype(cdt))
+    v_parts = split_parts(_pad_kv(v, plan.kb).astype(cdt))
+    q_pos = q_pos.astype(jnp.int32)
+    sel = split_blocks(block_idx.astype(jnp.int32), q_pos, block_size, plan.kb)
+    nb = k_parts[0].shape[1] // plan.kb
+    topk = sel.shape[-1]
+    tiles = -(-(b * t * topk + b * nb * (plan.tq - 1)) // plan.tq)
+    e_pad, _ = csr.capacities(b, t, kh, nb, topk, plan.tq, tiles)
+    work = csr.build_work(sel, q_pos, num_blocks=nb, block_size=plan.kb, tq=plan.tq, tiles_per_item=tiles)
+    # rows: +inf LSE on zero heads (P = 0) and padding edges; D = 0 there
+    lse_e = _to_edges(_pad_rows(lse.astype(jnp.float32) * LOG2E, kh, gp, jnp.inf), work.epos, jnp.inf, e_pad)
+    d_e = _to_edges(_pad_rows(d, kh, gp, 0.0), work.epos, 0.0, e_pad)
+    dq_stage, dk, dv = kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work, lse_e, d_e, plan=plan,
+                                                e_pad=e_pad)
+    # dQ: the sum of each query's edge partials (gather + reduce, as the forward's combine)
+    hi = jnp.arange(kh)[None, :, None, None]
+    dq = dq_stage.reshape(kh, e_pad, gp, h)[hi, jnp.maximum(work.epos, 0)]  # [B, K, T, topk, gp, H]
+    dq = jnp.where((work.epos >= 0)[..., None, None], dq, 0.0).sum(axis=3)
+    dq = _unpad_groups(jnp.moveaxis(dq, 1, 2).reshape(b, t, kh * gp, h), kh, plan.g)
+    # dK, dV: blocks that no query selected were never written
+    bi = jnp.arange(b)[:, None, None, None]
+    ki = jnp.arange(kh)[None, :, None, None]
+    hit = jnp.zeros((b, nb, kh), bool).at[bi, jnp.where(sel >= 0, sel, nb), ki].set(True, mode="drop")
+    hit = jnp.repeat(hit, plan.kb, axis=1)[:, :, :, None]
+    s = k.shape[1]
+    dk = jnp.where(hit, dk, 0.0)[:, :s]
+    dv = jnp.where(hit, dv, 0.0)[:, :s]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
