@@ -1,6 +1,7 @@
 """MSA through the Mosaic GPU kernels of :mod:`m3jax.pallas`, and which configs they take: the one
-place that composes the kernels (prefill, paged decode, full-attention decode, and the per-device
-pieces of the context-parallel paths, :class:`m3jax.msa.parallel.Local`).
+place that composes the kernels (prefill, differentiable attention over given selections for
+training, paged decode, full-attention decode, and the per-device pieces of the context-parallel
+paths, :class:`m3jax.msa.parallel.Local`).
 
 Same semantics as :mod:`m3jax.msa.reference` (selections equal as sets, attention within the
 tolerances of docs/MSA.md §4.3); the model chooses between the two in :mod:`m3jax.msa.layer`.
@@ -102,6 +103,18 @@ def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] =
                               local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
                               force_in=force_in, force_out=force_out)
     return sparse_attention(q, k, v, sel, q_pos, block_size=bs, implementation="kv_major"), sel
+
+
+def attend_selected(q, k, v, block_idx, q_pos, *, block_size: int):
+    """Block-sparse attention over given selections through the KV-block-major kernel, differentiable
+    w.r.t. q, k and v (the kernel's custom VJP: :mod:`m3jax.pallas.sparse_attention.backward`, or the
+    reference gradient where that kernel cannot run); block_idx and q_pos get no gradient. What
+    training calls: the selection is made outside (and is discrete).
+
+    q [B, T, N, H], k/v [B, S, K, H], block_idx int32 [B, K, T, topk] (-1 = empty slot), q_pos [B, T].
+    Returns o [B, T, N, H] in q.dtype.
+    """
+    return sparse_attention(q, k, v, block_idx, q_pos, block_size=block_size, implementation="kv_major")
 
 
 def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,

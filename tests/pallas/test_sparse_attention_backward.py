@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from m3jax import msa
+from m3jax.msa import kernels
 from m3jax.pallas import _backend
 from m3jax.pallas.sparse_attention import backward, reference, sparse_attention
 from m3jax.pallas.tolerances import TOL
@@ -62,19 +63,18 @@ def rel_err(got, ref):
 
 
 def check_grads(q, k, v, block_idx, q_pos, do, *, bs, with_lse=False):
-    """Gradients of <o, do> (+ <lse, dlse>) through the kv_major path vs the reference's vjp."""
+    """Gradients of <o, do> (through m3jax.msa.kernels.attend_selected) or of <o, do> + <lse, dlse>
+    (through sparse_attention's kv_major path) vs the reference's vjp."""
     dlse = jnp.linspace(-1.0, 1.0, q.shape[0] * q.shape[1] * q.shape[2]).reshape(q.shape[:3]) if with_lse else None
 
-    def run(impl):
-        def f(q_, k_, v_):
-            return sparse_attention(q_, k_, v_, block_idx, q_pos, block_size=bs, implementation=impl,
-                                    return_lse=with_lse)
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp((do, dlse) if with_lse else do)
+    def f(q_, k_, v_):
+        if with_lse:
+            return sparse_attention(q_, k_, v_, block_idx, q_pos, block_size=bs, return_lse=True)
+        return kernels.attend_selected(q_, k_, v_, block_idx, q_pos, block_size=bs)  # what training calls
 
     _backend.reset_interpret_state()
-    out, got = run("kv_major")
-    got = jax.block_until_ready(got)
+    _, vjp = jax.vjp(f, q, k, v)
+    got = jax.block_until_ready(vjp((do, dlse) if with_lse else do))
     assert not _backend.interpret_races_found(), "race detector fired"
     ref = reference.sparse_attention_vjp(q, k, v, block_idx, q_pos, do, dlse, block_size=bs)
     tol = TOL[("attention_grad", jnp.dtype(q.dtype).name)]

@@ -79,7 +79,7 @@ def _kv_major_bwd(block_size, cfg, res, cotangents):
     if reason is None:
         dq, dk, dv = backward.kv_major_backward(q, k, v, block_idx, q_pos, out, lse, do, dlse, block_size=block_size,
                                                 cfg=cfg)
-    else:  # the named fallback (docs/KERNELS.md §2.6): correct, not fast
+    else:  # the named fallback (docs/KERNELS.md §2.9): correct, not fast
         dq, dk, dv = reference.sparse_attention_vjp(q, k, v, block_idx, q_pos, do, dlse, block_size=block_size)
     return dq, dk, dv, None, None
 

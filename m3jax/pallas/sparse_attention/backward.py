@@ -1,4 +1,4 @@
-"""Backward of the KV-block-major sparse attention (docs/KERNELS.md §2.6): dQ, dK, dV in one Mosaic GPU
+"""Backward of the KV-block-major sparse attention (docs/KERNELS.md §2.9): dQ, dK, dV in one Mosaic GPU
 kernel over the forward's CSR inversion, no atomics.
 
 Given the forward's output O and natural-log LSE, per (query, head) ``D = rowsum(dO * O) - dLSE``
