@@ -149,6 +149,20 @@ def _mm(shape, operands):
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
+def _accumulate(accs, operands, in_place: bool):
+    """Add the wgmma products ``operands[i]`` to the register accumulators ``accs[i]``: ``in_place`` (no
+    second [kb, H] accumulator live next to dK and dV) or into fresh accumulators plus an add."""
+    if not in_place:
+        return tuple(acc + _mm(acc.shape, ops) for acc, ops in zip(accs, operands))
+
+    def run(refs):
+        for ref, ops in zip(refs, operands):
+            for a, b in ops:
+                plgpu.wgmma(ref, a, b)
+
+    return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
 def _store_parts(x, refs, n_parts, dtype):
     """fp32 registers -> their 16-bit MMA parts in SMEM."""
     for ref, part in zip(refs, p_mma_parts(x, n_parts, dtype)):
@@ -172,6 +186,10 @@ def _body(plan: BackwardPlan, dtype):
         k_tiles, v_tiles = parts(k_smem, n_parts), parts(v_smem, n_parts)
         p_tiles, ds_tiles = parts(p_smem, n_parts), parts(ds_smem, n_parts)
         kv_out = out_smem if m == kb else out_smem.at[pl.ds(0, kb)]
+        # dK and dV accumulate in place (ACC.init) only where that lowers: not in interpret mode (no
+        # rule for it), and not over SMEM views with constant indices (fp32's parts, a 1-deep ring's
+        # slot), which Mosaic GPU's run_state lowering rejects.
+        in_place = n_parts == 1 and stages > 1 and not _backend.interpreting()
 
         @plgpu.nd_loop((nitems_ref[0],), collective_axes="sm")
         def _item(info):
@@ -205,7 +223,7 @@ def _body(plan: BackwardPlan, dtype):
 
             def tile(j, carry):
                 dk, dv = carry
-                slot = lax.rem(j, stages)
+                slot = lax.rem(j, stages) if stages > 1 else 0
                 e0 = (t0 + j) * tq
                 lims = [lim_ref[hh, e0 + i] for i in range(tq)]
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -222,8 +240,8 @@ def _body(plan: BackwardPlan, dtype):
                 _store_parts(p_t, p_tiles, n_parts, dtype)
                 _store_parts(ds_t, ds_tiles, n_parts, dtype)
                 plgpu.commit_smem()
-                dv = dv + _mm((kb, h), [(p_tiles[a], do_t[c]) for a, c in prods])
-                dk = dk + _mm((kb, h), [(ds_tiles[a], q_t[c]) for a, c in prods])
+                dk, dv = _accumulate((dk, dv), ([(ds_tiles[a], q_t[c]) for a, c in prods],
+                                                [(p_tiles[a], do_t[c]) for a, c in prods]), in_place)
                 dq = _mm((m, h), [(ds_tiles[a].transpose((1, 0)), k_tiles[c]) for a, c in prods])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dQ store left the staging tile
                 out_smem[...] = dq * (h**-0.5)
