@@ -1,7 +1,7 @@
 """Benchmark: the MSA sparse-attention backward kernel against its forward, on the same selections.
 
-    python benchmarks/msa_backward.py              # GPU: m3-small and M3-width shapes at 16K, bf16
-    python benchmarks/msa_backward.py --interpret  # CPU smoke run: tiny shapes, kernels interpreted
+    PYTHONPATH=. python benchmarks/msa_backward.py              # GPU: m3-small and M3-width at 16K, bf16
+    PYTHONPATH=. python benchmarks/msa_backward.py --interpret  # smoke run: tiny shapes, interpreted
 
 Per (shape, selection) it prints one JSON row: forward (KV-major kernel + combine, with the LSE) and
 backward (:func:`m3jax.pallas.sparse_attention.backward.kv_major_backward`: D, the CSR, the kernel,

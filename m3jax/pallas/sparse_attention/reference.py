@@ -2,6 +2,7 @@
 
 The output is exactly :func:`m3jax.msa.sparse_attention` (fp32 softmax, scale 1/sqrt(H), causal mask
 on the own block). ``return_lse`` adds the natural-log LSE [B, T, N] over the visible selected keys.
+:func:`sparse_attention_vjp` is its gradient, what the backward kernel is tested against.
 """
 
 from __future__ import annotations
