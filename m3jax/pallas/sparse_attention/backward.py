@@ -14,8 +14,8 @@ Given the forward's output O and natural-log LSE, per (query, head) ``D = rowsum
    dK, dV [kb, H] stay in registers across the row's tiles) and P^T, dS^T through SMEM as the 16-bit
    A operands of dV += P^T dO, dK += dS^T Q and, transposed, dQ_e = dS K. The item ends by writing
    its dK and dV block once; a block no query selected gets zeros in XLA.
-3. dQ: each edge's partial [gp, H] (fp32) is staged by padded edge, as the forward stages its O
-   partials, and XLA sums a query's slots (a gather + reduce like the forward's combine). A separate
+3. dQ: each edge's partial [gp, H] (the input dtype; fp32 for fp32) is staged by padded edge, as the
+   forward stages its O partials, and XLA sums a query's slots in fp32 (a gather + reduce like the forward's combine). A separate
    query-major dQ kernel would re-read every selected K/V block once per query token, the memory
    bound of the query-major forward baseline; here each block is read once per item for all three.
 
@@ -80,9 +80,10 @@ class BackwardPlan:
 
 
 def smem_bytes(*, m, h, kb, stages, n_parts) -> int:
-    """Q and dO rings, K, V, P^T and dS^T per part, the fp32 dQ / dK / dV staging tile, the LSE and D rings."""
+    """Q and dO rings, K, V, P^T and dS^T per part, the dQ / dK / dV staging tile (fp32 for fp32 inputs,
+    else 16-bit), the LSE and D rings."""
     tiles = n_parts * (2 * stages * m * h + 2 * kb * h + 2 * kb * m) * 2
-    return tiles + m * h * 4 + 2 * stages * m * 4 + 1024
+    return tiles + m * h * 2 * n_parts + 2 * stages * m * 4 + 1024
 
 
 def plan_backward(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig | None = None,
@@ -244,7 +245,7 @@ def _body(plan: BackwardPlan, dtype):
                                                 [(p_tiles[a], do_t[c]) for a, c in prods]), in_place)
                 dq = _mm((m, h), [(ds_tiles[a].transpose((1, 0)), k_tiles[c]) for a, c in prods])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dQ store left the staging tile
-                out_smem[...] = dq * (h**-0.5)
+                out_smem[...] = (dq * (h**-0.5)).astype(out_smem.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[hh, pl.ds(e0 * gp, m)])
 
@@ -258,7 +259,7 @@ def _body(plan: BackwardPlan, dtype):
             dk, dv = lax.fori_loop(0, nt, tile, (zero, zero))
             for grad, ref, mult in ((dk, dk_ref, h**-0.5), (dv, dv_ref, 1.0)):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                kv_out[...] = grad * mult
+                kv_out[...] = (grad * mult).astype(kv_out.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(kv_out, ref.at[kv_at])
 
@@ -269,7 +270,8 @@ def _body(plan: BackwardPlan, dtype):
 
 def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMajorWork, lse_e, d_e, *,
                              plan: BackwardPlan, e_pad: int):
-    """(dq_stage [K, E_pad*gp, H], dk, dv [B, S_pad, K, H]), all fp32. q/do_parts [B, T, K*gp, H], k/v_parts
+    """(dq_stage [K, E_pad*gp, H], dk, dv [B, S_pad, K, H]), fp32 for fp32 inputs, else their 16-bit
+    type (dK and dV are accumulated in fp32 either way). q/do_parts [B, T, K*gp, H], k/v_parts
     [B, S_pad, K, H] (bf16 parts); lse_e, d_e [K, E_pad*gp] fp32 (LSE in log2 units, +inf on padding rows)."""
     b, s_pad, kh, h = k_parts[0].shape
     dtype = q_parts[0].dtype
@@ -281,16 +283,17 @@ def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMa
         _smem(_parts_shape(n_parts, (kb, h)), dtype),
         _smem(_parts_shape(n_parts, (kb, m)), dtype),
         _smem(_parts_shape(n_parts, (kb, m)), dtype),
-        plgpu.SMEM((m, h), jnp.float32),
+        plgpu.SMEM((m, h), jnp.float32) if n_parts == 2 else _smem((m, h), dtype),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.Barrier(num_arrivals=2 * n_parts),
         plgpu.Barrier(num_arrivals=2 * plan.tq * n_parts + 2, num_barriers=stages),
     ]
+    out_dtype = jnp.float32 if n_parts == 2 else dtype
     out_type = (
-        jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), jnp.float32),
-        jax.ShapeDtypeStruct((b, s_pad, kh, h), jnp.float32),
-        jax.ShapeDtypeStruct((b, s_pad, kh, h), jnp.float32),
+        jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), out_dtype),
+        jax.ShapeDtypeStruct((b, s_pad, kh, h), out_dtype),
+        jax.ShapeDtypeStruct((b, s_pad, kh, h), out_dtype),
     )
     call = mosaic_kernel(
         _body(plan, dtype),
@@ -357,7 +360,7 @@ def kv_major_backward(q, k, v, block_idx, q_pos, o, lse, do, dlse=None, *, block
     # dQ: the sum of each query's edge partials (gather + reduce, as the forward's combine)
     hi = jnp.arange(kh)[None, :, None, None]
     dq = dq_stage.reshape(kh, e_pad, gp, h)[hi, jnp.maximum(work.epos, 0)]  # [B, K, T, topk, gp, H]
-    dq = jnp.where((work.epos >= 0)[..., None, None], dq, 0.0).sum(axis=3)
+    dq = jnp.where((work.epos >= 0)[..., None, None], dq.astype(jnp.float32), 0.0).sum(axis=3)
     dq = _unpad_groups(jnp.moveaxis(dq, 1, 2).reshape(b, t, kh * gp, h), kh, plan.g)
     # dK, dV: blocks that no query selected were never written
     bi = jnp.arange(b)[:, None, None, None]
