@@ -134,7 +134,7 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, p: Plan, s_len: int, nb
         plgpu.copy_gmem_to_smem(rowpos_ref.at[bi, pl.ds(t0, TQ)], rp_smem, rp_bar)
         plgpu.barrier_wait(q_bar)
         plgpu.barrier_wait(rp_bar)
-        rowpos = plgpu.load(rp_smem, (), layout=hopper.ROW_LAYOUT)
+        rowpos = plgpu.load(rp_smem, layout=hopper.ROW_LAYOUT)
         heads = [[q_smem.at[a, i] for a in range(n_parts)] for i in range(hc)]
 
         def head_scores(i, k_smems, j, masked):
