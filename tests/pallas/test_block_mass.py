@@ -17,14 +17,16 @@ import pytest
 from m3jax.indexer_objective import indexer_kl, kl_support
 from m3jax.msa.kernels import indexer_target_mass
 from m3jax.pallas import _backend
-from m3jax.pallas.block_mass import block_mass
+from m3jax.pallas.block_mass import BlockMassConfig, block_mass
 from m3jax.pallas.tolerances import TOL
 
-# (batch, T, N, K, H, block, S, q_pos offsets per batch row, dtype)
+# (batch, T, N, K, H, block, S, q_pos offsets per batch row, dtype, config)
 CASES = {
-    "bs16_g2_ragged_fp32": (1, 100, 4, 2, 32, 16, 100, (0,), jnp.float32),
-    "bs64_g1_chunk_bf16": (2, 70, 4, 1, 64, 64, 200, (130, 100), jnp.bfloat16),
-    "bs128_g2_chunk_fp32": (1, 64, 4, 2, 32, 128, 300, (236,), jnp.float32),
+    "bs16_g2_ragged_fp32": (1, 100, 4, 2, 32, 16, 100, (0,), jnp.float32, None),
+    "bs64_g1_chunk_bf16": (2, 70, 4, 1, 64, 64, 200, (130, 100), jnp.bfloat16, None),
+    # one head per CTA: the group's heads summed over CTAs, as M3's 16 are (two chunks of 8)
+    "bs128_g2_chunk_fp32_split_heads": (1, 64, 4, 2, 32, 128, 300, (236,), jnp.float32,
+                                        BlockMassConfig(max_heads_per_cta=1)),
 }
 
 
@@ -38,10 +40,10 @@ def _inputs(b, t, n, kh, h, s, offsets, dtype, seed=0):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_block_mass_matches_reference(case):
-    b, t, n, kh, h, bs, s, offsets, dtype = CASES[case]
+    b, t, n, kh, h, bs, s, offsets, dtype, config = CASES[case]
     q, k, q_pos = _inputs(b, t, n, kh, h, s, offsets, dtype)
     nb = -(-s // bs)
-    got = np.asarray(block_mass(q, k, q_pos, block_size=bs, num_blocks=nb))
+    got = np.asarray(block_mass(q, k, q_pos, block_size=bs, num_blocks=nb, config=config))
     ref = np.asarray(block_mass(q, k, q_pos, block_size=bs, num_blocks=nb, implementation="reference"))
     assert not _backend.interpret_races_found()
     assert got.shape == ref.shape == (b, kh, t, nb) and got.dtype == np.float32
@@ -53,7 +55,7 @@ def test_block_mass_matches_reference(case):
 def test_indexer_kl_on_kernel_mass(sparse):
     """KL value and its gradient w.r.t. the index scores, mass from the kernel vs the reference objective
     (fp32 1e-5); no gradient reaches q or k through the kernel."""
-    b, t, n, kh, h, bs, s, offsets, dtype = CASES["bs16_g2_ragged_fp32"]
+    b, t, n, kh, h, bs, s, offsets, dtype, _ = CASES["bs16_g2_ragged_fp32"]
     q, k, q_pos = _inputs(b, t, n, kh, h, s, offsets, dtype)
     nb, hx = -(-s // bs), 32
     visible = jnp.arange(nb)[None, None, None, :] <= (q_pos // bs)[:, None, :, None]
@@ -77,3 +79,14 @@ def test_indexer_kl_on_kernel_mass(sparse):
     np.testing.assert_allclose(float(val), float(ref_val), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(g_scores), np.asarray(ref_g), rtol=1e-5, atol=1e-5)
     assert not np.asarray(g_q).any() and not np.asarray(g_k).any()
+
+
+def test_block_mass_lowers_for_hopper():
+    """Interpret mode does not check Mosaic GPU's layout rules; lowering for sm_90a does (on any machine,
+    nothing compiled). M3's widths: 16 heads per group in two CTAs of 8, H = 128, block 128."""
+    shapes = (jax.ShapeDtypeStruct((1, 128, 64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, 128), jnp.int32))
+    with _backend.lowering_for(_backend.HOPPER):
+        fn = jax.jit(lambda q, k, p: block_mass(q, k, p, block_size=128, num_blocks=4))
+        text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -46,9 +46,11 @@ FP32_PARTS = 3  # bf16 pieces of an fp32 operand (module docstring)
 
 @dataclasses.dataclass(frozen=True)
 class BlockMassConfig:
-    """``max_concurrent_steps``: key blocks in flight per pipeline (fewer when SMEM is short)."""
+    """``max_concurrent_steps``: key blocks in flight per pipeline (fewer when SMEM is short);
+    ``max_heads_per_cta``: at most this many of a group's heads per CTA (None: as many as fit)."""
 
     max_concurrent_steps: int = 2
+    max_heads_per_cta: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,8 @@ def plan(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, d
     tiles (None when even one head does not)."""
     gp, n_parts = num_heads // num_kv_heads, _n_parts(dtype)
     step = n_parts * block_size * head_dim * 2
-    for hc in sorted((d for d in range(1, gp + 1) if gp % d == 0), reverse=True):
+    cap = config.max_heads_per_cta or gp
+    for hc in sorted((d for d in range(1, min(gp, cap) + 1) if gp % d == 0), reverse=True):
         fixed = n_parts * hc * TQ * head_dim * 2 + 2 * GROUP * TQ * 4 + TQ * 4 + 1024
         steps = min(config.max_concurrent_steps, (current_target().smem_bytes - fixed) // step)
         if steps >= 2:
