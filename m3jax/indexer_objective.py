@@ -9,6 +9,10 @@ KL; 1/sqrt(Hx) puts the scores on the same footing as attention logits). The row
 KL(target || prediction); rows are averaged over (batch, group, query) among the rows whose support
 has at least two blocks (a one-block support has KL = 0 by construction).
 
+The target's mass per block is :func:`m3jax.msa.reference.causal_block_mass`; on a GPU it comes from
+the flash-style kernel (:func:`m3jax.msa.kernels.indexer_target_mass`, no [C, S] softmax), passed to
+:func:`indexer_kl` as ``mass=``.
+
 The support (:func:`kl_support`):
 
 * ``sparse``: the blocks the selection actually picked, forced ones (own block, local window, init
