@@ -124,7 +124,9 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, p: Plan, s_len: int, nb
         rowpos_ref, info_ref, out_ref, q_smem, rp_smem, o_smem, q_bar, rp_bar = refs[2 * n_parts :]
         bi = jax.lax.axis_index("b")
         gc = jax.lax.axis_index("gc")
-        ti = jax.lax.axis_index("tile")
+        # Tiles in reverse: the last ones see the most keys, so they start first and the short ones
+        # fill the tail of the grid (causal load balance).
+        ti = n_tiles - 1 - jax.lax.axis_index("tile")
         g, c = jax.lax.div(gc, p.n_chunks), jax.lax.rem(gc, p.n_chunks)
         t0 = ti * TQ
         minpos, maxpos = info_ref[bi, ti, 0], info_ref[bi, ti, 1]
