@@ -84,8 +84,8 @@ def test_indexer_kl_on_kernel_mass(sparse):
 def test_block_mass_lowers_for_hopper():
     """Interpret mode does not check Mosaic GPU's layout rules; lowering for sm_90a does (on any machine,
     nothing compiled). M3's widths: 16 heads per group in two CTAs of 8, H = 128, block 128."""
-    shapes = (jax.ShapeDtypeStruct((1, 128, 64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16),
-              jax.ShapeDtypeStruct((1, 128), jnp.int32))
+    shapes = (jax.ShapeDtypeStruct((1, 128, 64, 128), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 128), jnp.int32))
     with _backend.lowering_for(_backend.HOPPER):
         fn = jax.jit(lambda q, k, p: block_mass(q, k, p, block_size=128, num_blocks=4))
         text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()

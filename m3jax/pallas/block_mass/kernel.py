@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import LOG2E, bf16_split, swizzle_transforms
+from m3jax.pallas._common import LOG2E, bf16_split, online_softmax_step, swizzle_transforms
 from m3jax.pallas.block_mass import hopper
 
 TQ = 64  # query tokens per CTA: one wgmma M tile
@@ -168,12 +168,9 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, p: Plan, s_len: int, nb
                 j = idx[0] + offset
                 new_m, new_l = [], []
                 for i in range(hc):
-                    s = head_scores(i, k_smems, j, masked)
-                    m_new = jnp.maximum(ms[i], s.max(axis=1))
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: not -inf - -inf
-                    e = jnp.exp2(s - jax.lax.broadcast_in_dim(m_use, s.shape, [0]))
-                    new_l.append(ls[i] * jnp.exp2(ms[i] - m_use) + e.sum(axis=1))
+                    m_new, _, _, l_new = online_softmax_step(head_scores(i, k_smems, j, masked), ms[i], ls[i])
                     new_m.append(m_new)
+                    new_l.append(l_new)
                 return tuple(new_m), tuple(new_l)
 
             return fn
@@ -196,17 +193,19 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, p: Plan, s_len: int, nb
                 grp, row = jax.lax.div(j, GROUP), jax.lax.rem(j, GROUP)
                 slot = jax.lax.rem(grp, 2)
 
+                # The store of group grp - 2 read this slot. The rows of a last, partial group past nvis
+                # go out as whatever the slot held: the wrapper's mask drops them.
                 @pl.when(row == 0)
                 def _():
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of group grp - 2 read this slot
-                    o_smem[slot] = jnp.zeros((GROUP, TQ), jnp.float32)
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
                 o_smem[slot, row] = tot.sum(axis=1) * (1.0 / gp)
 
                 @pl.when((row == GROUP - 1) | (j == nvis - 1))
                 def _():
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[slot], out_ref.at[bi, gc, pl.ds(grp * GROUP, GROUP), pl.ds(t0, TQ)])
+                    dst = out_ref.at[bi, gc, pl.ds(grp * GROUP, GROUP), pl.ds(t0, TQ)]
+                    plgpu.copy_smem_to_gmem(o_smem.at[slot], dst)
 
             return fn
 
