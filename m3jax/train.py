@@ -41,7 +41,8 @@ Modes:
 CLI (text from the Python standard library's own sources, byte-level BPE from ``tokenizers``)::
 
     python -m m3jax.train --config m3_tiny --steps 300 --seq-len 256 --batch 4 --out /tmp/run \
-        [--resume | --overwrite] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR]
+        [--resume | --overwrite] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR] \
+        [--attention-impl auto] [--dtype bfloat16]
 
 ``--data retrieval`` plants key/value lines in the text and repeats some later in the row, with the
 loss weighted onto the repeated values (:func:`m3jax.data.retrieval_batch`); the long rows can take a

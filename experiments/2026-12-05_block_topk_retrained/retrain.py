@@ -138,7 +138,7 @@ def run(args) -> list[dict]:
         if todo:
             rundir = Path(args.runs) / f"b{block}"
             if not (rundir / "summary.json").exists():
-                if left() < args.train_seconds + 60:
+                if left() < args.train_seconds + 150:  # + corpus, compile, evaluations and save
                     print(f"--max-seconds: no time for the block-{block} training; the same command continues",
                           flush=True)
                     break
