@@ -4,12 +4,14 @@ against a numpy loop, the tokenizer."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from m3jax import data, indexer_objective, train as tr
+from m3jax import cli, data, indexer_objective, train as tr
 from m3jax.pallas import _backend
 from tests.conftest import tiny_config
 
@@ -237,3 +239,31 @@ def test_tokenizer_and_split():
     b1 = data.sample_batch(stream, 7, 2, 16)
     assert np.array_equal(b1["tokens"], data.sample_batch(stream, 7, 2, 16)["tokens"])
     assert b1["tokens"].shape == (2, 17)
+
+
+def test_kernel_path_bf16_runs():
+    # bf16 compute on the kernel path (interpret mode on CPU): finite gradients and the reference path's
+    # loss within bf16's tolerance (accumulation order differs; selections may differ at near-ties).
+    cfg = tiny_config(num_hidden_layers=1, layer_types=("minimax_m3_sparse",), mlp_layer_types=("dense",),
+                      head_dim=64, index_head_dim=16, index_block_size=16, index_topk_blocks=2).replace(attention_chunk=16)
+    params = tr.init_train_params(cfg, seed=1, std=0.1)
+    batch = {"tokens": np.random.default_rng(2).integers(3, cfg.text.vocab_size, (1, KERNEL_SEQ + 1)).astype(np.int32)}
+    losses = {}
+    for impl in ("reference", "pallas"):
+        c = cfg.replace(attention_impl=impl)
+        fn = jax.jit(jax.value_and_grad(lambda p: tr.loss_fn(p, batch, c, "sparse", dtype="bfloat16")[0]))
+        loss, g = fn(params)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g)), impl
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g)), "gradients come back in the weights' dtype"
+        losses[impl] = float(loss)
+    assert abs(losses["pallas"] - losses["reference"]) <= 2e-2 * abs(losses["reference"]), losses
+
+
+def test_run_args_record_the_attention_path_and_dtype(tmp_path):
+    base = ["--out", str(tmp_path), "--dtype", "bfloat16"]
+    tr.check_run_args(tmp_path, tr.parse_args(base + ["--attention-impl", "reference"]))
+    recorded = json.loads((tmp_path / "run_args.json").read_text())
+    assert recorded["attention_impl"] == "reference" and recorded["dtype"] == "bfloat16"
+    tr.check_run_args(tmp_path, tr.parse_args(base + ["--resume", "--attention-impl", "auto"]))  # a speed choice
+    with pytest.raises(cli.UsageError, match="--dtype 'float32'"):
+        tr.check_run_args(tmp_path, tr.parse_args(["--out", str(tmp_path), "--resume", "--dtype", "float32"]))
