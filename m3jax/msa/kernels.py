@@ -125,8 +125,8 @@ def indexer_target_mass(q, k, q_pos, *, block_size: int, num_blocks: int):
     each KV group's heads, without the [T, S] softmax. What training passes to
     :func:`m3jax.indexer_objective.indexer_kl` as ``mass=``. q and k are ``stop_gradient``'d here (the
     target gets no gradient, and the kernel has none); where the kernel cannot run
-    (:func:`m3jax.pallas.block_mass.unsupported_reason`) the reference computes it. Call it on
-    thousands of queries at a time: the grid is one CTA per 64 queries and KV group.
+    (:func:`m3jax.pallas.block_mass.unsupported_reason`) the reference computes it. Per query chunk
+    (C of a few hundred rows is fine: the kernel splits the keys over CTAs when the chunk is short).
 
     q [B, C, N, H], k [B, S, K, H], q_pos int32 [B, C], num_blocks >= ceil(S / block_size).
     Returns fp32 [B, K, C, num_blocks].

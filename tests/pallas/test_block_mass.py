@@ -24,6 +24,8 @@ from m3jax.pallas.tolerances import TOL
 CASES = {
     "bs16_g2_ragged_fp32": (1, 100, 4, 2, 32, 16, 100, (0,), jnp.float32, None),
     "bs64_g1_chunk_bf16": (2, 70, 4, 1, 64, 64, 200, (130, 100), jnp.bfloat16, None),
+    # 25 key blocks: two key spans (CTAs) per query tile, their LSEs merged between the passes
+    "bs16_g2_spans_fp32": (1, 64, 4, 2, 32, 16, 400, (336,), jnp.float32, BlockMassConfig(key_span_blocks=16)),
     # one head per CTA: the group's heads summed over CTAs, as M3's 16 are (two chunks of 8)
     "bs128_g2_chunk_fp32_split_heads": (1, 64, 4, 2, 32, 128, 300, (236,), jnp.float32,
                                         BlockMassConfig(max_heads_per_cta=1)),
@@ -83,10 +85,11 @@ def test_indexer_kl_on_kernel_mass(sparse):
 
 def test_block_mass_lowers_for_hopper():
     """Interpret mode does not check Mosaic GPU's layout rules; lowering for sm_90a does (on any machine,
-    nothing compiled). M3's widths: 16 heads per group in two CTAs of 8, H = 128, block 128."""
+    nothing compiled). M3's widths: 16 heads per group in two CTAs of 8, H = 128, block 128, keys in
+    two spans."""
     shapes = (jax.ShapeDtypeStruct((1, 128, 64, 128), jnp.bfloat16),
-              jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 128), jnp.int32))
+              jax.ShapeDtypeStruct((1, 4096, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 128), jnp.int32))
     with _backend.lowering_for(_backend.HOPPER):
-        fn = jax.jit(lambda q, k, p: block_mass(q, k, p, block_size=128, num_blocks=4))
+        fn = jax.jit(lambda q, k, p: block_mass(q, k, p, block_size=128, num_blocks=32))
         text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
