@@ -129,6 +129,42 @@ def test_model_hooks_fall_back(fake, monkeypatch):
         assert "decode_index_scores kernel failed" in kernels.decode_unsupported_reason(cfg)
 
 
+def test_a_failing_path_bans_only_that_path(gpu, monkeypatch):
+    # The real MSA kernels' canaries, their runs replaced by stand-ins (test-only): every path agrees
+    # with its reference but the decode index scoring's M3 path (M = 128, block 128). The model then
+    # keeps the decode kernels at block 64 and falls back where it would take that path, block 128.
+    import dataclasses
+
+    from m3jax.msa import kernels
+    from tests.conftest import tiny_text
+
+    monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [verdicts.run_canary(c, dev) for c in cs])
+    agrees = lambda: (jnp.ones(3), jnp.ones(3))  # noqa: E731
+    broken = "decode_index_scores@b128-m128-n8"
+    for name, c in list(canaries.CANARIES.items()):
+        if c.kernel in canaries.MSA_DECODE_KERNELS + canaries.MSA_PREFILL_KERNELS:
+            run = (lambda: (jnp.zeros(3), jnp.ones(3))) if name == broken else agrees
+            monkeypatch.setitem(canaries.CANARIES, name, dataclasses.replace(c, run=run))
+    assert [c.name for c in canaries.paths_for("decode_index_scores", 64)] == ["decode_index_scores@b64-m64"]
+    assert [c.name for c in canaries.paths_for("decode_index_scores", 192)] == ["decode_index_scores@b64-m64"]
+    assert [c.name for c in canaries.paths_for("decode_index_scores", 256)] == [broken]
+    assert len(canaries.paths_for("decode_index_scores")) == 2
+
+    def cfg(bs):
+        return tiny_text(num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_head_dim=64,
+                         index_block_size=bs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.decode_unsupported_reason(cfg(64)) is None
+        assert kernels.unsupported_reason(cfg(64)) is None and kernels.unsupported_reason(cfg(128)) is None
+    with pytest.warns(RuntimeWarning, match=f"decode_index_scores kernel failed its self-check at {broken}.*"
+                                            "not used at that path"):
+        assert broken in kernels.decode_unsupported_reason(cfg(128))
+    assert broken in verdicts.kernel_failure("decode_index_scores")  # a caller that names no block: every path
+    assert verdicts.kernel_failure("decode_index_scores", block_size=64) is None
+
+
 def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monkeypatch):
     # The real worker process: its first canary passes, the second one sleeps past a 3 s deadline (the
     # worker is killed), the third, in a new worker, ends its process. The model asks while tracing
