@@ -260,7 +260,8 @@ def test_cli_runs_a_real_canary(tmp_path, monkeypatch, capsys):
 
 
 def test_full_report(tmp_path, monkeypatch):
-    # Every canary afresh, written to one JSON report (the canaries stubbed: the CLI's report, not the kernels).
+    # Every canary afresh, the GPU checks (skipped, with the reason, on this CPU device) and the generate
+    # in one JSON report (canaries and generate stubbed: the CLI's report, not the kernels).
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(verdicts, "_MEMO", {})
     dev = {"device": "cpu interpret", "target": "interpret", "driver": "-"}
@@ -273,12 +274,68 @@ def test_full_report(tmp_path, monkeypatch):
         return [verdicts.Verdict(c.name, dev["target"], dev["device"], "pass", 0.0, 0.1) for c in cs]
 
     monkeypatch.setattr(verdicts, "run_isolated", stub)
+    generated = {"config": "m3-small", "generated_ids": list(range(8)), "text": "x", "passed": True, "seconds": 0.1}
+    monkeypatch.setattr(selfcheck, "short_generate", lambda: dict(generated))
     report = tmp_path / "report.json"
     assert selfcheck.main(["--full", "--report", str(report)]) == 0
     data = json.loads(report.read_text())
     assert ran == list(canaries.CANARIES) and data["passed"] and data["device"] == dev
     assert {v["canary"] for v in data["verdicts"] if v["m3"]} >= {"decode_index_scores@b128-m128-n8"}
+    assert "sized for a GPU" in data["gpu_checks"]["skipped"] and data["generate"] == generated
     assert selfcheck.main(["--full", "--report", str(report)]) == 0 and len(ran) == 2 * len(canaries.CANARIES)
+    monkeypatch.setattr(selfcheck, "short_generate", lambda: dict(generated, passed=False))
+    assert selfcheck.main(["--full", "--report", str(report), "--gpu-checks", "none"]) == 1
+    data = json.loads(report.read_text())
+    assert not data["passed"] and "gpu_checks" not in data
+
+
+def _kernels_as_references(monkeypatch, broken: str | None = None):
+    """gpu_checks' kernel calls routed to the jnp references (the checks' code, not the kernels: those
+    have their own interpret-mode tests), ``broken`` raising instead."""
+    import types
+
+    from m3jax.pallas import decode, gpu_checks, index_scores, topk
+    from m3jax.pallas.sparse_attention import sparse_attention
+
+    def ref(name, f):
+        def call(*a, implementation=None, config=None, **kw):
+            if name == broken:
+                raise RuntimeError(f"{name}: a test-only launch failure")
+            return f(*a, implementation="reference", **kw)
+        return call
+
+    def space(mod, *names):
+        return types.SimpleNamespace(**{n: ref(n, getattr(mod, n)) if n in names else getattr(mod, n)
+                                        for n in dir(mod)})
+    monkeypatch.setattr(gpu_checks, "I", space(index_scores, "index_block_scores", "index_select_blocks"))
+    monkeypatch.setattr(gpu_checks, "K", space(topk, "select_blocks"))
+    monkeypatch.setattr(gpu_checks, "D", space(decode, "decode_index_scores", "sparse_decode_attention"))
+    monkeypatch.setattr(gpu_checks, "sparse_attention", ref("sparse_attention", sparse_attention))
+
+
+def test_full_report_runs_the_gpu_checks_at_small_shapes(tmp_path, monkeypatch, capsys):
+    # The M3-shape checks' code path at small shapes (--gpu-checks small), every family, on this CPU;
+    # on a GPU --full runs the same code at M3's shapes.
+    from m3jax.pallas import gpu_checks
+
+    monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [
+        verdicts.Verdict(c.name, dev["target"], dev["device"], "pass", 0.0, 0.1) for c in cs])
+    _kernels_as_references(monkeypatch)
+    report = tmp_path / "report.json"
+    argv = ["--full", "--report", str(report), "--gpu-checks", "small", "--no-generate", "--kernels", "topk_rowsplit"]
+    assert selfcheck.main(argv) == 0
+    checks = json.loads(report.read_text())["gpu_checks"]
+    rows = checks["rows"]
+    assert checks["size"] == "small" and checks["passed"] and {r["check"] for r in rows} == set(gpu_checks.FAMILIES)
+    assert {r["kernel"] for r in rows} >= {"sparse_attention_kv_major", "index_scores", "decode_index_scores",
+                                          "sparse_decode_attention"}
+    assert all(r["err_over_tol"] == 0 for r in rows)  # the references against themselves
+    assert "sparse_decode_attention" in capsys.readouterr().out
+
+    _kernels_as_references(monkeypatch, broken="sparse_decode_attention")  # one kernel fails: its row says so
+    rows = gpu_checks.run(families=("decode",), size="small")
+    assert [r["passed"] for r in rows] == [True, False] and "test-only launch failure" in rows[1]["error"]
 
 
 def test_canaries_run_the_blackwell_variants_on_blackwell(monkeypatch):

@@ -125,12 +125,12 @@ def _topk(implementation, b, t, nb, bs, q_pos, topk):
 
 def _topk_blockmajor():
     t, bs = 40, 16
-    return _topk("pallas_blockmajor", 1, t, 45, bs, (640 + jnp.arange(t, dtype=jnp.int32))[None], 4)
+    return _topk("pallas_blockmajor", 1, t, 45, bs, (640 + np.arange(t, dtype=np.int32))[None], 4)
 
 
 def _topk_rowsplit():
     # 300 blocks: not a multiple of the 128 threads; the second row sees fewer blocks than top-k.
-    return _topk("pallas_rowsplit", 2, 1, 300, 4, jnp.array([[1199], [9]], jnp.int32), 8)
+    return _topk("pallas_rowsplit", 2, 1, 300, 4, np.array([[1199], [9]], np.int32), 8)
 
 
 def _sparse_attention(implementation, n=16, k=2, h=64, bs=64, t=10, prefix=64, topk=3):
