@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): builds the transformers oracle venv (Python 3.11, CPU torch)
 # on first use, regenerates the oracle fixtures, then runs the whole pytest suite with the current
-# Python (3.12, m3jax installed). Extra arguments go to pytest. It also fetches the CUDA compile tools
-# (scripts/fetch_cuda_compile_tools.sh) that tests/pallas/test_compile.py compiles the kernels with. A second oracle venv with torchvision
-# (tests/oracle/requirements-vision.txt) writes the image/video processor fixtures. pip keeps no
+# Python (3.12, m3jax installed). Extra arguments go to pytest. A second oracle venv with torchvision
+# (tests/oracle/requirements-vision.txt) writes the image/video processor fixtures, and
+# scripts/fetch_cuda_compile_tools.sh the tools tests/pallas/test_compile.py compiles kernels with. pip keeps no
 # cache copy of the wheels (--no-cache-dir): on x86_64 the vision venv's torch is a CUDA build of
 # several GB, and a CI run once ran out of disk while installing it.
 set -euo pipefail
