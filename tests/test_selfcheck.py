@@ -314,28 +314,26 @@ def _kernels_as_references(monkeypatch, broken: str | None = None):
 
 
 def test_full_report_runs_the_gpu_checks_at_small_shapes(tmp_path, monkeypatch, capsys):
-    # The M3-shape checks' code path at small shapes (--gpu-checks small), every family, on this CPU;
-    # on a GPU --full runs the same code at M3's shapes.
+    # The M3-shape checks' code path at small shapes (--gpu-checks small), every family, on this CPU,
+    # one kernel made to fail; on a GPU --full runs the same code at M3's shapes.
     from m3jax.pallas import gpu_checks
 
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [
         verdicts.Verdict(c.name, dev["target"], dev["device"], "pass", 0.0, 0.1) for c in cs])
-    _kernels_as_references(monkeypatch)
+    _kernels_as_references(monkeypatch, broken="sparse_decode_attention")
     report = tmp_path / "report.json"
     argv = ["--full", "--report", str(report), "--gpu-checks", "small", "--no-generate", "--kernels", "topk_rowsplit"]
-    assert selfcheck.main(argv) == 0
-    checks = json.loads(report.read_text())["gpu_checks"]
-    rows = checks["rows"]
-    assert checks["size"] == "small" and checks["passed"] and {r["check"] for r in rows} == set(gpu_checks.FAMILIES)
-    assert {r["kernel"] for r in rows} >= {"sparse_attention_kv_major", "index_scores", "decode_index_scores",
-                                          "sparse_decode_attention"}
-    assert all(r["err_over_tol"] == 0 for r in rows)  # the references against themselves
+    assert selfcheck.main(argv) == 1  # the failing check fails the command
+    data = json.loads(report.read_text())
+    checks, rows = data["gpu_checks"], data["gpu_checks"]["rows"]
+    assert checks["size"] == "small" and not checks["passed"] and not data["passed"]
+    assert {r["check"] for r in rows} == set(gpu_checks.FAMILIES)
+    failed = [r for r in rows if not r["passed"]]
+    assert [r["kernel"] for r in failed] == ["sparse_decode_attention"] and "test-only" in failed[0]["error"]
+    assert {r["kernel"] for r in rows} >= {"sparse_attention_kv_major", "index_scores", "decode_index_scores"}
+    assert all(r["err_over_tol"] == 0 for r in rows if r["passed"])  # the references against themselves
     assert "sparse_decode_attention" in capsys.readouterr().out
-
-    _kernels_as_references(monkeypatch, broken="sparse_decode_attention")  # one kernel fails: its row says so
-    rows = gpu_checks.run(families=("decode",), size="small")
-    assert [r["passed"] for r in rows] == [True, False] and "test-only launch failure" in rows[1]["error"]
 
 
 def test_canaries_run_the_blackwell_variants_on_blackwell(monkeypatch):

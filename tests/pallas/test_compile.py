@@ -219,7 +219,7 @@ def _cell(r: dict | None) -> str:
         return "-"
     if "error" in r:
         return "does not compile"
-    return f"{r['registers']:4} {r['smem'] // 1024 if r['smem'] else '?':>4} KiB {r['spill_bytes']:3} B {r['fences']:2}"
+    return f"{r['registers']:4} {r['smem'] if r['smem'] else '?':>7} {r['spill_bytes']:3} B {r['fences']:2}"
 
 
 def test_kernels_compile_for_sm90a_and_sm100a(toolchain, tmp_path):
@@ -251,9 +251,9 @@ def test_kernels_compile_for_sm90a_and_sm100a(toolchain, tmp_path):
         elif r["warnings"] or r["spill_bytes"] > SPILL_ALLOWED.get((case, arch), (0, ""))[0]:
             problems.append(f"{case} on {arch}: {r['spill_bytes']} B spilled, warnings {r['warnings']}")
     print(f"\n{toolchain[3]}; jax {jax.__version__}; {len(jobs)} modules, {len(unique)} distinct")
-    print(f"{'case':52} {'sm_90a: regs  smem  spill fences':34} sm_100a: regs  smem  spill fences")
+    print(f"{'case':52} {'sm_90a: regs, dynamic smem (B), spill, fences':46} sm_100a: the same")
     for case, by_arch in rows.items():
-        print(f"{case:52} {_cell(by_arch.get('sm_90a')):34} {_cell(by_arch.get('sm_100a'))}")
+        print(f"{case:52} {_cell(by_arch.get('sm_90a')):46} {_cell(by_arch.get('sm_100a'))}")
     for case, by_arch in rows.items():
         for arch, r in by_arch.items():
             if "error" in r:
