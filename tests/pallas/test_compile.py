@@ -16,8 +16,9 @@ The tools: ``scripts/fetch_cuda_compile_tools.sh`` (tests/run_tests.sh runs it) 
 (``jax-cuda13-pjrt`` of this jax version) and ptxas (CUDA 13.0, the ``nvidia-cuda-nvcc`` wheel) under
 ``.venvs/cuda-compile``, where this test finds them; ``M3JAX_CUDA_PLUGIN`` (its ``xla_cuda_plugin.so`` or
 the unzipped wheel's folder) and ``M3JAX_PTXAS`` override that. A C compiler builds the stand-in. Without
-them the test skips and says which is missing. Results are cached per module and arch under
-``.venvs/cuda-compile/results`` (a module that did not change is not compiled again).
+them the test skips and says which is missing. Results are kept under ``.venvs/cuda-compile/results``:
+per module and arch (a module that did not change is not compiled again), and the whole table per
+hash of the kernels' sources, the cases, jax and the tools (unchanged sources are not even traced).
 
 It fails on a compile failure of a kernel the model picks on that target, a ptxas error, or any spill
 not in ``SPILL_ALLOWED`` (with its reason), and prints registers, dynamic shared memory, spills and
@@ -222,9 +223,26 @@ def _cell(r: dict | None) -> str:
     return f"{r['registers']:4} {r['smem'] if r['smem'] else '?':>7} {r['spill_bytes']:3} B {r['fences']:2}"
 
 
-def test_kernels_compile_for_sm90a_and_sm100a(toolchain, tmp_path):
-    # Machine: a CPU machine (CI) compiling for sm_90a and sm_100a GPUs it does not have.
-    jobs = []  # (case, arch, module index, text, bytecode)
+def _sources_key(toolchain) -> str:
+    """What the table depends on: the kernels' and references' sources, the cases (this file and
+    test_lowering.py), jax and the tools."""
+    root = Path(__file__).resolve().parents[2]
+    files = sorted((root / "m3jax" / "pallas").rglob("*.py")) + [root / "m3jax" / "msa" / "reference.py",
+                                                               Path(__file__).resolve(),
+                                                               Path(__file__).with_name("test_lowering.py")]
+    h = hashlib.sha256(f"{jax.__version__}|{toolchain[0]}|{toolchain[3]}".encode())
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def _table(toolchain, tmp_path) -> list[tuple[str, str, dict]]:
+    """(case, arch, result with its dynamic SMEM) of every module; the whole table is kept under
+    .venvs/cuda-compile/results for these sources, and each module's result for its bytes."""
+    table = _TOOLS / "results" / f"table-{_sources_key(toolchain)}.json"
+    if table.is_file():
+        return [tuple(row) for row in json.loads(table.read_text())]
+    jobs = []  # (case, arch, text, bytecode)
     for arch, (target, _) in TARGETS.items():
         for case, (_, make) in CASES.items():
             for i, (text, bytecode) in enumerate(_modules(make, target)):
@@ -234,12 +252,23 @@ def test_kernels_compile_for_sm90a_and_sm100a(toolchain, tmp_path):
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the work is in processes
         done = {key: pool.submit(_compile, toolchain, key[0], TARGETS[key[0]][1], key[1], tmp_path / f"m{n}")
                 for key, n in unique.items()}
+    out = []
+    for case, arch, text, bytecode in jobs:
+        smem = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", text)
+        out.append((case, arch, dict(done[(arch, bytecode)].result(), smem=int(smem.group(1)) if smem else None)))
+    if _TOOLS.is_dir() and not any("error" in r and (CASES[c.split(" [")[0]][0], a) not in EXPECTED_FAILURES
+                                   for c, a, r in out):  # a table with a failure is made afresh next time
+        table.parent.mkdir(exist_ok=True)
+        table.write_text(json.dumps(out))
+    return out
+
+
+def test_kernels_compile_for_sm90a_and_sm100a(toolchain, tmp_path):
+    # Machine: a CPU machine (CI) compiling for sm_90a and sm_100a GPUs it does not have.
+    table = _table(toolchain, tmp_path)
     rows: dict[str, dict[str, dict]] = {}
     problems = []
-    for case, arch, text, bytecode in jobs:
-        r = dict(done[(arch, bytecode)].result())
-        smem = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", text)
-        r["smem"] = int(smem.group(1)) if smem else None
+    for case, arch, r in table:
         rows.setdefault(case, {})[arch] = r
         kernel = CASES[case.split(" [")[0]][0]
         expected = EXPECTED_FAILURES.get((kernel, arch))
@@ -250,7 +279,7 @@ def test_kernels_compile_for_sm90a_and_sm100a(toolchain, tmp_path):
             problems.append(f"{case} on {arch}: {r['error']}")
         elif r["warnings"] or r["spill_bytes"] > SPILL_ALLOWED.get((case, arch), (0, ""))[0]:
             problems.append(f"{case} on {arch}: {r['spill_bytes']} B spilled, warnings {r['warnings']}")
-    print(f"\n{toolchain[3]}; jax {jax.__version__}; {len(jobs)} modules, {len(unique)} distinct")
+    print(f"\n{toolchain[3]}; jax {jax.__version__}; {len(table)} modules")
     print(f"{'case':52} {'sm_90a: regs, dynamic smem (B), spill, fences':46} sm_100a: the same")
     for case, by_arch in rows.items():
         print(f"{case:52} {_cell(by_arch.get('sm_90a')):46} {_cell(by_arch.get('sm_100a'))}")
