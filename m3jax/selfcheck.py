@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from m3jax.atomic import atomic_write
-from m3jax.pallas import _backend, gpu_checks
+from m3jax.pallas import _backend
 from m3jax.pallas.canaries import CANARIES
 from m3jax.pallas.tolerances import TOL
 from m3jax.pallas.verdicts import Verdict, cache_path, canaries_named, check, deadline_s, device_key
@@ -86,6 +86,8 @@ def short_generate(tokens: int = 8) -> dict:
 
 def _gpu_check_report(size: str, dev: dict) -> dict:
     """The M3-shape GPU checks' rows (:mod:`m3jax.pallas.gpu_checks`), printed as they end."""
+    from m3jax.pallas import gpu_checks
+
     if size == "auto":
         if dev["target"] == "interpret":
             return {"skipped": "M3-shape checks are sized for a GPU (minutes each in interpret mode on a CPU); "
