@@ -42,6 +42,7 @@ def _inputs(b, t, n, kh, h, s, offsets, dtype, seed=0):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_block_mass_matches_reference(case):
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     b, t, n, kh, h, bs, s, offsets, dtype, config = CASES[case]
     q, k, q_pos = _inputs(b, t, n, kh, h, s, offsets, dtype)
     nb = -(-s // bs)
@@ -57,6 +58,7 @@ def test_block_mass_matches_reference(case):
 def test_indexer_kl_on_kernel_mass(sparse):
     """KL value and its gradient w.r.t. the index scores, mass from the kernel vs the reference objective
     (fp32 1e-5); no gradient reaches q or k through the kernel."""
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     b, t, n, kh, h, bs, s, offsets, dtype, _ = CASES["bs16_g2_ragged_fp32"]
     q, k, q_pos = _inputs(b, t, n, kh, h, s, offsets, dtype)
     nb, hx = -(-s // bs), 32
@@ -87,6 +89,7 @@ def test_block_mass_lowers_for_hopper():
     """Interpret mode does not check Mosaic GPU's layout rules; lowering for sm_90a does (on any machine,
     nothing compiled). M3's widths: 16 heads per group in two CTAs of 8, H = 128, block 128, keys in
     two spans."""
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     shapes = (jax.ShapeDtypeStruct((1, 128, 64, 128), jnp.bfloat16),
               jax.ShapeDtypeStruct((1, 4096, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 128), jnp.int32))
     with _backend.lowering_for(_backend.HOPPER):
