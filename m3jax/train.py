@@ -235,11 +235,17 @@ def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
 def _target_kl(qc, k, scores, support, qp, t):
     """The indexer KL of one query chunk: (kl fp32 [B, K, C], valid bool [B, K, C]).
 
-    The one place where the kernel path's KL target is computed: today the jnp reference
-    (:func:`m3jax.indexer_objective.indexer_kl` builds the main branch's block mass itself, [B, K, G,
-    C, T] logits per chunk); the fused block-mass kernel replaces exactly this call, its mass handed
-    to the same objective."""
-    return indexer_kl(qc, k, scores, support, qp, t.index_block_size, t.index_head_dim)
+    The target, the main branch's attention mass per key block, comes from the block-mass kernel
+    (:func:`m3jax.msa.kernels.indexer_target_mass`; the reference where the kernel cannot run), so
+    no [C, T] softmax per head is built; the objective itself is the reference's
+    :func:`m3jax.indexer_objective.indexer_kl`, handed that mass. Off the GPU the reference computes
+    the mass here: this runs inside ``jax.checkpoint``, which cannot differentiate the ordered
+    callbacks that Pallas interpret mode is made of (the kernel's own CPU tests, KL included, are in
+    tests/pallas/test_block_mass.py)."""
+    if jax.default_backend() != "gpu":
+        return indexer_kl(qc, k, scores, support, qp, t.index_block_size, t.index_head_dim)
+    mass = msa_kernels.indexer_target_mass(qc, k, qp, block_size=t.index_block_size, num_blocks=scores.shape[-1])
+    return indexer_kl(qc, k, scores, support, qp, t.index_block_size, t.index_head_dim, mass=mass)
 
 
 def _dense_attention(q, k, v, q_pos, chunk: int):
