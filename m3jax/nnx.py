@@ -306,7 +306,8 @@ class Projector(Group):
 class M3(nnx.Module):
     """MiniMax-M3: ``text`` (:class:`TextDecoder`) and, with a vision config, ``vision``
     (:class:`VisionTower`), ``projector`` and ``merger`` (:class:`Projector`). Built by
-    :func:`from_model`; ``config`` and ``mesh`` are the model's."""
+    :func:`from_model`; ``config`` and ``mesh`` are the model's (the layers' selection rules live in their
+    :class:`MSA` modules: :func:`config_of` gives the config that names them)."""
 
     def __init__(self, params: dict, config: M3Config, mesh=None):
         specs = param_specs(config)

@@ -394,9 +394,11 @@ def kernel_selection_agreement(model, input_ids) -> dict[int, SelectionDiff]:
     The residual stream is the reference path's; at each MSA layer both selections are computed from
     that layer's own iq / ik, so a difference is the kernels' score arithmetic alone (accumulation
     order), never one inherited from an earlier layer's different selection. Each differing row is
-    classified against the summation-order bound of :mod:`m3jax.msa.compare`. Returns {layer: SelectionDiff}.
+    classified against the summation-order bound of :mod:`m3jax.msa.compare`. The kernels compute the stock
+    selection rule, so both sides run it (a config's ``msa_selection_rules`` is left out). Returns
+    {layer: SelectionDiff}.
     """
-    cfg = model.config.replace(attention_impl="reference")
+    cfg = model.config.replace(attention_impl="reference").replace_text(msa_selection_rules=())
     ids = np.asarray(input_ids)
     ids = jnp.asarray(ids[None] if ids.ndim == 1 else ids, jnp.int32)
     with use_mesh(getattr(model, "mesh", None)):

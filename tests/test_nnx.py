@@ -246,6 +246,16 @@ def test_stock_rule_is_the_model_as_released(model, ids, reference_out):
                     None, None)
 
 
+def test_rule_layer_takes_the_jnp_route():
+    """On the kernels' variant a layer with its own rule runs the rule over jnp scores and the jnp attention,
+    over a gathered window (no in-place decode, no context-parallel top-k); the other layers keep the kernels."""
+    cfg = tiny_config(index_block_size=64, index_head_dim=64).replace(attention_impl="pallas")
+    ruled = cfg.replace_text(msa_selection_rules=((2, "recent"),))
+    assert msa_layer.layer_variant(ruled, 1) is msa_layer.VARIANTS["pallas"]
+    v = msa_layer.layer_variant(ruled, 2)
+    assert (v.decode, v.local, v.whole_chunk, v.attention) == (None, None, False, reference.sparse_attention)
+
+
 class Recorded(mnnx.MoE):
     """Wraps the MoE: records its output (the stock computation)."""
 
