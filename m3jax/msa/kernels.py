@@ -69,7 +69,8 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
         block_size=cfg.index_block_size, dtype=dtype, implementation="kv_major")
     if reason:
         return reason
-    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS)  # a kernel failing its canary here is not used
+    # a kernel whose canary fails here at the path this block takes is not used
+    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS, block_size=cfg.index_block_size)
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:
@@ -85,7 +86,7 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
     if cfg.head_dim % 64 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
     # failing decode kernels: decode runs the prefill kernels over the gathered cache
-    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS)
+    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS, block_size=cfg.index_block_size)
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
