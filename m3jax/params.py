@@ -192,6 +192,21 @@ def projector_param_specs(cfg: M3Config) -> tuple[dict, dict]:
     return mlp(dv), mlp(merged)
 
 
+def param_labels(params: dict) -> dict:
+    """The training group of each leaf of ``params`` (the same tree, str leaves): "index" for the MSA
+    index-branch leaves (``text.layers[i].index.*``), "frozen" for the vision tower / projectors
+    (text-only training never updates them, not even by weight decay), "main" for the rest of the
+    text decoder. ``m3jax.train``'s optimizer and ``m3jax.nnx.param_group`` both read it."""
+
+    def label(path, _):
+        keys = [getattr(p, "key", None) for p in path]
+        if keys[0] != "text":
+            return "frozen"
+        return "index" if "index" in keys else "main"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def param_specs(cfg: M3Config, weights: str = "dequantize") -> dict:
     """The whole parameter tree as :class:`ParamSpec` leaves (``weights``: see the module docstring)."""
     tree = {"text": text_param_specs(cfg, weights)}
