@@ -43,7 +43,8 @@ NOTEBOOKS = {
                "attention mass the selection keeps, how far back it reaches, and how much layers agree. "
                "Everything comes from `m3jax.probe.probe`, which streams over query chunks."),
         ("code", SETUP),
-        ("code", "res = probe(model, ids, query_chunk=256)\nres.summary()"),
+        ("code", "res = probe(model, ids, query_chunk=256, share_compilation=True)  # one compilation per layer kind\n"
+                 "res.summary()"),
         ("md", "## Selection heatmaps (query position × key block)"),
         ("code", "layers = res.msa_layers[:4]\nfig, axes = plt.subplots(1, len(layers), figsize=(4 * len(layers), 3.5))\n"
                  "for ax, i in zip(np.atleast_1d(axes), layers):\n    plots.selection_heatmap(res, i, group=0, ax=ax)\nfig.tight_layout()"),
@@ -91,8 +92,10 @@ NOTEBOOKS = {
                  "out = m3jax.forward(forced, ids, return_block_indices=True)\n"
                  "print('block 0 in every selection of layer', first, ':', bool((np.asarray(out.block_indices[first]) == 0).any(-1).all()))\n"
                  "print('NLL with block 0 forced in:', nll(forced))"),
-        ("code", "res_dense = probe(m3jax.M3Model(with_dense_layers(model.config, [first]), model.params), ids, query_chunk=128)\n"
-                 "res = probe(model, ids, query_chunk=128)\n"
+        ("code", "# share_compilation: one compilation per layer kind, the same numbers\n"
+                 "res_dense = probe(m3jax.M3Model(with_dense_layers(model.config, [first]), model.params), ids, query_chunk=128,\n"
+                 "                  share_compilation=True)\n"
+                 "res = probe(model, ids, query_chunk=128, share_compilation=True)\n"
                  "delta = np.abs(res.logits - res_dense.logits).max()\nprint(f'max |logit change| from making layer {first} dense: {delta:.4f}')"),
     ],
 }

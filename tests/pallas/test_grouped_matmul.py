@@ -721,7 +721,8 @@ def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
 
     calls = _count_mxfp8_kernel_calls(monkeypatch)
     cfg = tiny_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      dense_intermediate_size=256).replace(moe_impl="pallas")
+                      dense_intermediate_size=256, num_hidden_layers=1, layer_types=("full_attention",),
+                      mlp_layer_types=("dense",)).replace(moe_impl="pallas")  # layer 0 alone: no MoE weights to draw
     lp = init_random_on_device(cfg, seed=2, dtype=jnp.bfloat16, scale=0.3, weights="mxfp8")["text"]["layers"][0]
     h = jnp.asarray(np.random.default_rng(5).normal(size=(1, 1, 256)), jnp.bfloat16)
     pos = jnp.zeros((1, 1), jnp.int32)
