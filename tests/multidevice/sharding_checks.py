@@ -475,7 +475,10 @@ def check_generate_cli():
                                  (8, 16, "2x4")):
         t0 = time.perf_counter()
         argv = ["--checkpoint", FIXTURE, "--prompt-ids", ids, "--ctx", "40", "--max-new-tokens", "4",
-                "--temperature", "0", "--dtype", "float32", "--prefill-chunk", str(chunk), "--quiet"]
+                "--temperature", "0", "--dtype", "float32", "--prefill-chunk", str(chunk), "--quiet",
+                # the 3 decode steps in one call (the default 8 would discard 5); no compile cache: each
+                # run traces (the context-parallel count needs it) and writes no executables
+                "--decode-steps-per-call", "3", "--no-compile-cache"]
         with _context_parallel_calls() as seen:
             r = generate.main(argv + (["--mesh", mesh] if mesh else ["--devices", str(devices)]))
         runs[f"devices{devices}_chunk{chunk}" + (f"_mesh{mesh}" if mesh else "")] = {
@@ -555,19 +558,19 @@ def check_engine_pallas(n=2):
     cfg = _pallas_config(num_attention_heads=8, num_key_value_heads=2, index_n_heads=2).replace(attention_impl="pallas")
     model = m3jax.init_random(cfg, seed=7)
     prompt = np.random.default_rng(8).integers(0, 80, 130).tolist()  # 3 blocks of 64 > top-2
-    # 3 prefill chunks, then 2 decode steps in one call (interpret mode runs every fused step of a call,
-    # and the default of 8 would compute 6 discarded ones)
-    kw = dict(batch=1, capacity=256, prefill_chunk=48, decode_steps_per_call=2)
+    # 3 prefill chunks, then 1 decode step in one call (interpret mode runs every fused step of a call,
+    # and the default of 8 would compute 7 discarded ones)
+    kw = dict(batch=1, capacity=256, prefill_chunk=48, decode_steps_per_call=1)
     out = {}
     with _multidevice_interpret(), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
-        ref = Engine(model.params, cfg, **kw).generate([prompt], max_new_tokens=3, sampling=GREEDY, keep_logits=True)
+        ref = Engine(model.params, cfg, **kw).generate([prompt], max_new_tokens=2, sampling=GREEDY, keep_logits=True)
         out["single_seconds"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         with _context_parallel_calls() as seen:
             e = Engine(model.params, cfg, mesh=sh.make_mesh(n), **kw)
-            res = e.generate([prompt], max_new_tokens=3, sampling=GREEDY, keep_logits=True)
+            res = e.generate([prompt], max_new_tokens=2, sampling=GREEDY, keep_logits=True)
         out["mesh_seconds"] = round(time.perf_counter() - t0, 1)
     out.update(tokens=res.generated, ref_tokens=ref.generated,
                logits_rel_l2=rel_l2(np.stack(res.step_logits), np.stack(ref.step_logits)),
