@@ -151,7 +151,7 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def _float(text: str) -> float:
+def finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -208,14 +208,14 @@ def seed(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    value = _float(text)
+    value = finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
 
 
 def nonnegative_float(text: str) -> float:
-    value = _float(text)
+    value = finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -223,7 +223,7 @@ def nonnegative_float(text: str) -> float:
 
 def fraction(text: str) -> float:
     """A number in [0, 1)."""
-    value = _float(text)
+    value = finite_float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value

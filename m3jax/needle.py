@@ -180,7 +180,7 @@ def evaluate(model, encode, stream: np.ndarray, *, ctx: int, trials: int, seed: 
 
 
 def depth_value(text: str) -> float:
-    value = cli._float(text)
+    value = cli.finite_float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"a depth is a share of the row in [0, 1], got {value}")
     return value

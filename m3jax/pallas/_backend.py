@@ -65,6 +65,14 @@ def target_of(compute_capability: str) -> Target:
                           "(sm_90a, sm_100a/sm_103a)")
 
 
+def arch_module(hopper, blackwell, mma: str | None = None):
+    """The per-architecture module of a kernel package: its ``blackwell`` module (tcgen05 into TMEM) when
+    ``mma`` (default: :func:`current_target`'s) is ``"tcgen05"``, else its ``hopper`` module (wgmma).
+    Every kernel package picks its tile maths here and nowhere else (docs/KERNELS.md, "Per-architecture
+    kernels")."""
+    return blackwell if (mma or current_target().mma) == "tcgen05" else hopper
+
+
 # Set by lowering_for / interpret_as: the target the kernels are built for, and whether they lower
 # for it as on that GPU (True) or run in interpret mode (False), whatever the machine.
 _target_override: Target | None = None

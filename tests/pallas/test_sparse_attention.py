@@ -93,8 +93,8 @@ def _as_blackwell(monkeypatch):
     from m3jax.pallas.sparse_attention import blackwell
 
     calls = []
-    tile = blackwell.tcgen05_tile
-    monkeypatch.setattr(blackwell, "tcgen05_tile", lambda *a: calls.append(1) or tile(*a))
+    tile = blackwell.tile
+    monkeypatch.setattr(blackwell, "tile", lambda *a: calls.append(1) or tile(*a))
     with _backend.interpret_as(_backend.BLACKWELL):
         yield
     assert calls, "the Blackwell tile maths did not run"
