@@ -197,6 +197,17 @@ def test_unsupported_reason(kwargs, match):
                          block_size=64, implementation="nope")
 
 
+def test_unsupported_reason_judges_the_kv_major_kernel(monkeypatch):
+    # the model runs the KV-major kernel only: the query-major baseline is judged when asked by name
+    def refuse(**_):
+        raise ValueError("query-major refuses")
+
+    monkeypatch.setattr(kernel, "plan_query_major", refuse)
+    args = dict(num_heads=64, num_kv_heads=4, head_dim=128, block_size=128)
+    assert kernel.unsupported_reason(**args) is None
+    assert kernel.unsupported_reason(**args, implementation="query_major") == "query-major refuses"
+
+
 def test_split_blocks_into_sub_blocks():
     # block 128 -> 64-key sub-blocks: both halves of an earlier block; the own block's second half only
     # once the query reaches it; -1 stays -1.

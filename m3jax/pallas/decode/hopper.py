@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from m3jax.pallas._backend import pl, plgpu
+from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms
 from m3jax.pallas.decode.kernel import (
     DecodeScoreConfig,

@@ -297,22 +297,19 @@ def shape_reason(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig) -> str
 
 def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype="bfloat16", config: SparseAttentionConfig | None = None,
-                       target: Target | None = None, implementation: str | None = None) -> str | None:
-    """Why the sparse-attention kernel ``implementation`` (``"kv_major"``, ``"query_major"``; None:
-    both) cannot run these shapes on ``target`` (default: the device's; None when it can). The model
-    runs the KV-major kernel only, so it asks about that one. Plain Python."""
+                       target: Target | None = None, implementation: str = "kv_major") -> str | None:
+    """Why the sparse-attention kernel ``implementation`` cannot run these shapes on ``target``
+    (default: the device's; None when it can). The default judges the KV-major kernel, the one the
+    model runs; the query-major baseline is asked by name. Plain Python."""
     cfg = config or SparseAttentionConfig()
     plans = {"kv_major": plan_kv_major, "query_major": plan_query_major}
-    if implementation is not None and implementation not in plans:
+    if implementation not in plans:
         raise ValueError(f"unknown sparse-attention kernel {implementation!r}; choose one of {tuple(plans)}")
-    for name, plan in plans.items():
-        if implementation not in (None, name):
-            continue
-        try:
-            plan(n=num_heads, kh=num_kv_heads, h=head_dim, block_size=block_size, dtype=dtype, cfg=cfg,
-                 target=target)
-        except ValueError as e:
-            return str(e)
+    try:
+        plans[implementation](n=num_heads, kh=num_kv_heads, h=head_dim, block_size=block_size, dtype=dtype,
+                              cfg=cfg, target=target)
+    except ValueError as e:
+        return str(e)
     return None
 
 
