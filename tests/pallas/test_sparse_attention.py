@@ -207,6 +207,7 @@ def test_unsupported_reason(kwargs, match):
 
 
 def test_unsupported_reason_judges_the_kv_major_kernel(monkeypatch):
+    # Machine: any: host-side planning, no kernel runs
     # the model runs the KV-major kernel only: the query-major baseline is judged when asked by name
     def refuse(**_):
         raise ValueError("query-major refuses")
