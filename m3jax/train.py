@@ -10,10 +10,24 @@ per parameter group, :func:`param_labels`), the training forward, the jitted ste
 checkpoints of the whole state, and the CLI.
 
 The index branch reads ``stop_gradient(x)`` of the layer's normed input, so the KL trains only the
-index weights, and the LM loss never reaches them (the block selection is discrete). Sparse attention
-is differentiated through the gathered pure-jnp reference (:func:`m3jax.msa.sparse_attention`): its
-gradient w.r.t. q/k/v is plain autodiff of gathers, einsums and a softmax, correct by construction;
-the Pallas kernels are forward-only, so training does not run them.
+index weights, and the LM loss never reaches them (the block selection is discrete).
+
+Two attention paths (``--attention-impl``, resolved once by
+:func:`m3jax.msa.layer.resolve_attention_impl`: ``auto`` = the kernels on a GPU that takes the
+config, the reference elsewhere), the same objective on both:
+
+* ``reference``: every attention through the chunked pure-jnp reference, plain autodiff of gathers,
+  einsums and a softmax (correct by construction), each query chunk rematerialised in the backward;
+* ``pallas``: sparse attention through :func:`m3jax.msa.kernels.attend_selected` (the KV-block-major
+  kernel and its custom VJP) over the selections made per query chunk; dense attention (the
+  full-attention layers, and the MSA layers in ``dense_warmup`` / ``indexer_only``) through
+  ``jax.nn.dot_product_attention`` (cuDNN for 16-bit inputs on a GPU, XLA per rematerialised query
+  chunk otherwise); the indexer KL per rematerialised query chunk, its target mass computed in one
+  place, :func:`_target_kl`. Memory grows about linearly in T: no [T, T] array per head is kept for
+  the backward.
+
+``--dtype bfloat16`` computes the forward in bf16 (the fp32 weights cast at the step's start, the
+optimizer keeping fp32 masters); the KL, its target and the cross-entropy stay fp32.
 
 Modes:
 
@@ -27,7 +41,8 @@ Modes:
 CLI (text from the Python standard library's own sources, byte-level BPE from ``tokenizers``)::
 
     python -m m3jax.train --config m3_tiny --steps 300 --seq-len 256 --batch 4 --out /tmp/run \
-        [--resume | --overwrite] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR]
+        [--resume | --overwrite] [--mode sparse] [--dense-warmup-steps 50] [--block-size 8 --topk 8] [--init-from DIR] \
+        [--attention-impl auto] [--dtype bfloat16]
 
 ``--data retrieval`` plants key/value lines in the text and repeats some later in the row, with the
 loss weighted onto the repeated values (:func:`m3jax.data.retrieval_batch`); the long rows can take a
@@ -66,13 +81,18 @@ from m3jax.checkpoint import load_params
 from m3jax.config import M3Config, load_config, preset
 from m3jax.indexer_objective import indexer_kl, kl_support
 from m3jax.model import index_branch, lm_head, project_qkv, text_hidden
-from m3jax.msa import layer as msa_layer, reference as msa
+from m3jax.msa import kernels as msa_kernels, layer as msa_layer, reference as msa
 from m3jax.params import ParamSpec, param_specs
 from m3jax.probe import probe
 from m3jax.sharding import DATA, make_mesh, shard_params
 
 MODES = ("dense_warmup", "sparse", "indexer_only")
 DATA_KINDS = ("stdlib", "retrieval")
+ATTENTION_IMPLS = ("auto", "reference", "pallas")
+DTYPES = ("float32", "bfloat16")
+# Query rows per chunk of the kernel path's KL and XLA dense attention when --attention-chunk is 0:
+# each chunk keeps [B, K, G, C, T] fp32 target logits alive, ~1 GB at 16K on m3-small.
+KERNEL_QUERY_CHUNK = 1024
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,19 +189,23 @@ def init_state(params: dict, tx: optax.GradientTransformation) -> TrainState:
 
 
 
-# TODO(custom_vjp): a backward pass for the Pallas MSA kernels, so that training can run them.
 def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str):
     """:func:`m3jax.model.decoder_layer`'s attention hook in training: (out [B, T, D], aux) with aux
-    (kl_sum, kl_rows) on MSA layers and None on dense ones.
+    (kl_sum, kl_rows) on MSA layers and None on dense ones; the path is ``cfg.attention_impl``
+    (``"pallas"``: :func:`_kernel_attention`).
 
-    Both kinds attend through the chunked jnp reference (differentiable; the dense layers use the
-    dense-mask form, whose key loop has a static length). The index branch sees a detached input,
-    so the KL trains only the index weights.
+    On the reference path both kinds attend through the chunked jnp reference (differentiable; the
+    dense layers use the dense-mask form, whose key loop has a static length). The index branch
+    sees a detached input, so the KL trains only the index weights.
     """
     t = cfg.text
     bs = t.index_block_size
     sparse = t.is_sparse_attention(layer)
     q, k, v, _, _ = project_qkv(x, lp, angles, t, sparse=False)
+    iq, ik = index_branch(jax.lax.stop_gradient(x), lp["index"], angles, t) if sparse else (None, None)
+    if cfg.attention_impl == "pallas":
+        o, aux = _kernel_attention(q, k, v, iq, ik, q_pos, cfg, layer, mode)
+        return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), aux
     # Each query chunk is rematerialised in the backward pass (jax.checkpoint): otherwise lax.map keeps
     # every chunk's softmax weights as residuals, [T, T] per head and layer in all (a 16K row of
     # m3-small then needs ~117 GB), and chunking the queries would save no memory in training.
@@ -190,7 +214,6 @@ def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
             jax.checkpoint(lambda qp, qc: msa.dense_mask_attention(qc, k, v, None, qp, bs)), cfg.attention_chunk, q_pos, q
         )
         return jnp.einsum("btnh,nhd->btd", merge(o, 1), lp["attn"]["wo"]), None
-    iq, ik = index_branch(jax.lax.stop_gradient(x), lp["index"], angles, t)
 
     def chunk_fn(qp, qc, iqc):
         scores = msa_layer.scores(iqc, ik, qp, t)  # [B, K, C, nb]
@@ -209,6 +232,61 @@ def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
     return jnp.einsum("btnh,nhd->btd", o, lp["attn"]["wo"]), (jnp.sum(kl), jnp.sum(valid))
 
 
+def _target_kl(qc, k, scores, support, qp, t):
+    """The indexer KL of one query chunk: (kl fp32 [B, K, C], valid bool [B, K, C]).
+
+    The one place where the kernel path's KL target is computed: today the jnp reference
+    (:func:`m3jax.indexer_objective.indexer_kl` builds the main branch's block mass itself, [B, K, G,
+    C, T] logits per chunk); the fused block-mass kernel replaces exactly this call, its mass handed
+    to the same objective."""
+    return indexer_kl(qc, k, scores, support, qp, t.index_block_size, t.index_head_dim)
+
+
+def _dense_attention(q, k, v, q_pos, chunk: int):
+    """Causal attention of training rows (q_pos = arange(T) per row) through
+    ``jax.nn.dot_product_attention``, differentiable: cuDNN's fused kernel on a GPU for 16-bit inputs
+    (it takes no fp32), else XLA per query chunk of ``chunk`` rows, each rematerialised in the
+    backward so that no [C, T] softmax per head stays alive past its chunk. q [B, T, N, H],
+    k/v [B, T, K, H] -> [B, T, N, H]."""
+    if jax.default_backend() == "gpu" and q.dtype != jnp.float32:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    key_pos = jnp.arange(k.shape[1])
+
+    def chunk_fn(qp, qc):
+        mask = (key_pos[None, None, :] <= qp[:, :, None])[:, None]  # [B, 1, C, S]
+        return jax.nn.dot_product_attention(qc, k, v, mask=mask, implementation="xla")
+
+    o, merge = msa.map_query_chunks(jax.checkpoint(chunk_fn), chunk, q_pos, q)
+    return merge(o, 1)
+
+
+def _kernel_attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int, mode: str):
+    """The kernel path of :func:`_train_attention`: (o [B, T, N, H], aux) from the projections.
+
+    Per query chunk of ``cfg.attention_chunk`` rows (rematerialised): the index scores, in ``sparse``
+    the selection (from detached scores: discrete, no gradient) and the KL over its support
+    (:func:`_target_kl`). Then one call over the whole row: the sparse-attention kernel over the
+    selections (``sparse``), or dense attention (:func:`_dense_attention`; dense layers, warm-up,
+    ``indexer_only``)."""
+    t = cfg.text
+    sparse_step = ik is not None and mode == "sparse"
+    if ik is None:
+        return _dense_attention(q, k, v, q_pos, cfg.attention_chunk), None
+
+    def chunk_fn(qp, qc, iqc):
+        scores = msa_layer.scores(iqc, ik, qp, t)  # [B, K, C, nb]
+        sel = msa_layer.select_from_scores(jax.lax.stop_gradient(scores), qp, t, layer) if sparse_step else None
+        kl, valid = _target_kl(qc, k, scores, kl_support(scores, sel), qp, t)
+        return sel, kl, valid
+
+    (sel, kl, valid), merge = msa.map_query_chunks(jax.checkpoint(chunk_fn), cfg.attention_chunk, q_pos, q, iq)
+    if sparse_step:
+        o = msa_kernels.attend_selected(q, k, v, merge(sel, 2), q_pos, block_size=t.index_block_size)
+    else:
+        o = _dense_attention(q, k, v, q_pos, cfg.attention_chunk)
+    return o, (jnp.sum(merge(kl, 2)), jnp.sum(merge(valid, 2)))
+
+
 def train_forward(params: dict, input_ids: jax.Array, cfg: M3Config, mode: str):
     """Text decoder for training (the model's layer loop with the training attention hook).
     Returns (final hidden [B, T, D], {MSA layer: (kl_sum, kl_rows)})."""
@@ -220,39 +298,47 @@ def train_forward(params: dict, input_ids: jax.Array, cfg: M3Config, mode: str):
     return h, kls
 
 
-def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: float = 1.0):
+def loss_fn(params: dict, batch: dict, cfg: M3Config, mode: str, kl_weight: float = 1.0, dtype: str = "float32"):
     """LM cross-entropy + kl_weight * mean-over-MSA-layers indexer KL.
 
     batch: ``{"tokens": int32 [B, T + 1]}`` (inputs are tokens[:, :-1], labels tokens[:, 1:]) and
-    optionally ``"mask"`` [B, T] (1 = count the label). Returns (total, {"lm", "kl", "kl_layers"}).
+    optionally ``"mask"`` [B, T] (1 = count the label). ``dtype``: the forward's compute dtype (the
+    floating weights are cast to it here, so their gradients come back in the weights' own dtype).
+    Returns (total, {"lm", "kl", "kl_layers"}).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; choose one of {DTYPES}")
     if mode == "indexer_only":
         labels = param_labels(params)
         params = jax.tree.map(lambda l, x: x if l == "index" else jax.lax.stop_gradient(x), labels, params)
+    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     h, kls = train_forward(params, inputs, cfg, mode)
     if mode == "indexer_only":
         lm = jnp.zeros((), jnp.float32)  # main weights frozen: the LM term has no gradient to give
     else:
-        ce = optax.softmax_cross_entropy_with_integer_labels(lm_head(params, h), targets)
+        ce = optax.softmax_cross_entropy_with_integer_labels(lm_head(params, h).astype(jnp.float32), targets)
         mask = batch.get("mask")
         mask = jnp.ones_like(ce) if mask is None else mask.astype(jnp.float32)
         lm = jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    per_layer = jnp.stack([s / jnp.maximum(r, 1) for s, r in kls.values()]) if kls else jnp.zeros((0,))
+    per_layer = (jnp.stack([(s / jnp.maximum(r, 1)).astype(jnp.float32) for s, r in kls.values()]) if kls
+                 else jnp.zeros((0,)))
     kl = jnp.mean(per_layer) if kls else jnp.zeros((), jnp.float32)
     return lm + kl_weight * kl, {"lm": lm, "kl": kl, "kl_layers": per_layer}
 
 
-def make_train_step(cfg: M3Config, tx: optax.GradientTransformation, mode: str, kl_weight: float = 1.0, mesh=None):
-    """Jitted ``step(state, batch) -> (state, metrics)`` (state donated). With ``mesh`` the step runs
-    under it: parameters keep the shardings they were placed with (``m3jax.sharding.shard_params``),
-    the batch is split over the data axis."""
+def make_train_step(cfg: M3Config, tx: optax.GradientTransformation, mode: str, kl_weight: float = 1.0, mesh=None,
+                    dtype: str = "float32"):
+    """Jitted ``step(state, batch) -> (state, metrics)`` (state donated); the forward computes in
+    ``dtype`` (:func:`loss_fn`). With ``mesh`` the step runs under it: parameters keep the shardings
+    they were placed with (``m3jax.sharding.shard_params``), the batch is split over the data axis."""
 
     def step(state: TrainState, batch: dict):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, cfg, mode, kl_weight)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, cfg, mode, kl_weight,
+                                                                       dtype)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # Weights that must not move keep their old values bit for bit (p + 0.0 would turn -0.0 into +0.0).
@@ -273,9 +359,9 @@ def make_train_step(cfg: M3Config, tx: optax.GradientTransformation, mode: str, 
     return run
 
 
-def make_eval_step(cfg: M3Config, mode: str = "sparse"):
+def make_eval_step(cfg: M3Config, mode: str = "sparse", dtype: str = "float32"):
     """Jitted ``(params, batch) -> {"lm", "kl", "kl_layers"}`` (no gradients)."""
-    return jax.jit(lambda params, batch: loss_fn(params, batch, cfg, mode)[1])
+    return jax.jit(lambda params, batch: loss_fn(params, batch, cfg, mode, dtype=dtype)[1])
 
 # --------------------------------------------------------------------------------------------------
 # Checkpoints (orbax): the whole TrainState
@@ -434,8 +520,12 @@ def _load_cfg(args) -> M3Config:
         changes["index_topk_blocks"] = args.topk
     if changes:
         cfg = cfg.replace_text(**changes)
-    # Text-only training; by default one attention chunk = the whole (short) training sequence.
-    return cfg.replace(attention_impl="reference", attention_chunk=args.attention_chunk or args.seq_len)
+    # Text-only training. The attention path is resolved once, here (msa.layer's one resolution); by
+    # default one attention chunk is the whole (short) training sequence on the reference path, and
+    # KERNEL_QUERY_CHUNK rows on the kernel path (its memory must stay linear in T at 16K and beyond).
+    impl = msa_layer.resolve_attention_impl(args.attention_impl, cfg, args.dtype)
+    chunk = args.attention_chunk or (min(args.seq_len, KERNEL_QUERY_CHUNK) if impl == "pallas" else args.seq_len)
+    return cfg.replace(attention_impl=impl, attention_chunk=chunk)
 
 
 def _check_tokenizer_from(folder: Path, cfg: M3Config) -> None:
@@ -459,7 +549,7 @@ def _steps_for_budget(cfg: M3Config, params: dict, args, batch_for, mesh) -> int
     warm-up, ``--dense-warmup-seq-len``, is cheaper per step: the estimate errs on the safe side.)"""
     tx = make_optimizer(args.mode, 100, args.lr, args.index_lr, args.warmup)
     state = init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates its state
-    step = make_train_step(cfg, tx, args.mode, args.kl_weight, mesh)
+    step = make_train_step(cfg, tx, args.mode, args.kl_weight, mesh, args.dtype)
     times = []
     for s in range(6):
         t0 = time.time()
@@ -492,13 +582,17 @@ def refuse_out_over_inputs(args) -> None:
 
 
 # Arguments a resumed run may change (they do not alter what it computes up to its last step);
-# any other difference to the recorded run_args.json is refused, naming the argument.
-RESUME_MAY_CHANGE = ("steps", "ckpt_every", "eval_every", "eval_batches", "stop_after", "time_budget", "save_format")
+# any other difference to the recorded run_args.json is refused, naming the argument. The attention
+# path is one of them (both paths compute the same objective; the kernels are a speed choice, and
+# "auto" resolves by the machine) but it is recorded: run_args.json says what the run started on.
+RESUME_MAY_CHANGE = ("steps", "ckpt_every", "eval_every", "eval_batches", "stop_after", "time_budget", "save_format",
+                     "attention_impl")
 # How the job was joined is not the run: the coordinator's address and this process's index change
 # from job to job, and the timeouts alter nothing computed. The job's process count is recorded
 # instead, as "processes", and may change on --resume (see check_run_args).
 _JOB_FLAGS = ("coordinator", "num_processes", "process_id", "heartbeat_timeout", "init_timeout")
-_NOT_RECORDED = RESUME_MAY_CHANGE + _JOB_FLAGS + ("resume", "overwrite", "out", "debug")
+_NOT_RECORDED = (tuple(a for a in RESUME_MAY_CHANGE if a != "attention_impl") + _JOB_FLAGS
+                 + ("resume", "overwrite", "out", "debug"))
 
 
 def check_run_args(out: Path, args) -> None:
@@ -517,7 +611,8 @@ def check_run_args(out: Path, args) -> None:
         recorded = {k: v for k, v in recorded.items() if k not in _JOB_FLAGS}  # recorded by older runs
         was = recorded.pop("processes", 1)  # a run recorded before jobs of several processes: one
         now.pop("processes")
-        changed = [k for k in sorted(set(now) | set(recorded)) if now.get(k) != recorded.get(k)]
+        changed = [k for k in sorted(set(now) | set(recorded))
+                   if k not in RESUME_MAY_CHANGE and now.get(k) != recorded.get(k)]
         if changed:
             diffs = ", ".join(f"--{k.replace('_', '-')} {now.get(k)!r} (the run used {recorded.get(k)!r})"
                               for k in changed)
@@ -564,7 +659,12 @@ def build_parser() -> cli.ArgumentParser:
                     help="read only the first N MB of train sources (0 = all)")
     ap.add_argument("--tokenizer-mb", type=cli.positive_float, default=8.0)
     ap.add_argument("--attention-chunk", type=cli.nonnegative_int, default=0,
-                    help="query rows per attention chunk (0 = seq-len)")
+                    help=f"query rows per attention chunk (0 = seq-len; on the kernels at most {KERNEL_QUERY_CHUNK})")
+    ap.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="auto",
+                    help="auto: the MSA kernels (with their backward) on a GPU that takes the config, the jnp "
+                         "reference elsewhere; pallas off the GPU runs them in interpret mode (a test tool)")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="compute dtype of the forward (weights and optimizer state stay fp32)")
     ap.add_argument("--data-parallel", type=cli.nonnegative_int, default=0,
                     help="N > 0: run on a (N, 1) mesh, batch split N ways")
     ap.add_argument("--seed", type=cli.seed, default=0)
@@ -720,7 +820,7 @@ class Evaluator:
 
     def __init__(self, run: Run):
         args, self.cfg = run.args, run.cfg
-        self.step = make_eval_step(run.cfg, "sparse")
+        self.step = make_eval_step(run.cfg, "sparse", args.dtype)
         text = data.heldout_batches(run.held_stream, args.eval_batches, args.batch, args.seq_len)
         self.evals, self.probe_tokens = text, text[0]["tokens"][:, :-1]
         self.task_evals = []
@@ -754,7 +854,7 @@ def train_loop(run: Run, state: TrainState, tx, phases, evaluate: Evaluator, row
     train_log.csv, evaluating every --eval-every and saving every --ckpt-every steps; then plot the
     curves. Returns (state, wall time the loop started)."""
     args = run.args
-    steps = {m: make_train_step(run.cfg, tx, m, args.kl_weight, run.mesh) for m, _ in phases}
+    steps = {m: make_train_step(run.cfg, tx, m, args.kl_weight, run.mesh, args.dtype) for m, _ in phases}
     boundary = phases[0][1] if len(phases) == 2 else 0
     csv_path = run.out / "train_log.csv"
     # The CSV is rewritten with the rows up to the (restored) step, then appended to every step.
@@ -820,7 +920,8 @@ def write_summary(run: Run, state: TrainState, params: dict, index_init: list, e
     args, cfg = run.args, run.cfg
     summary = {"steps": int(state.step), "scheduled_steps": args.steps, "dense_warmup_steps": args.dense_warmup_steps,
                "config": args.config, "block_size": cfg.text.index_block_size, "topk": cfg.text.index_topk_blocks,
-               "seq_len": args.seq_len, "batch": args.batch, "data": args.data, "train_seconds": round(time.time() - t_start, 1),
+               "seq_len": args.seq_len, "batch": args.batch, "data": args.data, "attention_impl": cfg.attention_impl,
+               "dtype": args.dtype, "train_seconds": round(time.time() - t_start, 1),
                "save_format": args.save_format, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     rec = None
     if cfg.text.has_sparse_layers:

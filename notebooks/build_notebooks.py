@@ -187,6 +187,19 @@ NOTEBOOKS_02 = {
                  "if speed:\n    print(speed.relative_to(EXPERIMENTS) if speed.is_relative_to(EXPERIMENTS) else speed.name)\n"
                  "    display(Image(str(speed)))\n"
                  "else:\n    print('no speed results yet: run sweep.py --speed on a GPU')"),
+        ("md", "## Trained at the cell: inference-only against a retrained indexer (2026-12-05)\n\n"
+               "The cells above change block size and top-k at inference on an indexer trained at 64 × 8. "
+               "`experiments/2026-12-05_block_topk_retrained/retrain.py` retrains the indexer (`indexer_only`, main "
+               "weights frozen) at each block size and scores the same cells on the same rows; top: the shipped "
+               "indexer, bottom: the retrained one (README there: hypothesis, run, outcome). Shown once its GPU "
+               "run's results are committed."),
+        ("code", "retrained = EXPERIMENTS / '2026-12-05_block_topk_retrained'\n"
+                 "side, png = retrained / 'results' / 'side_by_side.md', retrained / 'plots' / 'retrained_vs_inference.png'\n"
+                 "if side.exists() and png.exists():\n"
+                 "    display(Markdown(side.read_text()))\n"
+                 "    display(Image(str(png)))\n"
+                 "else:\n"
+                 "    print('no retrained results committed yet: retrain.py runs on a GPU (its README gives the command)')"),
     ],
 }
 LONG_SETUP = """# Reads the committed results of experiments/2026-12-01_probe_long/probe_long.py: the longest-context

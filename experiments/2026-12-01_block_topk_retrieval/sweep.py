@@ -17,6 +17,11 @@ first (dense, the native cell, the equal-budget cut, then the rest of the grid),
 starts no new cell past that budget, so a call of fixed length gives the most useful partial grid and
 the next call continues it.
 
+The model, the evaluation rows and the per-cell evaluation (:func:`load_model`, :func:`eval_set`,
+:func:`evaluate`, with their arguments, :func:`add_eval_arguments`) are shared with the retrained
+sweep (``experiments/2026-12-05_block_topk_retrained/retrain.py`` imports them), so both score a cell
+on the same rows with the same code.
+
 Every cell runs on the jnp reference path whatever the device: the dense cell (top-k over every
 block) and top-k above 64 are outside what the kernels take, and one path keeps the cells comparable.
 """
@@ -24,6 +29,7 @@ block) and top-k above 64 are outside what the kernels take, and one path keeps 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import sys
@@ -73,8 +79,9 @@ def cell_order(cells: list, native_block: int, native_topk: int, budget: int) ->
     return sorted(cells, key=rank)  # stable: grid order inside a rank
 
 
-def run_quality(args) -> list[dict]:
-    t_start = time.time()
+def load_model(args):
+    """(model on the reference path, checkpoint folder or None): ``--checkpoint`` in ``--dtype`` with
+    ``--config-override``, or without a checkpoint a tiny random model (CPU smoke runs)."""
     ckpt = Path(args.checkpoint).resolve() if args.checkpoint else None
     if ckpt is not None:
         model = m3jax.load_pretrained(ckpt, dtype=args.dtype, attention_impl="reference", progress=False)
@@ -82,10 +89,28 @@ def run_quality(args) -> list[dict]:
         cfg = m3jax.preset("m3_tiny")
         model = m3jax.init_random(cfg, seed=args.seed, dtype=args.dtype)
     # text-config fields for every cell (e.g. index_score_dtype=float8_e4m3fn); the reference path runs them all
-    model = m3jax.M3Model(cli.apply_overrides(model.config, args.config_override), model.params)
+    return m3jax.M3Model(cli.apply_overrides(model.config, args.config_override), model.params), ckpt
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """The rows every cell is scored on: held-out documents [n_docs, ctx], needle trials, the start of
+    the scored tail, and the setup that names them (its id keys the results files)."""
+
+    docs: np.ndarray
+    needles: list
+    tail_start: int
+    setup: dict
+
+    @property
+    def setup_id(self) -> str:
+        return bt._setup_id(self.setup)
+
+
+def eval_set(model, ckpt: Path | None, args) -> EvalSet:
+    """Held-out document rows and needle trials for ``model``'s tokenizer (``ckpt``'s, or bytes)."""
     t = model.config.text
-    tok = bt._load_tokenizer(ckpt)
-    encode = text_encoder(tok, t.vocab_size)
+    encode = text_encoder(bt._load_tokenizer(ckpt), t.vocab_size)
     eos = t.eos_token_id[0] if isinstance(t.eos_token_id, tuple) else (t.eos_token_id or 2)
     ctx = args.ctx
     stream = heldout_stream(encode, max((args.n_docs + 2) * ctx, 150_000), eos)
@@ -96,12 +121,35 @@ def run_quality(args) -> list[dict]:
              "n_needles": args.n_needles, "needle": "kv-retrieval", "depths": list(args.depths),
              "tail_start": tail_start, "dtype": args.dtype, "seed": args.seed,
              **({"config_override": args.config_override} if args.config_override else {})}
-    setup_id = bt._setup_id(setup)
+    return EvalSet(docs, needles, tail_start, setup)
+
+
+def evaluate(model, cell, evs: EvalSet, args) -> dict:
+    """One cell's record: its knobs on ``model`` (:func:`bt.cell_model`), scored on ``evs`` (a failure
+    is recorded as ``error``: one failing cell must not stop a sweep; a rerun retries it)."""
+    t = model.config.text
+    m = bt.cell_model(model, cell, evs.setup["ctx"])
+    row = {"cell": cell.name, "setup_id": evs.setup_id, "setup": evs.setup, "block_size": m.config.text.index_block_size,
+           "topk": cell.topk, "budget": cell.budget, "native_block_size": t.index_block_size,
+           "native_topk": t.index_topk_blocks, "time": datetime.datetime.now().isoformat(timespec="seconds")}
+    try:
+        row.update(bt.evaluate_cell(m, evs.docs, evs.needles, tail_start=evs.tail_start, batch=args.batch,
+                                    query_chunk=args.query_chunk))
+    except Exception as e:  # noqa: BLE001 - one failing cell must not stop the sweep; rerun retries it
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def run_quality(args) -> list[dict]:
+    t_start = time.time()
+    model, ckpt = load_model(args)
+    t = model.config.text
+    evs = eval_set(model, ckpt, args)
     out = Path(args.out) / "quality.jsonl"
-    done = bt.finished(out, setup_id)
+    done = bt.finished(out, evs.setup_id)
     cells = bt.grid_cells(args.blocks, args.topks, args.budget)
     todo = cell_order([c for c in cells if c.name not in done], t.index_block_size, t.index_topk_blocks, args.budget)
-    print(f"quality: setup {setup_id} ({setup}), {len(cells) - len(todo)} of {len(cells)} cells done", flush=True)
+    print(f"quality: setup {evs.setup_id} ({evs.setup}), {len(cells) - len(todo)} of {len(cells)} cells done", flush=True)
     rows = []
     for n, c in enumerate(todo):
         if args.max_seconds and time.time() - t_start > args.max_seconds:
@@ -109,25 +157,15 @@ def run_quality(args) -> list[dict]:
                   f"({', '.join(x.name for x in todo[n:])}); the same command continues", flush=True)
             break
         t0 = time.time()
-        m = bt.cell_model(model, c, ctx)
-        row = {"cell": c.name, "setup_id": setup_id, "setup": setup, "block_size": m.config.text.index_block_size,
-               "topk": c.topk, "budget": c.budget, "native_block_size": t.index_block_size,
-               "native_topk": t.index_topk_blocks, "time": datetime.datetime.now().isoformat(timespec="seconds")}
-        try:
-            row.update(bt.evaluate_cell(m, docs, needles, tail_start=tail_start, batch=args.batch,
-                                        query_chunk=args.query_chunk))
-        except Exception as e:  # noqa: BLE001 - one failing cell must not stop the sweep; rerun retries it
-            row["error"] = f"{type(e).__name__}: {e}"
-        bt._record(out, rows, row, t0)
+        bt._record(out, rows, evaluate(model, c, evs, args), t0)
     return rows
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_eval_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments of :func:`load_model`, :func:`eval_set` and :func:`evaluate` (defaults that depend
+    on ``--quick`` are None here: :func:`settle_eval_defaults`)."""
     ap.add_argument("--checkpoint", default=None,
                     help="HF checkpoint (default: the built-in m3-small; --quick: a tiny random model unless given)")
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--plots", default=str(HERE / "plots"))
     ap.add_argument("--ctx", type=int, default=None, help="tokens per row (default 16384; --quick 256)")
     ap.add_argument("--n-docs", type=int, default=2, help="held-out document rows (log-likelihood, recall)")
     ap.add_argument("--n-needles", type=int, default=None, help="needle trials (default 10; --quick 2)")
@@ -135,24 +173,37 @@ def parse_args(argv=None):
     ap.add_argument("--tail-start", type=float, default=0.5, help="doc metrics over positions >= this share of ctx")
     ap.add_argument("--batch", type=int, default=None, help="rows per probe pass (default 2; --quick all)")
     ap.add_argument("--query-chunk", type=int, default=256)
-    ap.add_argument("--blocks", type=int, nargs="+", default=None, help="block sizes (default 32 64 128 256)")
-    ap.add_argument("--topks", type=int, nargs="+", default=None, help="top-k values (default 2 4 8 16 32 64)")
-    ap.add_argument("--budget", type=int, default=None, help="equal-budget cut, block x top-k tokens (0: none)")
-    ap.add_argument("--max-seconds", type=float, default=None,
-                    help="start no new cell after this many seconds (finished cells are kept; rerun to continue)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--config-override", type=cli.parse_overrides, default={}, help=cli.CONFIG_OVERRIDE_HELP)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny random model, ctx 256, a 2 x 2 grid (CPU)")
-    ap.add_argument("--speed", action="store_true", help="MSA-step speed per cell vs cuDNN dense, 128K (old sweep's runner)")
-    ap.add_argument("--plot", action="store_true", help="plots + summary.md from --out into --plots")
-    args = ap.parse_args(argv)
+
+
+def settle_eval_defaults(args) -> None:
+    """The defaults of :func:`add_eval_arguments` that depend on ``--quick``."""
     q = args.quick
     if args.checkpoint is None and not q:
         args.checkpoint = str(DEFAULT_CHECKPOINT)
     args.ctx = args.ctx or (256 if q else 16384)
     args.n_needles = args.n_needles if args.n_needles is not None else (2 if q else 10)
     args.batch = args.batch or (args.n_docs + 2 * args.n_needles if q else 2)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_eval_arguments(ap)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--plots", default=str(HERE / "plots"))
+    ap.add_argument("--blocks", type=int, nargs="+", default=None, help="block sizes (default 32 64 128 256)")
+    ap.add_argument("--topks", type=int, nargs="+", default=None, help="top-k values (default 2 4 8 16 32 64)")
+    ap.add_argument("--budget", type=int, default=None, help="equal-budget cut, block x top-k tokens (0: none)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new cell after this many seconds (finished cells are kept; rerun to continue)")
+    ap.add_argument("--speed", action="store_true", help="MSA-step speed per cell vs cuDNN dense, 128K (old sweep's runner)")
+    ap.add_argument("--plot", action="store_true", help="plots + summary.md from --out into --plots")
+    args = ap.parse_args(argv)
+    settle_eval_defaults(args)
+    q = args.quick
     blocks, topks, budget = (QUICK_BLOCKS, QUICK_TOPKS, QUICK_BUDGET) if q else (BLOCKS, TOPKS, BUDGET)
     args.blocks, args.topks = args.blocks or blocks, args.topks or topks
     args.budget = budget if args.budget is None else args.budget
