@@ -14,7 +14,8 @@ persistent cache (the first run compiled the same deserialised module). The file
 a JSON header (the key, the flat input / output avals, the export's calling-convention fields) and
 the serialised module after it, because ``Exported.serialize`` needs the ``flatbuffers`` package,
 which the GPU image lacks; nothing is pickled. The key holds the program's name and static
-arguments, its inputs' shapes, dtypes and shardings, the m3jax sources, the jax / jaxlib versions,
+arguments (with the code digests of the MSA selection rules a config names, which live outside the
+m3jax sources), its inputs' shapes, dtypes and shardings, the m3jax sources, the jax / jaxlib versions,
 the devices and the kernels' target, so an entry is only ever read by the code that wrote it.
 
 Programs are exported over their flat input leaves and return flat leaves; the caller declares the
@@ -61,6 +62,8 @@ import numpy as np
 from jax import export
 
 from m3jax.atomic import atomic_write
+from m3jax.config import M3Config, TextConfig
+from m3jax.msa import layer as msa_layer
 from m3jax.pallas import _backend
 
 FORMAT = 2  # 2: shardings and the device count in the header
@@ -131,9 +134,12 @@ def _environment() -> dict:
 
 def program_key(name: str, leaves: list, in_tree, static: dict, out_shardings: tuple | None = None) -> str:
     """Hex key of program ``name`` for these input leaves (shape, dtype, sharding), input tree, static
-    arguments (their reprs: configs are frozen dataclasses) and pinned output shardings (flat), in this
-    environment."""
+    arguments (their reprs: configs are frozen dataclasses, and the code digests of the MSA selection
+    rules a config names) and pinned output shardings (flat), in this environment."""
     desc = {"name": name, "in_tree": str(in_tree), "static": {k: repr(v) for k, v in sorted(static.items())},
+            # a config names its MSA selection rules; their code is the registering process's, not m3jax's
+            "selection_rules": {k: msa_layer.rule_digests(v.text if isinstance(v, M3Config) else v)
+                                for k, v in sorted(static.items()) if isinstance(v, (M3Config, TextConfig))},
             "inputs": [[list(x.shape), str(x.dtype), str(getattr(x, "sharding", None))] for x in leaves],
             **_environment()}
     if out_shardings is not None:

@@ -38,6 +38,8 @@ INDEX_SCORE_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 FULL_ATTENTION = "full_attention"
 SPARSE_ATTENTION = "minimax_m3_sparse"
+# The MSA block-selection rule of the model as released (m3jax.msa.layer registers the others by name).
+STOCK_SELECTION_RULE = "topk"
 
 
 class UnsupportedConfigError(ValueError):
@@ -104,6 +106,10 @@ class TextConfig:
     # every selection of that layer. Empty = the model exactly as released.
     msa_force_in: tuple[tuple[int, int], ...] = ()
     msa_force_out: tuple[tuple[int, int], ...] = ()
+    # Research intervention (not in any checkpoint): (layer, rule name) pairs, the block-selection rule
+    # of those MSA layers, registered in m3jax.msa.layer. Kept sorted by layer, without the stock rule
+    # ("topk"), so that one model has one config (one jit / program-cache key).
+    msa_selection_rules: tuple[tuple[int, str], ...] = ()
     # Research knob (not in any checkpoint): index keys as the cache stores them, one of INDEX_CACHE_DTYPES.
     # "float8_e4m3fn" applies everywhere the index keys are read (reference, kernels, cache), so a
     # forward pass and a cached decode select from the same rounded keys.
@@ -194,6 +200,14 @@ class TextConfig:
             if not ok:
                 raise UnsupportedConfigError(f"{name}={pairs!r} must be a tuple of (layer, block id) pairs of "
                                              "non-negative ints, e.g. ((2, 0), (2, 5))")
+        rules = self.msa_selection_rules
+        ok = isinstance(rules, tuple) and all(isinstance(p, tuple) and len(p) == 2 and _is_index(p[0])
+                                              and isinstance(p[1], str) and p[1] for p in rules)
+        if not ok or len({int(p[0]) for p in rules}) != len(rules):
+            raise UnsupportedConfigError(f"msa_selection_rules={rules!r} must be a tuple of (layer, rule name) pairs, "
+                                         "one per layer, e.g. ((2, 'my_rule'),)")
+        object.__setattr__(self, "msa_selection_rules", tuple(sorted(
+            (int(layer), name) for layer, name in rules if name != STOCK_SELECTION_RULE)))
 
     @property
     def num_kv_groups(self) -> int:

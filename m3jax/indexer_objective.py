@@ -9,6 +9,10 @@ KL; 1/sqrt(Hx) puts the scores on the same footing as attention logits). The row
 KL(target || prediction); rows are averaged over (batch, group, query) among the rows whose support
 has at least two blocks (a one-block support has KL = 0 by construction).
 
+The target's mass per block is :func:`m3jax.msa.reference.causal_block_mass`; on a GPU it comes from
+the flash-style kernel (:func:`m3jax.msa.kernels.indexer_target_mass`, no [C, S] softmax), passed to
+:func:`indexer_kl` as ``mass=``.
+
 The support (:func:`kl_support`):
 
 * ``sparse``: the blocks the selection actually picked, forced ones (own block, local window, init
@@ -53,27 +57,23 @@ def kl_support(scores, sel=None):
     return jax.nn.one_hot(sel, nb + 1, dtype=jnp.bool_)[..., :nb].any(-2)  # -1 -> no column
 
 
-def indexer_kl(q, k, scores, support, q_pos, block_size: int, index_head_dim: int):
+def indexer_kl(q, k, scores, support, q_pos, block_size: int, index_head_dim: int, mass=None):
     """KL(target || index prediction) per (batch, group, query) row of one query chunk.
 
     Args:
       q: [B, C, N, H] main queries; k: [B, S, K, H] main keys (both used under stop_gradient).
       scores: fp32 [B, K, C, nb] index block scores (differentiable w.r.t. the index branch).
       support: bool [B, K, C, nb] blocks the KL runs over.
+      mass: fp32 [B, K, C, nb], the target mass already computed from these q, k (e.g. by the
+        Mosaic GPU kernel, :func:`m3jax.msa.kernels.indexer_target_mass`); None: computed here by
+        :func:`m3jax.msa.reference.causal_block_mass`. Either way it gets no gradient.
     Returns:
       (kl fp32 [B, K, C], valid bool [B, K, C]) — valid = support has >= 2 blocks.
     """
-    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-    b, c, n, h = q.shape
-    s_len, kh = k.shape[1], k.shape[2]
-    nb = scores.shape[-1]
-    qg = q.reshape(b, c, kh, n // kh, h).astype(jnp.float32)
-    logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
-    causal = (jnp.arange(s_len)[None, None, :] <= q_pos[:, :, None])[:, None, None]
-    p = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    p = jnp.pad(p, [(0, 0)] * 4 + [(0, nb * block_size - s_len)])
-    mass = p.reshape(*p.shape[:4], nb, block_size).sum(-1).mean(2)  # [B, K, C, nb]
-    target = jnp.where(support, mass, 0.0)
+    if mass is None:
+        q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+        mass = msa.causal_block_mass(q, k, q_pos, block_size, scores.shape[-1])
+    target = jnp.where(support, jax.lax.stop_gradient(mass), 0.0)
     z = target.sum(-1, keepdims=True)
     target = jax.lax.stop_gradient(target / jnp.where(z > 0, z, 1.0))
     logq = jax.nn.log_softmax(jnp.where(support, scores * index_head_dim**-0.5, _BIG_NEG), axis=-1)

@@ -252,13 +252,15 @@ def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int, moe_impl: str
 
 
 def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None, attend=None,
-                  observe_mlp_input=None):
+                  observe_mlp_input=None, mlp=None):
     """One decoder layer: h + attn(norm(h)), then + mlp_or_moe(norm(.)). h: [B, T, D].
 
     ``attend(x, lp, angles, q_pos, cfg, layer) -> (out [B, T, D], aux)`` replaces the attention block
     (training adds the indexer loss, the probe its metrics); by default it is :func:`attention` and
     aux the MSA block ids (None on dense layers). ``observe_mlp_input(y)`` sees the MLP's normed input
-    (the probe routes it); its result is returned as ``(aux, observed)``. Returns (h, aux, kv).
+    (the probe routes it); its result is returned as ``(aux, observed)``. ``mlp(y, lp, cfg, layer) ->
+    [B, T, D]`` replaces the MLP / MoE block (:func:`mlp_block`, with the same ``lp``: a dense MLP's
+    MXFP8 weights dequantised where ``attend`` is given, the MoE's kept MXFP8). Returns (h, aux, kv).
     """
     t = cfg.text
     dtype = lp["input_norm"].dtype  # the model's; MXFP8 weights are fp8 + scales
@@ -274,7 +276,8 @@ def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_tab
         y = rms_norm(h, lp["post_attn_norm"], t.rms_norm_eps)
         if observe_mlp_input is not None:
             aux = (aux, observe_mlp_input(y))
-        return h + mlp_block(y, lp, t, i, cfg.moe_impl), aux, kv
+        out = mlp_block(y, lp, t, i, cfg.moe_impl) if mlp is None else mlp(y, lp, cfg, i)
+        return h + out, aux, kv
 
 
 def text_hidden(

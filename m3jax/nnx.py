@@ -8,12 +8,17 @@ arrays to the functions the engine, the probe and training run (``model.decoder_
 ``vision.encode_media``, ``model.lm_head``): kernels, caches and sharding are shared, not copied, and
 :func:`from_model` / :func:`to_model` move between the two fronts without copying a buffer.
 
-Surgery: a layer whose attention module is a subclass of :class:`MSA` or :class:`FullAttention` runs
-it through ``decoder_layer``'s attention hook (``attend``); :meth:`MSA.select` is the top-k rule a
-subclass overrides. A layer of the stock classes runs the functional path exactly. Each layer sows
-(``nnx.Intermediate``) its MSA block selections as ``selections`` and its MoE routing (expert ids) as
-``routing``. :func:`param_group` gives the Flax filter of a ``m3jax.train`` parameter group for an
-``nnx.Optimizer``.
+Surgery. An :class:`MSA` module's ``rule`` names its layer's block-selection rule (one registered
+with :func:`m3jax.msa.layer.register_selection_rule`): a subclass that sets it (or ``swap(..., MSA,
+rule=name)``) changes that layer's selection in the module forward, and :func:`to_model` writes it
+into the config (``TextConfig.msa_selection_rules``), so the engine (``m3jax.engine.Engine``),
+``m3jax.probe`` and training run it too. A subclass that overrides ``__call__`` of an attention module
+(:class:`MSA`, :class:`FullAttention`) or of an MLP module (:class:`DenseMLP`, :class:`MoE`) runs
+through ``decoder_layer``'s ``attend`` / ``mlp`` hook: the module forward and :func:`generate` only
+(the functional model has no place for Python code of a module). A layer of the stock calls runs the
+functional path exactly. Each layer sows (``nnx.Intermediate``) its MSA block selections as
+``selections`` and its MoE routing (expert ids) as ``routing``. :func:`param_group` gives the Flax
+filter of a training parameter group (:func:`m3jax.params.param_labels`) for an ``nnx.Optimizer``.
 """
 
 from __future__ import annotations
@@ -26,14 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from m3jax import train
 from m3jax.api import M3Model
-from m3jax.config import M3Config, TextConfig
+from m3jax.config import STOCK_SELECTION_RULE, M3Config
 from m3jax.layers import MXFP8Weight, rope_angles, rms_norm
-from m3jax.model import attention, check_input_ids, decoder_layer, index_branch, lm_head, project_qkv, scatter_media
+from m3jax.model import attention, check_input_ids, decoder_layer, index_branch, lm_head, scatter_media
 from m3jax.moe import dense_mlp, linear, moe_sorted, route
-from m3jax.msa import layer as msa_layer, reference
-from m3jax.params import ParamSpec, param_specs
+from m3jax.msa import layer as msa_layer
+from m3jax.params import ParamSpec, param_labels, param_specs
 from m3jax.vision import Grid, encode_media, vision_tower
 
 
@@ -139,40 +143,38 @@ class IndexBranch(Group):
         return index_branch(x, self.tree(), angles, cfg.text, cfg.moe_impl)
 
 
+def _attention_call(self, x, lp: dict, angles, q_pos, cfg: M3Config, layer: int):
+    """The layer's attention block as the model runs it (:func:`m3jax.model.attention`, no cache):
+    x [B, T, D] (normed) -> (out [B, T, D], block ids int32 [B, K, T, topk] or None)."""
+    out, aux, _ = attention(x, lp, angles, q_pos, cfg, layer)
+    return out, aux
+
+
 class FullAttention(Group):
     """Attention weights (``wq, wk, wv, wo, q_norm, k_norm``) of a full-attention layer. Its call has the
     signature of ``decoder_layer``'s ``attend`` hook; a subclass that overrides it replaces the layer's
     attention (no cache: a forward pass over the whole sequence)."""
 
-    def __call__(self, x, lp: dict, angles, q_pos, cfg: M3Config, layer: int):
-        out, aux, _ = attention(x, lp, angles, q_pos, cfg, layer)
-        return out, aux
+    __call__ = _attention_call
 
 
 class MSA(Group):
     """Attention weights of an MSA layer (the index branch is the layer's :class:`IndexBranch`).
 
-    :meth:`select` is the block top-k rule. A subclass (of ``select`` or of the call) runs as
-    ``decoder_layer``'s attention hook: the reference sparse attention (``"dense_mask"`` configs: the
-    dense-mask form) over the blocks ``select`` returns, in ``attention_chunk`` query chunks, without
-    a cache; the stock class runs the model's own path (kernels, caches)."""
+    ``rule`` names the layer's block-selection rule, a rule of
+    :func:`m3jax.msa.layer.register_selection_rule` (the stock top-k by default, or the one the
+    model's config names for the layer): a subclass sets it, or ``swap(attn, MSA, rule=name)``. The
+    layer runs the model's own MSA with that rule (:func:`m3jax.msa.layer.layer_variant`), caches
+    included, and :func:`to_model` carries it to the engine and the probe. Overriding ``__call__``
+    replaces the attention itself (``decoder_layer``'s hook, no cache)."""
 
-    def select(self, iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
-        """Blocks of one query chunk: iq [B, C, K, Hx], ik [B, S, Hx], q_pos [B, C] -> int32 [B, K, C, k]
-        (-1 for none; any k)."""
-        return msa_layer.select(iq, ik, q_pos, cfg, layer)
+    rule: str = STOCK_SELECTION_RULE
+    __call__ = _attention_call
 
-    def __call__(self, x, lp: dict, angles, q_pos, cfg: M3Config, layer: int):
-        t = cfg.text
-        q, k, v, iq, ik = project_qkv(x, lp, angles, t, True, cfg.moe_impl)
-        attend = msa_layer.variant(cfg).attention or reference.sparse_attention  # the kernels': the reference maths
-
-        def chunk_fn(qp, qc, iqc):
-            sel = self.select(iqc, ik, qp, t, layer)
-            return attend(qc, k, v, sel, qp, t.index_block_size), sel
-
-        (o, sel), merge = reference.map_query_chunks(chunk_fn, cfg.attention_chunk, q_pos, q, iq)
-        return linear(merge(o, 1), lp["attn"]["wo"], cfg.moe_impl, in_axes=2), merge(sel, 2)
+    def __init__(self, tree: dict, specs: dict, path: str, rule: str | None = None):
+        if rule is not None:
+            self.rule = rule
+        super().__init__(tree, specs, path)
 
 
 class DenseMLP(Group):
@@ -198,7 +200,18 @@ class MoE(Group):
         return moe_sorted(y.reshape(b * n, d), self.tree(), cfg.text, impl=cfg.moe_impl).reshape(b, n, d)
 
 
-_STOCK_ATTENTION = (MSA, FullAttention)
+def _replaced(module, stock) -> bool:
+    """Whether ``module``'s call is another than ``stock`` (its class's own): a hook then runs it."""
+    return type(module).__call__ is not stock
+
+
+def _with_rule(cfg: M3Config, layer: int, rule: str) -> M3Config:
+    """``cfg`` with ``layer``'s selection rule set to ``rule``."""
+    if msa_layer.selection_rule(cfg.text, layer) == rule:
+        return cfg
+    rules = dict(cfg.text.msa_selection_rules)
+    rules[layer] = rule
+    return cfg.replace_text(msa_selection_rules=tuple(rules.items()))
 
 
 class DecoderLayer(Group):
@@ -209,7 +222,13 @@ class DecoderLayer(Group):
     def __init__(self, tree: dict, specs: dict, path: str, cfg: M3Config, layer: int):
         self.layer = layer
         self.sparse = cfg.text.is_sparse_attention(layer)
+        self._rule = msa_layer.selection_rule(cfg.text, layer)  # read while ``attn`` is built
         super().__init__(tree, specs, path)
+
+    def _node(self, name: str, x, spec, path: str):
+        if name == "attn" and self.sparse:
+            return MSA(x, spec, path, rule=self._rule)
+        return super()._node(name, x, spec, path)
 
     def _child(self, name: str) -> type:
         if name == "attn":
@@ -217,15 +236,22 @@ class DecoderLayer(Group):
         return {"index": IndexBranch, "mlp": DenseMLP, "moe": MoE}.get(name, Group)
 
     def __call__(self, h, angles, q_pos, cfg: M3Config, kv=None, page_table=None):
-        """h [B, T, D] -> (h, kv) through :func:`m3jax.model.decoder_layer`; sows ``selections`` (MSA
-        layers: int32 [B, K, T, k]) and ``routing`` (MoE layers: int32 [B, T, experts per token])."""
-        attend = None if type(self.attn) in _STOCK_ATTENTION else self.attn
-        if attend is not None and kv is not None:
-            raise ValueError(f"layer {self.layer}: a replaced attention module ({type(self.attn).__name__}) runs "
-                             "without a cache (decoder_layer's attention hook)")
+        """h [B, T, D] -> (h, kv) through :func:`m3jax.model.decoder_layer`, with the selection rule of
+        this layer's :class:`MSA` module; sows ``selections`` (MSA layers: int32 [B, K, T, k]) and
+        ``routing`` (MoE layers: int32 [B, T, experts per token])."""
+        if self.sparse:
+            cfg = _with_rule(cfg, self.layer, self.attn.rule)
+        attend = self.attn if _replaced(self.attn, _attention_call) else None
         moe = getattr(self, "moe", None)
+        block = moe if moe is not None else self.mlp
+        stock = (MoE if moe is not None else DenseMLP).__call__
+        mlp = (lambda y, lp, cfg_, layer: block(y, cfg_)) if _replaced(block, stock) else None
+        if (attend is not None or mlp is not None) and kv is not None:
+            raise ValueError(f"layer {self.layer}: a replaced module call runs without a cache (decoder_layer's "
+                             "attend / mlp hooks)")
         observe = None if moe is None else (lambda y: moe.route(y, cfg))
-        h, aux, kv = decoder_layer(h, self.tree(), angles, q_pos, cfg, self.layer, kv, page_table, attend, observe)
+        h, aux, kv = decoder_layer(h, self.tree(), angles, q_pos, cfg, self.layer, kv, page_table, attend, observe,
+                                   mlp)
         if moe is not None:
             aux, routing = aux
             self.sow(nnx.Intermediate, "routing", routing)
@@ -280,7 +306,8 @@ class Projector(Group):
 class M3(nnx.Module):
     """MiniMax-M3: ``text`` (:class:`TextDecoder`) and, with a vision config, ``vision``
     (:class:`VisionTower`), ``projector`` and ``merger`` (:class:`Projector`). Built by
-    :func:`from_model`; ``config`` and ``mesh`` are the model's."""
+    :func:`from_model`; ``config`` and ``mesh`` are the model's (the layers' selection rules live in their
+    :class:`MSA` modules: :func:`config_of` gives the config that names them)."""
 
     def __init__(self, params: dict, config: M3Config, mesh=None):
         specs = param_specs(config)
@@ -329,11 +356,19 @@ def from_model(model: M3Model | dict, config: M3Config | None = None) -> M3:
     return M3(model, config)
 
 
+def config_of(module: M3) -> M3Config:
+    """``module``'s config with the selection rules of its :class:`MSA` modules
+    (``TextConfig.msa_selection_rules``): the config the functional model runs the module's layers with."""
+    rules = tuple((i, layer.attn.rule) for i, layer in enumerate(module.text.layers) if layer.sparse)
+    return module.config.replace_text(msa_selection_rules=rules)
+
+
 def to_model(module: M3) -> M3Model:
-    """The :class:`~m3jax.M3Model` of ``module``'s config, mesh and arrays (no copy), for
-    :func:`m3jax.forward`, the engine and the probe. Replaced modules do not travel: those paths run the
-    stock layers."""
-    return M3Model(module.config, module.tree(), module.mesh)
+    """The :class:`~m3jax.M3Model` of ``module``'s arrays (no copy), mesh and :func:`config_of` config, for
+    :func:`m3jax.forward`, the engine and the probe: swapped MSA selection rules travel; a module whose
+    call is replaced (``decoder_layer``'s ``attend`` / ``mlp`` hooks) does not, and those paths run
+    the layer's stock call there."""
+    return M3Model(config_of(module), module.tree(), module.mesh)
 
 
 def apply(module: M3, input_ids, pixel_values=None, image_grid: Grid | None = None, pixel_values_videos=None,
@@ -362,7 +397,8 @@ def generate(module: M3, input_ids, max_new_tokens: int) -> np.ndarray:
     program), which is exact because every part of the model is causal per token (attention and MSA
     selection see positions up to the query's, the MoE routes each token alone), so the slots after a
     position do not change its logits. For research on small models; the engine
-    (``m3jax.engine.Engine`` over ``to_model(module)``) serves the stock layers with its paged caches."""
+    (``m3jax.engine.Engine`` over ``to_model(module)``) serves the model with its paged caches,
+    selection rules included, but not replaced module calls."""
     ids = check_input_ids(input_ids, module.config.text)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: need at least 1")
@@ -401,7 +437,7 @@ def _sown(intermediates: nnx.State, name: str) -> dict[int, jax.Array]:
 
 def param_group(*groups: str) -> Any:
     """A Flax filter of the ``nnx.Param`` s in ``m3jax.train``'s parameter groups (``"main"``, ``"index"``,
-    ``"frozen"``: :func:`m3jax.train.param_labels` decides each path), e.g.
+    ``"frozen"``: :func:`m3jax.params.param_labels` decides each path), e.g.
     ``nnx.Optimizer(m, tx, wrt=param_group("index"))`` trains the indexer alone."""
     unknown = set(groups) - {"main", "index", "frozen"}
     if unknown:
@@ -413,6 +449,6 @@ def param_group(*groups: str) -> Any:
         tree = 0  # the path as a one-leaf tree, labelled by train's own rule
         for key in reversed(path):
             tree = {key: tree}
-        return jax.tree.leaves(train.param_labels(tree))[0] in groups
+        return jax.tree.leaves(param_labels(tree))[0] in groups
 
     return in_group

@@ -28,6 +28,7 @@ input axis is not a multiple of 32 stays a model-dtype leaf (dequantised on load
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -192,6 +193,21 @@ def projector_param_specs(cfg: M3Config) -> tuple[dict, dict]:
     return mlp(dv), mlp(merged)
 
 
+def param_labels(params: dict) -> dict:
+    """The training group of each leaf of ``params`` (the same tree, str leaves): "index" for the MSA
+    index-branch leaves (``text.layers[i].index.*``), "frozen" for the vision tower / projectors
+    (text-only training never updates them, not even by weight decay), "main" for the rest of the
+    text decoder. ``m3jax.train``'s optimizer and ``m3jax.nnx.param_group`` both read it."""
+
+    def label(path, _):
+        keys = [getattr(p, "key", None) for p in path]
+        if keys[0] != "text":
+            return "frozen"
+        return "index" if "index" in keys else "main"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def param_specs(cfg: M3Config, weights: str = "dequantize") -> dict:
     """The whole parameter tree as :class:`ParamSpec` leaves (``weights``: see the module docstring)."""
     tree = {"text": text_param_specs(cfg, weights)}
@@ -248,19 +264,22 @@ def init_random_on_device(cfg: M3Config, seed: int = 0, dtype=jnp.bfloat16, scal
         specs = {k: v for k, v in specs.items() if k in parts}
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [_random_leaf(s.shape, s.resolve_dtype(dtype), s.init, float(scale), k)
+                                        for s, k in zip(leaves, keys)])
 
-    def one(s: ParamSpec, key):
-        dt = s.resolve_dtype(dtype)
-        if s.init == "normal":
-            return (scale * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
-        if s.init == "norm_offset":
-            return (0.3 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
-        if s.init == "ones":
-            return (1.0 + 0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
-        if s.init == "mxfp8_values":  # clipped to e4m3's range (448): a value beyond it would cast to NaN
-            return jnp.clip(64.0 * jax.random.normal(key, s.shape, jnp.float32), -448.0, 448.0).astype(dt)
-        if s.init == "mxfp8_scales":
-            return jnp.full(s.shape, 127 + round(math.log2(scale / 64.0)), dt)
-        return (0.2 * jax.random.normal(key, s.shape, jnp.float32)).astype(dt)
 
-    return jax.tree.unflatten(treedef, [jax.jit(one, static_argnums=0)(s, k) for s, k in zip(leaves, keys)])
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _random_leaf(shape: tuple[int, ...], dt: jnp.dtype, init: str, scale: float, key) -> jax.Array:
+    """One leaf of :func:`init_random_on_device`. Module-level, keyed by what the values depend on (not
+    the leaf's logical axes): leaves of one shape share a compilation, within a call and across calls."""
+    if init == "normal":
+        return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    if init == "norm_offset":
+        return (0.3 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    if init == "ones":
+        return (1.0 + 0.2 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    if init == "mxfp8_values":  # clipped to e4m3's range (448): a value beyond it would cast to NaN
+        return jnp.clip(64.0 * jax.random.normal(key, shape, jnp.float32), -448.0, 448.0).astype(dt)
+    if init == "mxfp8_scales":
+        return jnp.full(shape, 127 + round(math.log2(scale / 64.0)), dt)
+    return (0.2 * jax.random.normal(key, shape, jnp.float32)).astype(dt)

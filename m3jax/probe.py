@@ -21,8 +21,9 @@ The residual stream is the model's own (same functions, the kernels on ``attenti
 so ``result.logits`` equals ``m3jax.forward``'s. Per query chunk, dense attention is streamed over key
 tiles ([heads, chunk, key tile] at a time) and the index scores are [index heads, chunk, S]: no [T, T]
 array, sized for 128K tokens on one GPU. Interventions are config fields, e.g.
-``model.config.replace_text(index_topk_blocks=8)``, ``msa_force_in=((layer, block),)``, or a layer
-switched to dense by editing ``layer_types`` (:func:`with_dense_layers`).
+``model.config.replace_text(index_topk_blocks=8)``, ``msa_force_in=((layer, block),)``,
+``msa_selection_rules=((layer, name),)`` (a rule of :func:`m3jax.msa.layer.register_selection_rule`),
+or a layer switched to dense by editing ``layer_types`` (:func:`with_dense_layers`).
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def _probe_attention(x, lp, angles, positions, cfg: M3Config, layer: int, keep_s
     kh = k.shape[2]
     nb = -(-s_len // bs)
     valid = jnp.ones(positions.shape, jnp.bool_)  # map_query_chunks pads with False: padding rows are not summed
-    variant = msa_layer.variant(cfg)
+    variant = msa_layer.layer_variant(cfg, layer)  # a layer with its own selection rule: the jnp path
     kernels_path = variant.whole_chunk
     if kernels_path:
         reason = variant.unsupported_reason and variant.unsupported_reason(t, q.dtype)
@@ -308,17 +309,17 @@ def _probe_layer(lp, h, positions, cfg: M3Config, layer: int, keep_scores: bool,
 def _shared_layer_step(cfg: M3Config, layer: int) -> tuple[M3Config, int]:
     """(config, layer) whose jitted probe step computes exactly what ``layer``'s does, chosen so that
     layers of one kind share a compilation: the first layer with the same attention and MLP kind and
-    the same forced blocks; dense-attention layers also get MSA knobs they never read reset."""
+    the same forced blocks and selection rule; dense-attention layers also get MSA knobs they never read reset."""
     t = cfg.text
 
     def kind(i):
         forced = tuple(b for l, b in t.msa_force_in if l == i), tuple(b for l, b in t.msa_force_out if l == i)
-        return t.is_sparse_attention(i), t.is_moe(i), forced
+        return t.is_sparse_attention(i), t.is_moe(i), forced, msa_layer.selection_rule(t, i)
 
     first = next(i for i in range(t.num_hidden_layers) if kind(i) == kind(layer))
     if not t.is_sparse_attention(layer):
         cfg = cfg.replace_text(index_block_size=1, index_topk_blocks=t.index_local_blocks + t.index_init_blocks,
-                               msa_force_in=(), msa_force_out=())
+                               msa_force_in=(), msa_force_out=(), msa_selection_rules=())
     return cfg, first
 
 
@@ -393,9 +394,11 @@ def kernel_selection_agreement(model, input_ids) -> dict[int, SelectionDiff]:
     The residual stream is the reference path's; at each MSA layer both selections are computed from
     that layer's own iq / ik, so a difference is the kernels' score arithmetic alone (accumulation
     order), never one inherited from an earlier layer's different selection. Each differing row is
-    classified against the summation-order bound of :mod:`m3jax.msa.compare`. Returns {layer: SelectionDiff}.
+    classified against the summation-order bound of :mod:`m3jax.msa.compare`. The kernels compute the stock
+    selection rule, so both sides run it (a config's ``msa_selection_rules`` is left out). Returns
+    {layer: SelectionDiff}.
     """
-    cfg = model.config.replace(attention_impl="reference")
+    cfg = model.config.replace(attention_impl="reference").replace_text(msa_selection_rules=())
     ids = np.asarray(input_ids)
     ids = jnp.asarray(ids[None] if ids.ndim == 1 else ids, jnp.int32)
     with use_mesh(getattr(model, "mesh", None)):

@@ -9,10 +9,13 @@ deadline (``$M3JAX_SELFCHECK_DEADLINE`` seconds, default 180): a hang is a "hung
 ``python -m m3jax.selfcheck [--json FILE] [--force] [--kernels a,b]`` runs the canaries (cached
 verdicts are reused unless ``--force``) and prints canary, target, verdict, max error and time.
 ``--full --report FILE [--fixture DIR]`` is the first run on a new node: every canary afresh, the
-logits of an oracle fixture through the kernels path against the oracle's (``--fixture``, a directory
-of tests/fixtures), and the device, versions and verdicts written to one JSON file to attach to a bug
-report. Off the GPU the canaries run in interpret mode. Exit status 1 when a canary fails or hangs
-or the parity misses its bound (2: a bad argument).
+MSA kernels against their references at M3's shapes (:mod:`m3jax.pallas.gpu_checks`; off the GPU
+they are skipped with the reason, or run at small shapes with ``--gpu-checks small``), the logits of
+an oracle fixture through the kernels path against the oracle's (``--fixture``, a directory of
+tests/fixtures), an 8-token greedy generate on the built-in model (m3jax/assets/m3-small), and the
+device, versions and all these results written to one JSON file to attach to a bug report. Off the
+GPU the canaries run in interpret mode. Exit status 1 when a canary fails or hangs, a GPU check or
+the generate fails or the parity misses its bound (2: a bad argument).
 """
 
 from __future__ import annotations
@@ -69,6 +72,40 @@ def fixture_parity(fixture) -> dict:
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
+def short_generate(tokens: int = 8) -> dict:
+    """``tokens`` greedy tokens from the built-in model (the ``m3jax.generate`` command's defaults: its
+    shipped checkpoint and prompt, the kernels where the model picks them)."""
+    from m3jax import generate
+
+    t0 = time.perf_counter()
+    out = generate.main(["--max-new-tokens", str(tokens), "--temperature", "0", "--quiet"])
+    ids = [int(i) for i in out["generated_ids"]]
+    return {"config": str(out["config"]), "generated_ids": ids, "text": out["text"],
+            "passed": len(ids) == tokens, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _gpu_check_report(size: str, dev: dict) -> dict:
+    """The M3-shape GPU checks' rows (:mod:`m3jax.pallas.gpu_checks`), printed as they end."""
+    from m3jax.pallas import gpu_checks
+
+    if size == "auto":
+        if dev["target"] == "interpret":
+            return {"skipped": "M3-shape checks are sized for a GPU (minutes each in interpret mode on a CPU); "
+                               "--gpu-checks small runs them at small shapes", "passed": True}
+        size = "m3"
+    if dev["target"] != "interpret" and _backend.current_target().refused:
+        return {"skipped": f"the kernels are not used here: {_backend.current_target().refused}", "passed": True}
+
+    def show(row):
+        err = f"{row['err_over_tol']:.3g}" if "err_over_tol" in row else "-"
+        print(f"  {row['check']:9} {row['kernel']:30} {'pass' if row['passed'] else 'FAIL'}  err/tol {err:>8}  "
+              f"{row['seconds']:.1f} s  {row['case']}" + (f"  {row['error']}" if row.get("error") else ""), flush=True)
+
+    print(f"GPU checks ({size} shapes):", flush=True)
+    rows = gpu_checks.run(size=size, emit=show)
+    return {"size": size, "rows": rows, "passed": all(r["passed"] for r in rows)}
+
+
 def _fixture_dir(text: str) -> Path:
     path = Path(text)
     if not (path / "fixture.npz").is_file() or not (path / "config.json").is_file():
@@ -90,11 +127,15 @@ def main(argv=None) -> int:
     ap.add_argument("--report", type=cli.writable_file, help="with --full: write the report (JSON) here")
     ap.add_argument("--fixture", type=_fixture_dir, help="with --full: an oracle fixture directory whose "
                                                         "fp32 logits the kernels path must match")
+    ap.add_argument("--gpu-checks", choices=["auto", "m3", "small", "none"], default="auto",
+                    help="with --full: the MSA kernels against their references at M3's shapes (auto: on a GPU; "
+                         "skipped off it), at small shapes, or not at all")
+    ap.add_argument("--no-generate", action="store_true", help="with --full: skip the 8-token generate")
     args = ap.parse_args(argv)
     if args.full != bool(args.report):
         ap.error("--full and --report go together")
-    if args.fixture and not args.full:
-        ap.error("--fixture needs --full")
+    if not args.full and (args.fixture or args.gpu_checks != "auto" or args.no_generate):
+        ap.error("--fixture, --gpu-checks and --no-generate need --full")
     try:
         canaries = canaries_named(args.kernels.split(",")) if args.kernels else list(CANARIES.values())
         deadline = deadline_s()
@@ -125,6 +166,18 @@ def main(argv=None) -> int:
             print(f"parity {p['fixture']}: " + (f"rel L2 {p['rel_l2']:.3g} (bound {p['bound']:g}, "
                                                  f"{p['attention_impl']} path)" if "rel_l2" in p else p["error"]))
             ok = ok and p["passed"]
+        if args.gpu_checks != "none":
+            report["gpu_checks"] = _gpu_check_report(args.gpu_checks, dev)
+            ok = ok and report["gpu_checks"]["passed"]
+        if not args.no_generate:
+            try:
+                report["generate"] = short_generate()
+            except Exception as e:  # noqa: BLE001  (the report says what broke; the command goes on)
+                report["generate"] = {"passed": False, "error": f"{type(e).__name__}: {e}"}
+            g = report["generate"]
+            print("generate: " + (f"{len(g['generated_ids'])} tokens in {g['seconds']:.1f} s: {g['text']!r}"
+                                  if "generated_ids" in g else g["error"]), flush=True)
+            ok = ok and g["passed"]
         report["passed"] = ok
         atomic_write(args.report, json.dumps(report, indent=1))
         print(f"report written to {args.report}")

@@ -6,7 +6,7 @@ Objective (per step)::
 
 The indexer KL (its target, support and gradient paths) is :mod:`m3jax.indexer_objective`; the
 text, tokenizer and retrieval tasks are :mod:`m3jax.data`. This module holds the optimizer (one AdamW
-per parameter group, :func:`param_labels`), the training forward, the jitted step, the orbax
+per parameter group, :func:`m3jax.params.param_labels`), the training forward, the jitted step, the orbax
 checkpoints of the whole state, and the CLI.
 
 The index branch reads ``stop_gradient(x)`` of the layer's normed input, so the KL trains only the
@@ -82,7 +82,7 @@ from m3jax.config import M3Config, load_config, preset
 from m3jax.indexer_objective import indexer_kl, kl_support
 from m3jax.model import index_branch, lm_head, project_qkv, text_hidden
 from m3jax.msa import kernels as msa_kernels, layer as msa_layer, reference as msa
-from m3jax.params import ParamSpec, param_specs
+from m3jax.params import ParamSpec, param_labels, param_specs
 from m3jax.probe import probe
 from m3jax.sharding import DATA, make_mesh, shard_params
 
@@ -107,20 +107,6 @@ class TrainState:
     step: jax.Array  # int32 scalar
 
 
-def param_labels(params: dict) -> dict:
-    """"index" for the MSA index-branch leaves (``text.layers[i].index.*``), "frozen" for the vision
-    tower / projectors (text-only training never updates them, not even by weight decay), "main" for
-    the rest of the text decoder."""
-
-    def label(path, _):
-        keys = [getattr(p, "key", None) for p in path]
-        if keys[0] != "text":
-            return "frozen"
-        return "index" if "index" in keys else "main"
-
-    return jax.tree_util.tree_map_with_path(label, params)
-
-
 def _decay_mask(params: dict) -> dict:
     """Weight decay on matrices only (no norms, biases, router correction bias)."""
     return jax.tree.map(lambda x: x.ndim >= 2, params)
@@ -130,8 +116,8 @@ def make_optimizer(
     mode: str, steps: int, lr: float = 2e-3, index_lr: float | None = None, warmup: int = 20,
     weight_decay: float = 0.1, clip: float = 1.0,
 ) -> optax.GradientTransformation:
-    """AdamW (warm-up + cosine) per parameter group (:func:`param_labels`); ``set_to_zero`` (no state,
-    no update) for the frozen group, and for the main group in ``indexer_only``."""
+    """AdamW (warm-up + cosine) per parameter group (:func:`m3jax.params.param_labels`); ``set_to_zero``
+    (no state, no update) for the frozen group, and for the main group in ``indexer_only``."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
 
@@ -235,11 +221,17 @@ def _train_attention(x, lp, angles, q_pos, cfg: M3Config, layer: int, mode: str)
 def _target_kl(qc, k, scores, support, qp, t):
     """The indexer KL of one query chunk: (kl fp32 [B, K, C], valid bool [B, K, C]).
 
-    The one place where the kernel path's KL target is computed: today the jnp reference
-    (:func:`m3jax.indexer_objective.indexer_kl` builds the main branch's block mass itself, [B, K, G,
-    C, T] logits per chunk); the fused block-mass kernel replaces exactly this call, its mass handed
-    to the same objective."""
-    return indexer_kl(qc, k, scores, support, qp, t.index_block_size, t.index_head_dim)
+    The target, the main branch's attention mass per key block, comes from the block-mass kernel
+    (:func:`m3jax.msa.kernels.indexer_target_mass`; the reference where the kernel cannot run), so
+    no [C, T] softmax per head is built; the objective itself is the reference's
+    :func:`m3jax.indexer_objective.indexer_kl`, handed that mass. Off the GPU the reference computes
+    the mass here: this runs inside ``jax.checkpoint``, which cannot differentiate the ordered
+    callbacks that Pallas interpret mode is made of (the kernel's own CPU tests, KL included, are in
+    tests/pallas/test_block_mass.py)."""
+    if jax.default_backend() != "gpu":
+        return indexer_kl(qc, k, scores, support, qp, t.index_block_size, t.index_head_dim)
+    mass = msa_kernels.indexer_target_mass(qc, k, qp, block_size=t.index_block_size, num_blocks=scores.shape[-1])
+    return indexer_kl(qc, k, scores, support, qp, t.index_block_size, t.index_head_dim, mass=mass)
 
 
 def _dense_attention(q, k, v, q_pos, chunk: int):

@@ -43,7 +43,8 @@ NOTEBOOKS = {
                "attention mass the selection keeps, how far back it reaches, and how much layers agree. "
                "Everything comes from `m3jax.probe.probe`, which streams over query chunks."),
         ("code", SETUP),
-        ("code", "res = probe(model, ids, query_chunk=256)\nres.summary()"),
+        ("code", "res = probe(model, ids, query_chunk=256, share_compilation=True)  # one compilation per layer kind\n"
+                 "res.summary()"),
         ("md", "## Selection heatmaps (query position × key block)"),
         ("code", "layers = res.msa_layers[:4]\nfig, axes = plt.subplots(1, len(layers), figsize=(4 * len(layers), 3.5))\n"
                  "for ax, i in zip(np.atleast_1d(axes), layers):\n    plots.selection_heatmap(res, i, group=0, ax=ax)\nfig.tight_layout()"),
@@ -91,8 +92,10 @@ NOTEBOOKS = {
                  "out = m3jax.forward(forced, ids, return_block_indices=True)\n"
                  "print('block 0 in every selection of layer', first, ':', bool((np.asarray(out.block_indices[first]) == 0).any(-1).all()))\n"
                  "print('NLL with block 0 forced in:', nll(forced))"),
-        ("code", "res_dense = probe(m3jax.M3Model(with_dense_layers(model.config, [first]), model.params), ids, query_chunk=128)\n"
-                 "res = probe(model, ids, query_chunk=128)\n"
+        ("code", "# share_compilation: one compilation per layer kind, the same numbers\n"
+                 "res_dense = probe(m3jax.M3Model(with_dense_layers(model.config, [first]), model.params), ids, query_chunk=128,\n"
+                 "                  share_compilation=True)\n"
+                 "res = probe(model, ids, query_chunk=128, share_compilation=True)\n"
                  "delta = np.abs(res.logits - res_dense.logits).max()\nprint(f'max |logit change| from making layer {first} dense: {delta:.4f}')"),
     ],
 }
@@ -260,13 +263,14 @@ NOTEBOOKS_05 = {
     "05_flax_nnx.ipynb": [
         ("md", "# 05 — The model as Flax NNX modules\n\n`m3jax.nnx.from_model` wraps a model's arrays (no copy) in "
                "NNX modules that call the same functions as `m3jax.forward`. Here: browse m3-small with "
-               "`nnx.display`, swap one layer's MSA top-k rule for a subclass, and compare the selections before "
-               "and after."),
+               "`nnx.display`, swap one layer's MSA top-k rule for a subclass, compare the selections before "
+               "and after with `m3jax.probe`, and generate with the engine."),
         ("code", "from pathlib import Path\nimport numpy as np\nimport jax\nimport matplotlib.pyplot as plt\n"
                  "import optax\nfrom flax import nnx\nimport m3jax\nfrom m3jax import nnx as mnnx, plots\n"
                  "from m3jax.generate import DEFAULT_CHECKPOINT\nfrom m3jax.msa import layer as msa_layer, reference\n"
-                 "from m3jax.data import stdlib_files\nfrom m3jax.probe import LayerProbe, ProbeResult\n\n"
-                 "CHECKPOINT = DEFAULT_CHECKPOINT  # any HF-layout M3 checkpoint\nSEQ_LEN = 1024\n"
+                 "from m3jax.data import stdlib_files\nfrom m3jax.engine import Engine, SamplingParams\n"
+                 "from m3jax.probe import probe\n\n"
+                 "CHECKPOINT = DEFAULT_CHECKPOINT  # any HF-layout M3 checkpoint\nSEQ_LEN = 768\n"
                  "model = m3jax.load_pretrained(CHECKPOINT, dtype='float32', progress=False)\ncfg = model.config.text\n"
                  "if (Path(CHECKPOINT) / 'tokenizer.json').exists():\n"
                  "    from tokenizers import Tokenizer\n"
@@ -282,36 +286,45 @@ NOTEBOOKS_05 = {
                "(`m3jax/params.py`); the logical axes ride along as `out_sharding` metadata, and MXFP8 weights are "
                "two Params (`values`, `scales`)."),
         ("code", "nnx.display(m.text.layers[2])"),
-        ("md", "## Swap one layer's top-k rule\n\n`MSA.select` is the block top-k rule. This subclass keeps the "
-               "index scores' visibility but ranks visible blocks by recency: a sliding window of blocks. Only the "
-               "last MSA layer gets it; the layers before it see the same input, so their selections must not "
-               "move."),
-        ("code", "class RecentBlocks(mnnx.MSA):\n"
-                 "    def select(self, iq, ik, q_pos, cfg, layer):\n"
-                 "        scores = msa_layer.scores(iq, ik, q_pos, cfg)  # -inf where a block is not visible\n"
-                 "        recency = np.arange(scores.shape[-1], dtype=np.float32)\n"
-                 "        ranked = jax.numpy.where(scores > reference.NEG_INF, recency, scores)\n"
-                 "        return reference.select_blocks(ranked, q_pos, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks)\n\n"
+        ("md", "## Swap one layer's top-k rule\n\nA selection rule is a function of the index block scores, registered by "
+               "name (`m3jax.msa.layer.register_selection_rule`); an `MSA` module's `rule` names it. This rule keeps "
+               "the scores' visibility but ranks visible blocks by recency: a sliding window of blocks. Only the "
+               "last MSA layer gets it. `to_model` writes the rule into the config (`msa_selection_rules`), so "
+               "`m3jax.probe` and the engine run it too: the layers before it see the same input, so their "
+               "selections must not move."),
+        ("code", "@msa_layer.register_selection_rule('recent_blocks')\n"
+                 "def recent_blocks(block_scores, q_pos, cfg, layer):\n"
+                 "    recency = np.arange(block_scores.shape[-1], dtype=np.float32)\n"
+                 "    ranked = jax.numpy.where(block_scores > reference.NEG_INF, recency, block_scores)  # -inf: not visible\n"
+                 "    return reference.select_blocks(ranked, q_pos, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks)\n\n"
+                 "class RecentBlocks(mnnx.MSA):\n    rule = 'recent_blocks'\n\n"
                  "msa = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_attention(i)]\nlast = msa[-1]\n"
-                 "logits_before, inter = mnnx.apply(m, ids)\nbefore = mnnx.selections(inter)\n"
+                 "before = probe(mnnx.to_model(m), ids, share_compilation=True)\n"
                  "m.text.layers[last].attn = mnnx.swap(m.text.layers[last].attn, RecentBlocks)\n"
-                 "logits_after, inter = mnnx.apply(m, ids)\nafter = mnnx.selections(inter)\n\n"
+                 "swapped = mnnx.to_model(m)\nprint('config:', swapped.config.text.msa_selection_rules)\n"
+                 "after = probe(swapped, ids, share_compilation=True)\n\n"
                  "def nll(logits):\n"
                  "    logp = np.asarray(jax.nn.log_softmax(logits[0, :-1]))\n"
                  "    return float(-np.take_along_axis(logp, ids[0, 1:, None], -1).mean())\n\n"
                  "def changed_rows(a, b):  # share of (group, query) rows whose selected set changed\n"
-                 "    a, b = np.sort(np.asarray(a), -1), np.sort(np.asarray(b), -1)\n"
-                 "    return float((a != b).any(-1).mean()) if a.shape == b.shape else 1.0\n\n"
-                 "for i in msa:\n    print(f'layer {i}: {changed_rows(before[i], after[i]):.1%} of the rows select other blocks')\n"
-                 "delta = float(np.abs(np.asarray(logits_after - logits_before)).max())\n"
-                 "print(f'NLL {nll(logits_before):.5f} -> {nll(logits_after):.5f}, max |logit change| {delta:.4f}')"),
-        ("code", "def as_probe(sel):\n"
-                 "    return ProbeResult(None, {last: LayerProbe(last, block_indices=np.asarray(sel[last]))}, cfg.index_block_size)\n\n"
-                 "fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)\n"
-                 "for ax, sel, name in zip(axes, (before, after), ('learned index top-k', 'RecentBlocks')):\n"
-                 "    plots.selection_heatmap(as_probe(sel), last, group=0, ax=ax)\n"
+                 "    return float((np.sort(a, -1) != np.sort(b, -1)).any(-1).mean())\n\n"
+                 "changed = {i: changed_rows(before.layers[i].block_indices, after.layers[i].block_indices) for i in msa}\n"
+                 "for i in msa:\n    print(f'layer {i}: {changed[i]:.1%} of the rows select other blocks')\n"
+                 "delta = float(np.abs(after.logits - before.logits).max())\n"
+                 "print(f'NLL {nll(before.logits):.5f} -> {nll(after.logits):.5f}, max |logit change| {delta:.4f}')"),
+        ("code", "fig, axes = plt.subplots(1, 3, figsize=(14, 4))\n"
+                 "axes[0].bar([str(i) for i in msa], [100 * changed[i] for i in msa])\n"
+                 "axes[0].set(xlabel='MSA layer', ylabel='% rows with other blocks', title='probe: before vs after')\n"
+                 "for ax, res, name in zip(axes[1:], (before, after), ('learned index top-k', 'recent_blocks')):\n"
+                 "    plots.selection_heatmap(res, last, group=0, ax=ax)\n"
                  "    ax.set_title(f'layer {last}, KV group 0: {name}')\nfig.tight_layout()"),
-        ("md", "## Train one group\n\n`param_group` names the parameter groups of `m3jax.train` (main, index, "
+        ("md", "The engine (paged KV + index cache, chunked prefill, compiled decode) runs the swapped model, the "
+               "rule's layer over its gathered cache (`tests/test_nnx.py` checks its tokens against the module's "
+               "cache-free `mnnx.generate`)."),
+        ("code", "prompt = ids[0, :128].tolist()\n"
+                 "engine = Engine(swapped.params, swapped.config, batch=1, capacity=len(prompt) + 8, prefill_chunk=128)\n"
+                 "print(engine.generate([prompt], max_new_tokens=8, sampling=SamplingParams(temperature=0.0)).generated[0])"),
+        ("md", "## Train one group\n\n`param_group` names the training parameter groups (`m3jax.params.param_labels`: main, index, "
                "frozen) as Flax filters: this optimizer holds state for the index branch only, and an update leaves "
                "every other Param as it is."),
         ("code", "opt = nnx.Optimizer(m, optax.adamw(1e-3), wrt=mnnx.param_group('index'))\n"

@@ -2,7 +2,8 @@
 # The test command (README, .ci/run): builds the transformers oracle venv (Python 3.11, CPU torch)
 # on first use, regenerates the oracle fixtures, then runs the whole pytest suite with the current
 # Python (3.12, m3jax installed). Extra arguments go to pytest. A second oracle venv with torchvision
-# (tests/oracle/requirements-vision.txt) writes the image/video processor fixtures. pip keeps no
+# (tests/oracle/requirements-vision.txt) writes the image/video processor fixtures, and
+# scripts/fetch_cuda_compile_tools.sh the tools tests/pallas/test_compile.py compiles kernels with. pip keeps no
 # cache copy of the wheels (--no-cache-dir): on x86_64 the vision venv's torch is a CUDA build of
 # several GB, and a CI run once ran out of disk while installing it.
 set -euo pipefail
@@ -26,5 +27,10 @@ if [ ! -x "$VISION/bin/python" ] || ! "$VISION/bin/python" -c "import torch, tor
 fi
 echo "== regenerating processor fixtures (transformers' image/video processors)"
 "$VISION/bin/python" tests/oracle/make_processor_fixtures.py --out tests/fixtures/processor
+echo "== CUDA compile tools for tests/pallas/test_compile.py (the PJRT plugin and ptxas, from PyPI)"
+# Without them that test skips and says so; the rest of the suite does not need them.
+if ! PYTHON=python scripts/fetch_cuda_compile_tools.sh; then
+  echo "   not fetched (see above): tests/pallas/test_compile.py will skip"
+fi
 echo "== pytest"
 exec python -m pytest -q "$@"

@@ -15,6 +15,7 @@ import m3jax
 from m3jax import aot
 from m3jax import engine as eng
 from m3jax.engine import Engine, SamplingParams
+from m3jax.msa import layer as msa_layer
 from tests.conftest import tiny_config
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -208,3 +209,16 @@ def test_compile_all_compiles_a_repeated_program_once(tmp_path, monkeypatch):
     with pytest.raises(cli.UsageError, match="M3JAX_COMPILE_THREADS"):  # the CLI refuses it in one line, first
         generate.main(["--max-new-tokens", "1"])
     aot.clear()
+
+
+def test_key_holds_the_selection_rules_code(monkeypatch):
+    """A config names its MSA selection rules; the code under a name is the registering process's, so the
+    key holds its digest (another process may register other code under the name)."""
+    msa_layer.register_selection_rule("aot_key_rule", lambda s, q, c, layer: msa_layer.topk_rule(s, q, c, layer))
+    cfg = tiny_config().replace_text(msa_selection_rules=((1, "aot_key_rule"),))
+    x = [jnp.zeros(3)]
+    tree = jax.tree.structure(x)
+    key = aot.program_key("p", x, tree, {"cfg": cfg})
+    assert key != aot.program_key("p", x, tree, {"cfg": tiny_config()})
+    monkeypatch.setattr(msa_layer, "rule_digests", lambda t: {"aot_key_rule": "other code"})
+    assert aot.program_key("p", x, tree, {"cfg": cfg}) != key

@@ -74,6 +74,15 @@ def test_msa_force_in_must_be_layer_block_pairs(pairs):
     assert preset("m3_tiny").replace_text(msa_force_in=((1, np.int64(0)),)).text.msa_force_in == ((1, 0),)
 
 
+@pytest.mark.parametrize("rules", [5, ((1,),), ((1, ""),), ((-1, "r"),), ((1, 3),), ((1, "a"), (1, "b"))])
+def test_msa_selection_rules_must_be_one_name_per_layer(rules):
+    with pytest.raises(UnsupportedConfigError, match="msa_selection_rules=.* must be a tuple of \\(layer, rule name\\)"):
+        preset("m3_tiny").replace_text(msa_selection_rules=rules)
+    # canonical: sorted by layer, the stock rule dropped (one model, one config)
+    cfg = preset("m3_tiny").replace_text(msa_selection_rules=((3, "b"), (np.int64(1), "a"), (2, "topk")))
+    assert cfg.text.msa_selection_rules == ((1, "a"), (3, "b"))
+
+
 def test_engine_checks_every_prompt_before_any_prefill(model):
     engine = Engine(model.params, model.config, batch=2, capacity=64, prefill_chunk=16)
     with pytest.raises(ValueError, match="prompt 1 is empty"):

@@ -1,8 +1,10 @@
 """The docs agree with the tree: README's layout table has a row for every module and package under
-m3jax/ (a package's row names each of its modules), and every m3jax path it names exists."""
+m3jax/ (a package's row names each of its modules), and every m3jax path it names exists; every test
+body of tests/pallas says which machine it describes (README, "On a new GPU")."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -49,3 +51,16 @@ def test_layout_table_names_only_what_exists():
             named = re.findall(r"`([\w.]+\.py)`", what)
             stale += [f"{path}{name}" for name in named if not (ROOT / path / name).exists()]
     assert not stale, f"README's layout table names {stale}, which do not exist"
+
+
+def test_every_kernel_test_names_its_machine():
+    # tests/pallas runs on a CPU (CI) and on GPUs: each test body says which ("# Machine: ..." or a
+    # docstring line), so an assertion that holds on one only is seen as such.
+    silent = []
+    for path in sorted((ROOT / "tests" / "pallas").glob("test_*.py")):
+        src = path.read_text(encoding="utf-8")
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                if "Machine:" not in ast.get_source_segment(src, node):
+                    silent.append(f"{path.name}::{node.name}")
+    assert not silent, f"test bodies that do not say which machine they describe: {silent}"

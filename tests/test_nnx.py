@@ -2,12 +2,15 @@
 
 References: the functional forward (``m3jax.model.forward_jit``) on the same random weights, exact
 (bitwise) on CPU since both trace the same functions; ``jax.grad`` of the functional loss (fp32,
-TOL["float32"]); ``m3jax.train.param_labels`` for the optimizer groups.
+TOL["float32"]); ``m3jax.params.param_labels`` for the optimizer groups.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +22,14 @@ from flax import nnx
 
 import m3jax
 from m3jax import nnx as mnnx
+from m3jax.config import UnsupportedConfigError
+from m3jax.engine import Engine, SamplingParams
 from m3jax.layers import MXFP8Weight, rope_angles
 from m3jax.model import decoder_layer, forward_jit
 from m3jax.moe import route
 from m3jax.msa import layer as msa_layer, reference
-from m3jax.params import ParamSpec, param_specs
-from m3jax.train import param_labels
+from m3jax.params import ParamSpec, param_labels, param_specs
+from m3jax.probe import probe
 from tests.conftest import TOL, rel_l2, tiny_config
 
 TWO_LAYER_TYPES = ("full_attention", "minimax_m3_sparse")
@@ -155,13 +160,16 @@ def test_bad_tree_is_named(model):
         mnnx.from_model(bad, model.config)
 
 
-class Recent(mnnx.MSA):
+@msa_layer.register_selection_rule("recent")
+def recent_blocks(block_scores, q_pos, cfg, layer):
     """A different top-k rule: the k most recent visible blocks (a sliding window of blocks)."""
+    nb = block_scores.shape[-1]
+    recency = jnp.where(block_scores > reference.NEG_INF, jnp.arange(nb, dtype=block_scores.dtype), block_scores)
+    return reference.select_blocks(recency, q_pos, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks)
 
-    def select(self, iq, ik, q_pos, cfg, layer):
-        scores = msa_layer.scores(iq, ik, q_pos, cfg)  # -inf on the blocks a query cannot see
-        recency = jnp.where(scores > reference.NEG_INF, jnp.arange(scores.shape[-1], dtype=scores.dtype), scores)
-        return reference.select_blocks(recency, q_pos, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks)
+
+class Recent(mnnx.MSA):
+    rule = "recent"
 
 
 def test_swapped_msa_changes_that_layer(model, ids, reference_out):
@@ -180,14 +188,114 @@ def test_swapped_msa_changes_that_layer(model, ids, reference_out):
         want = set(range(max(0, own - k + 1), own + 1))
         assert all(set(row[row >= 0].tolist()) == want for row in new[:, :, t].reshape(-1, k)), t
     assert not np.array_equal(np.asarray(logits), np.asarray(reference_out[0]))
-    # the other layers keep the stock modules, and the functional model (engine, probe) is unchanged
+    # the other layers keep the stock modules; the functional model gets the same arrays and names the rule
     assert [type(layer.attn) for layer in m.text.layers] == [mnnx.FullAttention, mnnx.MSA, Recent]
-    assert all(a is b for a, b in zip(jax.tree.leaves(mnnx.to_model(m).params), jax.tree.leaves(model.params)))
+    swapped = mnnx.to_model(m)
+    assert all(a is b for a, b in zip(jax.tree.leaves(swapped.params), jax.tree.leaves(model.params)))
+    assert swapped.config.text.msa_selection_rules == ((2, "recent"),)
+    # ... and back: from_model of that model builds the layer with the rule, the same forward
+    assert mnnx.from_model(swapped).text.layers[2].attn.rule == "recent"
+    ref = forward_jit(swapped.params, ids, None, None, swapped.config, None, None)
+    assert np.array_equal(np.asarray(ref[0]), np.asarray(logits))
+    assert all(np.array_equal(np.asarray(ref[1][i]), np.asarray(sel[i])) for i in (1, 2))
     # greedy generation runs through the swapped layer: each new token is the argmax of the module's
     # logits one position before
     new = mnnx.generate(m, ids[:, :T - 4], 4)
     full = np.concatenate([np.asarray(ids[:, :T - 4]), new], axis=1)
     assert np.array_equal(np.asarray(jnp.argmax(mnnx.apply(m, full)[0][:, T - 5:T - 1], -1)), new)
+
+
+def test_swapped_rule_runs_in_probe_and_engine(model, ids, reference_out):
+    """The rule a module declares reaches the functional paths through the config: the probe's selections
+    change on that layer only, and the engine (paged cache, chunked prefill, decode steps) generates
+    what the cache-free module generate does with the same rule."""
+    m = mnnx.from_model(model)
+    m.text.layers[2].attn = mnnx.swap(m.text.layers[2].attn, Recent)
+    swapped = mnnx.to_model(m)
+    got = probe(swapped, ids, query_chunk=8)  # the stock probe's selections are the forward's (test_probe)
+    _, inter = mnnx.apply(m, ids)
+    assert np.array_equal(got.layers[1].block_indices, np.asarray(reference_out[1][1]))
+    assert not np.array_equal(got.layers[2].block_indices, np.asarray(reference_out[1][2]))
+    assert np.array_equal(got.layers[2].block_indices, np.asarray(mnnx.selections(inter)[2]))
+
+    prompt, n = np.asarray(ids[:, :T - 6]), 6
+    engine = Engine(swapped.params, swapped.config, batch=2, capacity=T, prefill_chunk=16, decode_steps_per_call=3)
+    res = engine.generate([list(r) for r in prompt], max_new_tokens=n, sampling=SamplingParams(temperature=0.0),
+                          keep_logits=True)
+    assert np.array_equal(np.array(res.generated), mnnx.generate(m, prompt, n))
+    # every step's logits are the rule's forward's (the functional reference), not the stock model's
+    full = jnp.asarray(np.concatenate([prompt, np.array(res.generated)], axis=1), jnp.int32)
+    steps = np.stack(res.step_logits, axis=1)
+    own, stock = (np.asarray(forward_jit(p.params, full, None, None, p.config, None, None)[0])[:, T - 7:T - 1]
+                  for p in (swapped, model))
+    assert rel_l2(steps, own) <= TOL["float32"] < rel_l2(steps, stock)
+
+
+def test_stock_rule_is_the_model_as_released(model, ids, reference_out):
+    """Naming the stock rule changes nothing: the same config (one jit key) and the same logits, bitwise."""
+    cfg = model.config.replace_text(msa_selection_rules=((2, "topk"), (1, "topk")))
+    assert cfg == model.config and cfg.text.msa_selection_rules == ()
+    m = mnnx.from_model(model)
+    m.text.layers[2].attn = mnnx.swap(m.text.layers[2].attn, mnnx.MSA, rule="topk")
+    assert mnnx.to_model(m).config == model.config
+    assert np.array_equal(np.asarray(mnnx.apply(m, ids)[0]), np.asarray(reference_out[0]))
+    with pytest.raises(ValueError, match="registered with other code"):
+        msa_layer.register_selection_rule("recent", lambda s, q, c, l: s)
+    with pytest.raises(UnsupportedConfigError, match="'nope' is not registered"):
+        forward_jit(model.params, ids, None, None, model.config.replace_text(msa_selection_rules=((1, "nope"),)),
+                    None, None)
+
+
+def test_rule_layer_takes_the_jnp_route():
+    """On the kernels' variant a layer with its own rule runs the rule over jnp scores and the jnp attention,
+    over a gathered window (no in-place decode, no context-parallel top-k); the other layers keep the kernels."""
+    cfg = tiny_config(index_block_size=64, index_head_dim=64).replace(attention_impl="pallas")
+    ruled = cfg.replace_text(msa_selection_rules=((2, "recent"),))
+    assert msa_layer.layer_variant(ruled, 1) is msa_layer.VARIANTS["pallas"]
+    v = msa_layer.layer_variant(ruled, 2)
+    assert (v.decode, v.local, v.whole_chunk, v.attention) == (None, None, False, reference.sparse_attention)
+
+
+class Recorded(mnnx.MoE):
+    """Wraps the MoE: records its output (the stock computation)."""
+
+    def __call__(self, y, cfg):
+        out = super().__call__(y, cfg)
+        self.sow(nnx.Intermediate, "mlp_out", out)
+        return out
+
+
+class Doubled(Recorded):
+    """Replaces the MoE: twice its output."""
+
+    def __call__(self, y, cfg):
+        return 2 * super().__call__(y, cfg)
+
+
+def test_mlp_hook_replaces_one_layer(model, ids, reference_out):
+    """``decoder_layer``'s ``mlp`` hook: a wrapped MLP module records and keeps the model bitwise; a
+    replaced one changes its layer's output and what follows, nothing before."""
+    m = mnnx.from_model(model)
+    for layer in m.text.layers[1:]:
+        layer.moe = mnnx.swap(layer.moe, Recorded)
+    logits, inter = mnnx.apply(m, ids)
+    assert np.array_equal(np.asarray(logits), np.asarray(reference_out[0]))
+    recorded = nnx.to_pure_dict(inter)["text"]["layers"]
+    m.text.layers[1].moe = mnnx.swap(m.text.layers[1].moe, Doubled)
+    logits2, inter2 = mnnx.apply(m, ids)
+    recorded2 = nnx.to_pure_dict(inter2)["text"]["layers"]
+    np.testing.assert_array_equal(np.asarray(mnnx.selections(inter2)[1]), np.asarray(reference_out[1][1]))
+    np.testing.assert_array_equal(recorded2[1]["moe"]["mlp_out"][-1], recorded[1]["moe"]["mlp_out"][-1])
+    assert not np.array_equal(recorded2[2]["moe"]["mlp_out"][-1], recorded[2]["moe"]["mlp_out"][-1])
+    assert not np.array_equal(np.asarray(logits2), np.asarray(logits))
+
+
+def test_nnx_does_not_import_train():
+    """m3jax.nnx reads the parameter groups from m3jax.params: no orbax or tokenizers behind it."""
+    code = "import sys, m3jax.nnx; print(sorted(m for m in ('m3jax.train', 'orbax', 'tokenizers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def _ce(logits, ids):

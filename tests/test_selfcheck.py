@@ -129,6 +129,42 @@ def test_model_hooks_fall_back(fake, monkeypatch):
         assert "decode_index_scores kernel failed" in kernels.decode_unsupported_reason(cfg)
 
 
+def test_a_failing_path_bans_only_that_path(gpu, monkeypatch):
+    # The real MSA kernels' canaries, their runs replaced by stand-ins (test-only): every path agrees
+    # with its reference but the decode index scoring's M3 path (M = 128, block 128). The model then
+    # keeps the decode kernels at block 64 and falls back where it would take that path, block 128.
+    import dataclasses
+
+    from m3jax.msa import kernels
+    from tests.conftest import tiny_text
+
+    monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [verdicts.run_canary(c, dev) for c in cs])
+    agrees = lambda: (jnp.ones(3), jnp.ones(3))  # noqa: E731
+    broken = "decode_index_scores@b128-m128-n8"
+    for name, c in list(canaries.CANARIES.items()):
+        if c.kernel in canaries.MSA_DECODE_KERNELS + canaries.MSA_PREFILL_KERNELS:
+            run = (lambda: (jnp.zeros(3), jnp.ones(3))) if name == broken else agrees
+            monkeypatch.setitem(canaries.CANARIES, name, dataclasses.replace(c, run=run))
+    assert [c.name for c in canaries.paths_for("decode_index_scores", 64)] == ["decode_index_scores@b64-m64"]
+    assert [c.name for c in canaries.paths_for("decode_index_scores", 192)] == ["decode_index_scores@b64-m64"]
+    assert [c.name for c in canaries.paths_for("decode_index_scores", 256)] == [broken]
+    assert len(canaries.paths_for("decode_index_scores")) == 2
+
+    def cfg(bs):
+        return tiny_text(num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_head_dim=64,
+                         index_block_size=bs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.decode_unsupported_reason(cfg(64)) is None
+        assert kernels.unsupported_reason(cfg(64)) is None and kernels.unsupported_reason(cfg(128)) is None
+    with pytest.warns(RuntimeWarning, match=f"decode_index_scores kernel failed its self-check at {broken}.*"
+                                            "not used at that path"):
+        assert broken in kernels.decode_unsupported_reason(cfg(128))
+    assert broken in verdicts.kernel_failure("decode_index_scores")  # a caller that names no block: every path
+    assert verdicts.kernel_failure("decode_index_scores", block_size=64) is None
+
+
 def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monkeypatch):
     # The real worker process: its first canary passes, the second one sleeps past a 3 s deadline (the
     # worker is killed), the third, in a new worker, ends its process. The model asks while tracing
@@ -224,7 +260,8 @@ def test_cli_runs_a_real_canary(tmp_path, monkeypatch, capsys):
 
 
 def test_full_report(tmp_path, monkeypatch):
-    # Every canary afresh, written to one JSON report (the canaries stubbed: the CLI's report, not the kernels).
+    # Every canary afresh, the GPU checks (skipped, with the reason, on this CPU device) and the generate
+    # in one JSON report (canaries and generate stubbed: the CLI's report, not the kernels).
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(verdicts, "_MEMO", {})
     dev = {"device": "cpu interpret", "target": "interpret", "driver": "-"}
@@ -237,12 +274,66 @@ def test_full_report(tmp_path, monkeypatch):
         return [verdicts.Verdict(c.name, dev["target"], dev["device"], "pass", 0.0, 0.1) for c in cs]
 
     monkeypatch.setattr(verdicts, "run_isolated", stub)
+    generated = {"config": "m3-small", "generated_ids": list(range(8)), "text": "x", "passed": True, "seconds": 0.1}
+    monkeypatch.setattr(selfcheck, "short_generate", lambda: dict(generated))
     report = tmp_path / "report.json"
     assert selfcheck.main(["--full", "--report", str(report)]) == 0
     data = json.loads(report.read_text())
     assert ran == list(canaries.CANARIES) and data["passed"] and data["device"] == dev
     assert {v["canary"] for v in data["verdicts"] if v["m3"]} >= {"decode_index_scores@b128-m128-n8"}
+    assert "sized for a GPU" in data["gpu_checks"]["skipped"] and data["generate"] == generated
     assert selfcheck.main(["--full", "--report", str(report)]) == 0 and len(ran) == 2 * len(canaries.CANARIES)
+    monkeypatch.setattr(selfcheck, "short_generate", lambda: dict(generated, passed=False))
+    assert selfcheck.main(["--full", "--report", str(report), "--gpu-checks", "none"]) == 1
+    data = json.loads(report.read_text())
+    assert not data["passed"] and "gpu_checks" not in data
+
+
+def _kernels_as_references(monkeypatch, broken: str | None = None):
+    """gpu_checks' kernel calls routed to the jnp references (the checks' code, not the kernels: those
+    have their own interpret-mode tests), ``broken`` raising instead."""
+    import types
+
+    from m3jax.pallas import decode, gpu_checks, index_scores, topk
+    from m3jax.pallas.sparse_attention import sparse_attention
+
+    def ref(name, f):
+        def call(*a, implementation=None, config=None, **kw):
+            if name == broken:
+                raise RuntimeError(f"{name}: a test-only launch failure")
+            return f(*a, implementation="reference", **kw)
+        return call
+
+    def space(mod, *names):
+        return types.SimpleNamespace(**{n: ref(n, getattr(mod, n)) if n in names else getattr(mod, n)
+                                        for n in dir(mod)})
+    monkeypatch.setattr(gpu_checks, "I", space(index_scores, "index_block_scores", "index_select_blocks"))
+    monkeypatch.setattr(gpu_checks, "K", space(topk, "select_blocks"))
+    monkeypatch.setattr(gpu_checks, "D", space(decode, "decode_index_scores", "sparse_decode_attention"))
+    monkeypatch.setattr(gpu_checks, "sparse_attention", ref("sparse_attention", sparse_attention))
+
+
+def test_full_report_runs_the_gpu_checks_at_small_shapes(tmp_path, monkeypatch, capsys):
+    # The M3-shape checks' code path at small shapes (--gpu-checks small), every family, on this CPU,
+    # one kernel made to fail; on a GPU --full runs the same code at M3's shapes.
+    from m3jax.pallas import gpu_checks
+
+    monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [
+        verdicts.Verdict(c.name, dev["target"], dev["device"], "pass", 0.0, 0.1) for c in cs])
+    _kernels_as_references(monkeypatch, broken="sparse_decode_attention")
+    report = tmp_path / "report.json"
+    argv = ["--full", "--report", str(report), "--gpu-checks", "small", "--no-generate", "--kernels", "topk_rowsplit"]
+    assert selfcheck.main(argv) == 1  # the failing check fails the command
+    data = json.loads(report.read_text())
+    checks, rows = data["gpu_checks"], data["gpu_checks"]["rows"]
+    assert checks["size"] == "small" and not checks["passed"] and not data["passed"]
+    assert {r["check"] for r in rows} == set(gpu_checks.FAMILIES)
+    failed = [r for r in rows if not r["passed"]]
+    assert [r["kernel"] for r in failed] == ["sparse_decode_attention"] and "test-only" in failed[0]["error"]
+    assert {r["kernel"] for r in rows} >= {"sparse_attention_kv_major", "index_scores", "decode_index_scores"}
+    assert all(r["err_over_tol"] == 0 for r in rows if r["passed"])  # the references against themselves
+    assert "sparse_decode_attention" in capsys.readouterr().out
 
 
 def test_canaries_run_the_blackwell_variants_on_blackwell(monkeypatch):

@@ -1,7 +1,7 @@
 """MSA through the Mosaic GPU kernels of :mod:`m3jax.pallas`, and which configs they take: the one
 place that composes the kernels (prefill, differentiable attention over given selections for
-training, paged decode, full-attention decode, and the per-device pieces of the context-parallel
-paths, :class:`m3jax.msa.parallel.Local`).
+training, the indexer objective's target mass, paged decode, full-attention decode, and the
+per-device pieces of the context-parallel paths, :class:`m3jax.msa.parallel.Local`).
 
 Same semantics as :mod:`m3jax.msa.reference` (selections equal as sets, attention within the
 tolerances of docs/MSA.md §4.3); the model chooses between the two in :mod:`m3jax.msa.layer`.
@@ -16,6 +16,8 @@ from m3jax.cache import LayerCache
 from m3jax.config import TextConfig, UnsupportedConfigError
 from m3jax.msa.parallel import Local, local_window
 from m3jax.pallas import canaries, verdicts
+from m3jax.pallas.block_mass import block_mass
+from m3jax.pallas.block_mass import unsupported_reason as mass_reason
 from m3jax.pallas.decode import decode_index_scores, query_positions, sparse_decode_attention
 from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
 from m3jax.pallas.sparse_attention import sparse_attention
@@ -69,7 +71,8 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
         block_size=cfg.index_block_size, dtype=dtype, implementation="kv_major")
     if reason:
         return reason
-    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS)  # a kernel failing its canary here is not used
+    # a kernel whose canary fails here at the path this block takes is not used
+    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS, block_size=cfg.index_block_size)
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:
@@ -85,7 +88,7 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
     if cfg.head_dim % 64 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
     # failing decode kernels: decode runs the prefill kernels over the gathered cache
-    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS)
+    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS, block_size=cfg.index_block_size)
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
@@ -115,6 +118,26 @@ def attend_selected(q, k, v, block_idx, q_pos, *, block_size: int):
     Returns o [B, T, N, H] in q.dtype.
     """
     return sparse_attention(q, k, v, block_idx, q_pos, block_size=block_size, implementation="kv_major")
+
+
+def indexer_target_mass(q, k, q_pos, *, block_size: int, num_blocks: int):
+    """The indexer objective's target mass through the block-mass kernel
+    (:mod:`m3jax.pallas.block_mass`): the main branch's causal attention per key block, averaged over
+    each KV group's heads, without the [T, S] softmax. What training passes to
+    :func:`m3jax.indexer_objective.indexer_kl` as ``mass=``. q and k are ``stop_gradient``'d here (the
+    target gets no gradient, and the kernel has none); where the kernel cannot run
+    (:func:`m3jax.pallas.block_mass.unsupported_reason`) the reference computes it. Per query chunk
+    (C of a few hundred rows is fine: the kernel splits the keys over CTAs when the chunk is short).
+
+    q [B, C, N, H], k [B, S, K, H], q_pos int32 [B, C], num_blocks >= ceil(S / block_size).
+    Returns fp32 [B, K, C, num_blocks].
+    """
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    dtype = jnp.bfloat16 if q.dtype == k.dtype == jnp.bfloat16 else jnp.float32
+    reason = mass_reason(num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3], block_size=block_size,
+                         dtype=dtype)
+    return block_mass(q, k, q_pos, block_size=block_size, num_blocks=num_blocks,
+                      implementation="reference" if reason else "kernel")
 
 
 def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,

@@ -8,12 +8,18 @@ turns ``"auto"`` into one of them once, when a model is built; :func:`variant` r
 else. :func:`attend` picks the route of one layer's step: the paged cache read in place (decode),
 context parallel over a page-split cache (:mod:`m3jax.msa.parallel`), or the key window gathered.
 The projections (q/k/v and the index branch) are the model's; this module takes them as arrays.
+
+A layer's block selection is a named rule (:func:`register_selection_rule`): the stock top-k
+(:func:`topk_rule`) unless ``cfg.msa_selection_rules`` names another for that layer, which then runs
+on every path through :func:`select_from_scores` (:func:`layer_variant`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import types
 import warnings
 from typing import Callable
 
@@ -21,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.cache import LayerCache, cached_block_scores, cached_index_keys
-from m3jax.config import M3Config, TextConfig, UnsupportedConfigError
+from m3jax.config import STOCK_SELECTION_RULE, M3Config, TextConfig, UnsupportedConfigError
 from m3jax.mesh_axes import MODEL
 from m3jax.msa import kernels, parallel, reference
 from m3jax.pallas import _backend
@@ -38,13 +44,99 @@ def scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> j
     return cached_block_scores(iq, ik, q_pos, cfg)
 
 
-def select_from_scores(block_scores: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
-    """Top-k selection with the config's MSA knobs and ``layer``'s interventions: int32 [B, K, C, topk]."""
+def topk_rule(block_scores: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
+    """The stock selection rule (:data:`~m3jax.config.STOCK_SELECTION_RULE`): top-k with the config's MSA
+    knobs and ``layer``'s forced blocks (:func:`m3jax.msa.reference.select_blocks`), int32 [B, K, C, topk]."""
     force_in, force_out = forced_blocks(cfg, layer)
     return reference.select_blocks(
         block_scores, q_pos, block_size=cfg.index_block_size, topk=cfg.index_topk_blocks,
         local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,
     )
+
+
+# name -> (rule, digest of its code). A config names a layer's rule (TextConfig.msa_selection_rules); the
+# jit caches key on the config, so a name stands for one code for the life of the process.
+_RULES: dict[str, tuple[Callable, str]] = {STOCK_SELECTION_RULE: (topk_rule, "")}
+
+
+def _code_digest(code: types.CodeType, h=None) -> str:
+    """SHA-256 of what a function computes: bytecode, names and constants (nested functions' too),
+    not its file or line numbers (a notebook cell run again is the same rule)."""
+    h = h or hashlib.sha256()
+    h.update(code.co_code + repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_digest(c, h)
+        else:
+            h.update(repr(c).encode())
+    return h.hexdigest()
+
+
+def register_selection_rule(name: str, rule: Callable | None = None):
+    """Register ``rule(block_scores, q_pos, cfg: TextConfig, layer) -> block ids`` under ``name`` for
+    ``TextConfig.msa_selection_rules`` (as a decorator: ``@register_selection_rule("mine")``). Returns
+    the rule.
+
+    block_scores fp32 [B, K, C, nb] (:func:`scores`: -inf for blocks after the query), q_pos [B, C];
+    the rule returns int32 [B, K, C, cfg.index_topk_blocks]: distinct block ids, -1 in empty slots.
+    The forced blocks are the rule's to keep (the query's own block carries its causal diagonal:
+    a query that selects none of its keys gets a zero output); :func:`topk_rule` with another config
+    does the stock forcing. The rule runs in jnp wherever a layer names it (the model, the engine's
+    prefill and decode over the gathered cache, the probe, training): see :func:`layer_variant`.
+
+    A name is one rule for the process: registering it again with other code (bytecode, names or
+    constants) is a ValueError, because compiled programs are keyed by the name (and on disk by the
+    code's digest, :func:`rule_digests`). Values a rule closes over are not part of it: a rule with
+    other parameters needs another name.
+    """
+    if rule is None:
+        return lambda fn: register_selection_rule(name, fn)
+    if not isinstance(name, str) or not name or name == STOCK_SELECTION_RULE:
+        raise ValueError(f"register_selection_rule: name {name!r} must be a non-empty str other than "
+                         f"{STOCK_SELECTION_RULE!r} (the stock rule)")
+    code = getattr(rule, "__code__", None)
+    if code is None:
+        raise TypeError(f"register_selection_rule: {rule!r} is not a Python function")
+    digest = _code_digest(code)
+    if name in _RULES and _RULES[name][1] != digest:
+        raise ValueError(f"selection rule {name!r} is registered with other code; register this one under "
+                         "another name (programs compiled for a rule are keyed by its name)")
+    _RULES[name] = (rule, digest)
+    return rule
+
+
+def selection_rule(cfg: TextConfig, layer: int) -> str:
+    """The name of ``layer``'s selection rule (``cfg.msa_selection_rules``, else the stock rule)."""
+    return dict(cfg.msa_selection_rules).get(layer, STOCK_SELECTION_RULE)
+
+
+def _rule(name: str) -> Callable:
+    if name not in _RULES:
+        raise UnsupportedConfigError(f"MSA selection rule {name!r} is not registered "
+                                     f"(m3jax.msa.layer.register_selection_rule); registered: {sorted(_RULES)}")
+    return _RULES[name][0]
+
+
+def rule_digests(cfg: TextConfig) -> dict[str, str]:
+    """{name: digest of its code} of the registered rules ``cfg`` names: what a program-cache key holds
+    beside the config, whose names alone do not say which code another process registered."""
+    digests = {}
+    for _, name in cfg.msa_selection_rules:
+        _rule(name)  # an unregistered name: the error that lists the registered ones
+        digests[name] = _RULES[name][1]
+    return digests
+
+
+def select_from_scores(block_scores: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
+    """``layer``'s block selection (its rule, :func:`selection_rule`) from one query chunk's block scores
+    fp32 [B, K, C, nb] at q_pos [B, C]: int32 [B, K, C, topk]."""
+    name = selection_rule(cfg, layer)
+    sel = _rule(name)(block_scores, q_pos, cfg, layer)
+    want = (*block_scores.shape[:3], cfg.index_topk_blocks)
+    if tuple(sel.shape) != want or sel.dtype != jnp.int32:
+        raise ValueError(f"selection rule {name!r} of layer {layer}: {sel.dtype}{list(sel.shape)}, "
+                         f"want int32{list(want)}")
+    return sel
 
 
 def select(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, cfg: TextConfig, layer: int) -> jax.Array:
@@ -149,6 +241,19 @@ def variant(cfg: M3Config) -> Variant:
     return VARIANTS["reference" if cfg.attention_impl == "auto" else cfg.attention_impl]
 
 
+def layer_variant(cfg: M3Config, layer: int) -> Variant:
+    """The variant MSA layer ``layer`` runs: ``cfg``'s, or for a layer with another selection rule than
+    the stock one (:func:`selection_rule`) the rule over the jnp index scores and the jnp attention over
+    its blocks (``cfg``'s variant's ``attention``, else the reference's) in query chunks, over
+    contiguous keys only (a paged cache is gathered): the kernels, the in-place decode and the
+    context-parallel selection (:func:`m3jax.msa.parallel.global_topk`) compute the stock rule."""
+    v = variant(cfg)
+    if selection_rule(cfg.text, layer) == STOCK_SELECTION_RULE:
+        return v
+    attention = v.attention or reference.sparse_attention
+    return Variant(gathered=_chunked(attention), attention=attention, dense=v.dense)
+
+
 _FALLBACK_WARNED: set[str] = set()
 
 
@@ -189,13 +294,13 @@ def resolve_attention_impl(impl: str, cfg: M3Config | None = None, dtype="bfloat
 # The route
 
 
-def _context_parallel(cfg: M3Config, kv: LayerCache, page_table, q) -> bool:
+def _context_parallel(v: Variant, cfg: M3Config, kv: LayerCache, page_table, q) -> bool:
     """Whether MSA over the paged cache (a prefill chunk, or a decode step not read in place) runs
     context parallel over the page-split cache instead of gathering the key window: under a mesh model
     axis > 1 whose pages split, by the traffic rule of :func:`m3jax.msa.parallel.prefill_context_parallel`.
     A cache whose pages do not split gathers, with one warning naming why."""
     n = parallel.axis_size(None, MODEL)
-    if variant(cfg).local is None or n == 1:
+    if v.local is None or n == 1:
         return False
     reason = parallel.context_split_reason(kv, n)
     if reason is not None:
@@ -207,11 +312,10 @@ def _context_parallel(cfg: M3Config, kv: LayerCache, page_table, q) -> bool:
                                              q_bytes=q.dtype.itemsize, kv_bytes=kv.k.dtype.itemsize)
 
 
-def _in_place(cfg: M3Config, q, sparse: bool) -> bool:
+def _in_place(v: Variant, cfg: M3Config, q, sparse: bool) -> bool:
     """Whether this step reads the paged cache in place (one query per sequence and a variant whose
     decode takes the config) instead of gathering it (then the prefill path runs on the gathered
     cache: e.g. block sizes the decode kernels cannot take)."""
-    v = variant(cfg)
     if q.shape[1] != 1 or (v.decode if sparse else v.dense_decode) is None:
         return False
     return v.decode_unsupported_reason is None or v.decode_unsupported_reason(cfg.text) is None
@@ -244,16 +348,16 @@ def attend(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int, kv: LayerCache | N
     window gathered. Returns (o [B, T, N, H] in q.dtype, block ids int32 [B, K, T, topk] or None).
     """
     sparse = iq is not None
-    v_ = variant(cfg)
+    v_ = layer_variant(cfg, layer) if sparse else variant(cfg)
     if kv is not None:
         force = dict(zip(("force_in", "force_out"), forced_blocks(cfg.text, layer))) if sparse else {}
-        if _in_place(cfg, q, sparse):
+        if _in_place(v_, cfg, q, sparse):
             if sparse:
                 return _paged_decode(v_.decode, v_.local_decode, "MSA decode kernels", q, iq, kv, page_table, q_pos,
                                      cfg, **force)
             return _paged_decode(v_.dense_decode, v_.local_dense_decode, "full-attention decode", q, None, kv,
                                  page_table, q_pos, cfg), None
-        if sparse and _context_parallel(cfg, kv, page_table, q):  # no key window gathered
+        if sparse and _context_parallel(v_, cfg, kv, page_table, q):  # no key window gathered
             local = v_.local(cfg.text, cfg.attention_chunk)
             return parallel.context_parallel(local, q, iq, kv, page_table, q_pos, cfg.text, **force)
         k, v, ik_all = kv.gather(page_table)
@@ -269,4 +373,4 @@ def attention(q, k, v, iq, ik, q_pos, cfg: M3Config, layer: int):
 
     Returns (o [B, T, N, H] in q.dtype, block ids int32 [B, K, T, topk]).
     """
-    return variant(cfg).gathered(q, k, v, iq, ik, q_pos, cfg, layer)
+    return layer_variant(cfg, layer).gathered(q, k, v, iq, ik, q_pos, cfg, layer)

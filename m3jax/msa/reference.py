@@ -130,6 +130,27 @@ def block_scores(iq: jax.Array, ik: jax.Array, q_pos: jax.Array, block_size: int
     return s.reshape(*s.shape[:3], nb, block_size).max(axis=-1)
 
 
+def causal_block_mass(q: jax.Array, k: jax.Array, q_pos: jax.Array, block_size: int, num_blocks: int) -> jax.Array:
+    """The main branch's causal attention mass per key block, averaged over each KV group's heads: the
+    indexer objective's target before it is restricted to a support (:mod:`m3jax.indexer_objective`).
+
+    Args:
+      q: [B, C, N, H] queries; k: [B, S, K, H] keys (key s at position s); q_pos: int [B, C].
+      num_blocks: nb >= ceil(S / block_size) (blocks past S get 0).
+    Returns:
+      fp32 [B, K, C, nb]: ``mass[b, g, t, j]`` = mean over the group's heads of the softmax weight
+      (scale 1/sqrt(H), keys s <= q_pos) on the keys of block j; rows with no visible key are 0.
+    """
+    b, c, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    qg = q.reshape(b, c, kh, n // kh, h).astype(jnp.float32)
+    logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=HIGHEST) * h**-0.5
+    causal = (jnp.arange(s_len)[None, None, :] <= q_pos[:, :, None])[:, None, None]
+    p = _softmax_or_zero(jnp.where(causal, logits, NEG_INF))
+    p = jnp.pad(p, [(0, 0)] * 4 + [(0, num_blocks * block_size - s_len)])
+    return p.reshape(*p.shape[:4], num_blocks, block_size).sum(-1).mean(2)  # [B, K, C, nb]
+
+
 # Forced blocks outrank every score: real scores are dot products of RMS-normed vectors, far below 1e38.
 FORCED_BASE = 1e38
 FORCED_STEP = 1e36

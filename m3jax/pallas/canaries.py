@@ -8,6 +8,10 @@ MMA with N = 8 query rows at block 128 (M3); the prefill index scoring and the K
 change their MMA shapes and swizzles with the block and the head dim. Paths marked ``m3`` are the
 ones M3 (block 128, head dim 128, G 16, 4 index heads) runs. :mod:`m3jax.pallas.verdicts` runs them
 (in a worker process with a deadline) and keeps their verdicts.
+
+Each canary also says at which block sizes the model takes its path (:func:`paths_for`), so a canary
+that fails at one path keeps the model off that path only: the decode index scoring takes its
+M = 128 path exactly where 128 divides the block, the others their block-128 path from block 128 up.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Canary:
     run: Callable[[], tuple[jax.Array, jax.Array]]
     sources: tuple[Path, ...]  # files whose contents key the verdict (with SHARED_SOURCES)
     m3: bool = False  # M3's own tile path
+    # the block sizes (index_block_size) at which the model takes this path; None: every block size
+    at_block: Callable[[int], bool] | None = None
 
     @property
     def name(self) -> str:
@@ -119,12 +125,12 @@ def _topk(implementation, b, t, nb, bs, q_pos, topk):
 
 def _topk_blockmajor():
     t, bs = 40, 16
-    return _topk("pallas_blockmajor", 1, t, 45, bs, (640 + jnp.arange(t, dtype=jnp.int32))[None], 4)
+    return _topk("pallas_blockmajor", 1, t, 45, bs, (640 + np.arange(t, dtype=np.int32))[None], 4)
 
 
 def _topk_rowsplit():
     # 300 blocks: not a multiple of the 128 threads; the second row sees fewer blocks than top-k.
-    return _topk("pallas_rowsplit", 2, 1, 300, 4, jnp.array([[1199], [9]], jnp.int32), 8)
+    return _topk("pallas_rowsplit", 2, 1, 300, 4, np.array([[1199], [9]], np.int32), 8)
 
 
 def _sparse_attention(implementation, n=16, k=2, h=64, bs=64, t=10, prefix=64, topk=3):
@@ -216,28 +222,31 @@ def _dirs(*ops: str) -> tuple[Path, ...]:
 
 # M3's tiles: block 128, head dim and index head dim 128, G 16 query heads per KV head, 4 index heads.
 _M3_DECODE = {"bs": 128, "kh": 1, "n": 16, "h": 128, "hx": 128}
+_SMALL, _LARGE = (lambda bs: bs < 128), (lambda bs: bs >= 128)  # a kernel's block-64 and block-128 paths
 _IDX, _TOPK, _ATT, _DEC, _GMM = (_dirs("index_scores", "topk"), _dirs("topk"), _dirs("sparse_attention"),
                                  _dirs("decode"), _dirs("grouped_matmul"))
 
 CANARIES: dict[str, Canary] = {
     c.name: c for c in (
-        Canary("index_scores", "b16-hx64", _index_scores, _IDX),
+        Canary("index_scores", "b16-hx64", _index_scores, _IDX, at_block=_SMALL),
         Canary("index_scores", "b128-hx128", lambda: _index_scores(hi=4, hx=128, bs=128, t=8, prefix=256, tail=9),
-               _IDX, m3=True),
+               _IDX, m3=True, at_block=_LARGE),
         Canary("index_topk_fused", "b16-hx64", _index_topk_fused, _IDX),
         Canary("topk_blockmajor", "rows40", _topk_blockmajor, _TOPK),
         Canary("topk_rowsplit", "rows1", _topk_rowsplit, _TOPK, m3=True),
-        Canary("sparse_attention_kv_major", "b64-h64-g8", lambda: _sparse_attention("kv_major"), _ATT),
+        Canary("sparse_attention_kv_major", "b64-h64-g8", lambda: _sparse_attention("kv_major"), _ATT, at_block=_SMALL),
         Canary("sparse_attention_kv_major", "b128-h128-g16",
-               lambda: _sparse_attention("kv_major", n=16, k=1, h=128, bs=128, t=8, prefix=256, topk=2), _ATT, m3=True),
+               lambda: _sparse_attention("kv_major", n=16, k=1, h=128, bs=128, t=8, prefix=256, topk=2), _ATT, m3=True,
+               at_block=_LARGE),
         Canary("sparse_attention_query_major", "b64-h64-g8", lambda: _sparse_attention("query_major"), _ATT),
         # M = 64 with half-lane TMEM reads and 32-byte swizzles (block 64), M = 128 with N = 8 (M3)
-        Canary("decode_index_scores", "b64-m64", _decode_index_scores, _DEC),
+        Canary("decode_index_scores", "b64-m64", _decode_index_scores, _DEC, at_block=lambda bs: bs % 128 != 0),
         Canary("decode_index_scores", "b128-m128-n8",
-               lambda: _decode_index_scores((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True),
-        Canary("sparse_decode_attention", "b64-h64-g8", _sparse_decode_attention, _DEC),
+               lambda: _decode_index_scores((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
+               at_block=lambda bs: bs % 128 == 0),
+        Canary("sparse_decode_attention", "b64-h64-g8", _sparse_decode_attention, _DEC, at_block=_SMALL),
         Canary("sparse_decode_attention", "b128-h128-g16", lambda: _sparse_decode_attention((100, 300), **_M3_DECODE),
-               _DEC, m3=True),
+               _DEC, m3=True, at_block=_LARGE),
         Canary("grouped_matmul", "bf16-mxfp8", _grouped_matmul, _GMM, m3=True),
     )
 }
@@ -252,6 +261,12 @@ MSA_DECODE_KERNELS = ("decode_index_scores", "topk_rowsplit", "topk_blockmajor",
 def of_kernel(kernel: str) -> list[Canary]:
     """Every canary of one kernel (each of its paths)."""
     return [c for c in CANARIES.values() if c.kernel == kernel]
+
+
+def paths_for(kernel: str, block_size: int | None = None) -> list[Canary]:
+    """The canaries of the path(s) the model takes through ``kernel`` at ``block_size`` (every path when
+    it is None: a caller that does not know its block)."""
+    return [c for c in of_kernel(kernel) if block_size is None or c.at_block is None or c.at_block(block_size)]
 
 
 # ---- comparison -------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ first time the model asks for a kernel on a key with no verdict (:func:`kernel_f
 the model chooses kernels: ``m3jax.msa.kernels`` and ``m3jax.moe``), its canaries run in a worker
 process with a deadline (``$M3JAX_SELFCHECK_DEADLINE`` seconds each, default 180): a wrong barrier
 count never returns, and it must not become the model's hang. A canary past its deadline is killed
-and its verdict is "hung". A kernel that fails or hangs is not used, with one warning naming it and
-why; the model runs the reference path instead.
+and its verdict is "hung". A kernel is not used at a path whose canary fails or hangs, with one
+warning naming it and why; the model runs the reference path instead where it would take that path
+(the kernel's other paths stay in use: :func:`m3jax.pallas.canaries.paths_for`).
 
 Verdicts are kept as JSON in ``$M3JAX_CACHE_DIR/selfcheck.json`` (default
 ``~/.cache/m3jax/selfcheck.json``), so a new JAX, GPU, driver or an edited kernel runs its canaries
@@ -39,7 +40,7 @@ import jax
 
 from m3jax.atomic import atomic_write
 from m3jax.pallas import _backend
-from m3jax.pallas.canaries import CANARIES, SHARED_SOURCES, Canary, compare, of_kernel
+from m3jax.pallas.canaries import CANARIES, SHARED_SOURCES, Canary, compare, of_kernel, paths_for
 
 DEFAULT_DEADLINE_S = 180.0
 _STARTUP_S = 60.0  # a worker's own start (importing JAX) before its first canary, on top of the deadline
@@ -309,10 +310,11 @@ def _warn_once(tag: str, text: str) -> None:
         warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
-def kernel_failure(*kernels: str) -> str | None:
-    """Why one of these kernels must not be used on this GPU, or None: the GPU is not a target the
-    kernels are built for (sm_120-class, an unknown compute capability), or a canary of the kernel, at
-    any of its paths, failed or hung. Named in one warning per kernel and process.
+def kernel_failure(*kernels: str, block_size: int | None = None) -> str | None:
+    """Why one of these kernels must not be used on this GPU at ``block_size``, or None: the GPU is not
+    a target the kernels are built for (sm_120-class, an unknown compute capability), or the canary of
+    the path the kernel takes at that block failed or hung (every path's when ``block_size`` is None).
+    Named in one warning per canary and process.
 
     Off the GPU nothing is checked (the kernels run only in interpret mode, for tests).
     """
@@ -324,14 +326,16 @@ def kernel_failure(*kernels: str) -> str | None:
         _warn_once("target", f"m3jax: the Mosaic GPU kernels are not used on {dev['device']}: {refused}; "
                              "the reference path runs instead.")
         return refused
-    wanted = list(dict.fromkeys(c for kernel in kernels for c in of_kernel(kernel)))
+    taken = {kernel: paths_for(kernel, block_size) for kernel in kernels}
+    wanted = list(dict.fromkeys(c for cs in taken.values() for c in cs))
     found = {c.name: v for c, v in zip(wanted, check(wanted, dev=dev))}  # one worker for all of them
-    for kernel in kernels:
-        bad = [found[c.name] for c in of_kernel(kernel) if not found[c.name].passed]
+    for kernel, cs in taken.items():
+        bad = [found[c.name] for c in cs if not found[c.name].passed]
         if bad:
             reason = _why(kernel, bad[0])
-            _warn_once(kernel, f"m3jax: {reason}; it is not used (the reference path runs instead where the choice "
-                               "is automatic). `python -m m3jax.selfcheck --force` reruns the check.")
+            _warn_once(f"{kernel}|{bad[0].canary}",
+                       f"m3jax: {reason}; it is not used at that path (the reference path runs instead where the "
+                       "choice is automatic). `python -m m3jax.selfcheck --force` reruns the check.")
             return reason
     return None
 

@@ -95,6 +95,7 @@ def test_decode_step(q_len, dtype, splits, ik_dtype):
     # Q=1: 100 < topk * BS (fewer visible blocks than top-k); 150 not a multiple of BS; 256 = 4 blocks.
     # Q=4: the first request has seq_len 3 < Q, so its first query row has position -1 (-> 0 output).
     # fp8 pages: the bf16 query meets the converted keys in one MMA, an fp32 one as three bf16 pieces.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     lens = [100, 150, 256] if q_len == 1 else [3, 150, 256]
     q, iq, kp, vp, ikp, pt, sl = make_case(lens, q_len, dtype, seed=q_len, ik_dtype=ik_dtype)
     scores, got = check_scores(iq, ikp, pt, sl, splits=splits)
@@ -110,6 +111,7 @@ def test_decode_step(q_len, dtype, splits, ik_dtype):
 
 def test_attention_sub_page_tiles():
     # pages of 128 keys loaded as two 64-key pipeline steps (the fp32 / block-256 SMEM fallback).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     bs, topk = 128, 2
     q, _, kp, vp, _, pt, sl = make_case([200, 300], 2, jnp.float32, seed=3, bs=bs)
     q_pos = D.query_positions(sl, 2)
@@ -125,6 +127,7 @@ def test_attention_sub_page_tiles():
 def test_index_scores_fp8_pages_in_f16():
     # DecodeScoreConfig(fp8_mma="float16"): keys e4m3 -> f16, bf16 queries scaled per row into f16's
     # range; rows of 2^20 and 2^-20 scale (beyond f16's max, inside its subnormals) score as the rest.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=5, ik_dtype=FP8)
     iq = iq.at[1, :, 0].multiply(2.0**20).at[2, :, 1].multiply(2.0**-20)
     check_scores(iq, ikp, pt, sl, splits=2, fp8_mma="float16")
@@ -133,6 +136,7 @@ def test_index_scores_fp8_pages_in_f16():
 @settings(max_examples=3, deadline=None)
 @given(lens=st.lists(st.integers(1, 256), min_size=2, max_size=2), seed=st.integers(0, 2**16))
 def test_index_scores_fuzz_lengths(lens, seed):
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     _backend.reset_interpret_state()
     # fixed max_pages (256 / BS): every example has the same shapes, so the kernel compiles once.
     _, iq, _, _, ikp, pt, sl = make_case(lens, 2, jnp.float32, seed=seed, max_pages=256 // BS)
@@ -141,6 +145,7 @@ def test_index_scores_fuzz_lengths(lens, seed):
 
 
 def test_union_pages():
+    # Machine: any: a jnp helper, jitted on the default backend
     bidx = jnp.array([[[[5, 2, -1], [2, 7, 5]]]], jnp.int32)  # B=1, K=1, Q=2
     pt = jnp.arange(10, dtype=jnp.int32)[None] + 100
     logical, physical, bits, count = jax.jit(union_pages)(bidx, pt)

@@ -40,11 +40,13 @@ def _blackwell(monkeypatch):
 def test_decode_step_as_test_decode(q_len, dtype, splits):
     # test_decode.test_decode_step: index scores, top-k and the sparse attention of one step (Q = 1:
     # fewer visible blocks than top-k, fp32 as bf16 pieces; Q = 4: a query at position -1, bf16).
+    # Machine: any: the Blackwell (sm_100a) variant in interpret mode, on a CPU and on a GPU alike
     test_decode.test_decode_step(q_len, dtype, splits, None)
 
 
 def test_attention_sub_page_tiles_as_test_decode():
     # pages of 128 keys as two 64-key pipeline steps, fp32
+    # Machine: any: the Blackwell (sm_100a) variant in interpret mode, on a CPU and on a GPU alike
     test_decode.test_attention_sub_page_tiles()
 
 
@@ -53,6 +55,7 @@ def test_decode_scores_as_test_decode(ik_dtype):
     # test_decode.test_decode_step's scoring half at Q=4: a first query at position -1, a length that
     # is not a multiple of the block, shuffled page tables (fp32 runs in the block-192 cases below);
     # index-key pages in bf16 and fp8 (converted in SMEM for the MMA).
+    # Machine: any: the Blackwell (sm_100a) variant in interpret mode, on a CPU and on a GPU alike
     _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=4, ik_dtype=ik_dtype)
     check_scores(iq, ikp, pt, sl, splits=1)
 
@@ -60,6 +63,7 @@ def test_decode_scores_as_test_decode(ik_dtype):
 @pytest.mark.parametrize("bs,dtype,ik_dtype", [(192, jnp.float32, None), (256, jnp.bfloat16, None),
                                                (192, jnp.float32, jnp.float8_e4m3fn)])
 def test_several_mma_tiles_per_page(bs, dtype, ik_dtype):
+    # Machine: any: the Blackwell (sm_100a) variant in interpret mode, on a CPU and on a GPU alike
     _, iq, _, _, ikp, pt, sl = make_case([bs + 37, 2 * bs], 2, dtype, seed=bs, bs=bs, ik_dtype=ik_dtype)
     got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, config=D.DecodeScoreConfig(num_splits=2)))
     ref = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs, implementation="reference"))

@@ -69,6 +69,7 @@ def _check(lhs, rhs, gs, cfg=CFG, out_dtype=None):
     (7, [3, 0, 2], 64), (300, [0] * 5, 128), (256, [64, 64, 64, 64], 64),
 ])
 def test_tile_schedule_covers_each_row_once(m, sizes, bm):
+    # Machine: any: host-side planning, no kernel runs
     sched = np.asarray(tile_schedule(jnp.asarray(sizes, jnp.int32), m, bm))
     assert sched.shape == (-(-m // bm) + len(sizes), 4)
     ends = np.cumsum(sizes)
@@ -91,6 +92,7 @@ def test_tile_schedule_covers_each_row_once(m, sizes, bm):
 ])
 def test_aligned_schedule_covers_each_row_once(m, sizes, bm):
     # the warp-specialised schedule: tiles start at a multiple of 8 inside or just before the group
+    # Machine: any: host-side planning, no kernel runs
     sched, live = (np.asarray(x) for x in persistent.aligned_schedule(jnp.asarray(sizes, jnp.int32), m, bm))
     ends = np.cumsum(sizes)
     owner = np.full(m, len(sizes))  # the zero group past the sum
@@ -120,6 +122,7 @@ KERNEL_CASES = ([(p, d, "pipeline") for d in (jnp.bfloat16, jnp.float32) for p i
 
 @pytest.mark.parametrize("pattern,dtype,schedule", KERNEL_CASES)
 def test_kernel_matches_ragged_dot(pattern, dtype, schedule):
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = PATTERNS[pattern]
     _check(*_inputs(m, 128, 128, sizes, dtype), cfg=SCHEDULES[schedule])
 
@@ -128,6 +131,7 @@ def test_kernel_matches_ragged_dot(pattern, dtype, schedule):
 def test_two_n_tiles_128_row_tiles_fp32_out(schedule):
     # block_m 128 (tiles straddling several groups), 2 N tiles (warp-specialised: one CTA N tile of
     # 256, two consumers of 128 columns or of 64 rows), three K steps, bf16 in / fp32 out.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     lhs, rhs, gs = _inputs(200, 192, 256, [5, 70, 0, 60, 40], jnp.bfloat16, seed=1)
     cfg = GroupedMatmulConfig(block_m=128, block_n=128, max_concurrent_steps=3)
     if schedule != "pipeline":
@@ -139,11 +143,13 @@ def test_two_n_tiles_128_row_tiles_fp32_out(schedule):
 @pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized"])
 def test_fewer_rows_than_a_tile_single_k_step(schedule):
     # M < block_m (padded), K = block_k (one pipeline step, no delayed release).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     _check(*_inputs(40, 64, 128, [10, 25], jnp.bfloat16, seed=2), cfg=SCHEDULES[schedule])
 
 
 def test_split_k_decode_rows():
     # decode-like: a few rows per expert, K split in two (fp32 partials summed outside), K / 2 = 2 steps
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     _check(*_inputs(12, 256, 128, [1, 0, 3, 2, 0, 4], jnp.bfloat16, seed=7),
            cfg=GroupedMatmulConfig(block_m=64, block_n=128, max_concurrent_steps=2, schedule="warp_specialized",
                                    split_k=2))
@@ -151,6 +157,7 @@ def test_split_k_decode_rows():
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_gradients_match_ragged_dot(schedule):
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     cfg = SCHEDULES[schedule]
     lhs, rhs, gs = _inputs(96, 128, 128, [40, 0, 50], jnp.float32, seed=3)
     ct = jax.random.normal(jax.random.key(4), (96, 128), jnp.float32)
@@ -169,6 +176,8 @@ def test_gradients_match_ragged_dot(schedule):
 
 
 def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
+    # Machine: any: config checks, and the choice with on_gpu patched to a stand-in GPU (on a real GPU its canary
+    # runs)
     from m3jax import moe
 
     lhs, rhs, gs = _inputs(64, 96, 128, [64], jnp.bfloat16)
@@ -206,6 +215,7 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
 
 
 def test_moe_layer_pallas_matches_ragged_dot():
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.moe import moe_sorted
     from m3jax.params import init_random
     from tests.conftest import tiny_config
@@ -222,6 +232,7 @@ def test_moe_layer_pallas_matches_ragged_dot():
 
 
 def test_m3config_moe_impl_is_validated_and_not_serialised():
+    # Machine: any: argument / config checks, no kernel runs
     from m3jax.config import UnsupportedConfigError, config_to_hf
     from tests.conftest import tiny_config
 
@@ -244,6 +255,7 @@ M3_CONFIGS = {  # per schedule: the prefill tile and the decode tile
 def test_lowers_for_cuda_at_m3_shapes(dtype, schedule):
     # M3 expert GEMM (gate/up): 8192 tokens x top-4 rows, D = 6144 -> F = 3072, 128 experts. Lowered
     # for CUDA on the CPU (Pallas -> Mosaic GPU custom call); no GPU needed, nothing compiled.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     args = (jax.ShapeDtypeStruct((32768, 6144), dtype), jax.ShapeDtypeStruct((128, 6144, 3072), dtype),
             jax.ShapeDtypeStruct((128,), jnp.int32))
     cfg = M3_CONFIGS[schedule][0]
@@ -289,6 +301,7 @@ def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule, n):
     # the fp8 tiles dequantised in the kernel (two scale rows per 64-deep K step, two K steps, tiles
     # straddling groups, empty groups); warp-specialised: each consumer dequantises its n / 2 columns
     # (64 of them: the fp8 tile swizzled by 64 bytes)
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = PATTERNS["empty_groups"]
     cfg = GroupedMatmulConfig(block_m=64, block_n=n, max_concurrent_steps=2, schedule=schedule)
     lhs, _, gs = _inputs(m, 128, n, sizes, dtype)
@@ -300,6 +313,7 @@ def test_mxfp8_tile_dequantisation_is_exact(schedule, n):
     # the in-kernel conversion gives the MMA exactly the bf16 weights of the dequantise-on-load path: the
     # MXFP8 kernel equals the bf16 kernel of the same config (same MMAs, same order) on those weights,
     # bit for bit, over a wide spread of scales (2^-27 .. 2^12)
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = PATTERNS["group_larger_than_tile"]
     cfg = GroupedMatmulConfig(block_m=64, block_n=n, max_concurrent_steps=2, schedule=schedule)
     lhs, _, gs = _inputs(m, 128, n, sizes, jnp.bfloat16, seed=5)
@@ -313,6 +327,7 @@ def test_mxfp8_tile_dequantisation_is_exact(schedule, n):
 
 
 def test_mxfp8_split_k_decode_rows():
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     lhs, _, gs = _inputs(9, 256, 256, [2, 0, 1, 0, 5], jnp.bfloat16, seed=8)
     cfg = GroupedMatmulConfig(block_m=64, block_n=256, max_concurrent_steps=2, schedule="warp_specialized", split_k=2)
     _check_mxfp8(lhs, *_mxfp8_weights(len(gs), 256, 256, seed=2), gs, cfg=cfg)
@@ -327,6 +342,7 @@ def test_mxfp8_split_k_decode_rows():
 def test_mxfp8_gemv_matches_dequantised_reference(dtype, m, sizes, split):
     # the decode GEMV: CUDA-core FMAs over fp8 rows, scales applied per 32-row partial sum; two N tiles,
     # two K steps per part
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     lhs, _, gs = _inputs(m, 256, 512, sizes, dtype, seed=3)
     cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=split)
     # traced group sizes: every row body the rows allow is built (constant ones build those the
@@ -338,6 +354,7 @@ def test_mxfp8_gemv_matches_dequantised_reference(dtype, m, sizes, split):
 def test_mxfp8_several_weights_match_one_call_each(schedule):
     # an MLP's gate and up: one launch on the gemv schedule (each weight its own visits, K parts and
     # output), one call per weight on the MMA schedules; each equal to its own dequantised reference
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = 11, [3, 0, 6, 1]
     lhs, _, gs = _inputs(m, 256, 256, sizes, jnp.bfloat16, seed=5)
     n = 256 if schedule == "gemv" else 128
@@ -362,6 +379,7 @@ def test_gemv_launch_of_several_problems_matches_one_call_each():
     # a decode step's routed gate + up (groups, rows sorted by group) and shared expert (one group, a
     # constant schedule) in one launch: each problem its own K, N, split and rows; the same values as
     # its own launch (same kernel body and K split), and its dequantised reference
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.pallas.grouped_matmul import gemv_launch_mxfp8
 
     lhs_a, _, gs_a = _inputs(9, 256, 256, [2, 0, 5, 1], jnp.bfloat16, seed=13)
@@ -404,6 +422,7 @@ def test_moe_decode_shares_gemv_launches_with_the_shared_expert(monkeypatch):
     # decode rows with every MoE weight MXFP8: routed and shared gate + up in one launch, then both downs
     # (two launches of two problems, the shared expert's first at several tokens); the same values as
     # separate launches at the same K splits, and close to the block on the dequantised weights
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     import m3jax.moe as moe
     import m3jax.pallas.grouped_matmul as gmm
     from m3jax.layers import dequantize_tree
@@ -430,6 +449,7 @@ def test_moe_decode_orders_the_shared_expert_by_token_count(monkeypatch, tokens)
     # one token: the shared expert follows the routed experts at the K split it has alone; several: it
     # leads each launch, split to at most one CTA per SM (gemv.leading_split). Launches run on the
     # reference (the kernel is the test above); the order must not change the values
+    # Machine: any: launches on the jnp reference; the order is host-side
     import m3jax.moe as moe
     import m3jax.pallas.grouped_matmul as gmm
     from m3jax.pallas.grouped_matmul import gemv
@@ -454,6 +474,7 @@ def test_moe_decode_orders_the_shared_expert_by_token_count(monkeypatch, tokens)
 def test_gemv_builds_only_the_row_bodies_its_visits_can_run():
     # a body is a copy of the pipeline to lower and compile: with constant group sizes (a dense weight)
     # only those the schedule's visits need, with traced ones those of at most M rows
+    # Machine: any: host-side planning, no kernel runs
     from m3jax.pallas.grouped_matmul import gemv
 
     w = _mxfp8_weights(1, 256, 256, seed=1)
@@ -472,6 +493,7 @@ def test_gemv_builds_only_the_row_bodies_its_visits_can_run():
 def test_leading_split_keeps_one_cta_per_sm(k, n, weights):
     # the largest split that divides K in block_k steps and keeps weights x N tiles x split CTAs within
     # the SMs; 1 where even that is more CTAs than SMs
+    # Machine: any: host-side planning, no kernel runs (the current target's SM count)
     from m3jax.pallas.grouped_matmul import gemv
 
     sms = _backend.current_target().num_sms
@@ -485,6 +507,7 @@ def test_leading_split_keeps_one_cta_per_sm(k, n, weights):
 
 @pytest.mark.parametrize("m,sizes", [(20, [1, 0, 2, 3, 0, 7, 5]), (30, [17, 0, 0, 9]), (3, [0, 0, 0])])
 def test_gemv_schedule_covers_each_row_once(m, sizes):
+    # Machine: any: host-side planning, no kernel runs
     from m3jax.pallas.grouped_matmul import gemv
 
     sched = np.asarray(gemv.schedule(jnp.asarray(sizes, jnp.int32), m))
@@ -503,6 +526,7 @@ def test_deal_visits_matches_numpy():
     # the schedules' visits dealt to groups (the group lookup one compare-and-sum fusion): group against
     # NumPy's binary search, ordinal and liveness against dealing them one by one, on counts with empty
     # groups (repeated running sums) and visits past the last group
+    # Machine: any: jnp against numpy, no kernel
     from m3jax.pallas.grouped_matmul.tiles import deal_visits
 
     rng = np.random.default_rng(7)
@@ -521,6 +545,7 @@ def test_deal_visits_matches_numpy():
 def test_mxfp8_gemv_lowers_for_cuda_at_m3_shapes(target):
     # one decode token's routed gate (4 rows in 4 of 128 experts) and the shared expert's down projection
     # (one group): no MMA, so one kernel for sm_90a and sm_100a
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.grouped_matmul import layer_config
 
     for m, g, k, n in ((4, 128, 6144, 3072), (1, 1, 3072, 6144)):
@@ -535,6 +560,7 @@ def test_mxfp8_gemv_lowers_for_cuda_at_m3_shapes(target):
 
 
 def test_mxfp8_reference_is_the_checkpoint_dequantisation():
+    # Machine: any: jnp references only
     from m3jax.checkpoint import dequantize_mxfp8
 
     values, scales = _mxfp8_weights(2, 64, 96, seed=1)
@@ -551,6 +577,7 @@ def test_mxfp8_reference_is_the_checkpoint_dequantisation():
 def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     # M3's expert down projection (F = 3072 -> D = 6144) for a 4096-token prefill chunk, and decode rows
     # (64-row tiles): fp8 tiles + scale rows by TMA, dequantised in registers, wgmma (sm_90a).
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     configs = list(zip((16384, 32), M3_CONFIGS[schedule]))
     if schedule == "warp_specialized":  # consumers of 64 fp8 columns (64-byte swizzle)
         configs.append((16384, GroupedMatmulConfig(block_n=128, schedule="warp_specialized")))
@@ -566,6 +593,7 @@ def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
 def test_moe_layer_with_mxfp8_experts_pallas_matches_dequantised():
     # the MoE block on MXFP8 params (param_specs(cfg, "mxfp8")): routed experts through the MXFP8 kernel,
     # the shared expert too (m3jax.moe.linear: 20 rows); against the same weights dequantised and ragged_dot
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.layers import MXFP8Weight, dequantize_tree
     from m3jax.moe import moe_sorted
     from m3jax.params import init_random_on_device
@@ -606,6 +634,8 @@ def test_linear_mxfp8_takes_the_kernel_at_decode_rows(monkeypatch):
     # MXFP8_KERNEL_MAX_ROWS rows, the weight dequantised at use past them and on "ragged_dot"; "auto"
     # takes the kernel on a GPU (where its canary passed) and dequantises off it (this test runs on
     # both); every way the dequantised weight's product (bf16 accumulation-order tolerance)
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU; what "auto" picks branches on the
+    # backend (the kernel on a GPU, dequantised off it)
     from m3jax.layers import MXFP8Weight, dequantize
     from m3jax.moe import MXFP8_KERNEL_MAX_ROWS, linear
 
@@ -636,6 +666,7 @@ def test_linears_mxfp8_one_launch_per_shape(monkeypatch):
     # m3jax.moe.linears: MXFP8 weights of one shape at decode rows as one kernel call (the gemv's
     # several-weight launch), a weight of another shape or a bf16 one on its own; each the dequantised
     # weight's product
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.layers import MXFP8Weight, dequantize
     from m3jax.moe import linears
 
@@ -657,6 +688,7 @@ def test_linears_mxfp8_one_launch_per_shape(monkeypatch):
 def test_gemv_schedule_is_a_constant_for_a_dense_weight(monkeypatch):
     # a dense weight's one group (m3jax.moe.linears) is known when tracing: the gemv's visit schedule is
     # computed then, not by kernels of the program; routed experts' traced group sizes keep it traced
+    # Machine: any: host-side planning, no kernel runs
     from m3jax.layers import MXFP8Weight
     from m3jax.moe import grouped_matmuls, linears
     from m3jax.pallas.grouped_matmul import gemv
@@ -681,6 +713,7 @@ def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
     # a decode token through layer 0 (full attention + dense MLP) with every matmul weight MXFP8 and
     # moe_impl="pallas": q/k/v/o and the MLP through the kernel; against the layer on the same weights
     # dequantised, moe_impl="ragged_dot"
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.layers import dequantize_tree, rope_angles
     from m3jax.model import decoder_layer
     from m3jax.params import init_random_on_device
@@ -688,7 +721,8 @@ def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
 
     calls = _count_mxfp8_kernel_calls(monkeypatch)
     cfg = tiny_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      dense_intermediate_size=256).replace(moe_impl="pallas")
+                      dense_intermediate_size=256, num_hidden_layers=1, layer_types=("full_attention",),
+                      mlp_layer_types=("dense",)).replace(moe_impl="pallas")  # layer 0 alone: no MoE weights to draw
     lp = init_random_on_device(cfg, seed=2, dtype=jnp.bfloat16, scale=0.3, weights="mxfp8")["text"]["layers"][0]
     h = jnp.asarray(np.random.default_rng(5).normal(size=(1, 1, 256)), jnp.bfloat16)
     pos = jnp.zeros((1, 1), jnp.int32)
@@ -702,6 +736,7 @@ def test_dense_layer_decode_step_with_mxfp8_weights(monkeypatch):
 
 
 def test_layer_config_per_regime(monkeypatch):
+    # Machine: any: host-side config choice for the current target (Hopper off the GPU and on the H200)
     from m3jax.pallas.grouped_matmul import kernel, layer_config
 
     # the H200's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill, pipelined decode in 64-row tiles
@@ -742,6 +777,7 @@ def test_moe_layer_warp_specialized_matches_ragged_dot(monkeypatch):
     # the MoE block on MXFP8 experts with the layer's configs switched to the warp-specialised schedule:
     # 8 tokens x top-2 over 3 experts is the decode regime (split-K), the shared expert one group of 8 rows.
     # The block's params are built here (a whole random model takes ~10 s to initialise on a CPU).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.layers import MXFP8Weight, dequantize_tree
     from m3jax.moe import moe_sorted
     from m3jax.pallas.grouped_matmul import kernel

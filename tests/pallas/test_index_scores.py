@@ -79,6 +79,7 @@ def test_chunked_prefill_batch_heads(dtype, target):
     # chunked prefill: block-aligned prefix, T not a multiple of the block, batch of 2 with a shorter
     # second sequence, 4 index heads; the msa_force_in / msa_force_out interventions (block 1 forced
     # in, block 2 out; block 4 out is the own block of the first sequence's later queries: kept).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     b, t, hi, hx, bs, prefix = 2, 21, 4, 64, 16, 48
     s = prefix + t
     iq, ik = _inputs(b, t, hi, hx, s, dtype)
@@ -95,6 +96,7 @@ def test_chunked_prefill_batch_heads(dtype, target):
 def test_prefill_from_zero_fewer_blocks_than_topk_local_init(target):
     # prefill from position 0: fewer visible blocks than top-k (-1 padding), ragged S (not a block
     # multiple), local_blocks=2 + one sink, block 32.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     b, t, hi, hx, bs = 1, 50, 2, 64, 32
     iq, ik = _inputs(b, t, hi, hx, t, jnp.bfloat16, seed=1)
     q_pos = jnp.arange(t, dtype=jnp.int32)[None]
@@ -112,6 +114,7 @@ def test_prefill_from_zero_fewer_blocks_than_topk_local_init(target):
 def test_fuzz_lengths(prefix_blocks, valid, seed):
     # Fixed array shapes (one compilation); the fuzzed lengths live in q_pos: a block-aligned prefix
     # and `valid` real queries, the rest padding rows at position 0 (as map_query_chunks pads).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     bs, hi, t, s = 16, 2, 24, 88
     prefix = prefix_blocks * bs
     iq, ik = _inputs(1, t, hi, 64, s, jnp.float32, seed=seed)

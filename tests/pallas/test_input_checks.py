@@ -88,17 +88,20 @@ CASES = {
 @pytest.mark.parametrize("implementation", ["pallas", "reference"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_shapes_raise_naming_the_array(case, implementation):
+    # Machine: any: argument / config checks, no kernel runs
     call, message = CASES[case]
     with pytest.raises(ValueError, match=message):
         call(implementation)
 
 
 def test_index_kernel_block_size():
+    # Machine: any: argument / config checks, no kernel runs
     with pytest.raises(ValueError, match="block_size 12 must be a positive multiple of 8"):
         index_scores.index_block_scores(IQ, _ones(1, 64, 64), Q_POS, block_size=12)
 
 
 def test_grouped_matmul_ranks():
+    # Machine: any: argument / config checks, no kernel runs
     with pytest.raises(ValueError, match=r"grouped_matmul: lhs must be \[M, K\], got shape \(64,\)"):
         grouped_matmul(_ones(64), _ones(2, 64, 64), jnp.array([32, 32], jnp.int32))
     values, scales = jnp.ones((2, 64, 256), jnp.float8_e4m3fn), jnp.ones((2, 2, 256), jnp.uint8)
@@ -109,16 +112,19 @@ def test_grouped_matmul_ranks():
 
 @pytest.mark.parametrize("scales_shape", [(4, 64), (4, 3), (4, 2, 64)])
 def test_mxfp8_weight_group_axis(scales_shape):
+    # Machine: any: argument / config checks, no kernel runs
     w = MXFP8Weight(jnp.ones((4, 64), jnp.float8_e4m3fn), jnp.ones(scales_shape, jnp.uint8))
     with pytest.raises(ValueError, match=r"MXFP8Weight: scales .* must be the values' shape \(4, 64\)"):
         _ = w.group_axis
 
 
 def test_mxfp8_weight_group_axis_found():
+    # Machine: any: argument / config checks, no kernel runs
     assert MXFP8Weight(jnp.ones((3, 64, 8)), jnp.ones((3, 2, 8))).group_axis == 1
 
 
 def test_check_dims_returns_sizes():
+    # Machine: any: argument / config checks, no kernel runs
     assert check_dims("f", a=(_ones(2, 3), "B T"), b=(_ones(2), "B")) == {"B": 2, "T": 3}
     with pytest.raises(ValueError, match=r"f: b must be \[B\], got shape \(2, 1\)"):
         check_dims("f", a=(_ones(2, 3), "B T"), b=(_ones(2, 1), "B"))

@@ -117,6 +117,7 @@ def _mma_instruction(name: str, mma: bool, target) -> str | None:
 
 
 def test_every_selfcheck_kernel_is_lowered_here():
+    # Machine: any: a list check
     from m3jax.pallas import canaries
 
     assert set(KERNELS) == set(canaries.KERNELS)
@@ -141,6 +142,7 @@ def mosaic_modules(monkeypatch):
 def test_lowers_for_sm100a(mosaic_modules):
     # (Hopper: the same function with _backend.HOPPER passes too; 20 s more of CI for what the H200
     # runs compile anyway.)
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     target = _backend.BLACKWELL
     before = (_backend.current_target(), _backend.on_gpu())  # Hopper off-GPU and on the H200
     with _backend.lowering_for(target):
@@ -164,6 +166,7 @@ def test_lowers_for_sm100a(mosaic_modules):
 def test_blackwell_decode_scores_lower_at_other_tiles(bs, q, dtype, mosaic_modules):
     # 64-row MMA tiles (block 64: m3-small; 192: three of them, fp32 as bf16 pieces), two 128-row tiles
     # (block 256), and query tiles from 8 to 128 rows (N of the MMA).
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.decode import decode_index_scores
 
     nb = CTX // bs
@@ -179,6 +182,7 @@ def test_blackwell_index_scores_lower_at_other_tiles(hx, bs, dtype, fused, mosai
     # index head dims 16 / 32 (32- and 64-byte swizzle) and 64 / 128; N = block 16 to 256 (256: the
     # accumulator read in four 64-column pieces; fp32 at 256: the half-block SMEM fallback, N = 128);
     # fp32 as three bf16 pieces; the fused top-k epilogue.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
 
     args = (S((1, T, HI, hx), dtype), S((1, CTX, hx), dtype), S((1, T), I32))
@@ -196,6 +200,7 @@ def test_blackwell_index_scores_lower_at_other_tiles(hx, bs, dtype, fused, mosai
 def test_blackwell_decode_attention_lowers_at_other_tiles(bs, h, q, dtype, mosaic_modules):
     # head dims 64..256 (O's TMEM columns, rescaled in 64-column pieces), Q * G = 32..128 rows, block
     # 256 as two 128-key tiles, fp32 as bf16 pieces (bf16x3).
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.decode import sparse_decode_attention
 
     nb = CTX // bs
@@ -210,6 +215,7 @@ def test_blackwell_decode_attention_lowers_at_other_tiles(bs, h, q, dtype, mosai
 def test_blackwell_kv_major_attention_lowers_at_other_tiles(g, h, bs, dtype, mosaic_modules):
     # head dims 32..256 (O read from TMEM in 64-column pieces; 256: 64-key blocks to fit SMEM), G 1
     # (padded to 8 rows per token) to 16, block 256 as 128-key kernel blocks, fp32 as bf16 pieces.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.sparse_attention import sparse_attention
 
     args = (S((1, T, HI * g, h), dtype), S((1, CTX, HI, h), dtype), S((1, CTX, HI, h), dtype),
@@ -225,6 +231,7 @@ def test_blackwell_kv_major_attention_lowers_at_other_tiles(g, h, bs, dtype, mos
 def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, mosaic_modules):
     # fp8 e4m3 index-key pages (index_cache_dtype): loaded by TMA as fp8, converted in SMEM (e4m3x2 ->
     # f16x2 cvt, then the query's 16-bit type) for the MMA; fp32 queries as bf16 pieces.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores
 
     target = getattr(_backend, target)

@@ -29,6 +29,7 @@ KERNEL_FIXTURES = ("kernel_g8", "kernel_g2")
 def test_pallas_fp32_matches_transformers(oracle_dir, name):
     # The precision contract: fp32 is fp32 on both paths and every backend, so the kernels path meets
     # the oracle bound on the logits and selects the oracle's blocks in every row of every MSA layer.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     fx = np.load(oracle_dir / name / "fixture.npz")
     model = m3jax.load_pretrained(oracle_dir / name, dtype="float32", attention_impl="pallas", progress=False)
     out = m3jax.forward(model, fx["input_ids"], return_block_indices=True)
@@ -48,6 +49,7 @@ def test_pallas_bf16_differs_from_reference_only_at_near_ties(oracle_dir):
     # probe.kernel_selection_agreement): a row may select other blocks only where the reference's k-th
     # and (k+1)-th scores are within m3jax.msa.compare's bound. Counted, never hidden: every differing
     # row must be inside the bound. Logits: as close to the fp32 oracle as the bf16 reference path.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     name = "kernel_g8"
     fx = np.load(oracle_dir / name / "fixture.npz")
     ids = fx["input_ids"]
@@ -62,6 +64,7 @@ def test_pallas_bf16_differs_from_reference_only_at_near_ties(oracle_dir):
 
 
 def test_auto_takes_the_kernels_on_a_gpu_and_falls_back_with_one_warning(monkeypatch):
+    # Machine: any: the choice with on_gpu and the target patched (a stand-in GPU and a CPU), no kernel runs
     g8 = tiny_config(hidden_size=64, num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_n_heads=2,
                      index_head_dim=64, index_block_size=64, index_topk_blocks=2)
     odd = g8.replace_text(index_block_size=8)  # not a multiple of 16: no kernel takes it
@@ -81,6 +84,7 @@ def test_auto_takes_the_kernels_on_a_gpu_and_falls_back_with_one_warning(monkeyp
 
 
 def test_pallas_refuses_configs_the_kernels_cannot_run():
+    # Machine: any: argument / config checks, no kernel runs
     with pytest.raises(m3jax.UnsupportedConfigError, match="multiple of 64"):
         m3jax.init_random(tiny_config().replace(attention_impl="pallas"))
     assert "multiple of 64" in kernels.decode_unsupported_reason(tiny_config(index_block_size=32).text)

@@ -63,6 +63,7 @@ def check(impl, bs, q, k, v, block_idx, q_pos, cfg=None):
 
 def test_interpret_mode_poisons_outputs():
     # The NaN check in `check` relies on it: unwritten output / staging rows are NaN in interpret mode.
+    # Machine: any: interpret mode's parameters (what the tests' NaN check relies on)
     assert _backend.interpret_params().uninitialized_memory == "nan"
 
 
@@ -103,6 +104,7 @@ def _as_blackwell(monkeypatch):
 @pytest.mark.parametrize("target,g,kh,h,bs,dtype,b,shuffle", [("device", *c) for c in KV_MAJOR_CASES]
                          + [("blackwell", *c) for c in KV_MAJOR_BLACKWELL_CASES])
 def test_kv_major_matches_reference(target, g, kh, h, bs, dtype, b, shuffle, monkeypatch):
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     q, k, v, bi, qp = make_inputs(g=g, kh=kh, h=h, bs=bs, dtype=dtype, b=b, shuffle=shuffle)
     with _as_blackwell(monkeypatch) if target == "blackwell" else contextlib.nullcontext():
         check("kv_major", bs, q, k, v, bi, qp)
@@ -118,6 +120,7 @@ QUERY_MAJOR_CASES = [
 
 @pytest.mark.parametrize("g,kh,h,bs,dtype,b,shuffle", QUERY_MAJOR_CASES)
 def test_query_major_matches_reference(g, kh, h, bs, dtype, b, shuffle):
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     q, k, v, bi, qp = make_inputs(g=g, kh=kh, h=h, bs=bs, dtype=dtype, b=b, t=3, shuffle=shuffle)
     check("query_major", bs, q, k, v, bi, qp)
 
@@ -125,6 +128,7 @@ def test_query_major_matches_reference(g, kh, h, bs, dtype, b, shuffle):
 def test_kv_major_deeper_q_ring_short_items():
     # Rows of several tiles (12 queries of one block, tq = 4), items of 2 tiles and a 3-deep ring (the
     # other tests run the default 2): the prologue, wrap-around and items shorter than the ring run.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     q, k, v, bi, qp = make_inputs(g=16, kh=1, h=64, bs=64, dtype=BF16, t=12, prefix_blocks=1, topk=2, seed=5)
     check("kv_major", 64, q, k, v, bi, qp, cfg=SparseAttentionConfig(q_stages=3, tiles_per_item=2))
 
@@ -139,6 +143,7 @@ CFG = SparseAttentionConfig(p_via_smem=False)  # P in registers, as on the GPU
 def test_plan_m3_shapes():
     # M3: N=64, K=4, H=128, block 128. bf16 keeps the tuned tiles: 4 tokens x 16 heads, the whole
     # block, 2 CTAs per SM. fp32: hi + lo tiles, 64-key sub-blocks, fp32 partials, 1 CTA per SM.
+    # Machine: any: host-side planning, no kernel runs
     bf = kernel.plan_kv_major(n=64, kh=4, h=128, block_size=128, dtype=BF16, cfg=CFG, target=_backend.HOPPER)
     assert (bf.gp, bf.m, bf.tq, bf.kb, bf.n_parts, bf.stage_dtype) == (16, 64, 4, 128, 1, "bfloat16")
     assert kernel.ctas_fitting(bf.smem, _backend.HOPPER) == 2
@@ -152,6 +157,7 @@ def test_plan_m3_shapes():
 def test_plan_m3_shapes_blackwell():
     # tcgen05: 128-row tiles (8 tokens x 16 heads), P through SMEM, the whole block at bf16; fp32 at
     # H=128 only fits 16-key sub-blocks next to two 128-row Q stages; fp32 at H=256 is refused.
+    # Machine: any: host-side planning, no kernel runs (for sm_100a)
     bw = _backend.BLACKWELL
     bf = kernel.plan_kv_major(n=64, kh=4, h=128, block_size=128, dtype=BF16, cfg=CFG, target=bw)
     assert (bf.m, bf.tq, bf.kb, bf.stage_p, bf.mma) == (128, 8, 128, True, "tcgen05") and bf.smem <= bw.smem_bytes
@@ -164,12 +170,14 @@ def test_plan_m3_shapes_blackwell():
 @pytest.mark.parametrize("g,gp,tq", [(1, 8, 8), (2, 8, 8), (4, 8, 8), (8, 8, 8), (12, 16, 4), (16, 16, 4),
                                      (64, 64, 1), (128, 128, 1)])
 def test_plan_packs_groups(g, gp, tq):
+    # Machine: any: host-side planning, no kernel runs
     plan = kernel.plan_kv_major(n=2 * g, kh=2, h=64, block_size=64, dtype=BF16, cfg=CFG, target=_backend.HOPPER)
     assert (plan.gp, plan.tq, plan.m) == (gp, tq, max(64, gp))
 
 
 @pytest.mark.parametrize("bs,kb", [(16, 16), (32, 32), (48, 16), (64, 64), (192, 192), (256, 256), (512, 256)])
 def test_plan_key_block_divides_block(bs, kb):
+    # Machine: any: host-side planning, no kernel runs
     plan = kernel.plan_kv_major(n=16, kh=1, h=64, block_size=bs, dtype=BF16, cfg=CFG, target=_backend.HOPPER)
     assert plan.kb == kb and kernel.pv_swizzle_minor(kb, 64) == min(kb, 64)
 
@@ -182,6 +190,7 @@ def test_plan_key_block_divides_block(bs, kb):
     (dict(dtype="float64"), "dtype"),
 ])
 def test_unsupported_reason(kwargs, match):
+    # Machine: any: argument / config checks, no kernel runs
     args = dict(num_heads=64, num_kv_heads=4, head_dim=128, block_size=128)
     assert kernel.unsupported_reason(**args) is None
     assert kernel.unsupported_reason(**args, dtype="float32") is None
@@ -200,6 +209,7 @@ def test_unsupported_reason(kwargs, match):
 def test_split_blocks_into_sub_blocks():
     # block 128 -> 64-key sub-blocks: both halves of an earlier block; the own block's second half only
     # once the query reaches it; -1 stays -1.
+    # Machine: any: host-side planning, no kernel runs
     bi = jnp.asarray([[[[0, 2, -1], [0, 2, -1]]]], jnp.int32)  # [B=1, K=1, T=2, topk=3]
     qp = jnp.asarray([[300, 400]], jnp.int32)  # own block 2 (256..383): 300 < 320, 400 is block 3
     got = np.asarray(kernel.split_blocks(bi, qp, 128, 64))
@@ -208,6 +218,7 @@ def test_split_blocks_into_sub_blocks():
 
 
 def test_csr_plan_covers_every_edge_once():
+    # Machine: any: host-side planning, no kernel runs
     """The CSR/work list (pure jnp) puts each valid (query, slot) on exactly one padded edge of its row."""
     b, t, topk, tq, tpi, kh, bs = 2, 40, 3, 4, 2, 2, 64
     _, _, _, block_idx, q_pos = make_inputs(g=8, kh=kh, h=64, bs=bs, dtype=F32, b=b, t=t, topk=topk, shuffle=True)
@@ -241,6 +252,7 @@ def test_csr_plan_covers_every_edge_once():
 def test_lowers_for_hopper(impl, g, h, bs, dtype):
     # The real Mosaic GPU lowering checks what interpret mode does not (wgmma K steps against the
     # swizzle, register-A P, N granularity), here for CUDA on the CPU; nothing is compiled.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     S = jax.ShapeDtypeStruct
     kh, t, ctx, topk = 2, 64, 1024, 4
     args = (S((1, t, kh * g, h), dtype), S((1, ctx, kh, h), dtype), S((1, ctx, kh, h), dtype),

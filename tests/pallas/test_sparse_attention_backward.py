@@ -94,6 +94,7 @@ CASES = [
 
 @pytest.mark.parametrize("g,kh,h,bs,dtype,selection,b,with_lse", CASES)
 def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, with_lse):
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     assert backward.unsupported_reason(num_heads=g * kh, num_kv_heads=kh, head_dim=h, block_size=bs,
                                        dtype=jnp.dtype(dtype).name) is None  # the kernel, not the fallback
     q, k, v, bi, qp, do = make_case(g=g, kh=kh, h=h, bs=bs, dtype=dtype, selection=selection, b=b)
@@ -103,12 +104,14 @@ def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, 
 
 def test_fallback_to_reference_gradient():
     # Block 16 (below the kernel's 64-key blocks) and H = 32: the named fallback, the reference's vjp.
+    # Machine: any: the reference's gradient (the named fallback) on a CPU and on a GPU
     assert "multiple of 64" in backward.unsupported_reason(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
     q, k, v, bi, qp, do = make_case(g=2, kh=2, h=32, bs=16, dtype=F32, selection="random", t=3)
     check_grads(q, k, v, bi, qp, do, bs=16)
 
 
 def test_unsupported_reason_names_the_limit():
+    # Machine: any: argument / config checks, no kernel runs
     args = dict(num_heads=64, num_kv_heads=4, head_dim=128, block_size=128)
     assert backward.unsupported_reason(**args) is None
     assert backward.unsupported_reason(**args, dtype="float32") is None
@@ -125,6 +128,7 @@ def test_backward_lowers(target, g, h, bs, dtype):
     # the forward and the backward kernel for Hopper; for Blackwell the forward kernel only (the
     # backward is the reference gradient there; value_and_grad keeps the forward, whose output that
     # gradient does not read). Nothing is compiled.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     S = jax.ShapeDtypeStruct
     kh, t, ctx, topk = 2, 64, 1024, 4
     args = (S((1, t, kh * g, h), dtype), S((1, ctx, kh, h), dtype), S((1, ctx, kh, h), dtype),

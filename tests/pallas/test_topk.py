@@ -45,6 +45,7 @@ def _check(scores, q_pos, bs, k, implementation="pallas_blockmajor", **kw):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunked_prefill_ties_batch(dtype):
     # block-aligned prefix, 3 heads, batch 2 with different lengths, integer-rounded scores (many ties).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     b, hi, t, bs, prefix = 2, 3, 45, 16, 480
     q_pos = jnp.stack([prefix + jnp.arange(t), 200 + jnp.arange(t)]).astype(jnp.int32)
     scores = _scores(b, hi, t, prefix + t, bs, q_pos, ties=True, dtype=dtype)
@@ -52,6 +53,7 @@ def test_chunked_prefill_ties_batch(dtype):
 
 
 def test_fewer_blocks_than_topk_local_init():
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     b, hi, t, bs = 1, 2, 37, 8
     q_pos = jnp.arange(t, dtype=jnp.int32)[None]
     scores = _scores(b, hi, t, t, bs, q_pos, seed=3)
@@ -62,6 +64,7 @@ def test_fewer_blocks_than_topk_local_init():
 @given(valid=st.integers(1, 40), prefix_blocks=st.integers(0, 40), seed=st.integers(0, 99))
 def test_fuzz(valid, prefix_blocks, seed):
     # Fixed shapes (one compilation); fuzzed lengths through q_pos (padding rows at position 0).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     bs, t, s, k = 16, 40, 40 * 16 + 40, 4
     ar = jnp.arange(t, dtype=jnp.int32)
     q_pos = jnp.where(ar < valid, prefix_blocks * bs + ar, 0)[None]
@@ -80,6 +83,8 @@ def test_topk_range_and_interventions(implementation, k):
     # top-k 1 and 64 (the range research uses) with msa_force_in / msa_force_out: blocks 3 and 70 in
     # (70 is after the second row's own block 50: never forced), 5 and 79 out (79 is the first row's
     # own block: kept), one sink.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU; its top-64 row-split case only on a GPU
+    # (~12 min interpreted)
     bs, nb = 4, 80
     q_pos = jnp.array([[319, 200]], jnp.int32)
     scores = _scores(1, 2, 2, nb * bs, bs, q_pos, seed=k)
@@ -102,6 +107,7 @@ def _tie_scores(b, hi, q, nb, bs, q_pos, seed):
 def test_rowsplit_decode_rows(k, local, init, ties):
     # B=2, Hi=2, Q=2: 8 rows, one CTA each. nb=300 (not a multiple of 128, 3 SMEM rows); q_pos 5 sees
     # 2 blocks (< topk: -1 padding, 2 SMEM rows skipped), 517 ends inside the second SMEM row.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     bs, nb = 4, 300
     q_pos = jnp.array([[1198, 1199], [5, 517]], jnp.int32)
     if ties:
@@ -112,6 +118,7 @@ def test_rowsplit_decode_rows(k, local, init, ties):
 
 
 def test_pallas_picks_rowsplit_for_few_rows_that_fit(monkeypatch):
+    # Machine: any: the choice between the top-k kernels, both stubbed
     calls = []
     monkeypatch.setattr(topk._rowsplit, "select_blocks", lambda *a, **kw: calls.append("rowsplit"))
     monkeypatch.setattr(topk._kernel, "select_blocks", lambda *a, **kw: calls.append("blockmajor"))
@@ -125,6 +132,7 @@ def test_pallas_picks_rowsplit_for_few_rows_that_fit(monkeypatch):
 def test_rowsplit_lowers_for_cuda_at_m3_decode_shapes(b, nb):
     # M3 decode: Hi=4 index heads, Q=1, top-16 of 1,024 (128K tokens) / 8,192 (1M) blocks of 128 ->
     # 4 / 32 rows. Lowered for CUDA on the CPU (Pallas -> Mosaic GPU custom call); nothing compiled.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     args = (jax.ShapeDtypeStruct((b, 4, 1, nb), jnp.float32), jax.ShapeDtypeStruct((b, 1), jnp.int32))
     f = jax.jit(lambda s, p: rowsplit.select_blocks(s, p, block_size=128, topk=16, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
