@@ -193,8 +193,9 @@ def add_distributed_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=nonnegative_int, default=None, metavar="I",
                    help="this process's index in [0, N) (default: detected)")
     g.add_argument("--heartbeat-timeout", type=positive_int, default=distributed.HEARTBEAT_TIMEOUT_S, metavar="S",
-                   help=f"seconds without a heartbeat before a process counts as dead and the others abort "
-                        f"(default {distributed.HEARTBEAT_TIMEOUT_S})")
+                   help=f"seconds without a heartbeat before a process counts as dead and the others stop, "
+                        f"naming it (default {distributed.HEARTBEAT_TIMEOUT_S}; JAX's own heartbeat, twice that, "
+                        "aborts as a backstop)")
     g.add_argument("--init-timeout", type=positive_int, default=distributed.INIT_TIMEOUT_S, metavar="S",
                    help=f"seconds to wait for every process to join at start (default {distributed.INIT_TIMEOUT_S})")
 
