@@ -46,7 +46,8 @@ class ForwardOutput:
 
 
 def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: str = "auto", progress: bool = True,
-                    mesh=None, weights: str = "dequantize", allow_nonfinite: bool = False) -> M3Model:
+                    mesh=None, weights: str = "dequantize", allow_nonfinite: bool = False,
+                    config: M3Config | None = None) -> M3Model:
     """Load an HF-layout MiniMax-M3 checkpoint directory (config.json + safetensors, BF16 or MXFP8).
 
     ``dtype="auto"`` runs in the checkpoint's own dtype (:func:`m3jax.checkpoint.checkpoint_dtype`).
@@ -58,13 +59,20 @@ def load_pretrained(path: str | Path, dtype: str = "bfloat16", attention_impl: s
     A checkpoint holding NaN or infinite values is refused by name (:class:`m3jax.checkpoint.NonFiniteError`)
     unless ``allow_nonfinite=True``. A load that overlaps a save of the same folder reads it again
     (the save id in config.json changed while reading), and after a few such tries raises
-    :class:`m3jax.checkpoint.CheckpointChanged`: the model returned is all of one save."""
+    :class:`m3jax.checkpoint.CheckpointChanged`: the model returned is all of one save.
+
+    ``attention_impl`` is resolved here (:func:`m3jax.msa.layer.resolve_attention_impl`) into the
+    model's config. A caller that built and resolved the config itself (the generate CLI: the
+    checkpoint's config with its overrides) passes it as ``config`` instead: the model gets it as it
+    is, nothing resolved again. The weights are read by the checkpoint's config.json either way."""
     if dtype not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"dtype={dtype!r}; choose 'auto', 'bfloat16' or 'float32'")
+    if config is not None and attention_impl != "auto":
+        raise ValueError("pass attention_impl or a resolved config, not both (the config's attention_impl is used)")
     for _ in range(_LOAD_TRIES):
         before = saved_id(path)
         try:
-            model = _load(path, dtype, attention_impl, progress, mesh, weights, allow_nonfinite, before)
+            model = _load(path, dtype, attention_impl, config, progress, mesh, weights, allow_nonfinite, before)
         except (CheckpointError, UnsupportedConfigError, OSError):
             if saved_id_or_none(path) == before:
                 raise  # the folder did not change under the load: the error is the checkpoint's own
@@ -86,17 +94,19 @@ def saved_id_or_none(path) -> str | None:
         return None
 
 
-def _load(path, dtype, attention_impl, progress, mesh, weights, allow_nonfinite, save_id) -> M3Model:
+def _load(path, dtype, attention_impl, config, progress, mesh, weights, allow_nonfinite, save_id) -> M3Model:
     cfg = load_config(path)
     if dtype == "auto":
         dtype = checkpoint_dtype(path)
-    cfg = cfg.replace(attention_impl=resolve_attention_impl(attention_impl, cfg, dtype))
+    cfg = cfg.replace(attention_impl=resolve_attention_impl(attention_impl, cfg, dtype) if config is None
+                      else config.attention_impl)
     if mesh is not None:
-        return M3Model(cfg, load_sharded(path, cfg, mesh, dtype=dtype, progress=progress, weights=weights,
-                                         allow_nonfinite=allow_nonfinite, save_id=save_id), mesh)
-    params = load_params(path, cfg, dtype=dtype, progress=progress, weights=weights,
-                         allow_nonfinite=allow_nonfinite, save_id=save_id)
-    return M3Model(cfg, params)
+        params = load_sharded(path, cfg, mesh, dtype=dtype, progress=progress, weights=weights,
+                              allow_nonfinite=allow_nonfinite, save_id=save_id)
+    else:
+        params = load_params(path, cfg, dtype=dtype, progress=progress, weights=weights,
+                             allow_nonfinite=allow_nonfinite, save_id=save_id)
+    return M3Model(config or cfg, params, mesh)
 
 
 def init_random(config: M3Config, seed: int = 0, dtype: str = "float32", mesh=None) -> M3Model:

@@ -151,7 +151,7 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def _float(text: str) -> float:
+def finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -193,8 +193,9 @@ def add_distributed_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=nonnegative_int, default=None, metavar="I",
                    help="this process's index in [0, N) (default: detected)")
     g.add_argument("--heartbeat-timeout", type=positive_int, default=distributed.HEARTBEAT_TIMEOUT_S, metavar="S",
-                   help=f"seconds without a heartbeat before a process counts as dead and the others abort "
-                        f"(default {distributed.HEARTBEAT_TIMEOUT_S})")
+                   help=f"seconds without a heartbeat before a process counts as dead and the others stop, "
+                        f"naming it (default {distributed.HEARTBEAT_TIMEOUT_S}; JAX's own heartbeat, twice that, "
+                        "aborts as a backstop)")
     g.add_argument("--init-timeout", type=positive_int, default=distributed.INIT_TIMEOUT_S, metavar="S",
                    help=f"seconds to wait for every process to join at start (default {distributed.INIT_TIMEOUT_S})")
 
@@ -208,14 +209,14 @@ def seed(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    value = _float(text)
+    value = finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
 
 
 def nonnegative_float(text: str) -> float:
-    value = _float(text)
+    value = finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -223,7 +224,7 @@ def nonnegative_float(text: str) -> float:
 
 def fraction(text: str) -> float:
     """A number in [0, 1)."""
-    value = _float(text)
+    value = finite_float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value

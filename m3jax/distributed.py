@@ -10,8 +10,13 @@ on its own devices, and one mesh spans all of them.
   each process computed (the generated ids) at the end.
 * Failure: a process that stops on an error publishes it in the coordination service before it
   exits; a watchdog thread in every other process reads it and exits at once, naming that process.
-  A process that dies without a word (killed, a lost node) is found by JAX's heartbeat: the
-  survivors abort after ``--heartbeat-timeout`` seconds with JAX's log line naming the task.
+  A process that dies without a word (killed, hung, a lost node) stops the beats its watchdog
+  publishes every 0.5 s: the others exit after ``--heartbeat-timeout`` seconds with one line naming
+  it (a finished process says so first, then waits in JAX's shutdown without beating). JAX's own
+  heartbeat, at twice that timeout, is the backstop: it aborts with JAX's log (the client's callback
+  for it is not usable from Python in jax 0.11.2). Losing process 0, which hosts the coordination
+  service, is seen at the next poll; JAX's client, which polls the service for errors all the time,
+  usually aborts first with its own log ("Failed to send RPC to coordination service").
   A process that cannot reach the coordinator gives up after ``--init-timeout`` seconds.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -30,13 +36,16 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-# Seconds without a heartbeat before the coordination service declares a process dead and every
-# other process aborts (JAX's own default is 100 s); seconds a process waits for all others to
-# join at start-up (JAX's default 300 s).
+# Seconds without a beat of a process's watchdog before the others stop, naming it (JAX's own
+# heartbeat default is 100 s); seconds a process waits for all others to join at start-up (JAX's
+# default 300 s).
 HEARTBEAT_TIMEOUT_S = 30
 INIT_TIMEOUT_S = 300
-# How often the watchdog reads the failures other processes published.
+# How often the watchdog beats and reads the failures and beats of the other processes.
 _POLL_S = 0.5
+# JAX's own heartbeat timeout, as a multiple of --heartbeat-timeout: a backstop that aborts with JAX's
+# log (SIGABRT) only if the watchdog did not stop this process first with its one line.
+JAX_HEARTBEAT_FACTOR = 2
 _PREFIX = "m3jax/"
 
 _state = {"on": False, "failing": False, "watchdog": None}
@@ -71,14 +80,15 @@ def initialize(args: argparse.Namespace) -> bool:
     # CPU devices need a collectives backend across processes (GPUs use NCCL); harmless elsewhere.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
+        # JAX's heartbeat is the backstop, behind the watchdog's (which names the process in one line).
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                    initialization_timeout=args.init_timeout,
-                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
+                                   heartbeat_timeout_seconds=JAX_HEARTBEAT_FACTOR * args.heartbeat_timeout)
     except (RuntimeError, ValueError) as e:  # the coordinator did not answer, or nothing to detect
         raise SystemExit(f"cannot join the job (coordinator {args.coordinator or 'detected'}): "
                          f"{str(e).splitlines()[0]}") from None
     _state["on"] = True
-    _start_watchdog()
+    _start_watchdog(args.heartbeat_timeout)
     _check_arguments(args)
     if not is_voice():
         args.quiet = True
@@ -195,30 +205,56 @@ def fail(message: str, code: int) -> None:
     os._exit(code)
 
 
-def _start_watchdog() -> None:
-    me = jax.process_index()
+def _stop(me: int, why: str) -> None:
+    print(f"error: process {me}: stopping because {why}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
+
+def _start_watchdog(heartbeat_timeout: int) -> None:
+    me = jax.process_index()
     stop = threading.Event()
 
     def watch():
         c = _client()
+        beats, seen = 0, {}
         while not stop.wait(_POLL_S):
+            now = time.monotonic()
             try:
+                beats += 1
+                c.key_value_set(f"{_PREFIX}alive/{me}", str(beats), allow_overwrite=True)
                 failed = c.key_value_dir_get(f"{_PREFIX}failed/")
-            except Exception:  # noqa: BLE001 - JAX's heartbeat aborts this process if the coordinator is gone
+                alive = dict(c.key_value_dir_get(f"{_PREFIX}alive/"))
+                done = {k.rsplit("/", 1)[1] for k, _ in c.key_value_dir_get(f"{_PREFIX}done/")}
+            except Exception:  # noqa: BLE001 - the coordination service (process 0) is gone
+                # (JAX's client aborts on such a failure too, often first: its own poll of the service)
+                if me != 0 and not _state["failing"]:
+                    _stop(me, "lost the coordination service on process 0 (process 0 died, or its host is "
+                              "unreachable)")
                 continue
             others = [(int(k.rsplit("/", 1)[1]), v) for k, v in failed if not k.endswith(f"/{me}")]
             if others and not _state["failing"]:
                 p, msg = min(others)
-                print(f"error: process {me}: stopping because process {p} failed: {msg}", file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(1)
+                _stop(me, f"process {p} failed: {msg}")
+            # A peer's count that has not moved for heartbeat_timeout seconds of this process's clock:
+            # the peer is dead or cut off (no clocks are compared across hosts).
+            for p in range(jax.process_count()):
+                if str(p) in done:  # finished (it waits in JAX's shutdown barrier without beating)
+                    continue
+                count = alive.get(f"{_PREFIX}alive/{p}")
+                if p not in seen or seen[p][0] != count:
+                    seen[p] = (count, now)
+                elif p != me and now - seen[p][1] > heartbeat_timeout and not _state["failing"]:
+                    _stop(me, f"process {p} stopped responding for {heartbeat_timeout} s (--heartbeat-timeout: "
+                              "killed, hung, or its host lost)")
 
     def join():
         # Before JAX's own exit handler shuts the client down (handlers run last registered first): a
         # daemon thread still inside a client call when the interpreter ends aborts the process.
         stop.set()
         t.join()
+        with contextlib.suppress(Exception):  # the coordination service (process 0) may be gone already
+            _publish("done", "1")
 
     t = threading.Thread(target=watch, name="m3jax-distributed-watchdog", daemon=True)
     t.start()

@@ -72,7 +72,7 @@ from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams
 from m3jax.memory import GiB, device_memory, max_fitting_ctx, plan
 from m3jax.model import scatter_media
 from m3jax.msa import layer as msa_layer
-from m3jax.params import init_random_on_device
+from m3jax.params import init_random, init_random_on_device
 from m3jax.tokenizer import ByteTokenizer, load_tokenizer
 from m3jax.vision import encode_media
 
@@ -472,10 +472,9 @@ def _generate(args) -> dict:
     t0 = time.perf_counter()
     if args.checkpoint:
         # With a mesh each device reads only its shard of the files (a progress bar per file).
-        model = m3jax.load_pretrained(args.checkpoint, dtype=dtype, attention_impl=cfg.attention_impl,
-                                      progress=not args.quiet, mesh=mesh, weights=args.weights,
-                                      allow_nonfinite=args.allow_nonfinite_weights)
-        model = m3jax.M3Model(cfg, model.params, mesh)
+        # cfg, its attention_impl resolved above, is the model's as it is: nothing is resolved twice.
+        model = m3jax.load_pretrained(args.checkpoint, dtype=dtype, config=cfg, progress=not args.quiet, mesh=mesh,
+                                      weights=args.weights, allow_nonfinite=args.allow_nonfinite_weights)
     elif memory_plan["weights_bytes"] * len(devices) > GiB or args.weights == "mxfp8":
         # Real-width presets: host numpy would draw tens of GB in float64 first; draw on the devices, each
         # leaf straight into its shards under a mesh.
@@ -486,8 +485,9 @@ def _generate(args) -> dict:
             draw, out_shardings=sharding.param_shardings(cfg, mesh, weights=args.weights))()
         model = m3jax.M3Model(cfg, params, mesh)
     else:
-        model = (m3jax.init_random(cfg, seed=args.seed, dtype=dtype) if mesh is None  # the plain path, as before
-                 else m3jax.init_random(cfg, seed=args.seed, dtype=dtype, mesh=mesh))
+        # m3jax.init_random's draw, without resolving the resolved attention_impl again
+        params = init_random(cfg, seed=args.seed, dtype=jnp.dtype(dtype))
+        model = m3jax.M3Model(cfg, params if mesh is None else sharding.shard_params(params, cfg, mesh), mesh)
     jax.block_until_ready(model.params)
     load_s = time.perf_counter() - t0
 

@@ -37,6 +37,7 @@ import numpy as np
 import m3jax
 from m3jax import cli
 from m3jax.atomic import atomic_write
+from m3jax.config import load_config
 from m3jax.data import KEY_RANGE, draw_keys, kv_line, plant, stdlib_files, text_encoder
 from m3jax.probe import with_dense_layers
 
@@ -180,7 +181,7 @@ def evaluate(model, encode, stream: np.ndarray, *, ctx: int, trials: int, seed: 
 
 
 def depth_value(text: str) -> float:
-    value = cli._float(text)
+    value = cli.finite_float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"a depth is a share of the row in [0, 1], got {value}")
     return value
@@ -213,13 +214,12 @@ def main(argv=None) -> dict:
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json there")
 
     t0 = time.time()
-    model = m3jax.load_pretrained(args.checkpoint, dtype=args.dtype, attention_impl=args.attention_impl, progress=False)
-    # the attention path is resolved again for the overridden config (the fp8 indexer has no kernel)
-    cfg = cli.apply_overrides(model.config.replace(attention_impl="reference"), args.config_override)
+    # the attention path is resolved once, for the overridden config (the fp8 indexer has no kernel)
+    cfg = cli.apply_overrides(load_config(args.checkpoint), args.config_override)
     cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg, args.dtype))
     if args.dense:
         cfg = with_dense_layers(cfg, [i for i in range(cfg.text.num_hidden_layers) if cfg.text.is_sparse_attention(i)])
-    model = m3jax.M3Model(cfg, model.params, model.mesh)
+    model = m3jax.load_pretrained(args.checkpoint, dtype=args.dtype, config=cfg, progress=False)
     tok = None
     if (args.checkpoint / "tokenizer.json").exists():
         from tokenizers import Tokenizer

@@ -60,7 +60,7 @@ def weights_per_device(cfg: M3Config, mesh, dtype: str) -> tuple[float, float]:
             b = 4.0
         else:
             b = 2.0 if dtype in ("bfloat16", "mxfp8") else 4.0
-        split = math.prod(mesh.shape[m] for part in spec if part is not None for m in sh._mesh_axes(part))
+        split = math.prod(mesh.shape[m] for part in spec if part is not None for m in sh.rule_mesh_axes(part))
         n = math.prod(s.shape)
         per_dev += n / split * b
         total += n * b
@@ -87,7 +87,7 @@ def cache_per_device(cfg: M3Config, mesh, batch: int, ctx: int, kv_bytes: int) -
     index = tokens * sum(t.index_head_dim for i in range(t.num_hidden_layers) if t.is_sparse_attention(i)) * index_bytes
     assert kv + index == cache_bytes(cfg, batch, ctx, kv_bytes)
     spec = sh.spec_for(sh.CACHE_KV_AXES, (pages, bs, t.num_key_value_heads, t.head_dim), mesh)
-    split = math.prod(mesh.shape[m] for part in spec if part is not None for m in sh._mesh_axes(part))
+    split = math.prod(mesh.shape[m] for part in spec if part is not None for m in sh.rule_mesh_axes(part))
     return kv / split, index / split
 
 

@@ -203,7 +203,7 @@ def dense_block_mass(q, k, v, q_pos, block_size: int, key_tile: int = 4096):
         logits = jnp.einsum("bckgh,bskh->bkgcs", qg, kt.astype(jnp.float32), precision=msa.HIGHEST) * h**-0.5
         ok = (start + jnp.arange(tile))[None, None, :] <= q_pos[:, :, None]  # [B, C, tile]
         logits = jnp.where(ok[:, None, None], logits, msa.NEG_INF)
-        p = msa._softmax_or_zero(logits)  # [B, K, G, C, tile]
+        p = msa.softmax_or_zero(logits)  # [B, K, G, C, tile]
         o = jnp.einsum("bkgcs,bskh->bckgh", p, vt.astype(jnp.float32), precision=msa.HIGHEST)
         lse = jnp.moveaxis(jax.nn.logsumexp(logits, axis=-1), 3, 1).reshape(b, c, n)
         mass = p.reshape(b, n, c, per_tile, block_size).sum(-1)

@@ -94,7 +94,8 @@ def make_mesh(n_devices: int | None = None, *, data: int = 1, devices=None) -> j
     return jax.make_mesh((data, n // data), MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices[:n])
 
 
-def _mesh_axes(rule) -> tuple[str, ...]:
+def rule_mesh_axes(rule) -> tuple[str, ...]:
+    """The mesh axes a sharding rule names (None, one axis, or a tuple of axes) as a tuple."""
     if rule is None:
         return ()
     return (rule,) if isinstance(rule, str) else tuple(rule)
@@ -116,7 +117,7 @@ def spec_for(axes: Iterable[str | None], shape: Iterable[int], mesh, rules=RULES
             continue
         if name not in table:
             raise ShardingRuleError(f"logical axis {name!r} has no rule in the sharding table")
-        ms = _mesh_axes(table[name])
+        ms = rule_mesh_axes(table[name])
         for m in ms:
             if m in used:
                 raise ShardingRuleError(
@@ -180,7 +181,7 @@ def validate_rules(cfg: M3Config, mesh, rules=RULES) -> list[str]:
     for s in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec):
         spec = spec_for(s.axes, s.shape, mesh, rules)
         for name, dim, got in zip(s.axes, s.shape, tuple(spec) + (None,) * (len(s.shape) - len(spec))):
-            want = tuple(m for m in _mesh_axes(table.get(name)) if mesh.shape.get(m, 1) > 1) if name else ()
+            want = tuple(m for m in rule_mesh_axes(table.get(name)) if mesh.shape.get(m, 1) > 1) if name else ()
             if want and got is None:
                 notes.append(f"{name}={dim} replicated (mesh axes {want} of size "
                              f"{math.prod(mesh.shape[m] for m in want)} do not divide it)")
@@ -215,7 +216,7 @@ def planned_param_bytes(cfg: M3Config, mesh, dtype_bytes: int | Callable[[ParamS
     total = 0.0
     for s in jax.tree.leaves(param_specs(cfg, weights), is_leaf=_is_spec):
         spec = spec_for(s.axes, s.shape, mesh, rules)
-        split = math.prod(mesh.shape[m] for e in spec if e is not None for m in _mesh_axes(e))
+        split = math.prod(mesh.shape[m] for e in spec if e is not None for m in rule_mesh_axes(e))
         if s.dtype in ("float8_e4m3fn", "uint8"):
             per_elem = 1
         else:

@@ -579,18 +579,30 @@ def refuse_out_over_inputs(args) -> None:
 # "auto" resolves by the machine) but it is recorded: run_args.json says what the run started on.
 RESUME_MAY_CHANGE = ("steps", "ckpt_every", "eval_every", "eval_batches", "stop_after", "time_budget", "save_format",
                      "attention_impl")
-_NOT_RECORDED = tuple(a for a in RESUME_MAY_CHANGE if a != "attention_impl") + ("resume", "overwrite", "out", "debug")
+# How the job was joined is not the run: the coordinator's address and this process's index change
+# from job to job, and the timeouts alter nothing computed. The job's process count is recorded
+# instead, as "processes", and may change on --resume (see check_run_args).
+_JOB_FLAGS = ("coordinator", "num_processes", "process_id", "heartbeat_timeout", "init_timeout")
+_NOT_RECORDED = (tuple(a for a in RESUME_MAY_CHANGE if a != "attention_impl") + _JOB_FLAGS
+                 + ("resume", "overwrite", "out", "debug"))
 
 
 def check_run_args(out: Path, args) -> None:
-    """Record the run's arguments in ``out/run_args.json`` (a new run), or compare them on --resume."""
+    """Record the run's arguments and the job's process count in ``out/run_args.json`` (a new run), or
+    compare them on --resume. Another process count is handled, with a note naming both counts: orbax
+    restores the state into this job's mesh whatever layout saved it, and the batches depend on the
+    step alone (another device count is refused anyway, as another --data-parallel)."""
     path = out / "run_args.json"
     now = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items()) if k not in _NOT_RECORDED}
+    now["processes"] = jax.process_count()
     if args.resume and path.exists():
         try:
             recorded = json.loads(path.read_text())
         except ValueError as e:
             raise cli.UsageError(f"--resume: {path} is not JSON ({e}); it records the run's arguments") from None
+        recorded = {k: v for k, v in recorded.items() if k not in _JOB_FLAGS}  # recorded by older runs
+        was = recorded.pop("processes", 1)  # a run recorded before jobs of several processes: one
+        now.pop("processes")
         changed = [k for k in sorted(set(now) | set(recorded))
                    if k not in RESUME_MAY_CHANGE and now.get(k) != recorded.get(k)]
         if changed:
@@ -600,6 +612,9 @@ def check_run_args(out: Path, args) -> None:
                 f"--resume: {diffs} differ from the run in {out}; a resumed run must be the same run (only "
                 f"{', '.join('--' + a.replace('_', '-') for a in RESUME_MAY_CHANGE)} may change): start a new --out "
                 "instead")
+        if was != jax.process_count():
+            print(f"note: --resume: the run in {out} ran as {was} process(es), this job has {jax.process_count()}: "
+                  "its orbax state is restored into this job's mesh", file=sys.stderr, flush=True)
         return
     atomic.atomic_write(path, json.dumps(now, indent=1))
 

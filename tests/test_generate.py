@@ -343,6 +343,31 @@ def test_cli_dtype_defaults_to_the_checkpoints(tmp_path, monkeypatch, saved, fla
     assert seen["dtype"] == expected
 
 
+def test_cli_resolves_attention_impl_once(tmp_path, monkeypatch):
+    """Issue #44: generate resolves attention_impl once; load_pretrained takes that config as it is."""
+    d = m3jax.save_pretrained(m3jax.init_random(tiny_config(vocab_size=300)), tmp_path / "ckpt")
+    calls, seen = [], {}
+    real_resolve, real_load = generate.msa_layer.resolve_attention_impl, m3jax.load_pretrained
+
+    def resolve(impl, *a, **kw):
+        calls.append(impl)
+        return real_resolve(impl, *a, **kw)
+
+    def load(*a, **kw):
+        seen["model"] = real_load(*a, **kw)
+        raise _Loaded
+
+    monkeypatch.setattr(generate.msa_layer, "resolve_attention_impl", resolve)
+    monkeypatch.setattr(m3jax.api, "resolve_attention_impl", resolve)
+    monkeypatch.setattr(generate.m3jax, "load_pretrained", load)
+    with pytest.raises(_Loaded):
+        generate.main(["--checkpoint", str(d), "--prompt-ids", "1,2", "--ctx", "64", "--quiet"])
+    assert calls == ["auto"]  # off the GPU: "reference"
+    assert seen["model"].config.attention_impl == "reference"
+    with pytest.raises(ValueError, match="not both"):
+        real_load(d, config=seen["model"].config, attention_impl="pallas", progress=False)
+
+
 def test_cli_presets_keep_bfloat16_and_m3_is_an_alias(monkeypatch):
     seen = {}
 

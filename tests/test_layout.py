@@ -163,3 +163,55 @@ def test_imports_go_one_way():
     for mod, deps in graph.items():
         if mod == "m3jax.msa.reference":
             assert not {d for d in deps if d != "m3jax.msa"}, f"the MSA maths import {deps}"
+
+
+# Private modules used outside their package, each with its reason.
+SHARED_PRIVATE_MODULES = {
+    "m3jax.pallas._backend": "the one layer between m3jax and Mosaic GPU: the model asks it whether kernels run "
+                             "(on_gpu) and for which target",
+}
+
+
+def private_uses() -> list[str]:
+    """Where a module reaches another module's private names: ``from m import _x`` or ``m._x`` on an
+    imported m3jax module, and a private module ``pkg._m`` used from outside ``pkg``'s subtree."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    found = []
+    for mod, path in files.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        aliases: dict[str, str] = {}  # local name -> the m3jax module it is bound to
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if full in files:
+                        aliases[a.asname or a.name] = full
+                    elif base in files and a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{mod}: from {base} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in files and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                target = aliases[node.value.id]
+                if f"{target}.{node.attr}" not in files:
+                    found.append(f"{mod}: {node.value.id}.{node.attr} ({target})")
+        for target in aliases.values():
+            owner, _, leaf = target.rpartition(".")
+            inside = mod == owner or mod.startswith(owner + ".")
+            if leaf.startswith("_") and not leaf.startswith("__") and not inside and target not in SHARED_PRIVATE_MODULES:
+                found.append(f"{mod}: private module {target}")
+    return sorted(set(found))
+
+
+def test_no_module_reaches_another_modules_private_names():
+    # A leading underscore says "this module's own": shared helpers are public in the module that owns
+    # them (private modules such as pallas._backend are shared within their package only).
+    assert private_uses() == []

@@ -59,7 +59,7 @@ def map_query_chunks(fn: Callable, chunk: int, q_pos: jax.Array, *per_query: jax
     return outs, merge
 
 
-def _softmax_or_zero(logits: jax.Array) -> jax.Array:
+def softmax_or_zero(logits: jax.Array) -> jax.Array:
     """Softmax over the last axis; a row with no visible key (e.g. a padded row at position < 0)
     gets all-zero weights, hence a zero output (docs/MSA.md §1.5), instead of NaN."""
     p = jax.nn.softmax(logits, axis=-1)
@@ -146,7 +146,7 @@ def causal_block_mass(q: jax.Array, k: jax.Array, q_pos: jax.Array, block_size: 
     qg = q.reshape(b, c, kh, n // kh, h).astype(jnp.float32)
     logits = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32), precision=HIGHEST) * h**-0.5
     causal = (jnp.arange(s_len)[None, None, :] <= q_pos[:, :, None])[:, None, None]
-    p = _softmax_or_zero(jnp.where(causal, logits, NEG_INF))
+    p = softmax_or_zero(jnp.where(causal, logits, NEG_INF))
     p = jnp.pad(p, [(0, 0)] * 4 + [(0, num_blocks * block_size - s_len)])
     return p.reshape(*p.shape[:4], num_blocks, block_size).sum(-1).mean(2)  # [B, K, C, nb]
 
@@ -289,7 +289,7 @@ def sparse_attention(
     kpos = block_idx[..., None] * block_size + jnp.arange(block_size)  # [B, K, C, topk, bs]
     ok = (block_idx[..., None] >= 0) & (kpos <= q_pos[:, None, :, None, None])
     logits = jnp.where(ok[:, :, None], logits, NEG_INF).reshape(*logits.shape[:4], -1)  # [B, K, G, C, topk*bs]
-    p = _softmax_or_zero(logits).reshape(b, kh, g, c, -1, block_size)
+    p = softmax_or_zero(logits).reshape(b, kh, g, c, -1, block_size)
     out = jnp.einsum("bkgcts,bkctsh->bckgh", p, vg.astype(jnp.float32), precision=HIGHEST)
     out = out.reshape(b, c, n, h).astype(q.dtype)
     if not return_lse:
@@ -321,6 +321,6 @@ def dense_mask_attention(
         selected = hit.any(axis=-2)  # [B, K, C, nb]
         ok = ok & jnp.repeat(selected, block_size, axis=-1)[..., :s_len]
     logits = jnp.where(ok[:, :, None], logits, NEG_INF)
-    p = _softmax_or_zero(logits)
+    p = softmax_or_zero(logits)
     out = jnp.einsum("bkgcs,bskh->bckgh", p, v.astype(jnp.float32), precision=HIGHEST)
     return out.reshape(b, c, n, h).astype(q.dtype)

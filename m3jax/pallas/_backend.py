@@ -10,7 +10,7 @@ with register accumulators in all but top-k), tested on a Hopper GPU and in inte
 kernels read from :func:`current_target` is ``smem_bytes`` (how many pipeline stages fit),
 ``num_sms`` (grid sizes) and ``mma``: the grouped GEMM, the prefill and decode index scoring, the
 KV-block-major sparse attention and the sparse decode attention take their Blackwell paths (tcgen05
-into TMEM) when it is ``"tcgen05"``; the query-major attention baseline issues wgmma, a Hopper-only
+into TMEM, each package's ``blackwell`` module, picked by :func:`arch_module`) when it is ``"tcgen05"``; the query-major attention baseline issues wgmma, a Hopper-only
 instruction, and does not run on sm_100 (the self-check, :mod:`m3jax.pallas.verdicts`, keeps a kernel
 off a GPU where it fails). Other compute capabilities are named, not guessed: sm_120-class GPUs
 (``SM120``: no wgmma or tcgen05, 99 KiB of SMEM) and unknown ones get a ``Target`` with a
@@ -63,6 +63,14 @@ def target_of(compute_capability: str) -> Target:
     return Target(f"sm_{compute_capability.replace('.', '')}", mma="none", smem_bytes=0, num_sms=1,
                   refused=f"compute capability {compute_capability} is not a target the kernels are built for "
                           "(sm_90a, sm_100a/sm_103a)")
+
+
+def arch_module(hopper, blackwell, mma: str | None = None):
+    """The per-architecture module of a kernel package: its ``blackwell`` module (tcgen05 into TMEM) when
+    ``mma`` (default: :func:`current_target`'s) is ``"tcgen05"``, else its ``hopper`` module (wgmma).
+    Every kernel package picks its tile maths here and nowhere else (docs/KERNELS.md, "Per-architecture
+    kernels")."""
+    return blackwell if (mma or current_target().mma) == "tcgen05" else hopper
 
 
 # Set by lowering_for / interpret_as: the target the kernels are built for, and whether they lower

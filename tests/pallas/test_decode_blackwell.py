@@ -24,11 +24,11 @@ from tests.pallas.test_decode import check_scores, make_case
 @pytest.fixture(autouse=True)
 def _blackwell(monkeypatch):
     calls = []
-    for name in ("decode_index_scores_tcgen05", "sparse_decode_attention_tcgen05"):
+    for name in ("decode_index_scores", "sparse_decode_attention"):
         kernel = getattr(D._blackwell, name)
         monkeypatch.setattr(D._blackwell, name, lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
-    for name in ("decode_index_scores_kernel", "sparse_decode_attention_kernel"):  # the Hopper ones must not run
-        monkeypatch.setattr(D._kernel, name, lambda *a, _n=name, **kw: pytest.fail(f"Hopper {_n} ran"))
+        # the Hopper ones must not run
+        monkeypatch.setattr(D._hopper, name, lambda *a, _n=name, **kw: pytest.fail(f"Hopper {_n} ran"))
     _backend.reset_interpret_state()
     with _backend.interpret_as(_backend.BLACKWELL):
         yield

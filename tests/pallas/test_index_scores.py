@@ -31,8 +31,8 @@ def target(request, monkeypatch):
     from m3jax.pallas.index_scores import blackwell
 
     calls = []
-    row_max = blackwell.tcgen05_row_max
-    monkeypatch.setattr(blackwell, "tcgen05_row_max", lambda *a: calls.append(1) or row_max(*a))
+    row_max = blackwell.row_max
+    monkeypatch.setattr(blackwell, "row_max", lambda *a: calls.append(1) or row_max(*a))
     _backend.reset_interpret_state()
     with _backend.interpret_as(_backend.BLACKWELL):
         yield

@@ -94,8 +94,8 @@ def _as_blackwell(monkeypatch):
     from m3jax.pallas.sparse_attention import blackwell
 
     calls = []
-    tile = blackwell.tcgen05_tile
-    monkeypatch.setattr(blackwell, "tcgen05_tile", lambda *a: calls.append(1) or tile(*a))
+    tile = blackwell.tile
+    monkeypatch.setattr(blackwell, "tile", lambda *a: calls.append(1) or tile(*a))
     with _backend.interpret_as(_backend.BLACKWELL):
         yield
     assert calls, "the Blackwell tile maths did not run"
@@ -204,6 +204,18 @@ def test_unsupported_reason(kwargs, match):
     with pytest.raises(ValueError, match="implementation"):
         sparse_attention(q, q[:, :, :4], q[:, :, :4], jnp.zeros((1, 4, 4, 2), jnp.int32), jnp.zeros((1, 4), jnp.int32),
                          block_size=64, implementation="nope")
+
+
+def test_unsupported_reason_judges_the_kv_major_kernel(monkeypatch):
+    # Machine: any: host-side planning, no kernel runs
+    # the model runs the KV-major kernel only: the query-major baseline is judged when asked by name
+    def refuse(**_):
+        raise ValueError("query-major refuses")
+
+    monkeypatch.setattr(kernel, "plan_query_major", refuse)
+    args = dict(num_heads=64, num_kv_heads=4, head_dim=128, block_size=128)
+    assert kernel.unsupported_reason(**args) is None
+    assert kernel.unsupported_reason(**args, implementation="query_major") == "query-major refuses"
 
 
 def test_split_blocks_into_sub_blocks():

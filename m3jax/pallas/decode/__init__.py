@@ -1,7 +1,8 @@
 """MSA decode kernels: paged index-block scoring and sparse paged attention (composed with the top-k
 kernel of :mod:`m3jax.pallas.topk` in :func:`m3jax.msa.kernels.decode_pages`).
 
-``implementation="pallas"`` runs the Mosaic GPU kernels of :mod:`.kernel` and the top-k kernel
+``implementation="pallas"`` runs the Mosaic GPU kernels of the target's :mod:`.hopper` or :mod:`.blackwell`
+(over :mod:`.kernel`'s shared plan and launch) and the top-k kernel
 (GPU interpret mode off-GPU); ``"reference"`` the pure-jnp versions of :mod:`.reference` (gather
 pages + :mod:`m3jax.msa`).
 """
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 import jax
 
-from m3jax.pallas._backend import current_target
+from m3jax.pallas._backend import arch_module
 from m3jax.pallas._common import check_dims
 from m3jax.pallas.decode import blackwell as _blackwell
-from m3jax.pallas.decode import kernel as _kernel
+from m3jax.pallas.decode import hopper as _hopper
 from m3jax.pallas.decode import reference as _reference
 from m3jax.pallas.decode.kernel import DecodeScoreConfig, SparseDecodeConfig
 from m3jax.pallas.decode.reference import query_positions
@@ -27,14 +28,6 @@ __all__ = [
 ]
 
 
-def _kernels():
-    """(index-score kernel, attention kernel) of the current target, chosen here only: Blackwell's
-    tcgen05 MMAs into TMEM (:mod:`.blackwell`) or Hopper's wgmma (:mod:`.kernel`), over one shared plan."""
-    if current_target().mma == "tcgen05":
-        return _blackwell.decode_index_scores_tcgen05, _blackwell.sparse_decode_attention_tcgen05
-    return _kernel.decode_index_scores_kernel, _kernel.sparse_decode_attention_kernel
-
-
 def _check_block_size(where: str, name: str, pages, block_size: int) -> None:
     if pages.shape[1] != block_size:
         raise ValueError(f"{where}: {name} holds pages of {pages.shape[1]} tokens (dimension 1 of {pages.shape}), "
@@ -45,7 +38,7 @@ def decode_index_scores(
     iq, ik_pages, page_table, seq_lens, *, block_size: int, implementation: str = "pallas",
     config: DecodeScoreConfig = DecodeScoreConfig(), interpret: bool | None = None,
 ) -> jax.Array:
-    """fp32 [B, Hi, Q, max_pages] block-max index scores (see :func:`.kernel.decode_index_scores_kernel`)."""
+    """fp32 [B, Hi, Q, max_pages] block-max index scores (see :func:`.hopper.decode_index_scores`)."""
     check_dims("decode_index_scores", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
                page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"))
     _check_block_size("decode_index_scores", "ik_pages", ik_pages, block_size)
@@ -53,7 +46,8 @@ def decode_index_scores(
         return _reference.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
-    return _kernels()[0](iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
+    kernel = arch_module(_hopper, _blackwell).decode_index_scores
+    return kernel(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
 
 
 def sparse_decode_attention(
@@ -61,7 +55,7 @@ def sparse_decode_attention(
     implementation: str = "pallas", config: SparseDecodeConfig = SparseDecodeConfig(),
     interpret: bool | None = None, return_lse: bool = False,
 ):
-    """[B, Q, N, H] attention over the selected pages (see :func:`.kernel.sparse_decode_attention_kernel`),
+    """[B, Q, N, H] attention over the selected pages (see :func:`.hopper.sparse_decode_attention`),
     and with ``return_lse`` its natural-log LSE fp32 [B, Q, N] (for merging partials across devices)."""
     dims = check_dims("sparse_decode_attention", q=(q, "B Q N H"), k_pages=(k_pages, "pages block_size K H"),
                       v_pages=(v_pages, "pages block_size K H"), page_table=(page_table, "B max_pages"),
@@ -76,5 +70,6 @@ def sparse_decode_attention(
         )
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
-    return _kernels()[1](q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
+    kernel = arch_module(_hopper, _blackwell).sparse_decode_attention
+    return kernel(q, k_pages, v_pages, page_table, block_idx, seq_lens, block_size=block_size, config=config,
                   interpret=interpret, return_lse=return_lse)

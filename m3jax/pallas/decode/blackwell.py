@@ -1,7 +1,7 @@
 """Blackwell (sm_100a) MSA decode kernels: :mod:`.kernel`'s index scoring and sparse attention with
 ``tcgen05`` MMAs into TMEM accumulators instead of Hopper ``wgmma`` into registers.
 
-**Index scoring** (:func:`decode_index_scores_tcgen05`). Same signature, grid, pipeline and result (docs/KERNELS.md §2.2, "AB-swapped"): one CTA per
+**Index scoring** (:func:`decode_index_scores`). Same signature, grid, pipeline and result (docs/KERNELS.md §2.2, "AB-swapped"): one CTA per
 (request, context split); per page, the ``block_size`` index keys are the MMA's M side (A from the
 TMA-loaded SMEM page) and the ``Hi * Q`` query rows its N side (B = the query tile, transposed, N a
 multiple of 8 as tcgen05 needs, of 16 for 64-row tiles). What differs:
@@ -16,17 +16,16 @@ multiple of 8 as tcgen05 needs, of 16 for 64-row tiles). What differs:
   Waiting at once keeps the SMEM page live until its MMAs are done (the pipeline frees the slot when
   the step returns), and the next pages' TMA loads still overlap this one.
 - fp32 inputs are split into bf16 pieces as on Hopper (tcgen05 would run fp32 as TF32). fp8 e4m3
-  pages are converted in SMEM as on Hopper (``kernel._convert_page``); the converted page is free
+  pages are converted in SMEM as on Hopper (``kernel.convert_page``); the converted page is free
   for the next one once this page's MMAs were waited for.
 
-**Sparse attention** (:func:`sparse_decode_attention_tcgen05`): the Hopper kernel's plan (union of
+**Sparse attention** (:func:`sparse_decode_attention`): the Hopper kernel's plan (union of
 selected pages, K/V pipeline, masks, online softmax, split merge: the shared ``kernel.attention_*``
 helpers) with S = Q K^T in TMEM, the output accumulator kept in TMEM and rescaled there, P through
 SMEM into O += P V; the ``Q * G`` rows padded to 128 (Hopper pads to 64; at most 128 rows, Q = 8
 at G = 16), K/V tiles of at most 128 keys (its docstring).
 
-Chosen by :func:`m3jax.pallas.decode.decode_index_scores` / :func:`~m3jax.pallas.decode.sparse_decode_attention`
-when ``current_target().mma == "tcgen05"``. Verified here: interpret mode (which models tcgen05 and
+Chosen by :func:`m3jax.pallas._backend.arch_module` when the target's MMA is ``"tcgen05"``. Verified here: interpret mode (which models tcgen05 and
 TMEM: tests/pallas/test_decode_blackwell.py runs test_decode's checks under
 ``_backend.interpret_as(BLACKWELL)``) and lowering for sm_100a on a CPU; not run on a B200 (the
 self-check canaries ``decode_index_scores`` / ``sparse_decode_attention`` are what will say so on
@@ -77,7 +76,7 @@ TMEM_COLUMNS = 512
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
-def decode_index_scores_tcgen05(
+def decode_index_scores(
     iq: jax.Array,
     ik_pages: jax.Array,
     page_table: jax.Array,
@@ -89,7 +88,7 @@ def decode_index_scores_tcgen05(
 ) -> jax.Array:
     """Block-max index scores of the Q new tokens over a paged index-key cache.
 
-    Args and result as :func:`m3jax.pallas.decode.kernel.decode_index_scores_kernel`: iq
+    Args and result as :func:`m3jax.pallas.decode.hopper.decode_index_scores`: iq
     [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx], page_table int32 [B, max_pages], seq_lens
     int32 [B] -> fp32 [B, Hi, Q, max_pages], -inf for blocks with no visible key.
     """
@@ -170,7 +169,7 @@ PIECE = 64  # O columns per TMEM load / store when rescaling and in the epilogue
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))
-def sparse_decode_attention_tcgen05(
+def sparse_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -184,7 +183,7 @@ def sparse_decode_attention_tcgen05(
     return_lse: bool = False,
 ):
     """Sparse paged decode attention on Blackwell: args, result, grid, union of selected pages, K/V
-    pipeline and split merge as :func:`m3jax.pallas.decode.kernel.sparse_decode_attention_kernel`.
+    pipeline and split merge as :func:`m3jax.pallas.decode.hopper.sparse_decode_attention`.
 
     The ``Q * G`` query rows of a KV head (at most 128) are the M = 128 side of both MMAs. Per K/V
     tile (at most 128 keys: S is read from TMEM whole, 128 registers per thread): S = Q K^T into a

@@ -6,7 +6,7 @@ Cache layout (one page = one MSA block of ``block_size`` tokens):
 ``page_table[b, j]``), ``seq_lens`` int32 [B] counting the Q new tokens; query i of Q sits at
 position ``seq_lens[b] - Q + i``.
 
-1. :func:`decode_index_scores_kernel` (docs/KERNELS.md §2.2, "AB-swapped"): one CTA per (request, context
+1. :func:`.hopper.decode_index_scores` (docs/KERNELS.md §2.2, "AB-swapped"): one CTA per (request, context
    split). The ``block_size`` index keys of a page are the wgmma **M** side (A operand straight from
    the TMA-loaded SMEM page), the few ``Hi * Q`` query rows are the **N** side (padded to the wgmma
    granularity of 8, B operand = the query tile, loaded once, K-major). Each CTA owns a contiguous
@@ -18,13 +18,13 @@ position ``seq_lens[b] - Q + i``.
    written back with one TMA store per CTA (rows of pages without tokens are set to -inf in XLA). Memory-bound: the index-key scan is the only large read.
    fp8 e4m3 index pages (``index_cache_dtype="float8_e4m3fn"``) are TMA-loaded as fp8 (half the
    bytes) and converted in SMEM, 64 rows at a time through registers, into one page of the query's
-   16-bit type that the MMA reads as its A operand (:func:`_convert_page`; exact: every e4m3 value is
+   16-bit type that the MMA reads as its A operand (:func:`convert_page`; exact: every e4m3 value is
    a bf16 and an f16). Register-A wgmma would skip that SMEM round trip, but tcgen05 takes A from
    SMEM or TMEM only and the interpreter has no register-A wgmma, so both variants share this path.
    ``DecodeScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
    instead of three, the bf16 query scaled into f16's range per row); ``benchmarks/decode_fp8_index.py``
    measures which is faster (benchmarks/RESULTS.md#decode-fp8-index).
-2. :func:`sparse_decode_attention_kernel` (docs/KERNELS.md §2.6): one CTA per (request, KV head, split of the
+2. :func:`.hopper.sparse_decode_attention` (docs/KERNELS.md §2.6): one CTA per (request, KV head, split of the
    selected pages). The group's ``G`` query heads times the ``Q`` tokens are packed as wgmma rows
    (padded to 64). The Q tokens' selections are merged into a **union** of distinct pages with a
    per-page token bitmask (built in XLA from the tiny ``block_idx`` tensor), so a page selected by
@@ -46,16 +46,16 @@ the index-score kernel six over three pieces (fp32 accuracy: its scores decide t
 inputs use one wgmma. (The split costs one extra XLA pass over the fp32 cache: fp32 is a test path, the serving
 cache is bf16.)
 
-What changes on Blackwell (``Target.BLACKWELL``): the wgmma calls become ``plgpu.tcgen05_mma`` with
+Per architecture (:mod:`.hopper`: wgmma; :mod:`.blackwell`: tcgen05; picked by
+:func:`m3jax.pallas._backend.arch_module`): this file holds the plan and launch both share. What changes on Blackwell (``Target.BLACKWELL``): the wgmma calls become ``plgpu.tcgen05_mma`` with
 the accumulators in TMEM (index scoring: the [block_size, N] score tile lives in TMEM and the block
 max is a TMEM load-with-reduce on SM103); the attention's P operand is written to TMEM instead of
 registers; ``tma_gather`` lets one indexed TMA fetch all selected pages of a split instead of one
 copy per page; ``cluster=2`` pairs CTAs on a 256-row tile for Q*G > 128. Both kernels have their
 port (:mod:`.blackwell`: TMEM score tiles with a plain TMEM load + max; the attention's S and O in
-TMEM, P through SMEM; chosen in :func:`m3jax.pallas.decode._kernels` by ``Target.mma``); both share
-this file's public plan and launch pieces (``score_*``: operands, chunks, stages, pipeline, result;
-``attention_*``: plan, refs, call, with ``kv_pipeline``, ``visible_keys``, ``store_split``), the
-Hopper-only tile maths staying private here. Tile sizes and stage counts come from :class:`DecodeScoreConfig` /
+TMEM, P through SMEM); both share this file's plan and launch pieces (``score_*``: operands, chunks,
+stages, pipeline, result; ``attention_*``: plan, refs, call, with ``kv_pipeline``, ``visible_keys``,
+``store_split``). Tile sizes and stage counts come from :class:`DecodeScoreConfig` /
 :class:`SparseDecodeConfig`; ``Target`` supplies ``num_sms`` (split counts) and ``smem_bytes``
 (stages that fit). The algorithm is unchanged.
 
@@ -66,22 +66,13 @@ Remaining work: docs/KERNELS.md §2.6.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from m3jax.msa.reference import lse_merge
-from m3jax.pallas._common import (
-    LOG2E,
-    online_softmax_step,
-    p_mma_parts,
-    softmax_normalisers,
-    split_parts,
-    split_products,
-    swizzle_transforms,
-)
+from m3jax.pallas._common import LOG2E, split_parts, split_products, swizzle_transforms
 from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
 
 FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
@@ -89,7 +80,7 @@ FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dt
 
 @dataclasses.dataclass(frozen=True)
 class DecodeScoreConfig:
-    """Tiling of :func:`decode_index_scores_kernel`.
+    """Tiling of :func:`.hopper.decode_index_scores`.
 
     num_splits: CTAs per request along the context (None: enough for ~2 waves over the SMs).
     stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
@@ -114,7 +105,7 @@ class DecodeScoreConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SparseDecodeConfig:
-    """Tiling of :func:`sparse_decode_attention_kernel`.
+    """Tiling of :func:`.hopper.sparse_decode_attention`.
 
     num_splits: splits of a request's union of selected pages (None: ~1 wave over the SMs, at least
       one page per split).
@@ -140,77 +131,6 @@ def round_up(x: int, m: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # 1. index scores
 # --------------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
-def decode_index_scores_kernel(
-    iq: jax.Array,
-    ik_pages: jax.Array,
-    page_table: jax.Array,
-    seq_lens: jax.Array,
-    *,
-    block_size: int,
-    config: DecodeScoreConfig = DecodeScoreConfig(),
-    interpret: bool | None = None,
-) -> jax.Array:
-    """Block-max index scores of the Q new tokens over a paged index-key cache.
-
-    Args:
-      iq: [B, Q, Hi, Hx] index queries; ik_pages: [num_pages, block_size, Hx] index keys (bf16,
-      fp16, fp32 or fp8 e4m3); page_table: int32 [B, max_pages]; seq_lens: int32 [B] (including
-      the Q new tokens).
-    Returns:
-      fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
-      blocks with no visible key (future or unused pages).
-    """
-    b, q, hi, hx, _, bs, max_pages = score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
-    n_rows = hi * q
-    n_pad = round_up(n_rows, 8)
-    if n_pad > 256:
-        raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
-    chunk, splits = score_chunks(config, b, max_pages, n_pad)
-    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
-    prods = score_products(len(q_parts), len(k_parts))
-    dtype = q_parts[0].dtype
-    transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
-
-    def body(*refs):
-        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = score_prologue(
-            refs, len(q_parts), len(k_parts), chunk, bs)
-
-        def page_step(idx, *k_smems):
-            (i,) = idx
-            j = first + i
-            k_smems = mma_keys(k_smems)
-            # query position of accumulator column n (n = h * Q + t): seq_len - Q + t. (Built inside
-            # the loop body: no vector values closed over by the pipeline loop.)
-            col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
-            row = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 0, layout=plgpu.Layout.WGMMA)
-            q_pos = seq_len - q + lax.rem(col, q)
-
-            def mma(acc_ref):
-                for a, c in prods:
-                    plgpu.wgmma(acc_ref, k_smems[a], q_smem.at[c].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(mma, plgpu.ACC((bs, n_pad), jnp.float32))
-            s = jnp.where(row + j * bs <= q_pos, s, -jnp.inf)
-            score_smem[i] = s.max(axis=0)
-
-        score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
-                        (bs, hx), page_transforms(k_parts, hx, transforms), stages)
-
-    kern = mosaic_kernel(
-        body,
-        interpret=interpret,
-        out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
-        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
-        grid=(b, splits),
-        grid_names=("b", "s"),
-    )
-    out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
 
 
 # What both MMA variants of the decode index scoring share (this Hopper kernel and the Blackwell one in
@@ -243,7 +163,7 @@ def score_operands(iq, ik_pages, n_pad: int, config: DecodeScoreConfig):
     """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded to n_pad, and
     the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
     the selection, see _common.bf16_split). fp8 e4m3 pages stay fp8, one piece: the kernel converts
-    each page to the query's 16-bit type in SMEM (:func:`_convert_page`, exact), so only an fp32 query
+    each page to the query's 16-bit type in SMEM (:func:`convert_page`, exact), so only an fp32 query
     is split; a bf16 query becomes f16 under ``config.fp8_mma == "float16"``. Returns (query parts,
     key parts, per-row factors fp32 [B, n_pad] that undo the query's scaling, or None)."""
     b, q, hi, hx = iq.shape
@@ -276,7 +196,7 @@ def score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
 
 def page_transforms(k_parts, hx: int, transforms):
     """SMEM layout of the TMA-loaded key pages: the MMA operand's for 16-bit pages; fp8 pages (read
-    by :func:`_convert_page` only) the widest swizzle their 1-byte rows allow."""
+    by :func:`convert_page` only) the widest swizzle their 1-byte rows allow."""
     return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
 
 
@@ -302,7 +222,7 @@ def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, tr
     ]
 
 
-def _convert_page(src, dst) -> None:
+def convert_page(src, dst) -> None:
     """fp8 e4m3 key page (SMEM) -> ``dst``'s 16-bit type (SMEM), 64 rows at a time (64 x Hx / 128
     threads in registers), fenced for the MMA that reads it. Through f16: Mosaic converts e4m3 to f16
     with one ``cvt`` per pair on any ptxas, to bf16 directly only with PTX ISA >= 9.2; every e4m3
@@ -329,7 +249,7 @@ def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int):
     def mma_keys(k_smems):
         if converted is None:
             return k_smems
-        _convert_page(k_smems[0], converted)
+        convert_page(k_smems[0], converted)
         return (converted,)
 
     bi = lax.axis_index("b")
@@ -406,7 +326,7 @@ def union_pages(block_idx: jax.Array, page_table: jax.Array):
 
 
 @dataclasses.dataclass
-class _AttentionPlan:
+class AttentionPlan:
     """What both sparse decode attention kernels (wgmma here, tcgen05 in :mod:`.blackwell`) run on:
     shapes, the padded union of selected pages, the operands split into 16-bit parts, the K/V tile
     and pipeline depth."""
@@ -446,7 +366,7 @@ class _AttentionPlan:
 
 
 def attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, config: SparseDecodeConfig,
-                    m_tile: int, max_kv_tile: int = 256) -> _AttentionPlan:
+                    m_tile: int, max_kv_tile: int = 256) -> AttentionPlan:
     b, nq, n, h = q.shape
     num_pages, bs, kh, h2 = k_pages.shape
     g = n // kh
@@ -506,18 +426,18 @@ def attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, 
     sub = bs // kv_tile
     steps = chunk * sub
     stages = max(1, min(config.stages, steps, fitting_stages(kv_tile)))
-    return _AttentionPlan(b, nq, n, h, kh, g, bs, rows, m_pad, splits, chunk, kv_tile, sub, steps, stages,
+    return AttentionPlan(b, nq, n, h, kh, g, bs, rows, m_pad, splits, chunk, kv_tile, sub, steps, stages,
                           (h**-0.5) * LOG2E, dtype, transforms, q_parts, k_parts, v_parts, logical, physical, bits)
 
 
-def attention_refs(plan: _AttentionPlan, refs):
+def attention_refs(plan: AttentionPlan, refs):
     """The kernel's refs by name: (q, k, v part lists, logical, physical, bits, seq_lens, o, lse, scratch)."""
     n = plan.n_parts
     q_gmem, k_gmem, v_gmem = refs[:n], refs[n : 2 * n], refs[2 * n : 3 * n]
     return (q_gmem, k_gmem, v_gmem, *refs[3 * n : 3 * n + 6], refs[3 * n + 6 :])
 
 
-def cta_start(plan: _AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
+def cta_start(plan: AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
     """This CTA's (batch, KV head, split) ids, its sequence length and first union entry; its Q rows
     loaded into SMEM."""
     bi = lax.axis_index("b")
@@ -530,20 +450,20 @@ def cta_start(plan: _AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
     return bi, hk, si, seq_len, si * plan.chunk
 
 
-def softmax_start(plan: _AttentionPlan, rows_layout):
+def softmax_start(plan: AttentionPlan, rows_layout):
     """Running max (-inf) and sum (0) per query row, in ``rows_layout``."""
     m0 = plgpu.layout_cast(jnp.full((plan.m_pad,), -jnp.inf, jnp.float32), rows_layout)
     l0 = plgpu.layout_cast(jnp.full((plan.m_pad,), 0.0, jnp.float32), rows_layout)
     return m0, l0
 
 
-def step_operands(plan: _AttentionPlan, kv_and_carry):
+def step_operands(plan: AttentionPlan, kv_and_carry):
     """A pipeline step's (K part tiles, V part tiles, carry)."""
     n = plan.n_parts
     return kv_and_carry[:n], kv_and_carry[n : 2 * n], kv_and_carry[2 * n]
 
 
-def store_split(plan: _AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si) -> None:
+def store_split(plan: AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si) -> None:
     """This split's normalised output and LSE to GMEM by TMA; ``fill_o(o_smem)`` writes the output
     into the fp32 [M_pad, H] staging tile."""
 
@@ -558,7 +478,7 @@ def store_split(plan: _AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
     pl.run_scoped(store, plgpu.SMEM((plan.m_pad, plan.h), jnp.float32), plgpu.SMEM((plan.m_pad,), jnp.float32))
 
 
-def visible_keys(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk):
+def visible_keys(plan: AttentionPlan, layout, i, first, seq_len, log_gmem, bits_gmem, bi, hk):
     """[M_pad, kv_tile] bool in ``layout``: which scores of pipeline step ``i`` count (the token selected
     the page, key position <= query position, a real row)."""
     shape = (plan.m_pad, plan.kv_tile)
@@ -573,7 +493,7 @@ def visible_keys(plan: _AttentionPlan, layout, i, first, seq_len, log_gmem, bits
     return ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * plan.bs <= q_pos) & (row < plan.rows)
 
 
-def kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, init_carry):
+def kv_pipeline(plan: AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, init_carry):
     """The K/V tiles of this split's union entries through SMEM (TMA via the physical page ids)."""
 
     def kv_page(i):  # block index in units of kv_tile rows of the [num_pages * bs, H] view
@@ -589,7 +509,7 @@ def kv_pipeline(plan: _AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, 
     )(*(x.at[:, hk] for x in k_gmem), *(x.at[:, hk] for x in v_gmem))
 
 
-def attention_call(plan: _AttentionPlan, body, scratch: list, seq_lens, interpret, return_lse, out_dtype):
+def attention_call(plan: AttentionPlan, body, scratch: list, seq_lens, interpret, return_lse, out_dtype):
     """Launch ``body`` over (B, K, splits), merge the splits' partials, back to [B, Q, N, H] (+ LSE)."""
     b, kh, nq, g, h, rows = plan.b, plan.kh, plan.nq, plan.g, plan.h, plan.rows
     kern = mosaic_kernel(
@@ -612,87 +532,6 @@ def attention_call(plan: _AttentionPlan, body, scratch: list, seq_lens, interpre
         return out
     lse = jnp.transpose(lse[:, :, :rows].reshape(b, kh, nq, g), (0, 2, 1, 3)).reshape(b, nq, plan.n)
     return out, lse
-
-
-@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))
-def sparse_decode_attention_kernel(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    block_idx: jax.Array,
-    seq_lens: jax.Array,
-    *,
-    block_size: int,
-    config: SparseDecodeConfig = SparseDecodeConfig(),
-    interpret: bool | None = None,
-    return_lse: bool = False,
-):
-    """Sparse paged decode attention (see module docstring).
-
-    Args:
-      q: [B, Q, N, H]; k_pages, v_pages: [num_pages, block_size, K, H]; page_table: int32
-      [B, max_pages]; block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty, unique per row);
-      seq_lens: int32 [B].
-    Returns:
-      [B, Q, N, H] in q.dtype (and the natural-log LSE fp32 [B, Q, N] if ``return_lse``).
-    """
-    plan = attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config, m_tile=64)
-    m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
-
-    def body(*refs):
-        q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
-            attention_refs(plan, refs))
-        q_smem, p_smem, q_bar = scratch
-        bi, hk, si, seq_len, first = cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
-        m0, l0 = softmax_start(plan, plgpu.Layout.WGMMA.reduce(1))
-        acc0 = plgpu.layout_cast(jnp.full((m_pad, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-        def page_step(idx, *kv_and_carry):
-            (i,) = idx
-            k_smems, v_smems, (acc, m_i, l_i) = step_operands(plan, kv_and_carry)
-
-            def qk(acc_ref):
-                for a, c in plan.prods:
-                    plgpu.wgmma(acc_ref, q_smem.at[a], k_smems[c].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((m_pad, kv_tile), jnp.float32)) * plan.scale
-            ok = visible_keys(plan, plgpu.Layout.WGMMA, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
-            m_new, alpha, p, l_i = online_softmax_step(jnp.where(ok, s, -jnp.inf), m_i, l_i)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
-            for a, part in enumerate(p_mma_parts(p, plan.n_parts, plan.dtype)):
-                p_smem[a] = part
-            plgpu.commit_smem()
-
-            def pv(acc_ref):
-                for a, c in plan.prods:
-                    plgpu.wgmma(acc_ref, p_smem.at[a], v_smems[c])
-                return acc_ref[...]
-
-            # Fresh accumulator + add. (``pl.run_state(pv)(plgpu.ACC.init(acc))`` would accumulate in
-            # place, but in jax 0.11.2 it fails to lower when the body closes over a dynamically
-            # sliced SMEM ref -- the pipeline slot index becomes a scalar run_state operand -- and
-            # the interpreter has no run_state over accumulators either.)
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
-            return acc, m_new, l_i
-
-        acc, m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (acc0, m0, l0))
-        inv, lse = softmax_normalisers(m_i, l_i)
-        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-
-        def fill_o(o_smem):
-            o_smem[...] = out
-
-        store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
-
-    scratch = [
-        plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),
-        plgpu.SMEM((n_parts, m_pad, kv_tile), plan.dtype, transforms=plan.transforms),
-        plgpu.Barrier(num_arrivals=n_parts),
-    ]
-    return attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array):

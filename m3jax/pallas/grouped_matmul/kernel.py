@@ -56,10 +56,11 @@ the other decode GEMMs, on Blackwell, and as ``GroupedMatmulConfig()``'s default
 MXFP8 at decode row counts runs a third schedule, ``GroupedMatmulConfig(schedule="gemv")`` (:mod:`.gemv`:
 CUDA-core FMAs over the fp8 rows, the scales applied to 32-row partial sums, no bf16 tile, no MMA).
 
-Blackwell (``current_target().mma == "tcgen05"``): the schedule, the pipeline and the masked store
-stay; the MMA is ``plgpu.tcgen05_mma`` into a TMEM accumulator, each step's MMA committed to one of
-two barriers and waited one step later (so the pipeline refills a buffer only after the MMA that read
-it), the accumulator read back with ``async_load_tmem`` for the store. Tested in interpret mode and
+Per architecture (:mod:`.hopper`, :mod:`.blackwell`, picked by :func:`m3jax.pallas._backend.arch_module`):
+the schedule, the pipeline and the masked store stay; the MMA of each K step differs. On Blackwell it
+is ``plgpu.tcgen05_mma`` into a TMEM accumulator, each step's MMA committed to one of two barriers and
+waited one step later (so the pipeline refills a buffer only after the MMA that read it), the
+accumulator read back with ``async_load_tmem`` for the store. Tested in interpret mode and
 lowered for sm_100a on a CPU; never run on a B200 (``m3jax.selfcheck``'s canary decides there). Not
 done: ``block_m=256`` on a 2-CTA cluster (``cluster=2``, each CTA loading half of the RHS tile,
 ``collective_axes`` on the copies), two TMEM accumulator stages so an MMA warp starts the next visit
@@ -76,9 +77,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._backend import arch_module, current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, check_dims, split_products, swizzle_transforms
-from m3jax.pallas.grouped_matmul import gemv, persistent, reference, tiles
+from m3jax.pallas.grouped_matmul import blackwell, gemv, hopper, persistent, reference, tiles
 from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
@@ -191,9 +192,8 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
         return f"split_k={c.split_k}, wg_split={c.wg_split!r}: the pipeline schedule has one warpgroup and no K split"
     if c.block_n % 64 or not 64 <= c.block_n <= 256:
         return f"block_n={c.block_n} must be a multiple of 64 in [64, 256]"
-    if current_target().mma == "tcgen05" and c.block_m == 64 and c.block_n < 128:
-        # a 64-row tcgen05 MMA splits N over two lane groups, each at least one 128-byte swizzle wide
-        return f"block_n={c.block_n} must be >= 128 with block_m=64 on tcgen05"
+    if reason := arch_module(hopper, blackwell).tile_reason(c.block_m, c.block_n):
+        return reason
     if c.block_m * c.block_n > 128 * 128:
         return (f"block_m * block_n = {c.block_m * c.block_n} > 16384: the fp32 accumulator would need more "
                 "than 128 registers per thread of one warpgroup")
@@ -286,7 +286,7 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
     plan = tiles.tile_plan(bn) if mxfp8 else None  # the conversion's layout and its tiles' swizzles
     steps = _pipeline_steps(k, config, bk // group if mxfp8 else 0)
     delay = 1 if steps > 1 else 0
-    tcgen05 = current_target().mma == "tcgen05"
+    arch = arch_module(hopper, blackwell)  # the MMA's tile maths
 
     def body(sched_ref, lhs_ref, rhs_ref, *refs):
         scale_ref, out_ref = refs if mxfp8 else (None, refs[0])
@@ -329,43 +329,14 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
             dequantize_tile(b_smem, s_smem, w, group)
             return w
 
-        def mma_tcgen05(acc_tmem, mma_bar, w_smem=None):
-            # Blackwell: tcgen05 MMAs into TMEM, asynchronous. Step kk's MMA is committed to barrier
-            # kk % 2 and step kk waits for step kk - delay's, whose buffers the pipeline refills after
-            # it (two barriers: one may not be arrived on twice without a wait between). The same wait
-            # frees, for MXFP8, the bf16 buffer that step kk + 1 dequantises into.
-            def step(idx, a_smem, b_smem, s_smem=None):
-                (kk,) = idx
-                plgpu.tcgen05_mma(acc_tmem, a_smem, weights(kk, b_smem, s_smem, w_smem), accumulate=kk > 0)
-                plgpu.tcgen05_commit_arrive(mma_bar.at[kk % 2])
-                pl.when(kk >= delay)(lambda: plgpu.barrier_wait(mma_bar.at[(kk - delay) % 2]))
-
+        def pipeline(step):
             plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs, max_concurrent_steps=steps)(*operands)
-            if delay:
-                plgpu.barrier_wait(mma_bar.at[(k // bk - 1) % 2])  # the last step's MMA
-            acc = plgpu.async_load_tmem(acc_tmem)
-            plgpu.wait_load_tmem()  # before the scope frees the TMEM
-            return acc
-
-        def mma_wgmma(acc_ref, w_smem=None):
-            # wgmma_wait(1) after issuing step kk's MMA retires step kk - 1's: its lhs / weight buffers
-            # (delay_release) and, for MXFP8, the bf16 buffer step kk + 1 dequantises into.
-            def step(idx, a_smem, b_smem, s_smem=None):
-                (kk,) = idx
-                plgpu.wgmma(acc_ref, a_smem, weights(kk, b_smem, s_smem, w_smem))
-                plgpu.wgmma_wait(delay)
-
-            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs, max_concurrent_steps=steps)(*operands)
-            return acc_ref[...]
 
         # MXFP8: two bf16 weight tiles, the MMA operands the fp8 tiles are dequantised into
         w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=plan.bf16_transforms),) if mxfp8 else ()
 
-        def mma(*w_smem):
-            if tcgen05:
-                return pl.run_scoped(lambda t, b: mma_tcgen05(t, b, *w_smem), plgpu.TMEM((bm, bn), jnp.float32),
-                                     plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True))
-            return pl.run_scoped(lambda a: mma_wgmma(a, *w_smem), plgpu.ACC((bm, bn), jnp.float32))
+        def mma(w_smem=None):
+            return arch.accumulate(pipeline, k // bk, weights, bm=bm, bn=bn, delay=delay, w_smem=w_smem)
 
         @pl.when((hi > lo) & (grp < g))
         def _():

@@ -2,10 +2,9 @@
 accumulator instead of Hopper ``wgmma`` into registers.
 
 Same signature, tiling, pipeline, masks and outputs (block-major scores or the fused top-k ids); only
-how a key block becomes its rows' maxima differs (:class:`.row_max.RowMax`):
+how a key block becomes its rows' maxima differs (:class:`.tile.RowMax`; Hopper's is in :mod:`.hopper`):
 
-- The row tile is always 128 rows (tcgen05's M per CTA; :meth:`.kernel.IndexScoreConfig.for_block`
-  sets it on this target): A = the Q tile [128, Hx] in SMEM, B = the key block [bs, Hx] transposed,
+- The row tile is always 128 rows (tcgen05's M per CTA; :func:`tile_rows`): A = the Q tile [128, Hx] in SMEM, B = the key block [bs, Hx] transposed,
   N = bs (a multiple of 8: every block size the Hopper kernel takes, and the half blocks of its
   SMEM fallback), the fp32 accumulator [128, bs] in TMEM (bs <= 256 of its 512 columns).
 - The MMAs are asynchronous: every product of the split pieces is issued (smallest first, as on
@@ -19,7 +18,7 @@ how a key block becomes its rows' maxima differs (:class:`.row_max.RowMax`):
 - fp32 inputs are the three bf16 pieces of ``pallas._common.bf16_split`` as on Hopper (six MMAs per
   block; tcgen05 would run fp32 as TF32, too coarse for selections).
 
-Chosen by :func:`.kernel._kernel_call` when ``current_target().mma == "tcgen05"``. Verified: interpret
+Chosen by :func:`m3jax.pallas._backend.arch_module` when the target's MMA is ``"tcgen05"``. Verified: interpret
 mode (tests/pallas/test_index_scores.py runs its cases also under ``_backend.interpret_as(BLACKWELL)``)
 and lowering for sm_100a on a CPU (tests/pallas/test_lowering.py); not run on a B200 (the
 ``index_scores`` / ``index_topk_fused`` self-check canaries are what will say so on one). Not done:
@@ -33,18 +32,25 @@ import jax.numpy as jnp
 
 from m3jax.pallas._backend import pl, plgpu
 from m3jax.pallas._common import split_products, tmem_handoff
-from m3jax.pallas.index_scores.row_max import RowMax
+from m3jax.pallas.index_scores.tile import RowMax
 
 ROWS = 128  # tcgen05's M per CTA (64-row MMAs use half of TMEM's lanes)
 PIECE = 64  # accumulator columns read from TMEM at a time (one row per thread: 64 registers)
 LAYOUT = plgpu.Layout.TCGEN05_TMEM_NATIVE
 
 
-def tcgen05_row_max(n_parts: int, rows: int, bs: int) -> RowMax:
+def tile_rows(rows: int, block_size: int, fused: bool) -> int:
+    """Tiles of :data:`ROWS` rows, whatever ``rows`` says: the accumulator is in TMEM and read in column
+    pieces, so no register limit on the block."""
+    return ROWS
+
+
+def row_max(n_parts: int, rows: int, bs: int) -> RowMax:
+    """tcgen05 into a TMEM accumulator [rows, bs], read back in :data:`PIECE`-column pieces."""
     if rows != ROWS:
         raise ValueError(f"the tcgen05 index-score kernel takes {ROWS}-row tiles, not {rows}")
 
-    def row_max(q_smems, k_smems, scratch_refs, mask):
+    def block_max(q_smems, k_smems, scratch_refs, mask):
         bar, acc = scratch_refs
         for n, (i, jp) in enumerate(reversed(split_products(n_parts))):  # smallest products first
             plgpu.tcgen05_mma(acc, q_smems[i], k_smems[jp].transpose((1, 0)), accumulate=n > 0)
@@ -61,4 +67,4 @@ def tcgen05_row_max(n_parts: int, rows: int, bs: int) -> RowMax:
         return best
 
     scratch = (plgpu.Barrier(num_arrivals=1, orders_tensor_core=True), plgpu.TMEM((rows, bs), jnp.float32))
-    return RowMax(LAYOUT.reduce(1), scratch, row_max)
+    return RowMax(LAYOUT.reduce(1), scratch, block_max)

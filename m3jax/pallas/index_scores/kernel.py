@@ -18,7 +18,7 @@ Design (Hopper, ``Target.HOPPER``):
   ``[B, nb_pad, T_pad*Hi]``; the public ``[B, Hi, T, nb]`` layout is one XLA transpose of that
   (``m3jax.pallas.topk`` consumes the block-major layout directly, without the transpose).
 * Output (fused top-k, docs/KERNELS.md §2.8). Instead of writing scores, each row-max vector goes through
-  the register insertion top-k of ``m3jax.pallas.topk._select`` (forced own/local/sink blocks,
+  the register insertion top-k of ``m3jax.pallas.topk.select`` (forced own/local/sink blocks,
   descending score, ties to the lower id). Only ``[B, topk, T_pad*Hi]`` int32 ids are written.
 * fp32 inputs. The MMA is bf16 only; fp32 ``iq``/``ik`` are split into three bf16 pieces
   (``pallas._common.bf16_split(x, 3)``), kept as separate SMEM tiles, and six wgmmas per key block
@@ -32,8 +32,9 @@ What remains for peak (measured numbers in benchmarks/msa_index.py): a warp-spec
 overlaps the other's wgmma), a persistent grid over (batch, row tile) with cost-sorted tiles for
 ragged batches, and a skip of the fused top-k insertion when no row improves.
 
-Blackwell (``Target.BLACKWELL``, :mod:`.blackwell`): the same kernel with ``tcgen05_mma`` into a TMEM
-accumulator and 128-row tiles; only the block's row max (:class:`.row_max.RowMax`) and the row tile change,
+Per architecture (:mod:`.hopper`, :mod:`.blackwell`, picked by :func:`m3jax.pallas._backend.arch_module`):
+only the block's row max (:class:`.tile.RowMax`) and the row tile change; Blackwell's is ``tcgen05_mma``
+into a TMEM accumulator on 128-row tiles;
 the pipeline, masks and outputs stay. Not done there: M = 256 rows on a 2-CTA cluster, several TMEM
 accumulator stages so an MMA warp runs ahead of the epilogue, a TMA gather for paged index-K caches.
 """
@@ -46,11 +47,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._backend import arch_module, current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, check_dims, swizzle_transforms
-from m3jax.pallas.index_scores import blackwell
-from m3jax.pallas.index_scores.row_max import wgmma_row_max
-from m3jax.pallas.topk import _select
+from m3jax.pallas.index_scores import blackwell, hopper
+from m3jax.pallas.topk import select
 from m3jax.pallas.topk.kernel import select_blocks_blockmajor
 
 NEG_INF = float("-inf")
@@ -72,14 +72,7 @@ class IndexScoreConfig:
     fused_topk: bool = False
 
     def for_block(self, block_size: int, fused: bool) -> "IndexScoreConfig":
-        if current_target().mma == "tcgen05":
-            # Blackwell: tcgen05 tiles of 128 rows, whatever ``rows`` says; the accumulator is in TMEM
-            # and read in column pieces, so no register limit on the block (.blackwell).
-            return dataclasses.replace(self, rows=blackwell.ROWS)
-        rows = self.rows
-        # fp32 accumulator registers: rows * block_size / 128 threads (+ the top-k state if fused).
-        if rows * block_size > (8192 if fused else 16384):
-            rows = 64
+        rows = arch_module(hopper, blackwell).tile_rows(self.rows, block_size, fused)
         return dataclasses.replace(self, rows=rows)
 
 
@@ -97,10 +90,7 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
     transforms = swizzle_transforms(hx)
     steps = _pipeline_steps(rows, kx, bs, fused, topk, config)
     full_key_blocks = s_len // bs  # blocks wholly inside [0, S)
-    if current_target().mma == "tcgen05":  # Blackwell: tcgen05 into TMEM (.blackwell)
-        mma = blackwell.tcgen05_row_max(n_parts, rows, bs)
-    else:
-        mma = wgmma_row_max(n_parts, rows, bs)
+    mma = arch_module(hopper, blackwell).row_max(n_parts, rows, bs)
 
     if fused:
         out_type = jax.ShapeDtypeStruct((b, topk, r_pad), jnp.int32)
@@ -151,10 +141,10 @@ def _kernel_call(q_parts, k_parts, rowpos, tile_info, *, s_len, block_size, nb, 
                 def fn(idx, *args):
                     k_smems, carry = args[:-1], args[-1]
                     j = idx[0] + offset
-                    x = _select.forced_candidate(row_max(k_smems, j, masked), rowpos, j, block_size=bs,
+                    x = select.forced_candidate(row_max(k_smems, j, masked), rowpos, j, block_size=bs,
                                                  local_blocks=local_blocks, init_blocks=init_blocks,
                                                  force_in=force_in, force_out=force_out)
-                    return _select.insert(*carry, x, j)
+                    return select.insert(*carry, x, j)
 
                 return fn
 

@@ -75,7 +75,7 @@ def _kv_major_bwd(block_size, cfg, res, cotangents):
     q, k, v, block_idx, q_pos, out, lse = res
     do, dlse = cotangents
     reason = backward.unsupported_reason(num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3],
-                                         block_size=block_size, dtype=kernel._compute_dtype(q, k, v), config=cfg)
+                                         block_size=block_size, dtype=kernel.compute_dtype(q, k, v), config=cfg)
     if reason is None:
         dq, dk, dv = backward.kv_major_backward(q, k, v, block_idx, q_pos, out, lse, do, dlse, block_size=block_size,
                                                 cfg=cfg)

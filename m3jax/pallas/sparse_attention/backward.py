@@ -44,15 +44,15 @@ from m3jax.pallas._common import LOG2E, p_mma_parts, split_parts, split_products
 from . import csr
 from .kernel import (
     SparseAttentionConfig,
-    _compute_dtype,
-    _pad_groups,
-    _pad_kv,
-    _parts_shape,
-    _shape_reason,
-    _smem,
-    _unpad_groups,
+    compute_dtype,
     group_rows,
+    pad_groups,
+    pad_kv,
+    parts_shape,
+    shape_reason,
     split_blocks,
+    swizzled_smem,
+    unpad_groups,
 )
 from .tile import parts
 
@@ -91,7 +91,7 @@ def plan_backward(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
     """Tiles for the backward kernel; ValueError (the :func:`unsupported_reason`) if it cannot run."""
     cfg = cfg or SparseAttentionConfig()
     target = target or _backend.current_target()
-    reason = _shape_reason(n, kh, h, block_size, dtype, cfg)
+    reason = shape_reason(n, kh, h, block_size, dtype, cfg)
     if reason:
         raise ValueError(reason)
     if target.mma != "wgmma":
@@ -277,13 +277,13 @@ def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMa
     dtype = q_parts[0].dtype
     m, kb, n_parts, stages = plan.m, plan.kb, plan.n_parts, plan.stages
     scratch = [
-        _smem(_parts_shape(n_parts, (stages, m, h)), dtype),
-        _smem(_parts_shape(n_parts, (stages, m, h)), dtype),
-        _smem(_parts_shape(n_parts, (kb, h)), dtype),
-        _smem(_parts_shape(n_parts, (kb, h)), dtype),
-        _smem(_parts_shape(n_parts, (kb, m)), dtype),
-        _smem(_parts_shape(n_parts, (kb, m)), dtype),
-        plgpu.SMEM((m, h), jnp.float32) if n_parts == 2 else _smem((m, h), dtype),
+        swizzled_smem(parts_shape(n_parts, (stages, m, h)), dtype),
+        swizzled_smem(parts_shape(n_parts, (stages, m, h)), dtype),
+        swizzled_smem(parts_shape(n_parts, (kb, h)), dtype),
+        swizzled_smem(parts_shape(n_parts, (kb, h)), dtype),
+        swizzled_smem(parts_shape(n_parts, (kb, m)), dtype),
+        swizzled_smem(parts_shape(n_parts, (kb, m)), dtype),
+        plgpu.SMEM((m, h), jnp.float32) if n_parts == 2 else swizzled_smem((m, h), dtype),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.Barrier(num_arrivals=2 * n_parts),
@@ -335,16 +335,16 @@ def kv_major_backward(q, k, v, block_idx, q_pos, o, lse, do, dlse=None, *, block
     [B, T, N], the cotangent ``do`` and (optionally) the LSE's ``dlse``. Shapes and dtypes as q, k, v."""
     b, t, n, h = q.shape
     kh = k.shape[2]
-    cdt = _compute_dtype(q, k, v)
+    cdt = compute_dtype(q, k, v)
     plan = plan_backward(n=n, kh=kh, h=h, block_size=block_size, dtype=cdt, cfg=cfg)
     gp = plan.gp
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, N]
     if dlse is not None:
         d = d - dlse.astype(jnp.float32)
-    q_parts = split_parts(_pad_groups(q.astype(cdt), kh, gp))
-    do_parts = split_parts(_pad_groups(do.astype(cdt), kh, gp))
-    k_parts = split_parts(_pad_kv(k, plan.kb).astype(cdt))
-    v_parts = split_parts(_pad_kv(v, plan.kb).astype(cdt))
+    q_parts = split_parts(pad_groups(q.astype(cdt), kh, gp))
+    do_parts = split_parts(pad_groups(do.astype(cdt), kh, gp))
+    k_parts = split_parts(pad_kv(k, plan.kb).astype(cdt))
+    v_parts = split_parts(pad_kv(v, plan.kb).astype(cdt))
     q_pos = q_pos.astype(jnp.int32)
     sel = split_blocks(block_idx.astype(jnp.int32), q_pos, block_size, plan.kb)
     nb = k_parts[0].shape[1] // plan.kb
@@ -361,7 +361,7 @@ def kv_major_backward(q, k, v, block_idx, q_pos, o, lse, do, dlse=None, *, block
     hi = jnp.arange(kh)[None, :, None, None]
     dq = dq_stage.reshape(kh, e_pad, gp, h)[hi, jnp.maximum(work.epos, 0)]  # [B, K, T, topk, gp, H]
     dq = jnp.where((work.epos >= 0)[..., None, None], dq.astype(jnp.float32), 0.0).sum(axis=3)
-    dq = _unpad_groups(jnp.moveaxis(dq, 1, 2).reshape(b, t, kh * gp, h), kh, plan.g)
+    dq = unpad_groups(jnp.moveaxis(dq, 1, 2).reshape(b, t, kh * gp, h), kh, plan.g)
     # dK, dV: blocks that no query selected were never written
     bi = jnp.arange(b)[:, None, None, None]
     ki = jnp.arange(kh)[None, :, None, None]

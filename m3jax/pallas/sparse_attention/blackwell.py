@@ -2,7 +2,7 @@
 kernel (CSR work items, K/V block loaded once per item, Q-tile ring, staging and combine unchanged)
 with its two matmuls on ``tcgen05`` into TMEM instead of Hopper ``wgmma`` into registers.
 
-Per Q tile (:func:`tcgen05_tile`, chosen by :func:`.kernel._tile_maths` when the plan's target has
+Per Q tile (:func:`tile`, chosen by :func:`m3jax.pallas._backend.arch_module` when the plan's target has
 ``mma == "tcgen05"``):
 
 - Tiles of 128 rows (tcgen05's M per CTA: 8 tokens x 16 heads at M3's G), key blocks of at most 128
@@ -42,8 +42,14 @@ def _pieces(width: int) -> list[tuple[int, int]]:
     return [(c, min(PIECE, width - c)) for c in range(0, width, PIECE)]
 
 
-def tcgen05_tile(plan, dtype):
-    """(attend, scratch) as :func:`.kernel._wgmma_tile` for a :class:`.kernel.KVMajorPlan`, with S and O in TMEM."""
+def kv_major_tiles(m: int, stage_p: bool, kbs: tuple[int, ...]) -> tuple[int, bool, tuple[int, ...]]:
+    """The KV-major plan's rows per tile, P staging and key blocks to try: 128-row tiles, P through
+    SMEM, key blocks of at most :data:`MAX_KEY_BLOCK` (S [128, kb] in TMEM)."""
+    return ROWS, True, tuple(kb for kb in kbs if kb <= MAX_KEY_BLOCK)
+
+
+def tile(plan, dtype):
+    """(attend, scratch) as :func:`.hopper.tile` for a :class:`.kernel.KVMajorPlan`, with S and O in TMEM."""
     m, gp, bs, h, n_parts = plan.m, plan.gp, plan.kb, plan.h, plan.n_parts
     scale = (h**-0.5) * LOG2E
     prods = split_products(n_parts)

@@ -74,19 +74,11 @@ from jax import lax
 
 from m3jax.msa.reference import lse_merge
 from m3jax.pallas import _backend  # on_gpu, current_target via the module: tests patch them
-from m3jax.pallas._backend import HOPPER, Target, mosaic_kernel, pl, plgpu
-from m3jax.pallas._common import (
-    LN2,
-    LOG2E,
-    online_softmax_step,
-    softmax_normalisers,
-    split_parts,
-    split_products,
-    swizzle_transforms,
-)
+from m3jax.pallas._backend import HOPPER, Target, arch_module, mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import LOG2E, online_softmax_step, softmax_normalisers, split_parts, swizzle_transforms
 
-from . import blackwell, csr
-from .tile import p_operands, parts, row_limits
+from . import blackwell, csr, hopper
+from .tile import p_operands, parts
 
 KEY_BLOCKS = (256, 192, 128, 64, 32, 16)  # kernel key blocks: a 128 B swizzle's K step (64) divides them, or 16 / 32
 MAX_GROUP_ROWS = 128  # padded G: one token's heads fit a 128-row tile
@@ -218,7 +210,7 @@ def kv_major_smem_bytes(*, m, h, kb, tpi, meta_w, stages, n_parts, stage_p, fp32
 def _plan_rows(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig, target: Target | None):
     """What both plans start from: the shape check (ValueError with the reason), the target, G, the
     padded rows per token ``gp`` and per tile ``m``, and the bf16 parts per operand."""
-    reason = _shape_reason(n, kh, h, block_size, dtype, cfg)
+    reason = shape_reason(n, kh, h, block_size, dtype, cfg)
     if reason:
         raise ValueError(reason)
     g = n // kh
@@ -231,9 +223,7 @@ def plan_kv_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
     target, g, gp, m, n_parts = _plan_rows(n, kh, h, block_size, dtype, cfg, target)
     tpi, stages, stage_p = cfg.tiles_per_item, cfg.q_stages, cfg.stage_p()
     kbs = key_blocks(block_size)
-    if target.mma == "tcgen05":  # Blackwell (.blackwell): 128-row tiles, P through SMEM, kb <= 128
-        m, stage_p = blackwell.ROWS, True
-        kbs = tuple(kb for kb in kbs if kb <= blackwell.MAX_KEY_BLOCK)
+    m, stage_p, kbs = arch_module(hopper, blackwell, target.mma).kv_major_tiles(m, stage_p, kbs)
     tq = m // gp
     meta_w = _meta_width(tq)
     for kb in kbs:  # the largest key block whose tiles fit (16-bit: the block itself)
@@ -284,7 +274,7 @@ def plan_query_major(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Sp
     raise ValueError(f"no query-major tiles fit in SMEM (H={h}, block {block_size}, {jnp.dtype(dtype).name})")
 
 
-def _shape_reason(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig) -> str | None:
+def shape_reason(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig) -> str | None:
     if n % kh:
         return f"query heads {n} must be a multiple of the KV heads {kh}"
     g = n // kh
@@ -307,22 +297,19 @@ def _shape_reason(n, kh, h, block_size, dtype, cfg: SparseAttentionConfig) -> st
 
 def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype="bfloat16", config: SparseAttentionConfig | None = None,
-                       target: Target | None = None, implementation: str | None = None) -> str | None:
-    """Why the sparse-attention kernel ``implementation`` (``"kv_major"``, ``"query_major"``; None:
-    both) cannot run these shapes on ``target`` (default: the device's; None when it can). The model
-    runs the KV-major kernel only, so it asks about that one. Plain Python."""
+                       target: Target | None = None, implementation: str = "kv_major") -> str | None:
+    """Why the sparse-attention kernel ``implementation`` cannot run these shapes on ``target``
+    (default: the device's; None when it can). The default judges the KV-major kernel, the one the
+    model runs; the query-major baseline is asked by name. Plain Python."""
     cfg = config or SparseAttentionConfig()
     plans = {"kv_major": plan_kv_major, "query_major": plan_query_major}
-    if implementation is not None and implementation not in plans:
+    if implementation not in plans:
         raise ValueError(f"unknown sparse-attention kernel {implementation!r}; choose one of {tuple(plans)}")
-    for name, plan in plans.items():
-        if implementation not in (None, name):
-            continue
-        try:
-            plan(n=num_heads, kh=num_kv_heads, h=head_dim, block_size=block_size, dtype=dtype, cfg=cfg,
-                 target=target)
-        except ValueError as e:
-            return str(e)
+    try:
+        plans[implementation](n=num_heads, kh=num_kv_heads, h=head_dim, block_size=block_size, dtype=dtype,
+                              cfg=cfg, target=target)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -331,19 +318,19 @@ def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, bloc
 # --------------------------------------------------------------------------------------------
 
 
-def _smem(shape, dtype, minor: int | None = None):
+def swizzled_smem(shape, dtype, minor: int | None = None):
     """Swizzled SMEM tile; ``minor`` (default: the row) sets the swizzle width."""
     itemsize = jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(minor or shape[-1], itemsize))
 
 
-def _pad_kv(x, block_size):
+def pad_kv(x, block_size):
     s = x.shape[1]
     pad = -s % block_size
     return x if pad == 0 else jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
 
 
-def _pad_groups(q, kh: int, gp: int):
+def pad_groups(q, kh: int, gp: int):
     """[B, T, N, H] -> [B, T, K * gp, H]: each group's G heads padded with zero heads to ``gp``."""
     b, t, n, h = q.shape
     g = n // kh
@@ -353,8 +340,8 @@ def _pad_groups(q, kh: int, gp: int):
     return q.reshape(b, t, kh * gp, h)
 
 
-def _unpad_groups(x, kh: int, g: int):
-    """[B, T, K * gp, ...] -> [B, T, K * G, ...] (drops the zero heads of :func:`_pad_groups`)."""
+def unpad_groups(x, kh: int, g: int):
+    """[B, T, K * gp, ...] -> [B, T, K * G, ...] (drops the zero heads of :func:`pad_groups`)."""
     b, t, ngp = x.shape[:3]
     gp = ngp // kh
     if g == gp:
@@ -375,45 +362,25 @@ def split_blocks(block_idx, q_pos, block_size: int, kb: int):
     return jnp.where(ok, sub, -1).reshape(*block_idx.shape[:-1], -1)
 
 
-def _compute_dtype(q, k, v):
+def compute_dtype(q, k, v):
     return jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
 
 
 def _prepare(q, k, v, block_idx, q_pos, kh: int, gp: int, block_size: int, kb: int):
     """Kernel operands: Q with padded groups and K/V padded to whole blocks, each as bf16 parts (one
     for 16-bit inputs), and selections in kernel key blocks."""
-    cdt = _compute_dtype(q, k, v)
-    q_parts = split_parts(_pad_groups(q.astype(cdt), kh, gp))
-    k_parts = split_parts(_pad_kv(k, block_size).astype(cdt))
-    v_parts = split_parts(_pad_kv(v, block_size).astype(cdt))
+    cdt = compute_dtype(q, k, v)
+    q_parts = split_parts(pad_groups(q.astype(cdt), kh, gp))
+    k_parts = split_parts(pad_kv(k, block_size).astype(cdt))
+    v_parts = split_parts(pad_kv(v, block_size).astype(cdt))
     q_pos = q_pos.astype(jnp.int32)
     return q_parts, k_parts, v_parts, split_blocks(block_idx.astype(jnp.int32), q_pos, block_size, kb), q_pos
 
 
-def _parts_shape(n_parts: int, shape: tuple) -> tuple:
+def parts_shape(n_parts: int, shape: tuple) -> tuple:
     """SMEM shape of a tile held as ``n_parts`` bf16 parts: a leading parts axis for fp32 only, so the
     16-bit kernels are the same Mosaic modules as before fp32 support (no size-1 axis to slice)."""
     return shape if n_parts == 1 else (n_parts, *shape)
-
-
-def _scores(q_tiles, k_tiles, shape, n_parts):
-    """S = Q K^T over the parts' products into a fresh fp32 accumulator."""
-    def qk(acc_ref):
-        for a, c in split_products(n_parts):
-            plgpu.wgmma(acc_ref, q_tiles[a], k_tiles[c].transpose((1, 0)))
-        return acc_ref[...]
-
-    return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-
-
-def _pv(p_parts, v_tiles, shape, n_parts):
-    """P V over the parts' products into a fresh fp32 accumulator."""
-    def pv(acc_ref):
-        for a, c in split_products(n_parts):
-            plgpu.wgmma(acc_ref, p_parts[a], v_tiles[c])
-        return acc_ref[...]
-
-    return pl.run_scoped(pv, plgpu.ACC(shape, jnp.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,38 +398,9 @@ def _tile_meta(qtok, qlim, tq: int, tiles_per_item: int):
     return jnp.pad(x, [(0, 0), (0, tiles_per_item), (0, 0), (0, _meta_width(tq) - tq)])
 
 
-def _wgmma_tile(plan: KVMajorPlan, dtype):
-    """Hopper's tile maths for :func:`_kv_major_body`: S and O accumulate in registers (wgmma).
-
-    Returns (attend, scratch). ``attend(q_tiles, k_tiles, v_tiles, lims, o_smem, p_smem, mma_refs,
-    scores_done)``: S = Q K^T, ``scores_done()`` once Q is consumed, the causal mask when ``lims``
-    (the tile's per-token limits) is given, the softmax, O = P V normalised into ``o_smem`` (in its
-    dtype); returns the natural-log LSE [m]. ``scratch``: what it needs beyond the kernel's own
-    (``mma_refs``; none here)."""
-    m, gp, bs, n_parts = plan.m, plan.gp, plan.kb, plan.n_parts
-    scale = (plan.h**-0.5) * LOG2E
-
-    def attend(q_tiles, k_tiles, v_tiles, lims, o_smem, p_smem, mma_refs, scores_done):
-        s = _scores(q_tiles, k_tiles, (m, bs), n_parts) * scale
-        scores_done()
-        if lims is not None:  # only tiles holding a query whose own block this is
-            col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(col <= row_limits(lims, m, bs, gp), s, -jnp.inf)
-        mx = s.max(axis=1)
-        p = jnp.exp2(s - lax.broadcast_in_dim(mx, s.shape, [0]))
-        l = p.sum(axis=1)
-        acc = _pv(p_operands(p, p_smem, n_parts, dtype), v_tiles, (m, plan.h), n_parts)
-        o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(o_smem.dtype)
-        return (mx + jnp.log2(l)) * LN2
-
-    return attend, []
-
-
 def _tile_maths(plan: KVMajorPlan, dtype):
-    """The tile maths of the plan's target: wgmma (here) or tcgen05 (:mod:`.blackwell`)."""
-    if plan.mma == "tcgen05":
-        return blackwell.tcgen05_tile(plan, dtype)
-    return _wgmma_tile(plan, dtype)
+    """(attend, scratch) of the plan's target: :func:`.hopper.tile` (wgmma) or :func:`.blackwell.tile` (tcgen05)."""
+    return arch_module(hopper, blackwell, plan.mma).tile(plan, dtype)
 
 
 def _kv_major_body(plan: KVMajorPlan, dtype):
@@ -562,9 +500,9 @@ def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorWork, *, plan: 
     m, h, kb, n_parts = plan.m, plan.h, plan.kb, plan.n_parts
     meta = _tile_meta(work.qtok, work.qlim, plan.tq, plan.tiles_per_item)
     scratch = [
-        _smem(_parts_shape(n_parts, (plan.stages, m, h)), dtype),
-        _smem(_parts_shape(n_parts, (kb, h)), dtype),
-        _smem(_parts_shape(n_parts, (kb, h)), dtype, minor=pv_swizzle_minor(kb, h)),
+        swizzled_smem(parts_shape(n_parts, (plan.stages, m, h)), dtype),
+        swizzled_smem(parts_shape(n_parts, (kb, h)), dtype),
+        swizzled_smem(parts_shape(n_parts, (kb, h)), dtype, minor=pv_swizzle_minor(kb, h)),
         plgpu.SMEM((m,), jnp.float32),
         plgpu.SMEM((plan.tiles_per_item, 2, plan.meta_w), jnp.int32),
         plgpu.Barrier(num_arrivals=2 * n_parts),
@@ -574,7 +512,7 @@ def kv_major_forward(q_parts, k_parts, v_parts, work: csr.KVMajorWork, *, plan: 
     if n_parts == 2:
         scratch.append(plgpu.SMEM((m, h), jnp.float32))
     if plan.stage_p:
-        scratch.append(_smem(_parts_shape(n_parts, (m, kb)), dtype, minor=pv_swizzle_minor(kb, h)))
+        scratch.append(swizzled_smem(parts_shape(n_parts, (m, kb)), dtype, minor=pv_swizzle_minor(kb, h)))
     scratch += _tile_maths(plan, dtype)[1]
     out_type = (
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), jnp.dtype(plan.stage_dtype)),
@@ -613,7 +551,7 @@ def combine(o_stage, lse_stage, epos, *, n_heads: int, out_dtype, return_lse: bo
 def kv_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: SparseAttentionConfig, return_lse=False):
     b, t, n, h = q.shape
     kh = k.shape[2]
-    plan = plan_kv_major(n=n, kh=kh, h=h, block_size=block_size, dtype=_compute_dtype(q, k, v),
+    plan = plan_kv_major(n=n, kh=kh, h=h, block_size=block_size, dtype=compute_dtype(q, k, v),
                          cfg=cfg)
     q_parts, k_parts, v_parts, sel, q_pos = _prepare(q, k, v, block_idx, q_pos, kh, plan.gp, block_size, plan.kb)
     nb = k_parts[0].shape[1] // plan.kb
@@ -622,8 +560,8 @@ def kv_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: Spars
     o_stage, lse_stage = kv_major_forward(q_parts, k_parts, v_parts, work, plan=plan, e_pad=e_pad)
     res = combine(o_stage, lse_stage, work.epos, n_heads=kh * plan.gp, out_dtype=q.dtype, return_lse=return_lse)
     if not return_lse:
-        return _unpad_groups(res, kh, plan.g)
-    return _unpad_groups(res[0], kh, plan.g), _unpad_groups(res[1], kh, plan.g)
+        return unpad_groups(res, kh, plan.g)
+    return unpad_groups(res[0], kh, plan.g), unpad_groups(res[1], kh, plan.g)
 
 
 # --------------------------------------------------------------------------------------------
@@ -680,7 +618,7 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
 
             lim = qp - blk_ref[bb, hh, tt, j] * bs
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _scores(q_tiles, parts(k_smem.at[slot], n_parts), (m, bs), n_parts)
+            s = hopper.wgmma_scores(q_tiles, parts(k_smem.at[slot], n_parts), (m, bs), n_parts)
             col = plgpu.broadcasted_iota(jnp.int32, (m, bs), 1, layout=plgpu.Layout.WGMMA)
             s = jnp.where(col <= lim, s * scale, -jnp.inf)
             m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
@@ -689,7 +627,7 @@ def _query_major_body(plan: QueryMajorPlan, dtype):
             plgpu.barrier_wait(v_bar.at[slot])
             # A fresh accumulator + add (rather than ``run_state(ACC.init(acc))``) keeps one code path
             # that GPU interpret mode can run.
-            acc = acc + _pv(p_ops, parts(v_smem.at[slot], n_parts), (m, plan.h), n_parts)
+            acc = acc + hopper.wgmma_pv(p_ops, parts(v_smem.at[slot], n_parts), (m, plan.h), n_parts)
             if stages == 1:
                 @pl.when(j + 1 < nv)
                 def _():
@@ -720,15 +658,15 @@ def query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, *, pl
     m, kb, n_parts, stages = plan.m, plan.kb, plan.n_parts, plan.stages
     o_dtype = jnp.float32 if n_parts == 2 else dtype
     scratch = [
-        _smem(_parts_shape(n_parts, (m, h)), dtype),
-        _smem((stages, *_parts_shape(n_parts, (kb, h))), dtype),
-        _smem((stages, *_parts_shape(n_parts, (kb, h))), dtype, minor=pv_swizzle_minor(kb, h)),
-        plgpu.SMEM((m, h), o_dtype) if n_parts == 2 else _smem((m, h), dtype),
+        swizzled_smem(parts_shape(n_parts, (m, h)), dtype),
+        swizzled_smem((stages, *parts_shape(n_parts, (kb, h))), dtype),
+        swizzled_smem((stages, *parts_shape(n_parts, (kb, h))), dtype, minor=pv_swizzle_minor(kb, h)),
+        plgpu.SMEM((m, h), o_dtype) if n_parts == 2 else swizzled_smem((m, h), dtype),
         plgpu.SMEM((m,), jnp.float32),
         plgpu.Barrier(num_arrivals=(m // plan.gp) * n_parts),
         plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_parts, num_barriers=stages),
-    ] + ([_smem(_parts_shape(n_parts, (m, kb)), dtype, minor=pv_swizzle_minor(kb, h))] if plan.stage_p else [])
+    ] + ([swizzled_smem(parts_shape(n_parts, (m, kb)), dtype, minor=pv_swizzle_minor(kb, h))] if plan.stage_p else [])
     out_type = (
         jax.ShapeDtypeStruct((b, t, ngp, h), o_dtype),
         jax.ShapeDtypeStruct((b, kh, t, m), jnp.float32),
@@ -749,7 +687,7 @@ def query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, *, pl
 def query_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: SparseAttentionConfig, return_lse=False):
     b, t, n, h = q.shape
     kh = k.shape[2]
-    plan = plan_query_major(n=n, kh=kh, h=h, block_size=block_size, dtype=_compute_dtype(q, k, v),
+    plan = plan_query_major(n=n, kh=kh, h=h, block_size=block_size, dtype=compute_dtype(q, k, v),
                             cfg=cfg)
     q_parts, k_parts, v_parts, bi, q_pos = _prepare(q, k, v, block_idx, q_pos, kh, plan.gp, block_size, plan.kb)
     big = jnp.iinfo(jnp.int32).max
@@ -757,7 +695,7 @@ def query_major_attention(q, k, v, block_idx, q_pos, *, block_size: int, cfg: Sp
     n_valid = (bi >= 0).sum(-1).astype(jnp.int32)
     blocks = jnp.where(blocks == big, 0, blocks)
     o, lse = query_major_forward(q_parts, k_parts, v_parts, blocks, n_valid, q_pos, plan=plan)
-    o = _unpad_groups(o, kh, plan.g).astype(q.dtype)
+    o = unpad_groups(o, kh, plan.g).astype(q.dtype)
     if not return_lse:
         return o
-    return o, _unpad_groups(jnp.moveaxis(lse, 1, 2).reshape(b, t, kh * plan.gp), kh, plan.g)
+    return o, unpad_groups(jnp.moveaxis(lse, 1, 2).reshape(b, t, kh * plan.gp), kh, plan.g)

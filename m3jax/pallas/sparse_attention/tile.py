@@ -12,7 +12,7 @@ from m3jax.pallas._common import p_mma_parts
 
 
 def parts(ref, n_parts: int) -> list:
-    """The per-part views of a :func:`.kernel._parts_shape` SMEM ref."""
+    """The per-part views of a :func:`.kernel.parts_shape` SMEM ref."""
     return [ref] if n_parts == 1 else [ref.at[a] for a in range(n_parts)]
 
 

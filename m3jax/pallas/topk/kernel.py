@@ -6,7 +6,7 @@ chunk of ``chunk`` block ids x 128 rows is one dense TMA box; ``plgpu.emit_pipel
 chunks through SMEM. Each SMEM row (one block id, 128 rows) is loaded as one register vector with
 one element per thread (``WG_STRIDED`` layout: thread i owns row i) and inserted into a running
 per-row top-k list held in registers (``topk`` values + ``topk`` ids per thread; the branch-free
-compare-and-swap insertion of ``_select.insert``). Chunks past the tile's causal limit (all
+compare-and-swap insertion of ``select.insert``). Chunks past the tile's causal limit (all
 ``-inf``) are never loaded. Rows up to 8,192 blocks (1M tokens at block 128) are a longer
 pipeline, not a different kernel. Few rows (decode: ``B * Hi * Q``, 4 at batch 1) leave most SMs
 idle here; :mod:`.rowsplit` splits each row over a warpgroup instead.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import check_dims
-from m3jax.pallas.topk import _select
+from m3jax.pallas.topk import select
 
 NEG_INF = float("-inf")
 ROWS = 128  # one warpgroup, one row per thread
@@ -78,7 +78,7 @@ def _kernel_call(scores_bm, rowpos, tile_max, *, block_size, topk, local_blocks,
             c = idx[0]
 
             def one(cc, carry):
-                return _select.insert_smem_row(carry, s_smem.at[cc], rowpos, c * chunk + cc, layout=_layout(),
+                return select.insert_smem_row(carry, s_smem.at[cc], rowpos, c * chunk + cc, layout=_layout(),
                                                block_size=block_size, local_blocks=local_blocks,
                                                init_blocks=init_blocks, force_in=force_in, force_out=force_out)
 

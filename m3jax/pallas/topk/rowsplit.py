@@ -12,7 +12,7 @@ Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index
   blocks = 1M tokens; box dims are limited to 256, hence ``nb <= 32,768``).
 * Per-thread top-k. Thread ``i`` loads column ``i`` of each SMEM row (``WG_STRIDED`` layout), i.e.
   it owns blocks ``{c * 128 + i}``, and inserts them in increasing id into a sorted list held in
-  registers (``topk`` values + ``topk`` ids; ``_select.forced_candidate`` and ``_select.insert``, so
+  registers (``topk`` values + ``topk`` ids; ``select.forced_candidate`` and ``select.insert``, so
   ties go to the lower id and forced blocks get the reference priorities). SMEM rows wholly past
   the row's causal limit (all ``-inf`` by the score contract) are not visited.
 * Tree merge, 7 rounds (``log2 128``). In the round of stride ``s`` every thread writes its list
@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas.topk import _select
+from m3jax.pallas.topk import select
 
 NEG_INF = float("-inf")
 LANES = 128  # one warpgroup; thread i owns blocks {c * 128 + i}
@@ -133,7 +133,7 @@ def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks,
         plgpu.barrier_wait(bar.at[0])
 
         def one(c, carry):
-            return _select.insert_smem_row(carry, s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
+            return select.insert_smem_row(carry, s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
                                            block_size=block_size, local_blocks=local_blocks,
                                            init_blocks=init_blocks, force_in=force_in, force_out=force_out)
 

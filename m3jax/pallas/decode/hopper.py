@@ -1,0 +1,191 @@
+"""Hopper (sm_90a) MSA decode kernels: paged index-block scoring and sparse paged attention with
+``wgmma`` into register accumulators, over :mod:`.kernel`'s shared plan and launch pieces (design in
+:mod:`.kernel`'s docstring). Chosen by :func:`m3jax.pallas._backend.arch_module`; Blackwell's are in
+:mod:`.blackwell`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
+from m3jax.pallas._common import online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms
+from m3jax.pallas.decode.kernel import (
+    DecodeScoreConfig,
+    SparseDecodeConfig,
+    attention_call,
+    attention_plan,
+    attention_refs,
+    cta_start,
+    kv_pipeline,
+    page_transforms,
+    round_up,
+    score_chunks,
+    score_operands,
+    score_pipeline,
+    score_products,
+    score_prologue,
+    score_result,
+    score_scratch,
+    score_shapes,
+    score_stages,
+    softmax_start,
+    step_operands,
+    store_split,
+    visible_keys,
+)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
+def decode_index_scores(
+    iq: jax.Array,
+    ik_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    block_size: int,
+    config: DecodeScoreConfig = DecodeScoreConfig(),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Block-max index scores of the Q new tokens over a paged index-key cache.
+
+    Args:
+      iq: [B, Q, Hi, Hx] index queries; ik_pages: [num_pages, block_size, Hx] index keys (bf16,
+      fp16, fp32 or fp8 e4m3); page_table: int32 [B, max_pages]; seq_lens: int32 [B] (including
+      the Q new tokens).
+    Returns:
+      fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
+      blocks with no visible key (future or unused pages).
+    """
+    b, q, hi, hx, _, bs, max_pages = score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
+    n_rows = hi * q
+    n_pad = round_up(n_rows, 8)
+    if n_pad > 256:
+        raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
+    chunk, splits = score_chunks(config, b, max_pages, n_pad)
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
+    prods = score_products(len(q_parts), len(k_parts))
+    dtype = q_parts[0].dtype
+    transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
+
+    def body(*refs):
+        q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = score_prologue(
+            refs, len(q_parts), len(k_parts), chunk, bs)
+
+        def page_step(idx, *k_smems):
+            (i,) = idx
+            j = first + i
+            k_smems = mma_keys(k_smems)
+            # query position of accumulator column n (n = h * Q + t): seq_len - Q + t. (Built inside
+            # the loop body: no vector values closed over by the pipeline loop.)
+            col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
+            row = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 0, layout=plgpu.Layout.WGMMA)
+            q_pos = seq_len - q + lax.rem(col, q)
+
+            def mma(acc_ref):
+                for a, c in prods:
+                    plgpu.wgmma(acc_ref, k_smems[a], q_smem.at[c].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(mma, plgpu.ACC((bs, n_pad), jnp.float32))
+            s = jnp.where(row + j * bs <= q_pos, s, -jnp.inf)
+            score_smem[i] = s.max(axis=0)
+
+        score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
+                        (bs, hx), page_transforms(k_parts, hx, transforms), stages)
+
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
+        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
+        grid=(b, splits),
+        grid_names=("b", "s"),
+    )
+    out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    return score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))
+def sparse_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    block_idx: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    block_size: int,
+    config: SparseDecodeConfig = SparseDecodeConfig(),
+    interpret: bool | None = None,
+    return_lse: bool = False,
+):
+    """Sparse paged decode attention (see :mod:`.kernel`'s docstring).
+
+    Args:
+      q: [B, Q, N, H]; k_pages, v_pages: [num_pages, block_size, K, H]; page_table: int32
+      [B, max_pages]; block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty, unique per row);
+      seq_lens: int32 [B].
+    Returns:
+      [B, Q, N, H] in q.dtype (and the natural-log LSE fp32 [B, Q, N] if ``return_lse``).
+    """
+    plan = attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size, config, m_tile=64)
+    m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
+
+    def body(*refs):
+        q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
+            attention_refs(plan, refs))
+        q_smem, p_smem, q_bar = scratch
+        bi, hk, si, seq_len, first = cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
+        m0, l0 = softmax_start(plan, plgpu.Layout.WGMMA.reduce(1))
+        acc0 = plgpu.layout_cast(jnp.full((m_pad, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def page_step(idx, *kv_and_carry):
+            (i,) = idx
+            k_smems, v_smems, (acc, m_i, l_i) = step_operands(plan, kv_and_carry)
+
+            def qk(acc_ref):
+                for a, c in plan.prods:
+                    plgpu.wgmma(acc_ref, q_smem.at[a], k_smems[c].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((m_pad, kv_tile), jnp.float32)) * plan.scale
+            ok = visible_keys(plan, plgpu.Layout.WGMMA, i, first, seq_len, log_gmem, bits_gmem, bi, hk)
+            m_new, alpha, p, l_i = online_softmax_step(jnp.where(ok, s, -jnp.inf), m_i, l_i)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            # P goes through SMEM (wgmma A operand; the interpreter has no register-A wgmma).
+            for a, part in enumerate(p_mma_parts(p, plan.n_parts, plan.dtype)):
+                p_smem[a] = part
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                for a, c in plan.prods:
+                    plgpu.wgmma(acc_ref, p_smem.at[a], v_smems[c])
+                return acc_ref[...]
+
+            # Fresh accumulator + add. (``pl.run_state(pv)(plgpu.ACC.init(acc))`` would accumulate in
+            # place, but in jax 0.11.2 it fails to lower when the body closes over a dynamically
+            # sliced SMEM ref -- the pipeline slot index becomes a scalar run_state operand -- and
+            # the interpreter has no run_state over accumulators either.)
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (acc0, m0, l0))
+        inv, lse = softmax_normalisers(m_i, l_i)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+
+        def fill_o(o_smem):
+            o_smem[...] = out
+
+        store_split(plan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si)
+
+    scratch = [
+        plgpu.SMEM((n_parts, m_pad, h), plan.dtype, transforms=plan.transforms),
+        plgpu.SMEM((n_parts, m_pad, kv_tile), plan.dtype, transforms=plan.transforms),
+        plgpu.Barrier(num_arrivals=n_parts),
+    ]
+    return attention_call(plan, body, scratch, seq_lens, interpret, return_lse, q.dtype)
