@@ -372,10 +372,11 @@ def test_cli_presets_keep_bfloat16_and_m3_is_an_alias(monkeypatch):
     seen = {}
 
     def init(cfg, seed, dtype):
-        seen["dtype"] = dtype
+        seen["dtype"] = np.dtype(dtype).name
         raise _Loaded
 
-    monkeypatch.setattr(generate.m3jax, "init_random", init)
+    # generate draws the weights through params.init_random (the config it resolved once, not again).
+    monkeypatch.setattr(generate, "init_random", init)
     with pytest.raises(_Loaded):
         generate.main(["--config", "m3_tiny", "--prompt-ids", "1,2", "--ctx", "64", "--quiet"])
     assert seen["dtype"] == "bfloat16"
