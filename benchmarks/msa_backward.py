@@ -14,6 +14,10 @@ backward 5 (S again, dP, dV, dK, dQ: 10·H·G·Σ). Selections:
   block scores with a recency bias, as a trained indexer's are local-heavy: recent blocks are
   selected by many queries, which makes the KV-major rows long and uneven.
 
+Backward variants, timed in the same process: ``default`` (rows cut into items of half a CTA's share,
+the deepest Q/dO ring that fits), ``whole rows`` (one item per row, a 2-deep ring: the kernel before
+rows were split) and ``split, ring 2`` (what the split alone gives). The ratio is the default's.
+
 Device time comes from Mosaic GPU's profiler (CUPTI, median of 10 runs after a warm-up);
 ``--interpret`` times one wall-clock call, compile included (the numbers say nothing about speed). Rows are also appended to $OUT/msa_backward.jsonl
 (default benchmarks/out).
@@ -21,6 +25,7 @@ Device time comes from Mosaic GPU's profiler (CUPTI, median of 10 runs after a w
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -71,6 +76,13 @@ def _timer(interpret: bool):
     return device_ms
 
 
+VARIANTS = {
+    "default": SparseAttentionConfig(),
+    "whole rows": SparseAttentionConfig(backward_tiles_per_item=2**30, backward_stages=2),
+    "split, ring 2": SparseAttentionConfig(backward_stages=2),
+}
+
+
 def bench(report, shapes, interpret: bool):
     device_ms = _timer(interpret)
     cfg = SparseAttentionConfig()
@@ -87,16 +99,18 @@ def bench(report, shapes, interpret: bool):
             fwd = lambda q, k, v, bi, qp: sparse_attention(q, k, v, bi, qp, block_size=bs, config=cfg,
                                                            return_lse=True)
             o, lse = jax.jit(fwd)(q, k, v, block_idx, q_pos)
-            bwd = lambda q, k, v, bi, qp, o, lse, do: backward.kv_major_backward(q, k, v, bi, qp, o, lse, do,
-                                                                                 block_size=bs, cfg=cfg)
             fwd_ms = device_ms(fwd, q, k, v, block_idx, q_pos)
-            bwd_ms = device_ms(bwd, q, k, v, block_idx, q_pos, o, lse, do)
+            bwd_ms = {}
+            for variant, vcfg in VARIANTS.items():
+                bwd = functools.partial(backward.kv_major_backward, block_size=bs, cfg=vcfg)
+                bwd_ms[variant] = device_ms(bwd, q, k, v, block_idx, q_pos, o, lse, do)
             vis = float(visible_keys(block_idx, q_pos, bs)) * (n // kh)
-            fwd_tf, bwd_tf = 4 * h * vis / fwd_ms / 1e9, 10 * h * vis / bwd_ms / 1e9
+            fwd_tf, bwd_tf = 4 * h * vis / fwd_ms / 1e9, 10 * h * vis / bwd_ms["default"] / 1e9
             report({"op": "msa_attention_backward", "shape": shape, "selection": selection,
-                    "fwd_ms": round(fwd_ms, 3), "bwd_ms": round(bwd_ms, 3), "fwd_tflops": round(fwd_tf, 2),
-                    "bwd_tflops": round(bwd_tf, 2), "bwd_over_fwd_tflops": round(bwd_tf / fwd_tf, 3),
-                    "interpret": interpret})
+                    "fwd_ms": round(fwd_ms, 3), "bwd_ms": round(bwd_ms["default"], 3),
+                    "bwd_ms_variants": {name: round(ms, 3) for name, ms in bwd_ms.items()},
+                    "fwd_tflops": round(fwd_tf, 2), "bwd_tflops": round(bwd_tf, 2),
+                    "bwd_over_fwd_tflops": round(bwd_tf / fwd_tf, 3), "interpret": interpret})
 
 
 if __name__ == "__main__":

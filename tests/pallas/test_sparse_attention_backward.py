@@ -19,7 +19,7 @@ import pytest
 from m3jax import msa
 from m3jax.msa import kernels
 from m3jax.pallas import _backend
-from m3jax.pallas.sparse_attention import backward, reference, sparse_attention
+from m3jax.pallas.sparse_attention import SparseAttentionConfig, backward, reference, sparse_attention
 from m3jax.pallas.tolerances import TOL
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -62,14 +62,14 @@ def rel_err(got, ref):
     return np.linalg.norm(got - ref) / np.linalg.norm(ref)
 
 
-def check_grads(q, k, v, block_idx, q_pos, do, *, bs, with_lse=False):
+def check_grads(q, k, v, block_idx, q_pos, do, *, bs, with_lse=False, config=None):
     """Gradients of <o, do> (through m3jax.msa.kernels.attend_selected) or of <o, do> + <lse, dlse>
-    (through sparse_attention's kv_major path) vs the reference's vjp."""
+    (through sparse_attention's kv_major path, with ``config``) vs the reference's vjp."""
     dlse = jnp.linspace(-1.0, 1.0, q.shape[0] * q.shape[1] * q.shape[2]).reshape(q.shape[:3]) if with_lse else None
 
     def f(q_, k_, v_):
         if with_lse:
-            return sparse_attention(q_, k_, v_, block_idx, q_pos, block_size=bs, return_lse=True)
+            return sparse_attention(q_, k_, v_, block_idx, q_pos, block_size=bs, return_lse=True, config=config)
         return kernels.attend_selected(q_, k_, v_, block_idx, q_pos, block_size=bs)  # what training calls
 
     _backend.reset_interpret_state()
@@ -84,22 +84,31 @@ def check_grads(q, k, v, block_idx, q_pos, do, *, bs, with_lse=False):
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
 
 
-# (G, KV heads, head dim, block, dtype, selection, batch, LSE cotangent)
+# (G, KV heads, head dim, block, dtype, selection, batch, LSE cotangent, backward tiles per item, ring)
 CASES = [
-    (4, 2, 64, 64, F32, "random", 1, False),  # m3-small's G, H and block; -1 slots, shuffled
-    (16, 1, 128, 128, BF16, "indexer", 2, True),  # M3's G, H and block (two 64-key sub-blocks); 2 sequences;
-    # through the LSE too
+    (4, 2, 64, 64, F32, "random", 1, False, None, None),  # m3-small's G, H and block; -1 slots, shuffled
+    (16, 1, 128, 128, BF16, "indexer", 2, True, None, None),  # M3's G, H and block (two 64-key sub-blocks);
+    # 2 sequences; through the LSE too
+    (4, 2, 64, 64, BF16, "indexer", 2, True, 1, 3),  # every tile its own item: rows split across CTAs, their
+    # dK / dV partials summed in XLA; a 3-deep ring
 ]
 
 
-@pytest.mark.parametrize("g,kh,h,bs,dtype,selection,b,with_lse", CASES)
-def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, with_lse):
+@pytest.mark.parametrize("g,kh,h,bs,dtype,selection,b,with_lse,tpi,stages", CASES)
+def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, with_lse, tpi, stages):
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     assert backward.unsupported_reason(num_heads=g * kh, num_kv_heads=kh, head_dim=h, block_size=bs,
                                        dtype=jnp.dtype(dtype).name) is None  # the kernel, not the fallback
-    q, k, v, bi, qp, do = make_case(g=g, kh=kh, h=h, bs=bs, dtype=dtype, selection=selection, b=b)
+    q, k, v, bi, qp, do = make_case(g=g, kh=kh, h=h, bs=bs, dtype=dtype, selection=selection, b=b,
+                                    t=5 if tpi is None else 40)
     assert (bi < 0).any(), "the case should have empty slots"
-    check_grads(q, k, v, bi, qp, do, bs=bs, with_lse=with_lse)
+    config = SparseAttentionConfig(backward_tiles_per_item=tpi, backward_stages=stages)
+    if tpi is not None:  # some row has more than one item
+        plan = backward.plan_backward(n=g * kh, kh=kh, h=h, block_size=bs, dtype=dtype, cfg=config)
+        per_row = [int(((bi[:, hh] == blk).any(-1)[bb]).sum()) for bb in range(b) for hh in range(kh)
+                   for blk in range(int(bi.max()) + 1)]
+        assert max(per_row) > plan.tq * tpi
+    check_grads(q, k, v, bi, qp, do, bs=bs, with_lse=with_lse, config=config)
 
 
 def test_fallback_to_reference_gradient():

@@ -6,14 +6,16 @@ Given the forward's output O and natural-log LSE, per (query, head) ``D = rowsum
 (query t selected key block j) with P = exp(S - LSE) over the block's visible keys:
 ``dV_j += P^T dO``, ``dS = P * (dO V_j^T - D)``, ``dK_j += dS^T Q / sqrt(H)``, ``dQ_t += dS K_j / sqrt(H)``.
 
-1. :func:`.csr.build_work` inverts the selections (in ``KEY_BLOCK``-key sub-blocks) with one work item
-   per (KV head, batch, block) row: the whole list of tiles of the queries that selected it.
+1. :func:`.csr.build_work` inverts the selections (in ``KEY_BLOCK``-key sub-blocks) into work items
+   of at most ``tiles_per_item`` tiles of one (KV head, batch, block) row (:func:`item_tiles`: half of
+   a persistent CTA's share, so the long rows of a local-heavy selection are spread over CTAs).
 2. A persistent kernel (grid = SMs) loads an item's K and V block once and streams its Q and dO tiles
    (``tq`` tokens x ``gp`` heads, gathered per token by TMA into a ring, with the rows' LSE and D from
    edge-space arrays). Per tile, keys on the MMA rows (S^T = K Q^T, dP^T = V dO^T: the accumulators
-   dK, dV [kb, H] stay in registers across the row's tiles) and P^T, dS^T through SMEM as the 16-bit
+   dK, dV [kb, H] stay in registers across the item's tiles) and P^T, dS^T through SMEM as the 16-bit
    A operands of dV += P^T dO, dK += dS^T Q and, transposed, dQ_e = dS K. The item ends by writing
-   its dK and dV block once; a block no query selected gets zeros in XLA.
+   its fp32 dK and dV partials once, to its own slot; XLA sums a row's items in a fixed order (no
+   atomics, so the sum is deterministic), and a block no query selected gets zeros.
 3. dQ: each edge's partial [gp, H] (the input dtype; fp32 for fp32) is staged by padded edge, as the
    forward stages its O partials, and XLA sums a query's slots in fp32 (a gather + reduce like the forward's combine). A separate
    query-major dQ kernel would re-read every selected K/V block once per query token, the memory
@@ -64,7 +66,7 @@ MAX_G_ROWS = 64  # padded G per token: one token's heads fit the 64-row tile
 class BackwardPlan:
     """What :func:`kv_major_backward_kernel` runs: ``gp`` rows per token, ``tq`` tokens per ``m``-row
     tile, ``kb`` keys per block, ``n_parts`` bf16 parts per operand, a ``stages``-deep Q/dO ring,
-    ``smem`` bytes per CTA, ``ctas`` persistent CTAs."""
+    ``smem`` bytes per CTA, ``ctas`` persistent CTAs, ``tiles_per_item`` (None: :func:`item_tiles`)."""
 
     g: int
     gp: int
@@ -77,13 +79,16 @@ class BackwardPlan:
     interpret: bool
     smem: int
     ctas: int
+    tiles_per_item: int | None = None
 
 
 def smem_bytes(*, m, h, kb, stages, n_parts) -> int:
-    """Q and dO rings, K, V, P^T and dS^T per part, the dQ / dK / dV staging tile (fp32 for fp32 inputs,
-    else 16-bit), the LSE and D rings."""
+    """Q and dO rings, K, V, P^T and dS^T per part, the dQ staging tile (fp32 for fp32 inputs, else
+    16-bit), the fp32 dK / dV staging tile (for 16-bit inputs; fp32 ones share the dQ tile), the LSE and
+    D rings."""
     tiles = n_parts * (2 * stages * m * h + 2 * kb * h + 2 * kb * m) * 2
-    return tiles + m * h * 2 * n_parts + 2 * stages * m * 4 + 1024
+    kv_stage = kb * h * 4 if n_parts == 1 else 0
+    return tiles + m * h * 2 * n_parts + kv_stage + 2 * stages * m * 4 + 1024
 
 
 def plan_backward(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig | None = None,
@@ -109,13 +114,29 @@ def plan_backward(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
         raise ValueError(f"query heads per KV head G={g} > {MAX_G_ROWS} for the backward kernel")
     m = 64
     n_parts = 2 if jnp.dtype(dtype) == jnp.float32 else 1
-    for stages in (2, 1):
+    if cfg.backward_tiles_per_item is not None and cfg.backward_tiles_per_item < 1:
+        raise ValueError(f"backward_tiles_per_item {cfg.backward_tiles_per_item} must be >= 1")
+    if cfg.backward_stages is not None and cfg.backward_stages not in (1, 2, 3, 4):
+        raise ValueError(f"backward_stages {cfg.backward_stages} must be 1, 2, 3 or 4")
+    for stages in (cfg.backward_stages,) if cfg.backward_stages else (4, 3, 2, 1):
         smem = smem_bytes(m=m, h=h, kb=KEY_BLOCK, stages=stages, n_parts=n_parts)
         if smem <= target.smem_bytes - 4096:
             ctas = cfg.num_ctas or (target.num_sms if _backend.on_gpu() else 2)
             return BackwardPlan(g=g, gp=gp, m=m, tq=m // gp, kb=KEY_BLOCK, h=h, n_parts=n_parts, stages=stages,
-                                interpret=not _backend.on_gpu(), smem=smem, ctas=ctas)
-    raise ValueError(f"no backward tiles fit in {target.smem_bytes} B of SMEM (H={h}, {jnp.dtype(dtype).name})")
+                                interpret=not _backend.on_gpu(), smem=smem, ctas=ctas,
+                                tiles_per_item=cfg.backward_tiles_per_item)
+    raise ValueError(f"no backward tiles fit in {target.smem_bytes} B of SMEM (H={h}, {jnp.dtype(dtype).name}"
+                     + (f", {cfg.backward_stages} stages)" if cfg.backward_stages else ")"))
+
+
+def item_tiles(plan: BackwardPlan, tiles_per_head: int, kh: int) -> int:
+    """Tiles per work item: ``plan.tiles_per_item`` if set, else half of one CTA's share of the tiles
+    (``tiles_per_head`` bounds one KV head's), at least 4. A row of more tiles becomes several items on
+    different CTAs (round-robin), so no CTA waits on one long row; each extra item costs one more K/V
+    load and one [kb, H] fp32 dK / dV partial pair written and summed."""
+    if plan.tiles_per_item is not None:
+        return plan.tiles_per_item
+    return max(4, -(-kh * tiles_per_head // (2 * plan.ctas)))
 
 
 def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype="bfloat16",
@@ -181,12 +202,13 @@ def _body(plan: BackwardPlan, dtype):
         rest = refs[6:]
         q_refs, do_refs = rest[:n_parts], rest[n_parts : 2 * n_parts]
         k_refs, v_refs = rest[2 * n_parts : 3 * n_parts], rest[3 * n_parts : 4 * n_parts]
-        (dq_ref, dk_ref, dv_ref, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, out_smem, lse_smem, d_smem,
-         kv_bar, q_bar) = rest[4 * n_parts :]
+        (dq_ref, dk_ref, dv_ref, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, out_smem, *kv_stage, lse_smem,
+         d_smem, kv_bar, q_bar) = rest[4 * n_parts :]
         q_rings, do_rings = parts(q_smem, n_parts), parts(do_smem, n_parts)
         k_tiles, v_tiles = parts(k_smem, n_parts), parts(v_smem, n_parts)
         p_tiles, ds_tiles = parts(p_smem, n_parts), parts(ds_smem, n_parts)
-        kv_out = out_smem if m == kb else out_smem.at[pl.ds(0, kb)]
+        # the fp32 dK / dV partials: their own tile for 16-bit inputs, the (fp32, m = kb rows) dQ tile for fp32
+        kv_out = kv_stage[0] if kv_stage else out_smem
         # dK and dV accumulate in place (ACC.init) only where that lowers: not in interpret mode (no
         # rule for it), and not over SMEM views with constant indices (fp32's parts, a 1-deep ring's
         # slot), which Mosaic GPU's run_state lowering rejects.
@@ -259,9 +281,9 @@ def _body(plan: BackwardPlan, dtype):
             dk, dv = lax.fori_loop(0, nt, tile, (zero, zero))
             for grad, ref, mult in ((dk, dk_ref, h**-0.5), (dv, dv_ref, 1.0)):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                kv_out[...] = (grad * mult).astype(kv_out.dtype)
+                kv_out[...] = grad * mult
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(kv_out, ref.at[kv_at])
+                plgpu.copy_smem_to_gmem(kv_out, ref.at[w])
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -270,9 +292,10 @@ def _body(plan: BackwardPlan, dtype):
 
 def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMajorWork, lse_e, d_e, *,
                              plan: BackwardPlan, e_pad: int):
-    """(dq_stage [K, E_pad*gp, H], dk, dv [B, S_pad, K, H]), fp32 for fp32 inputs, else their 16-bit
-    type (dK and dV are accumulated in fp32 either way). q/do_parts [B, T, K*gp, H], k/v_parts
-    [B, S_pad, K, H] (bf16 parts); lse_e, d_e [K, E_pad*gp] fp32 (LSE in log2 units, +inf on padding rows)."""
+    """(dq_stage [K, E_pad*gp, H] (fp32 for fp32 inputs, else their 16-bit type), dk_items, dv_items
+    [n_cap, kb, H] fp32: each work item's partial sums, in its slot; slots >= n_items are not written).
+    q/do_parts [B, T, K*gp, H], k/v_parts [B, S_pad, K, H] (bf16 parts); lse_e, d_e [K, E_pad*gp] fp32
+    (LSE in log2 units, +inf on padding rows)."""
     b, s_pad, kh, h = k_parts[0].shape
     dtype = q_parts[0].dtype
     m, kb, n_parts, stages = plan.m, plan.kb, plan.n_parts, plan.stages
@@ -284,16 +307,18 @@ def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMa
         swizzled_smem(parts_shape(n_parts, (kb, m)), dtype),
         swizzled_smem(parts_shape(n_parts, (kb, m)), dtype),
         plgpu.SMEM((m, h), jnp.float32) if n_parts == 2 else swizzled_smem((m, h), dtype),
+        *([plgpu.SMEM((kb, h), jnp.float32)] if n_parts == 1 else []),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.Barrier(num_arrivals=2 * n_parts),
         plgpu.Barrier(num_arrivals=2 * plan.tq * n_parts + 2, num_barriers=stages),
     ]
     out_dtype = jnp.float32 if n_parts == 2 else dtype
+    n_cap = work.items.shape[0]
     out_type = (
         jax.ShapeDtypeStruct((kh, e_pad * plan.gp, h), out_dtype),
-        jax.ShapeDtypeStruct((b, s_pad, kh, h), out_dtype),
-        jax.ShapeDtypeStruct((b, s_pad, kh, h), out_dtype),
+        jax.ShapeDtypeStruct((n_cap, kb, h), jnp.float32),
+        jax.ShapeDtypeStruct((n_cap, kb, h), jnp.float32),
     )
     call = mosaic_kernel(
         _body(plan, dtype),
@@ -349,25 +374,34 @@ def kv_major_backward(q, k, v, block_idx, q_pos, o, lse, do, dlse=None, *, block
     sel = split_blocks(block_idx.astype(jnp.int32), q_pos, block_size, plan.kb)
     nb = k_parts[0].shape[1] // plan.kb
     topk = sel.shape[-1]
-    tiles = -(-(b * t * topk + b * nb * (plan.tq - 1)) // plan.tq)
-    e_pad, _ = csr.capacities(b, t, kh, nb, topk, plan.tq, tiles)
-    work = csr.build_work(sel, q_pos, num_blocks=nb, block_size=plan.kb, tq=plan.tq, tiles_per_item=tiles)
+    tpi = item_tiles(plan, -(-(b * t * topk + b * nb * (plan.tq - 1)) // plan.tq), kh)
+    e_pad, _ = csr.capacities(b, t, kh, nb, topk, plan.tq, tpi)
+    work = csr.build_work(sel, q_pos, num_blocks=nb, block_size=plan.kb, tq=plan.tq, tiles_per_item=tpi)
     # rows: +inf LSE on zero heads (P = 0) and padding edges; D = 0 there
     lse_e = _to_edges(_pad_rows(lse.astype(jnp.float32) * LOG2E, kh, gp, jnp.inf), work.epos, jnp.inf, e_pad)
     d_e = _to_edges(_pad_rows(d, kh, gp, 0.0), work.epos, 0.0, e_pad)
-    dq_stage, dk, dv = kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work, lse_e, d_e, plan=plan,
-                                                e_pad=e_pad)
+    dq_stage, dk_items, dv_items = kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work, lse_e, d_e,
+                                                            plan=plan, e_pad=e_pad)
     # dQ: the sum of each query's edge partials (gather + reduce, as the forward's combine)
     hi = jnp.arange(kh)[None, :, None, None]
     dq = dq_stage.reshape(kh, e_pad, gp, h)[hi, jnp.maximum(work.epos, 0)]  # [B, K, T, topk, gp, H]
     dq = jnp.where((work.epos >= 0)[..., None, None], dq.astype(jnp.float32), 0.0).sum(axis=3)
     dq = unpad_groups(jnp.moveaxis(dq, 1, 2).reshape(b, t, kh * gp, h), kh, plan.g)
-    # dK, dV: blocks that no query selected were never written
-    bi = jnp.arange(b)[:, None, None, None]
-    ki = jnp.arange(kh)[None, :, None, None]
-    hit = jnp.zeros((b, nb, kh), bool).at[bi, jnp.where(sel >= 0, sel, nb), ki].set(True, mode="drop")
-    hit = jnp.repeat(hit, plan.kb, axis=1)[:, :, :, None]
+    # dK, dV: the sum of each row's item partials; a row of no items (a block no query selected) is 0
     s = k.shape[1]
-    dk = jnp.where(hit, dk, 0.0)[:, :s]
-    dv = jnp.where(hit, dv, 0.0)[:, :s]
+    pieces = -(-(-(-t // plan.tq)) // tpi)  # items per row at most: a row holds <= T edges (no duplicates)
+    dk, dv = (_sum_items(x, work.row_items, pieces, b, nb)[:, :s] for x in (dk_items, dv_items))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _sum_items(x, row_items, pieces: int, b: int, nb: int):
+    """[n_cap, kb, H] item partials -> [B, nb * kb, K, H] fp32: per (KV head, row) the sum of its
+    ``row_items`` items in item order (at most ``pieces``; unwritten slots are never read)."""
+    first, count = row_items[..., 0], row_items[..., 1]  # [K, B * nb]
+    kh = first.shape[0]
+    total = jnp.zeros(first.shape + x.shape[1:], jnp.float32)
+    for p in range(pieces):
+        part = x[jnp.minimum(first + p, x.shape[0] - 1)]
+        total = total + jnp.where((p < count)[..., None, None], part, 0.0)
+    kb, h = x.shape[1:]
+    return jnp.moveaxis(total.reshape(kh, b, nb * kb, h), 0, 2)

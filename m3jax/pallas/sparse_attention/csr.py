@@ -32,6 +32,8 @@ class KVMajorWork:
     qlim:   [K, E_pad] last visible key column inside the block: q_pos - block * block_size
             (>= block_size - 1 means "no mask"; only the query's own block is ever partial).
     epos:   [B, K, T, topk] padded edge of (query, slot), -1 for empty slots (what the combine reads).
+    row_items: [K, B * nb, 2] (first item, item count) of each row: the items whose partial sums make
+            up that row's result (the backward's dK / dV reduce); count 0 for a row nobody selected.
     """
 
     items: jax.Array
@@ -39,6 +41,7 @@ class KVMajorWork:
     qtok: jax.Array
     qlim: jax.Array
     epos: jax.Array
+    row_items: jax.Array
 
 
 def capacities(b: int, t: int, kh: int, nb: int, topk: int, tq: int, tiles_per_item: int) -> tuple[int, int]:
@@ -110,4 +113,6 @@ def build_work(
     first_tile = pstart.reshape(-1)[owner] // tq + j * tiles_per_item
     nt = jnp.minimum(tiles_per_item, ntiles.reshape(-1)[owner] - j * tiles_per_item)
     items = jnp.stack([h_of, r_of // nb, r_of % nb, first_tile, nt], axis=1).astype(jnp.int32)
-    return KVMajorWork(items=items, n_items=n_items.astype(jnp.int32), qtok=qtok, qlim=qlim, epos=epos)
+    row_items = jnp.stack([istart, flat_n], axis=1).reshape(kh, rows, 2).astype(jnp.int32)
+    return KVMajorWork(items=items, n_items=n_items.astype(jnp.int32), qtok=qtok, qlim=qlim, epos=epos,
+                       row_items=row_items)

@@ -99,6 +99,11 @@ class SparseAttentionConfig:
     num_ctas: override of the persistent grid (default: SMs x ctas_per_sm on GPU, 2 in interpret mode).
     p_via_smem: stage P through SMEM for the PV MMA (default: only in interpret mode, whose wgmma
       takes SMEM operands only; on GPU P stays in registers as the wgmma A operand).
+    backward_tiles_per_item: Q tiles per work item of the backward kernel (default: half of one
+      persistent CTA's share of the tiles, so a long KV-major row is cut across CTAs and its dK / dV
+      partials are summed in XLA).
+    backward_stages: depth of the backward kernel's Q / dO ring (default: the deepest of 4, 3, 2, 1
+      that fits in SMEM).
     """
 
     block_m: int = 64
@@ -107,6 +112,8 @@ class SparseAttentionConfig:
     ctas_per_sm: int | None = None
     num_ctas: int | None = None
     p_via_smem: bool | None = None
+    backward_tiles_per_item: int | None = None
+    backward_stages: int | None = None
 
     def stage_p(self) -> bool:
         """Feed P to the PV wgmma from SMEM (interpret mode only supports SMEM A operands)."""
