@@ -389,7 +389,8 @@ def kv_major_backward(q, k, v, block_idx, q_pos, o, lse, do, dlse=None, *, block
     dq = unpad_groups(jnp.moveaxis(dq, 1, 2).reshape(b, t, kh * gp, h), kh, plan.g)
     # dK, dV: the sum of each row's item partials; a row of no items (a block no query selected) is 0
     s = k.shape[1]
-    pieces = -(-(-(-t // plan.tq)) // tpi)  # items per row at most: a row holds <= T edges (no duplicates)
+    row_tiles = -(-t // plan.tq)  # a row holds <= T edges: one per query (selections have no duplicates)
+    pieces = -(-row_tiles // tpi)  # items per row at most
     dk, dv = (_sum_items(x, work.row_items, pieces, b, nb)[:, :s] for x in (dk_items, dv_items))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
