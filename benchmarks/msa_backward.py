@@ -14,9 +14,11 @@ backward 5 (S again, dP, dV, dK, dQ: 10·H·G·Σ). Selections:
   block scores with a recency bias, as a trained indexer's are local-heavy: recent blocks are
   selected by many queries, which makes the KV-major rows long and uneven.
 
-Backward variants, timed in the same process: ``default`` (rows cut into items of half a CTA's share,
-the deepest Q/dO ring that fits), ``whole rows`` (one item per row, a 2-deep ring: the kernel before
-rows were split) and ``split, ring 2`` (what the split alone gives). The ratio is the default's.
+Backward variants, timed in the same process: ``default`` (two consumer warpgroups over each
+128-key block where the shapes allow, else one; rows cut into items of half a CTA's share, the deepest
+Q/dO ring that fits), ``one warpgroup, P^T in SMEM`` (the kernel before the two-warpgroup split: 64-key
+sub-blocks, one warpgroup) and ``one warpgroup`` (the same with P^T fed to its MMA from registers). The
+ratio is the default's.
 
 Device time comes from Mosaic GPU's profiler (CUPTI, median of 10 runs after a warm-up);
 ``--interpret`` times one wall-clock call, compile included (the numbers say nothing about speed). Rows are also appended to $OUT/msa_backward.jsonl
@@ -78,8 +80,10 @@ def _timer(interpret: bool):
 
 VARIANTS = {
     "default": SparseAttentionConfig(),
-    "whole rows": SparseAttentionConfig(backward_tiles_per_item=2**30, backward_stages=2),
-    "split, ring 2": SparseAttentionConfig(backward_stages=2),
+    # the kernel before the two-warpgroup split (stop 53): one warpgroup over 64-key sub-blocks, P^T
+    # through SMEM; and the same with P^T from registers (what one warpgroup runs now)
+    "one warpgroup, P^T in SMEM": SparseAttentionConfig(backward_warpgroups=1, p_via_smem=True),
+    "one warpgroup": SparseAttentionConfig(backward_warpgroups=1),
 }
 
 

@@ -4,12 +4,17 @@
 On CPU the kernels run in GPU interpret mode (race detector on; unwritten rows are NaN), on a GPU the
 compiled kernels run unchanged. Errors are relative in the L2 norm per gradient (||got - ref|| /
 ||ref||, m3jax/pallas/tolerances.py): fp32 (bf16x3) 2e-5, bf16 2e-2. The cases cover G > 1, -1 slots,
-a context that is not a multiple of the block, a block split into 64-key sub-blocks, the LSE's
-cotangent, selections both random and made by the indexer's top-k (own block forced), and the named
+a context that is not a multiple of the block, 128-key blocks shared by two consumer warpgroups and
+the same blocks as 64-key sub-blocks of one, the LSE's cotangent, selections both random and made by the indexer's top-k (own block forced), and the named
 fallback to the reference gradient where the kernel cannot run.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +28,26 @@ from m3jax.pallas.sparse_attention import SparseAttentionConfig, backward, refer
 from m3jax.pallas.tolerances import TOL
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+ROOT = Path(__file__).resolve().parents[2]
+
+# Two warpgroups in interpret mode are two threads, each running its kernel body as an XLA program whose
+# barrier waits are blocking host callbacks. XLA's CPU thunk runtime runs those programs on its worker
+# pool, one thread per core: on CI's two cores the interpreter's own callback and one waiting warpgroup
+# fill the pool, the other warpgroup never runs, and the test hangs (seen in about 1 of 3 runs here). The
+# legacy CPU runtime runs each program on the thread that launched it. The flag is process-wide and fixed
+# when JAX starts, so such a case reruns itself in a subprocess with it.
+INLINE_CPU_RUNTIME = "--xla_cpu_use_thunk_runtime=false"
+
+
+def rerun_with_inline_runtime(request) -> bool:
+    """In interpret mode without the flag: run this test in a subprocess that has it (True: done there)."""
+    if _backend.on_gpu() or INLINE_CPU_RUNTIME in os.environ.get("XLA_FLAGS", ""):
+        return False
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {INLINE_CPU_RUNTIME}".strip())
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    return True
 
 
 def random_selection(rng, b, kh, t, q_pos, bs, topk):
@@ -63,13 +88,16 @@ def rel_err(got, ref):
 
 
 def check_grads(q, k, v, block_idx, q_pos, do, *, bs, with_lse=False, config=None):
-    """Gradients of <o, do> (through m3jax.msa.kernels.attend_selected) or of <o, do> + <lse, dlse>
-    (through sparse_attention's kv_major path, with ``config``) vs the reference's vjp."""
+    """Gradients of <o, do> (through m3jax.msa.kernels.attend_selected, or sparse_attention with a
+    non-default ``config``) or of <o, do> + <lse, dlse> (through sparse_attention's kv_major path, with
+    ``config``) vs the reference's vjp."""
     dlse = jnp.linspace(-1.0, 1.0, q.shape[0] * q.shape[1] * q.shape[2]).reshape(q.shape[:3]) if with_lse else None
 
     def f(q_, k_, v_):
         if with_lse:
             return sparse_attention(q_, k_, v_, block_idx, q_pos, block_size=bs, return_lse=True, config=config)
+        if config not in (None, SparseAttentionConfig()):  # the configured kernel
+            return sparse_attention(q_, k_, v_, block_idx, q_pos, block_size=bs, config=config)
         return kernels.attend_selected(q_, k_, v_, block_idx, q_pos, block_size=bs)  # what training calls
 
     _backend.reset_interpret_state()
@@ -84,27 +112,36 @@ def check_grads(q, k, v, block_idx, q_pos, do, *, bs, with_lse=False, config=Non
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
 
 
-# (G, KV heads, head dim, block, dtype, selection, batch, LSE cotangent, backward tiles per item, ring)
+# (G, KV heads, head dim, block, dtype, selection, batch, LSE cotangent, backward tiles per item, ring,
+#  consumer warpgroups)
 CASES = [
-    (4, 2, 64, 64, F32, "random", 1, False, None, None),  # m3-small's G, H and block; -1 slots, shuffled
-    (16, 1, 128, 128, BF16, "indexer", 2, True, None, None),  # M3's G, H and block (two 64-key sub-blocks);
-    # 2 sequences; through the LSE too
-    (4, 2, 64, 64, BF16, "indexer", 2, True, 1, 3),  # every tile its own item: rows split across CTAs, their
-    # dK / dV partials summed in XLA; a 3-deep ring
+    (4, 2, 64, 64, F32, "random", 1, False, None, None, None),  # m3-small's G, H and block; -1 slots, shuffled
+    (16, 1, 128, 128, BF16, "indexer", 2, True, None, None, None),  # M3's G, H and block: two warpgroups over
+    # the 128-key block (the default there); 2 sequences; through the LSE too
+    (16, 1, 128, 128, BF16, "random", 1, False, None, None, 1),  # the same block as two 64-key sub-blocks
+    # with one warpgroup
+    (8, 2, 128, 256, BF16, "indexer", 1, False, 1, None, 2),  # two warpgroups, a 256-key block as two
+    # 128-key items, every tile its own item (many item hand-offs between the warpgroups)
+    (4, 2, 64, 64, BF16, "indexer", 2, True, 1, 3, None),  # every tile its own item: rows split across CTAs,
+    # their dK / dV partials summed in XLA; a 3-deep ring
 ]
 
 
-@pytest.mark.parametrize("g,kh,h,bs,dtype,selection,b,with_lse,tpi,stages", CASES)
-def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, with_lse, tpi, stages):
-    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+@pytest.mark.parametrize("g,kh,h,bs,dtype,selection,b,with_lse,tpi,stages,wgs", CASES)
+def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, with_lse, tpi, stages, wgs, request):
+    # Machine: any: interpret mode on a CPU (two-warpgroup cases in a subprocess, see INLINE_CPU_RUNTIME),
+    # compiled for the device on a GPU (the same assertions on both)
+    config = SparseAttentionConfig(backward_tiles_per_item=tpi, backward_stages=stages, backward_warpgroups=wgs)
     assert backward.unsupported_reason(num_heads=g * kh, num_kv_heads=kh, head_dim=h, block_size=bs,
-                                       dtype=jnp.dtype(dtype).name) is None  # the kernel, not the fallback
+                                       dtype=jnp.dtype(dtype).name, config=config) is None  # the kernel, not the fallback
+    plan = backward.plan_backward(n=g * kh, kh=kh, h=h, block_size=bs, dtype=dtype, cfg=config)
+    assert plan.wgs == (wgs or (2 if bs % 128 == 0 and h % 128 == 0 and dtype != F32 else 1))
+    if plan.wgs > 1 and rerun_with_inline_runtime(request):
+        return
     q, k, v, bi, qp, do = make_case(g=g, kh=kh, h=h, bs=bs, dtype=dtype, selection=selection, b=b,
-                                    t=5 if tpi is None else 40)
+                                    t=5 if tpi is None else 40, prefix_blocks=2 if bs < 256 else 1)
     assert (bi < 0).any(), "the case should have empty slots"
-    config = SparseAttentionConfig(backward_tiles_per_item=tpi, backward_stages=stages)
     if tpi is not None:  # some row has more than one item
-        plan = backward.plan_backward(n=g * kh, kh=kh, h=h, block_size=bs, dtype=dtype, cfg=config)
         per_row = [int(((bi[:, hh] == blk).any(-1)[bb]).sum()) for bb in range(b) for hh in range(kh)
                    for blk in range(int(bi.max()) + 1)]
         assert max(per_row) > plan.tq * tpi
@@ -128,6 +165,10 @@ def test_unsupported_reason_names_the_limit():
     assert "Hopper-only" in backward.unsupported_reason(**args, target=_backend.BLACKWELL)
     assert "head_dim" in backward.unsupported_reason(**{**args, "head_dim": 32})
     assert "G=128" in backward.unsupported_reason(**{**args, "num_heads": 512})
+    two = SparseAttentionConfig(backward_warpgroups=2)
+    assert "not a multiple of 128" in backward.unsupported_reason(**{**args, "block_size": 64}, config=two)
+    assert "fp32" in backward.unsupported_reason(**args, dtype="float32", config=two)
+    assert "must be 1 or 2" in backward.unsupported_reason(**args, config=SparseAttentionConfig(backward_warpgroups=3))
 
 
 @pytest.mark.parametrize("target,g,h,bs,dtype", [("HOPPER", 16, 128, 128, BF16), ("HOPPER", 4, 64, 64, F32),

@@ -56,17 +56,19 @@ from .kernel import (
     swizzled_smem,
     unpad_groups,
 )
-from .tile import parts
+from .tile import p_operands, parts
 
-KEY_BLOCK = 64  # keys per kernel block: the MMA rows of S^T and of the dK / dV accumulators
+KEY_BLOCK = 64  # keys per consumer warpgroup: the MMA rows of its S^T and of its dK / dV accumulators
 MAX_G_ROWS = 64  # padded G per token: one token's heads fit the 64-row tile
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
     """What :func:`kv_major_backward_kernel` runs: ``gp`` rows per token, ``tq`` tokens per ``m``-row
-    tile, ``kb`` keys per block, ``n_parts`` bf16 parts per operand, a ``stages``-deep Q/dO ring,
-    ``smem`` bytes per CTA, ``ctas`` persistent CTAs, ``tiles_per_item`` (None: :func:`item_tiles`)."""
+    tile, ``wgs`` consumer warpgroups of ``KEY_BLOCK`` keys each over a ``kb = wgs * KEY_BLOCK``-key
+    block, ``n_parts`` bf16 parts per operand, a ``stages``-deep Q/dO ring, P^T staged through SMEM
+    (``stage_p``) or fed from registers, ``smem`` bytes per CTA, ``ctas`` persistent CTAs,
+    ``tiles_per_item`` (None: :func:`item_tiles`)."""
 
     g: int
     gp: int
@@ -79,16 +81,27 @@ class BackwardPlan:
     interpret: bool
     smem: int
     ctas: int
+    wgs: int = 1
+    stage_p: bool = True
     tiles_per_item: int | None = None
 
+    @property
+    def cols(self) -> int:
+        """dQ columns per warpgroup (and of its dK / dV staging tile)."""
+        return self.h // self.wgs
 
-def smem_bytes(*, m, h, kb, stages, n_parts) -> int:
-    """Q and dO rings, K, V, P^T and dS^T per part, the dQ staging tile (fp32 for fp32 inputs, else
-    16-bit), the fp32 dK / dV staging tile (for 16-bit inputs; fp32 ones share the dQ tile), the LSE and
-    D rings."""
-    tiles = n_parts * (2 * stages * m * h + 2 * kb * h + 2 * kb * m) * 2
-    kv_stage = kb * h * 4 if n_parts == 1 else 0
-    return tiles + m * h * 2 * n_parts + kv_stage + 2 * stages * m * 4 + 1024
+
+def smem_bytes(*, m, h, wgs, stages, n_parts, stage_p) -> int:
+    """Q and dO rings, the item's K and V block, per warpgroup its dS^T tiles (two with two
+    warpgroups: the other one reads them for dQ while the next tile's are written), P^T if staged,
+    its dQ staging tile (fp32 for fp32 inputs, else 16-bit) and fp32 dK / dV staging tile (16-bit
+    inputs; fp32 ones share the dQ tile), the LSE and D rings."""
+    kb, cols = wgs * KEY_BLOCK, h // wgs
+    ds_tiles = wgs * (2 if wgs > 1 else 1) + (wgs if stage_p else 0)
+    tiles = n_parts * (2 * stages * m * h + 2 * kb * h + ds_tiles * KEY_BLOCK * m) * 2
+    out = wgs * m * cols * (4 if n_parts == 2 else 2)
+    kv_stage = wgs * KEY_BLOCK * cols * 4 if n_parts == 1 else 0
+    return tiles + out + kv_stage + 2 * stages * m * 4 + 1024
 
 
 def plan_backward(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: SparseAttentionConfig | None = None,
@@ -118,15 +131,36 @@ def plan_backward(*, n: int, kh: int, h: int, block_size: int, dtype, cfg: Spars
         raise ValueError(f"backward_tiles_per_item {cfg.backward_tiles_per_item} must be >= 1")
     if cfg.backward_stages is not None and cfg.backward_stages not in (1, 2, 3, 4):
         raise ValueError(f"backward_stages {cfg.backward_stages} must be 1, 2, 3 or 4")
-    for stages in (cfg.backward_stages,) if cfg.backward_stages else (4, 3, 2, 1):
-        smem = smem_bytes(m=m, h=h, kb=KEY_BLOCK, stages=stages, n_parts=n_parts)
-        if smem <= target.smem_bytes - 4096:
-            ctas = cfg.num_ctas or (target.num_sms if _backend.on_gpu() else 2)
-            return BackwardPlan(g=g, gp=gp, m=m, tq=m // gp, kb=KEY_BLOCK, h=h, n_parts=n_parts, stages=stages,
-                                interpret=not _backend.on_gpu(), smem=smem, ctas=ctas,
-                                tiles_per_item=cfg.backward_tiles_per_item)
+    # Two warpgroups split a 128-key block: the block and each one's dQ columns (H / 2, whole 128-byte
+    # swizzle atoms) must divide; fp32's doubled tiles do not fit in SMEM next to each other.
+    two = None
+    if block_size % (2 * KEY_BLOCK):
+        two = f"block_size {block_size} is not a multiple of {2 * KEY_BLOCK}"
+    elif h % 128:
+        two = f"head_dim {h} is not a multiple of 128"
+    elif n_parts == 2:
+        two = "fp32 inputs (their bf16 parts do not fit in SMEM twice)"
+    if cfg.backward_warpgroups is not None:
+        if cfg.backward_warpgroups not in (1, 2):
+            raise ValueError(f"backward_warpgroups {cfg.backward_warpgroups} must be 1 or 2")
+        if cfg.backward_warpgroups == 2 and two:
+            raise ValueError(f"backward_warpgroups=2 needs 128-key blocks: {two}")
+    interpret = not _backend.on_gpu()
+    stage_p = cfg.stage_p()
+    for wgs in (cfg.backward_warpgroups,) if cfg.backward_warpgroups else ((1,) if two else (2, 1)):
+        for stages in (cfg.backward_stages,) if cfg.backward_stages else (4, 3, 2, 1):
+            if wgs == 2 and stages == 1 and not cfg.backward_stages:
+                continue  # a 1-deep ring serialises the gathers with both warpgroups' MMAs: one is faster
+            # interpret mode has no SMEM limit: its P^T staging is not counted, so it runs the GPU's plan
+            smem = smem_bytes(m=m, h=h, wgs=wgs, stages=stages, n_parts=n_parts, stage_p=stage_p and not interpret)
+            if smem <= target.smem_bytes - 4096:
+                ctas = cfg.num_ctas or (target.num_sms if _backend.on_gpu() else 2)
+                return BackwardPlan(g=g, gp=gp, m=m, tq=m // gp, kb=wgs * KEY_BLOCK, h=h, n_parts=n_parts,
+                                    stages=stages, interpret=interpret, smem=smem, ctas=ctas, wgs=wgs,
+                                    stage_p=stage_p, tiles_per_item=cfg.backward_tiles_per_item)
     raise ValueError(f"no backward tiles fit in {target.smem_bytes} B of SMEM (H={h}, {jnp.dtype(dtype).name}"
-                     + (f", {cfg.backward_stages} stages)" if cfg.backward_stages else ")"))
+                     + (f", {cfg.backward_stages} stages" if cfg.backward_stages else "")
+                     + (f", {cfg.backward_warpgroups} warpgroups" if cfg.backward_warpgroups else "") + ")")
 
 
 def item_tiles(plan: BackwardPlan, tiles_per_head: int, kh: int) -> int:
@@ -193,36 +227,57 @@ def _store_parts(x, refs, n_parts, dtype):
 
 def _body(plan: BackwardPlan, dtype):
     m, tq, gp, kb, h, stages, n_parts = plan.m, plan.tq, plan.gp, plan.kb, plan.h, plan.stages, plan.n_parts
+    wgs, kw, cols = plan.wgs, KEY_BLOCK, plan.cols
     scale2 = (h**-0.5) * LOG2E
     prods = split_products(n_parts)
-    wg = plgpu.Layout.WGMMA
+    wgl = plgpu.Layout.WGMMA
 
     def body(*refs):
         items_ref, nitems_ref, tok_ref, lim_ref, lse_ref, d_ref = refs[:6]
         rest = refs[6:]
         q_refs, do_refs = rest[:n_parts], rest[n_parts : 2 * n_parts]
         k_refs, v_refs = rest[2 * n_parts : 3 * n_parts], rest[3 * n_parts : 4 * n_parts]
-        (dq_ref, dk_ref, dv_ref, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, out_smem, *kv_stage, lse_smem,
-         d_smem, kv_bar, q_bar) = rest[4 * n_parts :]
+        dq_ref, dk_ref, dv_ref = rest[4 * n_parts : 4 * n_parts + 3]
+        scratch = iter(rest[4 * n_parts + 3 :])
+        q_smem, do_smem, k_smem, v_smem, ds_smem, out_smem = (next(scratch) for _ in range(6))
+        p_smem = next(scratch) if plan.stage_p else None
+        kv_stage = next(scratch) if n_parts == 1 else out_smem  # fp32: the (fp32, m = kw rows) dQ tile
+        lse_smem, d_smem, kv_bar, q_bar = (next(scratch) for _ in range(4))
+        # wgs = 2: ds_bar orders each tile's dS^T stores of both warpgroups before either's dQ reads
+        # them; item_bar orders both warpgroups' last reads of an item's K / V before the next item's loads
+        ds_bar, item_bar = (next(scratch), next(scratch)) if wgs > 1 else (None, None)
+        wg = lax.axis_index("wg") if wgs > 1 else 0
         q_rings, do_rings = parts(q_smem, n_parts), parts(do_smem, n_parts)
         k_tiles, v_tiles = parts(k_smem, n_parts), parts(v_smem, n_parts)
-        p_tiles, ds_tiles = parts(p_smem, n_parts), parts(ds_smem, n_parts)
-        # the fp32 dK / dV partials: their own tile for 16-bit inputs, the (fp32, m = kb rows) dQ tile for fp32
-        kv_out = kv_stage[0] if kv_stage else out_smem
+
+        def mine(ref, i):
+            """Warpgroup i's slot of a per-warpgroup scratch ref (no leading axis with one warpgroup)."""
+            return parts(ref, n_parts) if wgs == 1 else [r.at[i] for r in parts(ref, n_parts)]
+
+        def keys(tile, u):
+            """Warpgroup u's KEY_BLOCK keys of an item's [kb, H] K or V tile."""
+            if wgs == 1:
+                return tile
+            return tile.at[pl.ds(u * kw if isinstance(u, int) else pl.multiple_of(u * kw, kw), kw)]
+
+        p_mine = None if not plan.stage_p else p_smem if wgs == 1 else p_smem.at[wg]
+        out_mine = out_smem if wgs == 1 else out_smem.at[wg]
+        kv_mine = kv_stage if wgs == 1 else kv_stage.at[wg]
         # dK and dV accumulate in place (ACC.init) only where that lowers: not in interpret mode (no
         # rule for it), and not over SMEM views with constant indices (fp32's parts, a 1-deep ring's
         # slot), which Mosaic GPU's run_state lowering rejects.
         in_place = n_parts == 1 and stages > 1 and not _backend.interpreting()
 
+        def producer(fn):  # the one warpgroup that issues the item's TMA loads
+            if wgs == 1:
+                fn()
+            else:
+                pl.when(wg == 0)(fn)
+
         @plgpu.nd_loop((nitems_ref[0],), collective_axes="sm")
         def _item(info):
             w = info.index[0]
             hh, bb, blk, t0, nt = (items_ref[w, i] for i in range(5))
-            plgpu.commit_smem()  # the previous item's SMEM reads precede this item's TMA writes
-            kv_at = (bb, pl.ds(blk * kb, kb), hh)
-            for c in range(n_parts):
-                plgpu.copy_gmem_to_smem(k_refs[c].at[kv_at], k_tiles[c], kv_bar)
-                plgpu.copy_gmem_to_smem(v_refs[c].at[kv_at], v_tiles[c], kv_bar)
 
             def load(tile, slot):
                 e0 = (t0 + tile) * tq
@@ -237,53 +292,79 @@ def _body(plan: BackwardPlan, dtype):
                 plgpu.copy_gmem_to_smem(lse_ref.at[hh, pl.ds(e0 * gp, m)], lse_smem.at[slot], q_bar.at[slot])
                 plgpu.copy_gmem_to_smem(d_ref.at[hh, pl.ds(e0 * gp, m)], d_smem.at[slot], q_bar.at[slot])
 
-            for s in range(stages):
-                @pl.when(s < nt)
-                def _():
-                    load(s, s)
+            @producer
+            def _():
+                plgpu.commit_smem()  # the previous item's SMEM reads precede this item's TMA writes
+                kv_at = (bb, pl.ds(blk * kb, kb), hh)
+                for c in range(n_parts):
+                    plgpu.copy_gmem_to_smem(k_refs[c].at[kv_at], k_tiles[c], kv_bar)
+                    plgpu.copy_gmem_to_smem(v_refs[c].at[kv_at], v_tiles[c], kv_bar)
+                for s in range(stages):
+                    @pl.when(s < nt)
+                    def _():
+                        load(s, s)
 
             plgpu.barrier_wait(kv_bar)
 
             def tile(j, carry):
                 dk, dv = carry
                 slot = lax.rem(j, stages) if stages > 1 else 0
+                buf = lax.rem(j, 2) if wgs > 1 else 0
                 e0 = (t0 + j) * tq
                 lims = [lim_ref[hh, e0 + i] for i in range(tq)]
                 plgpu.barrier_wait(q_bar.at[slot])
                 q_t = [r.at[slot] for r in q_rings]
                 do_t = [r.at[slot] for r in do_rings]
-                s_t = _mm((kb, m), [(k_tiles[c], q_t[a].transpose((1, 0))) for a, c in prods]) * scale2
-                key = plgpu.broadcasted_iota(jnp.int32, (kb, m), 0, layout=wg)
-                s_t = jnp.where(key <= _col_limits(lims, kb, m, gp), s_t, -jnp.inf)  # own block: causal
-                lse = plgpu.load(lse_smem.at[slot], layout=wg.reduce(0))
-                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, (kb, m), [1]))
-                dp_t = _mm((kb, m), [(v_tiles[c], do_t[a].transpose((1, 0))) for a, c in prods])
-                d = plgpu.load(d_smem.at[slot], layout=wg.reduce(0))
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(d, (kb, m), [1]))
-                _store_parts(p_t, p_tiles, n_parts, dtype)
-                _store_parts(ds_t, ds_tiles, n_parts, dtype)
+                k_own = [keys(t, wg) for t in k_tiles]
+                s_t = _mm((kw, m), [(k_own[c], q_t[a].transpose((1, 0))) for a, c in prods]) * scale2
+                key = plgpu.broadcasted_iota(jnp.int32, (kw, m), 0, layout=wgl) + wg * kw
+                s_t = jnp.where(key <= _col_limits(lims, kw, m, gp), s_t, -jnp.inf)  # own block: causal
+                lse = plgpu.load(lse_smem.at[slot], layout=wgl.reduce(0))
+                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, (kw, m), [1]))
+                dp_t = _mm((kw, m), [(keys(v_tiles[c], wg), do_t[a].transpose((1, 0))) for a, c in prods])
+                d = plgpu.load(d_smem.at[slot], layout=wgl.reduce(0))
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(d, (kw, m), [1]))
+                ds_mine = mine(ds_smem, wg * 2 + buf)
+                _store_parts(ds_t, ds_mine, n_parts, dtype)
+                p_ops = p_operands(p_t, p_mine, n_parts, dtype)  # registers, or SMEM in interpret mode
                 plgpu.commit_smem()
-                dk, dv = _accumulate((dk, dv), ([(ds_tiles[a], q_t[c]) for a, c in prods],
-                                                [(p_tiles[a], do_t[c]) for a, c in prods]), in_place)
-                dq = _mm((m, h), [(ds_tiles[a].transpose((1, 0)), k_tiles[c]) for a, c in prods])
+                dk, dv = _accumulate((dk, dv), ([(ds_mine[a], q_t[c]) for a, c in prods],
+                                                [(p_ops[a], do_t[c]) for a, c in prods]), in_place)
+                if wgs > 1:  # both dS^T tiles are in SMEM; both warpgroups are done with this slot's Q / dO
+                    plgpu.barrier_arrive(ds_bar)
+                    plgpu.barrier_wait(ds_bar)
+                # dQ_e = dS K over the block's keys, this warpgroup's columns of it
+                my_cols = pl.ds(pl.multiple_of(wg * cols, cols), cols) if wgs > 1 else None
+                dq = _mm((m, cols), [(mine(ds_smem, u * 2 + buf)[a].transpose((1, 0)),
+                                      k_tiles[c] if wgs == 1 else keys(k_tiles[c], u).at[:, my_cols])
+                                     for u in range(wgs) for a, c in prods])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dQ store left the staging tile
-                out_smem[...] = (dq * (h**-0.5)).astype(out_smem.dtype)
+                out_mine[...] = (dq * (h**-0.5)).astype(out_mine.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[hh, pl.ds(e0 * gp, m)])
+                dq_at = (hh, pl.ds(e0 * gp, m)) + ((my_cols,) if wgs > 1 else ())
+                plgpu.copy_smem_to_gmem(out_mine, dq_ref.at[dq_at])
 
-                @pl.when(j + stages < nt)
+                @producer
                 def _():
-                    load(j + stages, slot)  # every read of this slot is done (the MMAs waited)
+                    @pl.when(j + stages < nt)
+                    def _():
+                        plgpu.commit_smem()
+                        load(j + stages, slot)  # every read of this slot is done (the MMAs waited)
 
                 return dk, dv
 
-            zero = plgpu.layout_cast(jnp.zeros((kb, h), jnp.float32), wg)
+            zero = plgpu.layout_cast(jnp.zeros((kw, h), jnp.float32), wgl)
             dk, dv = lax.fori_loop(0, nt, tile, (zero, zero))
             for grad, ref, mult in ((dk, dk_ref, h**-0.5), (dv, dv_ref, 1.0)):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                kv_out[...] = grad * mult
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(kv_out, ref.at[w])
+                for c0 in range(0, h, cols):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    kv_mine[...] = grad[:, c0 : c0 + cols] * mult if wgs > 1 else grad * mult
+                    plgpu.commit_smem()
+                    at = (w,) if wgs == 1 else (w, pl.ds(pl.multiple_of(wg * kw, kw), kw), pl.ds(c0, cols))
+                    plgpu.copy_smem_to_gmem(kv_mine, ref.at[at])
+            if wgs > 1:
+                plgpu.barrier_arrive(item_bar)
+                plgpu.barrier_wait(item_bar)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -298,20 +379,22 @@ def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMa
     (LSE in log2 units, +inf on padding rows)."""
     b, s_pad, kh, h = k_parts[0].shape
     dtype = q_parts[0].dtype
-    m, kb, n_parts, stages = plan.m, plan.kb, plan.n_parts, plan.stages
+    m, kb, n_parts, stages, wgs, cols = plan.m, plan.kb, plan.n_parts, plan.stages, plan.wgs, plan.cols
+    per_wg = (lambda n: (n,)) if wgs > 1 else (lambda n: ())  # leading axis of per-warpgroup tiles
     scratch = [
         swizzled_smem(parts_shape(n_parts, (stages, m, h)), dtype),
         swizzled_smem(parts_shape(n_parts, (stages, m, h)), dtype),
         swizzled_smem(parts_shape(n_parts, (kb, h)), dtype),
         swizzled_smem(parts_shape(n_parts, (kb, h)), dtype),
-        swizzled_smem(parts_shape(n_parts, (kb, m)), dtype),
-        swizzled_smem(parts_shape(n_parts, (kb, m)), dtype),
-        plgpu.SMEM((m, h), jnp.float32) if n_parts == 2 else swizzled_smem((m, h), dtype),
-        *([plgpu.SMEM((kb, h), jnp.float32)] if n_parts == 1 else []),
+        swizzled_smem(parts_shape(n_parts, per_wg(2 * wgs) + (KEY_BLOCK, m)), dtype),  # dS^T
+        plgpu.SMEM(per_wg(wgs) + (m, cols), jnp.float32) if n_parts == 2 else swizzled_smem(per_wg(wgs) + (m, cols), dtype),
+        *([swizzled_smem(parts_shape(n_parts, per_wg(wgs) + (KEY_BLOCK, m)), dtype)] if plan.stage_p else []),
+        *([plgpu.SMEM(per_wg(wgs) + (KEY_BLOCK, cols), jnp.float32)] if n_parts == 1 else []),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.SMEM((stages, m), jnp.float32),
         plgpu.Barrier(num_arrivals=2 * n_parts),
         plgpu.Barrier(num_arrivals=2 * plan.tq * n_parts + 2, num_barriers=stages),
+        *([plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=wgs)] if wgs > 1 else []),
     ]
     out_dtype = jnp.float32 if n_parts == 2 else dtype
     n_cap = work.items.shape[0]
@@ -327,6 +410,7 @@ def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMa
         scratch_types=scratch,
         grid=(plan.ctas,),
         grid_names=("sm",),
+        **({"num_threads": wgs, "thread_name": "wg"} if wgs > 1 else {}),
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
     return call(work.items, work.n_items, work.qtok, work.qlim, lse_e, d_e, *q_parts, *do_parts, *k_parts, *v_parts)

@@ -104,6 +104,9 @@ class SparseAttentionConfig:
       partials are summed in XLA).
     backward_stages: depth of the backward kernel's Q / dO ring (default: the deepest of 4, 3, 2, 1
       that fits in SMEM).
+    backward_warpgroups: consumer warpgroups of the backward kernel, each owning 64 keys of a work
+      item's key block (default: 2 where the block and H are multiples of 128 and the inputs 16-bit,
+      so a 128-key block is one item whose Q / dO tiles are gathered once; else 1).
     """
 
     block_m: int = 64
@@ -114,6 +117,7 @@ class SparseAttentionConfig:
     p_via_smem: bool | None = None
     backward_tiles_per_item: int | None = None
     backward_stages: int | None = None
+    backward_warpgroups: int | None = None
 
     def stage_p(self) -> bool:
         """Feed P to the PV wgmma from SMEM (interpret mode only supports SMEM A operands)."""
