@@ -13,6 +13,7 @@ inputs: equal to the reference except rows whose reference margin is a near-tie
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -88,3 +89,27 @@ def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, int
     scale = jnp.max(jnp.where(jnp.isfinite(ref_scores), jnp.abs(ref_scores), 0.0), axis=-1)
     diff = compare.compare_selections(got, ref, ref_scores, q_pos, BS, scale, compare.summation_bound(HX))
     assert diff.unexplained == 0, diff
+
+
+def test_model_decode_switch():
+    # TextConfig.msa_decode_select="fused" reaches the model's in-place decode: the same block ids and
+    # output as the scoring + top-k kernels.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    import m3jax
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
+
+    t = m3jax.preset("m3_width").replace_text(
+        num_attention_heads=4, num_key_value_heads=HI, head_dim=64, index_n_heads=HI, index_head_dim=HX,
+        index_block_size=BS, index_topk_blocks=3, index_init_blocks=1).text
+    iq, ikp, pt, sl = make_case([450], 1, jnp.bfloat16, FP8, ints=False, seed=3)
+    rng = np.random.default_rng(4)
+    k, v, q = (jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
+               for s in ((ikp.shape[0], BS, HI, 64), (ikp.shape[0], BS, HI, 64), (1, 1, 4, 64)))
+    pos = sl[:, None] - 1
+    run = {mode: kernels.decode(q, iq, LayerCache(k, v, ikp), pt, pos, dataclasses.replace(t, msa_decode_select=mode))
+           for mode in ("separate", "fused")}
+    np.testing.assert_array_equal(np.asarray(run["fused"][1]), np.asarray(run["separate"][1]))
+    np.testing.assert_array_equal(np.asarray(run["fused"][0], np.float32), np.asarray(run["separate"][0], np.float32))
+    with pytest.raises(ValueError, match="msa_decode_select"):
+        dataclasses.replace(t, msa_decode_select="one_launch")
