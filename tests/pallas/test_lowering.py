@@ -243,3 +243,28 @@ def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, mosaic_m
             lowering_platforms=("cuda",))
     module = mosaic_modules[-1]
     assert "cvt.rn.f16x2.e4m3x2" in module and _mma_instruction("decode_index_scores", True, target) in module
+
+
+@pytest.mark.parametrize("b,ik_dtype,fp8_mma", [(1, BF16, "bfloat16"), (8, jnp.float8_e4m3fn, "bfloat16"),
+                                                (1, jnp.float8_e4m3fn, "float16")])
+@pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
+def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, mosaic_modules):
+    # The fused paged selection (decode_select_blocks) at M3's shapes: on Hopper one module, the wgmma
+    # scoring with the split's top-k lists carried through the page pipeline; Blackwell has no tcgen05
+    # port of it and runs the scoring kernel and the top-k kernel (two modules, no wgmma).
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_select_blocks
+
+    target = getattr(_backend, target)
+    args = (S((b, 1, HI, H), BF16), S((b * NB, BS, H), ik_dtype), S((b, NB), I32), S((b,), I32))
+    config = DecodeScoreConfig(fp8_mma=fp8_mma)
+    start = len(mosaic_modules)
+    with _backend.lowering_for(target):
+        jax.jit(lambda *a: decode_select_blocks(*a, block_size=BS, topk=TOPK, init_blocks=1, force_in=(3,),
+                                                force_out=(5,), config=config)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    mods = mosaic_modules[start:]
+    if target.mma == "tcgen05":
+        assert len(mods) == 2 and not any("wgmma" in m for m in mods)
+    else:
+        assert len(mods) == 1 and "wgmma.mma_async" in mods[0]

@@ -153,12 +153,13 @@ def score_shapes(iq, ik_pages, page_table, block_size: int, tiles: str):
     return b, q, hi, hx, num_pages, bs, page_table.shape[1]
 
 
-def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int) -> tuple[int, int]:
-    """(pages per CTA, CTAs per request): the per-CTA SMEM score tile (chunk x cols fp32; cols =
-    n_pad, or :data:`SELECT_LANES` for the fused selection) is kept to 32 KiB, so large batches split
-    the context further."""
+def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | None) -> tuple[int, int]:
+    """(pages per CTA, CTAs per request): the scores kernel's per-CTA SMEM score tile (chunk x cols
+    fp32) is kept to 32 KiB, so large batches split the context further; ``cols=None`` (the fused
+    selection, whose SMEM rows do not grow with the chunk): the config's splits."""
     splits = config.splits(b, max_pages, current_target())
-    splits = max(splits, -(-max_pages // max(1, 32768 // (4 * cols))))
+    if cols is not None:
+        splits = max(splits, -(-max_pages // max(1, 32768 // (4 * cols))))
     return -(-max_pages // splits), splits
 
 
@@ -204,21 +205,22 @@ def page_transforms(k_parts, hx: int, transforms):
 
 
 def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int,
-                 cols: int | None = None, extra: int = 0) -> int:
-    """Page buffers that fit next to the query tile, the score tile (``cols`` wide, default n_pad),
-    ``extra`` bytes of the variant's own and (fp8 pages) the converted page (fp32: 3 bf16 parts per
-    page; fp8: 1 byte per key element)."""
+                 tile: tuple[int, int] | None = None, extra: int = 0) -> int:
+    """Page buffers that fit next to the query tile, the fp32 score tile (``tile`` rows x columns,
+    default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages) the converted page
+    (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
     page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
     convert = bs * hx * 2 if k_parts[0].dtype == FP8 else 0
-    fixed = len(q_parts) * n_pad * hx * 2 + chunk * (cols or n_pad) * 4 + convert + extra + 4096
+    rows, cols = tile or (chunk, n_pad)
+    fixed = len(q_parts) * n_pad * hx * 2 + rows * cols * 4 + convert + extra + 4096
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
 
 
 def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms,
                   cols: int | None = None) -> list:
-    """The scratch both variants start with: query tile, score tile (``cols`` wide, default n_pad),
-    the query tile's barrier and, for fp8 pages, the page converted to the query's type (the MMA's key
-    operand)."""
+    """The scratch every variant starts with: query tile, score tile (``chunk`` rows of ``cols``,
+    default n_pad), the query tile's barrier and, for fp8 pages, the page converted to the query's
+    type (the MMA's key operand)."""
     dtype = q_parts[0].dtype
     convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if k_parts[0].dtype == FP8 else []
     return [
@@ -275,20 +277,22 @@ def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1)
 
 
 def stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, page_shape: tuple[int, int], transforms,
-                 stages: int) -> None:
-    """Stream this CTA's live pages through ``page_step`` (TMA ring of ``stages``), its generic SMEM
-    writes (the score rows) committed after."""
+                 stages: int, init_carry=None):
+    """Stream this CTA's live pages through ``page_step`` (TMA ring of ``stages``; with ``init_carry``
+    the step carries it and its final value is returned), its generic SMEM writes committed after."""
 
     def page_of(i):
         return (pt_gmem[bi, first + i], 0)
 
-    plgpu.emit_pipeline(
+    carry = plgpu.emit_pipeline(
         page_step,
         grid=(steps,),
         in_specs=[plgpu.BlockSpec(page_shape, page_of, transforms=transforms) for _ in k_gmem],
         max_concurrent_steps=stages,
+        init_carry=init_carry,
     )(*k_gmem)
     plgpu.commit_smem()
+    return carry
 
 
 def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
