@@ -38,6 +38,16 @@ position ``seq_lens[b] - Q + i``.
    Mosaic GPU (jax 0.11.2) cannot lower. Padding entries (the union is shorter than ``Q * topk`` when
    tokens share pages) have token bits 0, load page 0 and change nothing -- but they cost a page
    load + MMAs each; for Q = 1 the union is full and nothing is wasted.
+3. :func:`.hopper.decode_select_blocks` (docs/KERNELS.md §2.2, "Fused selection"): item 1's grid and
+   page pipeline, and each CTA also selects. A page's ``[N]`` block-max row goes through a two-slot
+   SMEM stage (:data:`SELECT_LANES` lanes, one per query row) into the split's top-k lists, which the
+   pipeline carries (``topk.select``'s insertion and forced priorities), so the selection runs while
+   the next pages load; each CTA writes its lists and :func:`merge_candidates` takes the global top-k
+   of the ``splits * k`` candidates in XLA (the reference's order, ties included). One launch for
+   scores, block max and the splits' top-k: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that
+   interpret mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which
+   the interpreter cannot run), so the merge is not in the kernel. Hopper only: on tcgen05 targets
+   :func:`m3jax.pallas.decode.decode_select_blocks` runs item 1's Blackwell kernel and the top-k kernel.
 
 fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
 reference accuracy the wrappers split fp32 operands into bf16 pieces (``_common.bf16_split``): the
