@@ -165,12 +165,16 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
            force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
     """One decode token per sequence through the paged decode kernels (:func:`decode_pages`): the index
     keys and the selected K/V pages are read in place, the cache is never gathered. ``force_in`` /
-    ``force_out`` as in :func:`prefill`. Returns (o, block ids)."""
+    ``force_out`` as in :func:`prefill`. ``msa_decode_select="fused"`` takes the fused selection unless
+    its canary failed on this GPU at this block size (then the scoring and top-k kernels, with a
+    warning). Returns (o, block ids)."""
     _refuse_score_dtype(cfg)
+    fused = cfg.msa_decode_select == "fused" and not verdicts.kernel_failure(
+        "decode_select_fused", block_size=cfg.index_block_size)
     return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
                         topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                         init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,
-                        fused_select=cfg.msa_decode_select == "fused")
+                        fused_select=fused)
 
 
 def dense_decode(q, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:

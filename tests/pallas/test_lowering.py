@@ -75,6 +75,13 @@ def _sparse_decode_attention():
              S((2, NB), I32), S((2, HI, 1, TOPK), I32), S((2,), I32)))
 
 
+def _decode_select_fused():
+    from m3jax.pallas.decode import decode_select_blocks
+
+    return (lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK),
+            (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), BF16), S((2, NB), I32), S((2,), I32)))
+
+
 def _grouped_matmul():
     from m3jax.pallas.grouped_matmul import grouped_matmul
 
@@ -90,14 +97,16 @@ KERNELS = {
     "sparse_attention_kv_major": (lambda: _sparse_attention("kv_major"), True),
     "sparse_attention_query_major": (lambda: _sparse_attention("query_major"), True),
     "decode_index_scores": (_decode_index_scores, True),
+    "decode_select_fused": (_decode_select_fused, True),
     "sparse_decode_attention": (_sparse_decode_attention, True),
     "grouped_matmul": (_grouped_matmul, True),
 }
 
 
-# kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma
+# kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma (the fused
+# decode selection's is the fallback: the Blackwell decode scoring kernel, then the top-k kernel)
 BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_major", "decode_index_scores",
-                      "sparse_decode_attention", "grouped_matmul"}
+                      "decode_select_fused", "sparse_decode_attention", "grouped_matmul"}
 
 
 # tcgen05.fence::before_thread_sync per kernel at M3's shapes: one per hand-off of TMEM from the
