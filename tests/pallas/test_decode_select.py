@@ -63,12 +63,12 @@ def _no_races():
 @pytest.mark.parametrize(
     "lens,q_len,dtype,ik_dtype,splits,fp8_mma,ints",
     [
-        ([700], 1, jnp.bfloat16, None, None, "bfloat16", True),  # B=1, default splits
+        ([700], 1, jnp.bfloat16, None, 1, "bfloat16", True),  # B=1, the whole context in one CTA
         ([100, 700], 1, jnp.bfloat16, FP8, 12, "bfloat16", True),  # one page per split: lists of 1
-        ([5, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True),  # fp8 in f16, query rows scaled
+        ([1, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True),  # fp8 in f16; a row at position -1
         ([130, 700, 450], 1, jnp.float32, None, 2, "bfloat16", True),  # fp32: three bf16 pieces
         ([260, 700], 2, jnp.bfloat16, None, 4, "bfloat16", False),
-        ([700, 333], 1, jnp.bfloat16, FP8, None, "bfloat16", False),
+        ([700, 333], 1, jnp.bfloat16, FP8, None, "bfloat16", False),  # default splits
     ],
 )
 def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, ints):
