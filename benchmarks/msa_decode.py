@@ -27,7 +27,8 @@ the existing pair (scoring kernel + top-k kernel, ``impl=scores+topk``) and the 
 (> 1: fusing is faster), cuDNN's ratio in the notes. ``decode_step[pages]`` rows time the whole MSA
 step (``kernels.decode_pages``) with each (``impl=separate`` / ``fused``); ``ratio`` = cudnn ms / ms,
 and the fused row's notes give separate ms / fused ms. ``MSA_BENCH_FUSED_ONLY=1``: only these rows
-and cuDNN (a shorter run).
+and cuDNN (a shorter run). ``MSA_BENCH_FUSED_WAVES=1,2``: also time the fused selection with that
+many waves of context splits (``DecodeScoreConfig.waves``; rows ``fused[waves=w]``, 2 is the default).
 """
 
 from __future__ import annotations
@@ -127,15 +128,19 @@ def bench(report) -> None:
             pair = jax.jit(lambda iq, ik, pt, sl: T.select_blocks(
                 D.decode_index_scores(iq, ik, pt, sl, block_size=BS), D.query_positions(sl, 1), block_size=BS,
                 topk=TOPK, implementation="pallas"))
-            fused = jax.jit(functools.partial(D.decode_select_blocks, block_size=BS, topk=TOPK))
+            waves = [int(w) for w in os.environ.get("MSA_BENCH_FUSED_WAVES", "2").split(",")]
+            fused = {("fused" if w == D.DecodeScoreConfig().waves else f"fused[waves={w}]"):
+                     jax.jit(functools.partial(D.decode_select_blocks, block_size=BS, topk=TOPK,
+                                               config=D.DecodeScoreConfig(waves=w))) for w in waves}
             steps = {mode: jax.jit(functools.partial(kernels.decode_pages, block_size=BS, topk=TOPK,
                                                      fused_select=mode == "fused"))
                      for mode in ("separate", "fused")}
             for name, nbytes in (("bf16", idx_bytes), ("fp8", idx_bytes // 2)):
                 pages = ikp if name == "bf16" else ikp.astype(jnp.float8_e4m3fn)
                 timed(f"selection[{name}]", "scores+topk", nbytes, pair, iq, pages, pt, sl)
-                timed(f"selection[{name}]", "fused", nbytes, fused, iq, pages, pt, sl, want=pair(iq, pages, pt, sl),
-                      want_name="scores+topk")
+                want = pair(iq, pages, pt, sl)
+                for impl, f in fused.items():
+                    timed(f"selection[{name}]", impl, nbytes, f, iq, pages, pt, sl, want=want, want_name="scores+topk")
                 for mode, f in steps.items():
                     timed(f"decode_step[{name}]", mode, nbytes + kv_bytes, lambda *a, f=f: f(*a)[0],
                           q, iq, kp, vp, pages, pt, sl)
@@ -198,7 +203,7 @@ def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: 
         return t_dense / t, cudnn, note
     if op.startswith("model_decode_step"):
         return model_ms["bfloat16"] / t, cudnn, "ratio = bf16-index ms / ms; "
-    if op.startswith("selection[") and impl == "fused":
+    if op.startswith("selection[") and impl.startswith("fused"):
         pair = ms_of.get((op, "scores+topk"), float("nan"))
         return (pair / t, f"scores+topk kernels {pair:.4f} ms",
                 f"ratio = scores+topk ms / fused ms; cudnn_ms / ms = {t_dense / t:.3g}; ")

@@ -92,9 +92,12 @@ SELECT_LANES = 128
 
 @dataclasses.dataclass(frozen=True)
 class DecodeScoreConfig:
-    """Tiling of :func:`.hopper.decode_index_scores`.
+    """Tiling of :func:`.hopper.decode_index_scores` and of the fused selection
+    (:func:`.hopper.decode_select_blocks`, which also takes ``fp8_mma``).
 
-    num_splits: CTAs per request along the context (None: enough for ~2 waves over the SMs).
+    num_splits: CTAs per request along the context (None: enough for ``waves`` waves over the SMs;
+      the scores kernel splits further to keep its SMEM score tile within 32 KiB). For the fused
+      selection fewer splits also mean fewer candidates to merge (``splits * topk`` per row).
     stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
     fp8_mma: the 16-bit type fp8 pages meet a bf16 query in. ``"bfloat16"``: the query as is, the
       keys converted e4m3 -> f16 -> bf16 (three conversions per pair of keys; exact products).
