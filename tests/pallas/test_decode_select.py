@@ -69,6 +69,7 @@ def _no_races():
         ([130, 700, 450], 1, jnp.float32, None, 2, "bfloat16", True),  # fp32: three bf16 pieces
         ([260, 700], 2, jnp.bfloat16, None, 4, "bfloat16", False),
         ([700, 333], 1, jnp.bfloat16, FP8, None, "bfloat16", False),  # default splits
+        ([60, 100], 1, jnp.bfloat16, None, None, "bfloat16", True),  # fewer candidates than top-k
     ],
 )
 def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, ints):
