@@ -99,6 +99,7 @@ def decode_index_scores(
     def body(*refs):
         q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = score_prologue(
             refs, len(q_parts), len(k_parts), chunk, bs)
+
         def page_step(idx, *k_smems):
             (i,) = idx
             score_smem[i] = _block_max(q_smem, mma_keys(k_smems), prods, q, bs, n_pad, seq_len, first + i)
