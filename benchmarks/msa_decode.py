@@ -165,7 +165,8 @@ def bench(report) -> None:
                     cfg = dataclasses.replace(M3_TEXT, index_cache_dtype=name)
                     model = jax.jit(lambda q, iq, kp, vp, ik, pt, cfg=cfg: kernels.decode(
                         q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg)[0])
-                    timed(f"model_decode_step[index {name}]", "pallas", nbytes + kv_bytes, model, q, iq, kp, vp, pages, pt)
+                    timed(f"model_decode_step[index {name}]", "pallas", nbytes + kv_bytes, model,
+                          q, iq, kp, vp, pages, pt)
                     model_ms[name] = rows[-1][2]
             ms_of = {(op, impl): t for op, impl, t, _, _ in rows}
 
