@@ -3,7 +3,9 @@
 
 Each kernel is checked on its own (an error in one is reported and does not hide the other):
 ``decode_index_scores`` vs the reference scores, and ``sparse_decode_attention`` fed with the
-selection of the REFERENCE scores, vs the reference attention. Shapes are M3's (N=64, K=4, H=128,
+selection of the REFERENCE scores, vs the reference attention; ``decode_select_fused`` (the fused
+selection) vs the top-k of the scoring kernel's own scores, exactly (rows whose sets differ from
+the reference selection in the notes). Shapes are M3's (N=64, K=4, H=128,
 Hi=4, Hx=128, page 128, top-k 16), Q=1 and Q=4, batch 2 with different ~128K lengths (not multiples
 of the page), one unused page-table column, shuffled page table, bf16 and fp32; then fp8 e4m3
 index-key pages with bf16 and fp32 queries; then other block sizes / top-k. Tolerances:
@@ -19,7 +21,7 @@ import jax
 
 from m3jax.pallas import gpu_checks
 
-_NOTES = ("inf_pattern_ok", "finite", "selected_blocks", "error")
+_NOTES = ("inf_pattern_ok", "finite", "selected_blocks", "rows_differing_from_reference", "error")
 
 
 def _print_row(r):

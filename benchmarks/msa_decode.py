@@ -18,6 +18,17 @@ are reported as skipped), so a time-limited device run still writes its table.
 ``model_decode_step`` rows time the model's own decode path (``m3jax.msa.kernels.decode``) with the
 index-key pages in bf16 and in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, same keys rounded);
 ``ratio`` there = bf16 ms / fp8 ms (> 1: fp8 index keys make the step faster).
+
+The fused paged selection (``m3jax.pallas.decode.decode_select_blocks``: one launch for scores, block
+max and each context split's top-k, then the merge of the splits' lists; the model's
+``msa_decode_select="fused"``), per index-page dtype (bf16, fp8 e4m3): ``selection[pages]`` rows time
+the existing pair (scoring kernel + top-k kernel, ``impl=scores+topk``) and the fused selection
+(``impl=fused``, its ids checked equal to the pair's on the device); ``ratio`` = pair ms / fused ms
+(> 1: fusing is faster), cuDNN's ratio in the notes. ``decode_step[pages]`` rows time the whole MSA
+step (``kernels.decode_pages``) with each (``impl=separate`` / ``fused``); ``ratio`` = cudnn ms / ms,
+and the fused row's notes give separate ms / fused ms. ``MSA_BENCH_FUSED_ONLY=1``: only these rows
+and cuDNN (a shorter run). ``MSA_BENCH_FUSED_WAVES=1,2``: also time the fused selection with that
+many waves of context splits (``DecodeScoreConfig.waves``; rows ``fused[waves=w]``, 2 is the default).
 """
 
 from __future__ import annotations
@@ -101,7 +112,7 @@ def bench(report) -> None:
 
             rows = []
 
-            def timed(op, impl, nbytes, f, *args, want=None):
+            def timed(op, impl, nbytes, f, *args, want=None, want_name="xla"):
                 if time.time() > deadline:
                     rows.append((op, impl, float("nan"), nbytes, "skipped: time budget"))
                     return
@@ -109,31 +120,55 @@ def bench(report) -> None:
                     ms = _time_ms(f, *args)
                     # the interpret-mode tests cannot see races inside a warpgroup: check on the device too
                     wrong = want is not None and not bool(jnp.array_equal(f(*args), want))
-                    rows.append((op, impl, ms, nbytes, "WRONG: differs from xla" if wrong else ""))
+                    rows.append((op, impl, ms, nbytes, f"WRONG: differs from {want_name}" if wrong else ""))
                 except Exception as e:  # noqa: BLE001  (a failing piece must not hide the others)
                     rows.append((op, impl, float("nan"), nbytes, f"failed: {type(e).__name__}: {str(e)[:200]}"))
 
-            timed("index_scores", "pallas", idx_bytes, scores, iq, ikp, pt, sl)
-            timed("index_scores", "xla_reference", idx_bytes,
-                  jax.jit(functools.partial(D.decode_index_scores, block_size=BS, implementation="reference")),
-                  iq, ikp, pt, sl)
-            timed("topk(select_blocks)", "xla", b * HI * (ctx // BS) * 4, select, s_val)
-            timed("topk(select_blocks)", "pallas_rowsplit", b * HI * (ctx // BS) * 4, select_rowsplit, s_val,
-                  want=bidx)
-            timed("sparse_attention", "pallas", kv_bytes, attn, q, kp, vp, pt, bidx, sl)
-            timed("decode_step", "pallas", idx_bytes + kv_bytes, jax.jit(functools.partial(step, "pallas")),
-                  q, iq, kp, vp, ikp, pt, sl)
-            timed("decode_step", "xla_reference", idx_bytes + kv_bytes,
-                  jax.jit(functools.partial(step, "reference")), q, iq, kp, vp, ikp, pt, sl)
+            # The fused selection against the scoring + top-k kernel pair, and the MSA step with each.
+            pair = jax.jit(lambda iq, ik, pt, sl: T.select_blocks(
+                D.decode_index_scores(iq, ik, pt, sl, block_size=BS), D.query_positions(sl, 1), block_size=BS,
+                topk=TOPK, implementation="pallas"))
+            waves = [int(w) for w in os.environ.get("MSA_BENCH_FUSED_WAVES", "2").split(",")]
+            fused = {("fused" if w == D.DecodeScoreConfig().waves else f"fused[waves={w}]"):
+                     jax.jit(functools.partial(D.decode_select_blocks, block_size=BS, topk=TOPK,
+                                               config=D.DecodeScoreConfig(waves=w))) for w in waves}
+            steps = {mode: jax.jit(functools.partial(kernels.decode_pages, block_size=BS, topk=TOPK,
+                                                     fused_select=mode == "fused"))
+                     for mode in ("separate", "fused")}
+            for name, nbytes in (("bf16", idx_bytes), ("fp8", idx_bytes // 2)):
+                pages = ikp if name == "bf16" else ikp.astype(jnp.float8_e4m3fn)
+                timed(f"selection[{name}]", "scores+topk", nbytes, pair, iq, pages, pt, sl)
+                want = pair(iq, pages, pt, sl)
+                for impl, f in fused.items():
+                    timed(f"selection[{name}]", impl, nbytes, f, iq, pages, pt, sl, want=want, want_name="scores+topk")
+                for mode, f in steps.items():
+                    timed(f"decode_step[{name}]", mode, nbytes + kv_bytes, lambda *a, f=f: f(*a)[0],
+                          q, iq, kp, vp, pages, pt, sl)
+                del pages
+
             model_ms = {}
-            for name, pages, nbytes in (("bfloat16", ikp, idx_bytes), ("float8_e4m3fn", ikp.astype(jnp.float8_e4m3fn),
-                                                                        idx_bytes // 2)):
-                cfg = dataclasses.replace(M3_TEXT, index_cache_dtype=name)
-                timed(f"model_decode_step[index {name}]", "pallas", nbytes + kv_bytes,
-                      jax.jit(lambda q, iq, kp, vp, ik, pt, cfg=cfg: kernels.decode(q, iq, LayerCache(kp, vp, ik), pt, q_pos,
-                                                                                    cfg)[0]),
-                      q, iq, kp, vp, pages, pt)
-                model_ms[name] = rows[-1][2]
+            if os.environ.get("MSA_BENCH_FUSED_ONLY") != "1":
+                timed("index_scores", "pallas", idx_bytes, scores, iq, ikp, pt, sl)
+                timed("index_scores", "xla_reference", idx_bytes,
+                      jax.jit(functools.partial(D.decode_index_scores, block_size=BS, implementation="reference")),
+                      iq, ikp, pt, sl)
+                timed("topk(select_blocks)", "xla", b * HI * (ctx // BS) * 4, select, s_val)
+                timed("topk(select_blocks)", "pallas_rowsplit", b * HI * (ctx // BS) * 4, select_rowsplit, s_val,
+                      want=bidx)
+                timed("sparse_attention", "pallas", kv_bytes, attn, q, kp, vp, pt, bidx, sl)
+                timed("decode_step", "pallas", idx_bytes + kv_bytes, jax.jit(functools.partial(step, "pallas")),
+                      q, iq, kp, vp, ikp, pt, sl)
+                timed("decode_step", "xla_reference", idx_bytes + kv_bytes,
+                      jax.jit(functools.partial(step, "reference")), q, iq, kp, vp, ikp, pt, sl)
+                for name, pages, nbytes in (("bfloat16", ikp, idx_bytes),
+                                            ("float8_e4m3fn", ikp.astype(jnp.float8_e4m3fn), idx_bytes // 2)):
+                    cfg = dataclasses.replace(M3_TEXT, index_cache_dtype=name)
+                    model = jax.jit(lambda q, iq, kp, vp, ik, pt, cfg=cfg: kernels.decode(
+                        q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg)[0])
+                    timed(f"model_decode_step[index {name}]", "pallas", nbytes + kv_bytes, model,
+                          q, iq, kp, vp, pages, pt)
+                    model_ms[name] = rows[-1][2]
+            ms_of = {(op, impl): t for op, impl, t, _, _ in rows}
 
             # cuDNN dense decode baseline: the same context as contiguous K/V.
             kd = kp[pt].reshape(b, ctx, K, H)
@@ -151,15 +186,30 @@ def bench(report) -> None:
                     "gbps": dense_bytes / t_dense / 1e6, "baseline": None, "ratio": None, "notes": dense_note})
             del kd, vd
             for op, impl, t, nbytes, note in rows:
-                report({
-                    "op": f"msa_decode/{op}", "shape": shape, "impl": impl, "ms": t,
-                    "gbps": nbytes / t / 1e6, "baseline": f"cudnn dense decode {t_dense:.4f} ms",
-                    "ratio": (t_dense / t if op == "decode_step" else
-                              model_ms["bfloat16"] / t if op.startswith("model_decode_step") else None),
-                    "notes": ("ratio = cudnn_ms / ms; " if op == "decode_step" else
-                              "ratio = bf16-index ms / ms; " if op.startswith("model_decode_step") else "") + note,
-                })
+                ratio, baseline, why = _ratio(op, impl, t, t_dense, model_ms, ms_of)
+                report({"op": f"msa_decode/{op}", "shape": shape, "impl": impl, "ms": t, "gbps": nbytes / t / 1e6,
+                        "baseline": baseline, "ratio": ratio, "notes": why + note})
             del q, iq, kp, vp, ikp, pt, sl
+
+
+def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: dict):
+    """(ratio, baseline, notes) of one row, every ratio against a time measured in this process."""
+    cudnn = f"cudnn dense decode {t_dense:.4f} ms"
+    if op.startswith("decode_step"):
+        note = "ratio = cudnn_ms / ms; "
+        if impl == "fused":
+            sep = ms_of.get((op, "separate"), float("nan"))
+            note += f"separate_ms / fused_ms = {sep / t:.3g}; "
+        return t_dense / t, cudnn, note
+    if op.startswith("model_decode_step"):
+        return model_ms["bfloat16"] / t, cudnn, "ratio = bf16-index ms / ms; "
+    if op.startswith("selection[") and impl.startswith("fused"):
+        pair = ms_of.get((op, "scores+topk"), float("nan"))
+        return (pair / t, f"scores+topk kernels {pair:.4f} ms",
+                f"ratio = scores+topk ms / fused ms; cudnn_ms / ms = {t_dense / t:.3g}; ")
+    if op.startswith("selection["):
+        return None, cudnn, f"cudnn_ms / ms = {t_dense / t:.3g}; "
+    return None, cudnn, ""
 
 
 if __name__ == "__main__":

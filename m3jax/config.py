@@ -35,6 +35,8 @@ INDEX_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
 # keys as they are (the model as released); "float8_e4m3fn" is the fp8 indexer, an fp8 x fp8 product of
 # per-row scaled e4m3 queries and keys (m3jax.msa.reference.fp8_dot_scores).
 INDEX_SCORE_DTYPES = ("bfloat16", "float8_e4m3fn")
+# How the paged MSA decode kernels select blocks (TextConfig.msa_decode_select).
+DECODE_SELECTS = ("separate", "fused")
 
 FULL_ATTENTION = "full_attention"
 SPARSE_ATTENTION = "minimax_m3_sparse"
@@ -117,6 +119,11 @@ class TextConfig:
     # Research knob (not in any checkpoint): the index product, one of INDEX_SCORE_DTYPES. The jnp
     # reference computes it on every backend; the MSA kernels take "bfloat16" only.
     index_score_dtype: str = "bfloat16"
+    # Kernel switch (not in any checkpoint; the selections are the same either way): how the paged MSA
+    # decode kernels select blocks, one of DECODE_SELECTS. "separate": the scoring kernel writes every
+    # block's score, then the top-k kernel; "fused": one launch for scores, block max and each context
+    # split's top-k, then a merge of the splits' lists (m3jax.pallas.decode.decode_select_blocks).
+    msa_decode_select: str = "separate"
     bos_token_id: int | None = 200034
     eos_token_id: int | tuple[int, ...] | None = 200020
 
@@ -141,6 +148,9 @@ class TextConfig:
         if self.index_score_dtype not in INDEX_SCORE_DTYPES:
             raise UnsupportedConfigError(
                 f"index_score_dtype={self.index_score_dtype!r}; choose one of {INDEX_SCORE_DTYPES}")
+        if self.msa_decode_select not in DECODE_SELECTS:
+            raise UnsupportedConfigError(
+                f"msa_decode_select={self.msa_decode_select!r}; choose one of {DECODE_SELECTS}")
         bad = set(self.mlp_layer_types) - {"dense", "sparse"}
         if bad:
             raise UnsupportedConfigError(f"text_config.mlp_layer_types has unknown entries {sorted(bad)}")

@@ -309,7 +309,8 @@ def _kernels_as_references(monkeypatch, broken: str | None = None):
                                         for n in dir(mod)})
     monkeypatch.setattr(gpu_checks, "I", space(index_scores, "index_block_scores", "index_select_blocks"))
     monkeypatch.setattr(gpu_checks, "K", space(topk, "select_blocks"))
-    monkeypatch.setattr(gpu_checks, "D", space(decode, "decode_index_scores", "sparse_decode_attention"))
+    monkeypatch.setattr(gpu_checks, "D", space(decode, "decode_index_scores", "sparse_decode_attention",
+                                               "decode_select_blocks"))
     monkeypatch.setattr(gpu_checks, "sparse_attention", ref("sparse_attention", sparse_attention))
 
 

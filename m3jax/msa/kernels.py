@@ -18,7 +18,7 @@ from m3jax.msa.parallel import Local, local_window
 from m3jax.pallas import canaries, verdicts
 from m3jax.pallas.block_mass import block_mass
 from m3jax.pallas.block_mass import unsupported_reason as mass_reason
-from m3jax.pallas.decode import decode_index_scores, query_positions, sparse_decode_attention
+from m3jax.pallas.decode import decode_index_scores, decode_select_blocks, query_positions, sparse_decode_attention
 from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
 from m3jax.pallas.sparse_attention import sparse_attention
 from m3jax.pallas.sparse_attention.kernel import unsupported_reason as attention_reason
@@ -142,16 +142,22 @@ def indexer_target_mass(q, k, q_pos, *, block_size: int, num_blocks: int):
 
 def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,
                  local_blocks: int = 1, init_blocks: int = 0, force_in: tuple[int, ...] = (),
-                 force_out: tuple[int, ...] = ()):
+                 force_out: tuple[int, ...] = (), fused_select: bool = False):
     """One MSA decode step over paged caches, read in place: paged index scores -> top-k -> sparse
     paged attention. q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), pages as the decode kernels take them
-    (:mod:`m3jax.pallas.decode`), seq_lens [B]. Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
+    (:mod:`m3jax.pallas.decode`), seq_lens [B]. ``fused_select``: the selection in one launch
+    (:func:`m3jax.pallas.decode.decode_select_blocks`; ``TextConfig.msa_decode_select="fused"``)
+    instead of the scoring kernel then the top-k kernel; the same block ids either way.
+    Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
     # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts each page in SMEM
     # (exact), so the scan reads one byte per key element.
-    scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
-    sel = select_blocks(scores, query_positions(seq_lens, q.shape[1]), block_size=block_size, topk=topk,
-                        local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in, force_out=force_out,
-                        implementation="pallas")
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+              force_in=force_in, force_out=force_out)
+    if fused_select:
+        sel = decode_select_blocks(iq, ik_pages, page_table, seq_lens, **kw)
+    else:
+        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
+        sel = select_blocks(scores, query_positions(seq_lens, q.shape[1]), implementation="pallas", **kw)
     return sparse_decode_attention(q, k_pages, v_pages, page_table, sel, seq_lens, block_size=block_size), sel
 
 
@@ -159,11 +165,16 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
            force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
     """One decode token per sequence through the paged decode kernels (:func:`decode_pages`): the index
     keys and the selected K/V pages are read in place, the cache is never gathered. ``force_in`` /
-    ``force_out`` as in :func:`prefill`. Returns (o, block ids)."""
+    ``force_out`` as in :func:`prefill`. ``msa_decode_select="fused"`` takes the fused selection unless
+    its canary failed on this GPU at this block size (then the scoring and top-k kernels, with a
+    warning). Returns (o, block ids)."""
     _refuse_score_dtype(cfg)
+    fused = cfg.msa_decode_select == "fused" and not verdicts.kernel_failure(
+        "decode_select_fused", block_size=cfg.index_block_size)
     return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
                         topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
-                        init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out)
+                        init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,
+                        fused_select=fused)
 
 
 def dense_decode(q, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:

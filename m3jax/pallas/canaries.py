@@ -45,6 +45,7 @@ TOLERANCES: dict[str, float | None] = {
     "sparse_attention_kv_major": TOL[("attention", "bfloat16")]["atol"],
     "sparse_attention_query_major": TOL[("attention", "bfloat16")]["atol"],
     "decode_index_scores": TOL[("index_scores", "bfloat16")]["atol"],
+    "decode_select_fused": None,
     "sparse_decode_attention": TOL[("decode_attention", "bfloat16")]["atol"],
     "grouped_matmul": 1e-2,
 }
@@ -173,6 +174,21 @@ def _decode_index_scores(seq_lens=(100, 200), **tile):
     return jnp.stack(runs[0]), jnp.stack(runs[1])
 
 
+def _decode_select_fused(seq_lens=(100, 900), **tile):
+    from m3jax.pallas import decode as D
+
+    c = _decode_case(np.random.default_rng(7), seq_lens, **tile)
+    rng = np.random.default_rng(8)
+    # small-integer index queries and keys: exact scores with ties, so the ids (and their order) must match
+    iq, ik = _ints(rng, c["iq"].shape, -1, 1), _ints(rng, c["ik"].shape, -1, 1)
+    kw = {"block_size": c["bs"], "topk": 6, "local_blocks": 1, "init_blocks": 1, "force_in": (2,), "force_out": (1,)}
+    # bf16 and fp8 e4m3 index-key pages, two context splits
+    runs = [[D.decode_select_blocks(iq, pages, c["pt"], c["sl"], implementation=impl,
+                                    config=D.DecodeScoreConfig(num_splits=2), **kw)
+             for pages in (ik, ik.astype(jnp.float8_e4m3fn))] for impl in ("pallas", "reference")]
+    return jnp.stack(runs[0]), jnp.stack(runs[1])
+
+
 def _sparse_decode_attention(seq_lens=(100, 200), **tile):
     from m3jax.msa import reference as msa
     from m3jax.pallas import decode as D
@@ -244,6 +260,10 @@ CANARIES: dict[str, Canary] = {
         Canary("decode_index_scores", "b128-m128-n8",
                lambda: _decode_index_scores((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
                at_block=lambda bs: bs % 128 == 0),
+        # the fused decode selection (opt-in: TextConfig.msa_decode_select="fused"), the same two tiles
+        Canary("decode_select_fused", "b64-m64", _decode_select_fused, _DEC, at_block=lambda bs: bs % 128 != 0),
+        Canary("decode_select_fused", "b128-m128-n8", lambda: _decode_select_fused((100, 1500), bs=128, kh=4, hx=128),
+               _DEC, m3=True, at_block=lambda bs: bs % 128 == 0),
         Canary("sparse_decode_attention", "b64-h64-g8", _sparse_decode_attention, _DEC, at_block=_SMALL),
         Canary("sparse_decode_attention", "b128-h128-g16", lambda: _sparse_decode_attention((100, 300), **_M3_DECODE),
                _DEC, m3=True, at_block=_LARGE),

@@ -11,7 +11,9 @@ column), plus other blocks, head counts and dtypes, fp8 index-key pages included
 - ``index``: the index scores (their -inf pattern and values), and how often the fused top-k, the
   unfused selection and the top-k kernel pick the reference's block ids (reported);
 - ``decode``: the paged decode index scores and the sparse decode attention over the reference's
-  selection (each kernel on its own: an error in one does not hide the other).
+  selection (each kernel on its own: an error in one does not hide the other), and the fused
+  selection (``decode_select_blocks``): equal, ids in order, to the top-k of the scoring kernel's
+  scores (the same MMAs); the rows whose sets differ from the reference selection are reported.
 
 Each row holds ``err_over_tol`` = max |got - ref| / (atol + rtol |ref|) at the kernel tests' tolerances
 (m3jax/pallas/tolerances.py; <= 1 passes), the raw max abs error, notes and seconds; a kernel that
@@ -190,8 +192,19 @@ def check_decode(b, q_len, n, kh, h, hx, bs, topk, seq_lens, dtype, ik_dtype=Non
         finite = bool(np.isfinite(np.asarray(got, np.float32)).all())
         return {"passed": finite and err <= 1 and got.dtype == q.dtype, "err_over_tol": err, "max_abs": maxabs,
                 "finite": finite, "selected_blocks": int((np.asarray(sel) >= 0).sum())}
+    def fused():
+        q_pos = D.query_positions(sl, q_len)
+        got = np.asarray(D.decode_select_blocks(iq, ikp, pt, sl, block_size=bs, topk=topk))
+        select = jax.jit(lambda s: K.select_blocks(s, q_pos, block_size=bs, topk=topk, implementation="reference"))
+        own = np.asarray(select(D.decode_index_scores(iq, ikp, pt, sl, block_size=bs)))
+        differ = (np.sort(got, -1) != np.sort(np.asarray(select(ref_s)), -1)).any(-1)
+        equal = bool(np.array_equal(got, own))  # ids compared exactly: err_over_tol 0 or inf
+        return {"passed": equal, "err_over_tol": 0.0 if equal else float("inf"),
+                "rows_differing_from_reference": int(differ.sum())}
+
     return [_row("decode", "decode_index_scores", case, scores),
-            _row("decode", "sparse_decode_attention", case, attention)]
+            _row("decode", "sparse_decode_attention", case, attention),
+            _row("decode", "decode_select_fused", case, fused)]
 
 
 _CHECKS = {"attention": (check_attention, ATTENTION_CASES), "index": (check_index, INDEX_CASES),

@@ -5,7 +5,9 @@ jax 0.11.2's interpret mode models tcgen05_mma, TMEM and the tensor-core barrier
 kernels' semantics; it does not check tcgen05's shape, layout and TMEM rules, which lowering for
 sm_100a does (test_lowering.py). Index scoring: block 64 runs one 64-row MMA tile per page
 (test_decode's cases), 192 three 64-row tiles, 256 two 128-row tiles. Attention: test_decode's own
-bodies (whole decode steps, sub-page K/V tiles), the query rows padded to one 128-row tile.
+bodies (whole decode steps, sub-page K/V tiles), the query rows padded to one 128-row tile. The fused
+decode selection has no Blackwell port: its fallback (scoring kernel, then top-k kernel) runs
+test_decode_select's check.
 """
 
 from __future__ import annotations
@@ -70,3 +72,13 @@ def test_several_mma_tiles_per_page(bs, dtype, ik_dtype):
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
     fin = np.isfinite(ref)
     np.testing.assert_allclose(got[fin], ref[fin], **TOL[("index_scores", jnp.dtype(dtype).name)])
+
+
+def test_fused_selection_falls_back_as_test_decode_select(monkeypatch):
+    # decode_select_blocks has no tcgen05 port: on Blackwell it runs the scoring kernel, then the top-k
+    # kernel, and selects what test_decode_select's reference selects (integer inputs: ids in order).
+    # Machine: any: the Blackwell (sm_100a) variant in interpret mode, on a CPU and on a GPU alike
+    from tests.pallas import test_decode_select
+
+    monkeypatch.setattr(D._hopper, "decode_select_blocks", lambda *a, **kw: pytest.fail("Hopper fused selection ran"))
+    test_decode_select.test_decode_select_blocks([100, 700], 1, jnp.bfloat16, jnp.float8_e4m3fn, 3, "bfloat16", True)

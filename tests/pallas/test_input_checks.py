@@ -82,6 +82,14 @@ CASES = {
         lambda impl: decode.decode_index_scores(_ones(1, 1, 2, 64), _ones(4, 64, 64), PAGE_TABLE, jnp.array([1, 2]),
                                                 block_size=64, implementation=impl),
         r"decode_index_scores: seq_lens has B=2"),
+    "decode selection: seq_lens batch": (
+        lambda impl: decode.decode_select_blocks(_ones(1, 1, 2, 64), _ones(4, 64, 64), PAGE_TABLE, jnp.array([1, 2]),
+                                                 block_size=64, topk=2, implementation=impl),
+        r"decode_select_blocks: seq_lens has B=2"),
+    "decode selection: page size": (
+        lambda impl: decode.decode_select_blocks(_ones(1, 1, 2, 64), _ones(4, 64, 64), PAGE_TABLE, SEQ_LENS,
+                                                 block_size=128, topk=2, implementation=impl),
+        r"decode_select_blocks: ik_pages holds pages of 64 tokens .* block_size=128"),
 }
 
 

@@ -75,6 +75,13 @@ def _sparse_decode_attention():
              S((2, NB), I32), S((2, HI, 1, TOPK), I32), S((2,), I32)))
 
 
+def _decode_select_fused():
+    from m3jax.pallas.decode import decode_select_blocks
+
+    return (lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK),
+            (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), BF16), S((2, NB), I32), S((2,), I32)))
+
+
 def _grouped_matmul():
     from m3jax.pallas.grouped_matmul import grouped_matmul
 
@@ -90,14 +97,16 @@ KERNELS = {
     "sparse_attention_kv_major": (lambda: _sparse_attention("kv_major"), True),
     "sparse_attention_query_major": (lambda: _sparse_attention("query_major"), True),
     "decode_index_scores": (_decode_index_scores, True),
+    "decode_select_fused": (_decode_select_fused, True),
     "sparse_decode_attention": (_sparse_decode_attention, True),
     "grouped_matmul": (_grouped_matmul, True),
 }
 
 
-# kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma
+# kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma (the fused
+# decode selection's is the fallback: the Blackwell decode scoring kernel, then the top-k kernel)
 BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_major", "decode_index_scores",
-                      "sparse_decode_attention", "grouped_matmul"}
+                      "decode_select_fused", "sparse_decode_attention", "grouped_matmul"}
 
 
 # tcgen05.fence::before_thread_sync per kernel at M3's shapes: one per hand-off of TMEM from the
@@ -243,3 +252,28 @@ def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, mosaic_m
             lowering_platforms=("cuda",))
     module = mosaic_modules[-1]
     assert "cvt.rn.f16x2.e4m3x2" in module and _mma_instruction("decode_index_scores", True, target) in module
+
+
+@pytest.mark.parametrize("b,ik_dtype,fp8_mma", [(1, BF16, "bfloat16"), (8, jnp.float8_e4m3fn, "bfloat16"),
+                                                (1, jnp.float8_e4m3fn, "float16")])
+@pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
+def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, mosaic_modules):
+    # The fused paged selection (decode_select_blocks) at M3's shapes: on Hopper one module, the wgmma
+    # scoring with the split's top-k lists carried through the page pipeline; Blackwell has no tcgen05
+    # port of it and runs the scoring kernel and the top-k kernel (two modules, no wgmma).
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_select_blocks
+
+    target = getattr(_backend, target)
+    args = (S((b, 1, HI, H), BF16), S((b * NB, BS, H), ik_dtype), S((b, NB), I32), S((b,), I32))
+    config = DecodeScoreConfig(fp8_mma=fp8_mma)
+    start = len(mosaic_modules)
+    with _backend.lowering_for(target):
+        jax.jit(lambda *a: decode_select_blocks(*a, block_size=BS, topk=TOPK, init_blocks=1, force_in=(3,),
+                                                force_out=(5,), config=config)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    mods = mosaic_modules[start:]
+    if target.mma == "tcgen05":
+        assert len(mods) == 2 and not any("wgmma" in m for m in mods)
+    else:
+        assert len(mods) == 1 and "wgmma.mma_async" in mods[0]

@@ -1,5 +1,7 @@
 """MSA decode kernels: paged index-block scoring and sparse paged attention (composed with the top-k
-kernel of :mod:`m3jax.pallas.topk` in :func:`m3jax.msa.kernels.decode_pages`).
+kernel of :mod:`m3jax.pallas.topk` in :func:`m3jax.msa.kernels.decode_pages`), and the fused paged
+selection (:func:`decode_select_blocks`: scores, block max and per-split top-k in one launch; Hopper
+only, on tcgen05 targets it runs the scoring kernel and the top-k kernel instead).
 
 ``implementation="pallas"`` runs the Mosaic GPU kernels of the target's :mod:`.hopper` or :mod:`.blackwell`
 (over :mod:`.kernel`'s shared plan and launch) and the top-k kernel
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import jax
 
+from m3jax.pallas import topk as _topk
 from m3jax.pallas._backend import arch_module
 from m3jax.pallas._common import check_dims
 from m3jax.pallas.decode import blackwell as _blackwell
@@ -23,6 +26,7 @@ __all__ = [
     "DecodeScoreConfig",
     "SparseDecodeConfig",
     "decode_index_scores",
+    "decode_select_blocks",
     "sparse_decode_attention",
     "query_positions",
 ]
@@ -48,6 +52,31 @@ def decode_index_scores(
         raise ValueError(f"unknown implementation {implementation!r}")
     kernel = arch_module(_hopper, _blackwell).decode_index_scores
     return kernel(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
+
+
+def decode_select_blocks(
+    iq, ik_pages, page_table, seq_lens, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
+    force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (), implementation: str = "pallas",
+    config: DecodeScoreConfig = DecodeScoreConfig(), interpret: bool | None = None,
+) -> jax.Array:
+    """int32 [B, Hi, Q, topk] block ids of the Q new tokens (see :func:`.hopper.decode_select_blocks`):
+    what :func:`decode_index_scores` then :func:`m3jax.pallas.topk.select_blocks` give, in one launch."""
+    check_dims("decode_select_blocks", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
+               page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"))
+    _check_block_size("decode_select_blocks", "ik_pages", ik_pages, block_size)
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+              force_in=tuple(force_in), force_out=tuple(force_out))
+    if implementation == "reference":
+        return _reference.decode_select_blocks(iq, ik_pages, page_table, seq_lens, **kw)
+    if implementation != "pallas":
+        raise ValueError(f"unknown implementation {implementation!r}")
+    if arch_module(_hopper, _blackwell) is _blackwell:
+        # No tcgen05 port of the fused selection yet: the scoring kernel, then the top-k kernel.
+        scores = _blackwell.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
+                                                config=config, interpret=interpret)
+        q_pos = query_positions(seq_lens, iq.shape[1])
+        return _topk.select_blocks(scores, q_pos, implementation="pallas", **kw)
+    return _hopper.decode_select_blocks(iq, ik_pages, page_table, seq_lens, config=config, interpret=interpret, **kw)
 
 
 def sparse_decode_attention(

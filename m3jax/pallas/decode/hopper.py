@@ -1,5 +1,6 @@
-"""Hopper (sm_90a) MSA decode kernels: paged index-block scoring and sparse paged attention with
-``wgmma`` into register accumulators, over :mod:`.kernel`'s shared plan and launch pieces (design in
+"""Hopper (sm_90a) MSA decode kernels: paged index-block scoring, the fused paged selection (scores,
+block max and each context split's top-k in one launch) and sparse paged attention with ``wgmma``
+into register accumulators, over :mod:`.kernel`'s shared plan and launch pieces (design in
 :mod:`.kernel`'s docstring). Chosen by :func:`m3jax.pallas._backend.arch_module`; Blackwell's are in
 :mod:`.blackwell`."""
 
@@ -14,6 +15,7 @@ from jax import lax
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms
 from m3jax.pallas.decode.kernel import (
+    SELECT_LANES,
     DecodeScoreConfig,
     SparseDecodeConfig,
     attention_call,
@@ -21,6 +23,7 @@ from m3jax.pallas.decode.kernel import (
     attention_refs,
     cta_start,
     kv_pipeline,
+    merge_candidates,
     page_transforms,
     round_up,
     score_chunks,
@@ -35,8 +38,29 @@ from m3jax.pallas.decode.kernel import (
     softmax_start,
     step_operands,
     store_split,
+    stream_pages,
     visible_keys,
 )
+from m3jax.pallas.topk import select
+
+
+def _block_max(q_smem, k_smems, prods, q: int, bs: int, n_pad: int, seq_len, j):
+    """What both scoring kernels compute per page: the page's ``[bs, n_pad]`` scores by wgmma (keys
+    as M, query rows as N), masked causally and max-reduced over the keys: the ``[n_pad]`` block-max
+    row of logical block ``j``. (Call it inside the pipeline step: no vector values closed over by
+    the pipeline loop.)"""
+    # query position of accumulator column n (n = h * Q + t): seq_len - Q + t
+    col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
+    row = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 0, layout=plgpu.Layout.WGMMA)
+    q_pos = seq_len - q + lax.rem(col, q)
+
+    def mma(acc_ref):
+        for a, c in prods:
+            plgpu.wgmma(acc_ref, k_smems[a], q_smem.at[c].transpose((1, 0)))
+        return acc_ref[...]
+
+    s = pl.run_scoped(mma, plgpu.ACC((bs, n_pad), jnp.float32))
+    return jnp.where(row + j * bs <= q_pos, s, -jnp.inf).max(axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
@@ -78,22 +102,7 @@ def decode_index_scores(
 
         def page_step(idx, *k_smems):
             (i,) = idx
-            j = first + i
-            k_smems = mma_keys(k_smems)
-            # query position of accumulator column n (n = h * Q + t): seq_len - Q + t. (Built inside
-            # the loop body: no vector values closed over by the pipeline loop.)
-            col = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 1, layout=plgpu.Layout.WGMMA)
-            row = plgpu.broadcasted_iota(jnp.int32, (bs, n_pad), 0, layout=plgpu.Layout.WGMMA)
-            q_pos = seq_len - q + lax.rem(col, q)
-
-            def mma(acc_ref):
-                for a, c in prods:
-                    plgpu.wgmma(acc_ref, k_smems[a], q_smem.at[c].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(mma, plgpu.ACC((bs, n_pad), jnp.float32))
-            s = jnp.where(row + j * bs <= q_pos, s, -jnp.inf)
-            score_smem[i] = s.max(axis=0)
+            score_smem[i] = _block_max(q_smem, mma_keys(k_smems), prods, q, bs, n_pad, seq_len, first + i)
 
         score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
                         (bs, hx), page_transforms(k_parts, hx, transforms), stages)
@@ -108,6 +117,118 @@ def decode_index_scores(
     )
     out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
     return score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
+                                             "force_out", "config", "interpret"))
+def decode_select_blocks(
+    iq: jax.Array,
+    ik_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    block_size: int,
+    topk: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+    force_in: tuple[int, ...] = (),
+    force_out: tuple[int, ...] = (),
+    config: DecodeScoreConfig = DecodeScoreConfig(),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Top-k block ids of the Q new tokens over a paged index-key cache, in one kernel launch
+    (scores, block max and each context split's top-k; :mod:`.kernel`'s docstring, item 3) plus
+    the merge of the splits' candidates (:func:`.kernel.merge_candidates`).
+
+    Args: as :func:`decode_index_scores`, and the selection's ``topk``, ``local_blocks``,
+      ``init_blocks``, ``force_in``, ``force_out`` (:func:`m3jax.msa.reference.select_blocks`).
+    Returns:
+      int32 [B, Hi, Q, topk] in the reference order: forced blocks first, then descending score with
+      ties to the lower block id, ``-1`` padding.
+    """
+    b, q, hi, hx, _, bs, max_pages = score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
+    n_rows = hi * q
+    n_pad = round_up(n_rows, 8)
+    if n_rows > SELECT_LANES:
+        raise ValueError(f"Hi*Q = {n_rows} rows exceed the fused selection's {SELECT_LANES} lanes (one row each)")
+    if topk < 1:
+        raise ValueError(f"decode_select_blocks: topk must be >= 1, got {topk}")
+    chunk, splits = score_chunks(config, b, max_pages, None)
+    kc = min(topk, chunk)  # a split's list: its top-k, or all its pages when it has fewer
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
+    prods = score_products(len(q_parts), len(k_parts))
+    dtype = q_parts[0].dtype
+    transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
+    scaled = unscale is not None
+    lists = 2 * kc * SELECT_LANES * 4
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, tile=(2, SELECT_LANES),
+                          extra=lists + (SELECT_LANES * 4 if scaled else 0))
+    lanes = plgpu.Layout.WG_STRIDED((SELECT_LANES,), 1)  # lane n = query row n = h * Q + t
+    rank = functools.partial(select.forced_candidate, block_size=bs, local_blocks=local_blocks,
+                             init_blocks=init_blocks, force_in=tuple(force_in), force_out=tuple(force_out))
+
+    def body(*refs):
+        q_smem, k_gmem, pt_gmem, io, rows_smem, mma_keys, own, bi, seq_len, first, steps = score_prologue(
+            refs, len(q_parts), len(k_parts), chunk, bs, n_io=int(scaled) + 2)
+        vals_gmem, ids_gmem = io[-2:]
+        vals_smem, ids_smem, *unscale_refs = own
+        if scaled:
+            unscale_smem, unscale_bar = unscale_refs
+            plgpu.copy_gmem_to_smem(io[0].at[bi], unscale_smem, unscale_bar)
+            plgpu.barrier_wait(unscale_bar)
+
+        def page_step(idx, *k_smems_and_lists):
+            (i,) = idx
+            *k_smems, lists = k_smems_and_lists
+            j = first + i
+            # The block-max row goes through SMEM from the accumulator's layout to one lane per query
+            # row (the top-k lists' layout). Slot i % 2: the commit (warpgroup barrier) of step i + 1
+            # orders every thread's load of step i before the store of step i + 2 into that slot.
+            slot = rows_smem.at[lax.rem(i, 2)]
+            row = _block_max(q_smem, mma_keys(k_smems), prods, q, bs, n_pad, seq_len, j)
+            if n_pad == SELECT_LANES:
+                slot[...] = row
+            else:
+                slot[pl.ds(0, n_pad)] = row  # lanes past n_pad belong to no query row
+            plgpu.commit_smem()
+            x = plgpu.load(slot, layout=lanes)
+            if scaled:  # undo the query's power-of-two scaling before ranking, as score_result does
+                x = x * plgpu.load(unscale_smem, layout=lanes)
+            lane = plgpu.broadcasted_iota(jnp.int32, (SELECT_LANES,), 0, layout=lanes)
+            # Pages arrive in increasing block id and the insertion is strict: ties to the lower id.
+            return select.insert(*lists, rank(x, seq_len - q + lax.rem(lane, q), j), j)
+
+        empty = (tuple(jnp.full((SELECT_LANES,), -jnp.inf, jnp.float32) for _ in range(kc)),
+                 tuple(jnp.full((SELECT_LANES,), -1, jnp.int32) for _ in range(kc)))
+        vals, ids = stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, (bs, hx),
+                                 page_transforms(k_parts, hx, transforms), stages,
+                                 init_carry=jax.tree.map(lambda x: plgpu.layout_cast(x, lanes), empty))
+        for r in range(kc):
+            vals_smem[r] = vals[r]
+            ids_smem[r] = ids[r]
+        plgpu.commit_smem()
+        si = lax.axis_index("s")
+        plgpu.copy_smem_to_gmem(vals_smem, vals_gmem.at[bi, si])
+        plgpu.copy_smem_to_gmem(ids_smem, ids_gmem.at[bi, si])
+        plgpu.wait_smem_to_gmem(0)
+
+    # the score tile: two staging rows of SELECT_LANES (the chunk's rows never all live in SMEM)
+    scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, 2, transforms, cols=SELECT_LANES)
+    scratch += [plgpu.SMEM((kc, SELECT_LANES), jnp.float32), plgpu.SMEM((kc, SELECT_LANES), jnp.int32)]
+    if scaled:
+        scratch += [plgpu.SMEM((SELECT_LANES,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
+    kern = mosaic_kernel(
+        body,
+        interpret=interpret,
+        out_type=(jax.ShapeDtypeStruct((b, splits, kc, SELECT_LANES), jnp.float32),
+                  jax.ShapeDtypeStruct((b, splits, kc, SELECT_LANES), jnp.int32)),
+        scratch_types=scratch,
+        grid=(b, splits),
+        grid_names=("b", "s"),
+    )
+    extra = (jnp.pad(unscale, [(0, 0), (0, SELECT_LANES - n_pad)], constant_values=1.0),) if scaled else ()
+    vals, ids = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), *extra)
+    return merge_candidates(vals, ids, (b, hi, q), topk)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret", "return_lse"))

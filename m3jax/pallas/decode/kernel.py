@@ -38,6 +38,16 @@ position ``seq_lens[b] - Q + i``.
    Mosaic GPU (jax 0.11.2) cannot lower. Padding entries (the union is shorter than ``Q * topk`` when
    tokens share pages) have token bits 0, load page 0 and change nothing -- but they cost a page
    load + MMAs each; for Q = 1 the union is full and nothing is wasted.
+3. :func:`.hopper.decode_select_blocks` (docs/KERNELS.md §2.2, "Fused selection"): item 1's grid and
+   page pipeline, and each CTA also selects. A page's ``[N]`` block-max row goes through a two-slot
+   SMEM stage (:data:`SELECT_LANES` lanes, one per query row) into the split's top-k lists, which the
+   pipeline carries (``topk.select``'s insertion and forced priorities), so the selection runs while
+   the next pages load; each CTA writes its lists and :func:`merge_candidates` takes the global top-k
+   of the ``splits * k`` candidates in XLA (the reference's order, ties included). One launch for
+   scores, block max and the splits' top-k: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that
+   interpret mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which
+   the interpreter cannot run), so the merge is not in the kernel. Hopper only: on tcgen05 targets
+   :func:`m3jax.pallas.decode.decode_select_blocks` runs item 1's Blackwell kernel and the top-k kernel.
 
 fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
 reference accuracy the wrappers split fp32 operands into bf16 pieces (``_common.bf16_split``): the
@@ -76,13 +86,18 @@ from m3jax.pallas._common import LOG2E, split_parts, split_products, swizzle_tra
 from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
 
 FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
+# The fused selection's register lists: one lane per query row (h * Q + t) in a warpgroup-wide vector.
+SELECT_LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeScoreConfig:
-    """Tiling of :func:`.hopper.decode_index_scores`.
+    """Tiling of :func:`.hopper.decode_index_scores` and of the fused selection
+    (:func:`.hopper.decode_select_blocks`, which also takes ``fp8_mma``).
 
-    num_splits: CTAs per request along the context (None: enough for ~2 waves over the SMs).
+    num_splits: CTAs per request along the context (None: enough for ``waves`` waves over the SMs;
+      the scores kernel splits further to keep its SMEM score tile within 32 KiB). For the fused
+      selection fewer splits also mean fewer candidates to merge (``splits * topk`` per row).
     stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
     fp8_mma: the 16-bit type fp8 pages meet a bf16 query in. ``"bfloat16"``: the query as is, the
       keys converted e4m3 -> f16 -> bf16 (three conversions per pair of keys; exact products).
@@ -151,11 +166,13 @@ def score_shapes(iq, ik_pages, page_table, block_size: int, tiles: str):
     return b, q, hi, hx, num_pages, bs, page_table.shape[1]
 
 
-def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, n_pad: int) -> tuple[int, int]:
-    """(pages per CTA, CTAs per request): the per-CTA SMEM score tile (chunk x n_pad fp32) is kept
-    to 32 KiB, so large batches split the context further."""
+def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | None) -> tuple[int, int]:
+    """(pages per CTA, CTAs per request): the scores kernel's per-CTA SMEM score tile (chunk x cols
+    fp32) is kept to 32 KiB, so large batches split the context further; ``cols=None`` (the fused
+    selection, whose SMEM rows do not grow with the chunk): the config's splits."""
     splits = config.splits(b, max_pages, current_target())
-    splits = max(splits, -(-max_pages // max(1, 32768 // (4 * n_pad))))
+    if cols is not None:
+        splits = max(splits, -(-max_pages // max(1, 32768 // (4 * cols))))
     return -(-max_pages // splits), splits
 
 
@@ -200,23 +217,28 @@ def page_transforms(k_parts, hx: int, transforms):
     return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
 
 
-def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int) -> int:
-    """Page buffers that fit next to the query tile, the score tile and (fp8 pages) the converted
-    page (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
+def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int,
+                 tile: tuple[int, int] | None = None, extra: int = 0) -> int:
+    """Page buffers that fit next to the query tile, the fp32 score tile (``tile`` rows x columns,
+    default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages) the converted page
+    (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
     page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
     convert = bs * hx * 2 if k_parts[0].dtype == FP8 else 0
-    fixed = len(q_parts) * n_pad * hx * 2 + chunk * n_pad * 4 + convert + 4096
+    rows, cols = tile or (chunk, n_pad)
+    fixed = len(q_parts) * n_pad * hx * 2 + rows * cols * 4 + convert + extra + 4096
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
 
 
-def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms) -> list:
-    """The scratch both variants start with: query tile, score tile, the query tile's barrier and, for
-    fp8 pages, the page converted to the query's type (the MMA's key operand)."""
+def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms,
+                  cols: int | None = None) -> list:
+    """The scratch every variant starts with: query tile, score tile (``chunk`` rows of ``cols``,
+    default n_pad), the query tile's barrier and, for fp8 pages, the page converted to the query's
+    type (the MMA's key operand)."""
     dtype = q_parts[0].dtype
     convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if k_parts[0].dtype == FP8 else []
     return [
         plgpu.SMEM((len(q_parts), n_pad, hx), dtype, transforms=transforms),
-        plgpu.SMEM((chunk, n_pad), jnp.float32),
+        plgpu.SMEM((chunk, cols or n_pad), jnp.float32),
         plgpu.Barrier(num_arrivals=len(q_parts)),
         *convert,
     ]
@@ -233,17 +255,21 @@ def convert_page(src, dst) -> None:
     plgpu.commit_smem()
 
 
-def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int):
+def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1):
     """Unpack a scoring kernel's refs, copy the query tile in and find this CTA's pages.
 
-    refs: q parts, k parts, page table, seq lens, out, then :func:`score_scratch` and the variant's
-    own scratch. Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, [variant scratch],
-    bi, seq_len, first page, live steps); ``mma_keys(page refs)`` gives the MMA's key operands of a
-    loaded page (fp8: the page converted; the caller's MMAs must be done with the previous one)."""
+    refs: q parts, k parts, page table, seq lens, ``n_io`` more (the scores kernel: its output; the
+    fused selection: its inputs and outputs), then :func:`score_scratch` and the variant's own scratch.
+    Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, [variant scratch], bi, seq_len,
+    first page, live steps), ``out_gmem`` the one extra ref or the tuple of ``n_io``;
+    ``mma_keys(page refs)`` gives the MMA's key operands of a loaded page (fp8: the page converted;
+    the caller's MMAs must be done with the previous one)."""
     q_gmem = refs[:n_q]
     k_gmem = refs[n_q : n_q + n_k]
-    pt_gmem, len_gmem, out_gmem = refs[n_q + n_k : n_q + n_k + 3]
-    q_smem, score_smem, q_bar, *own = refs[n_q + n_k + 3 :]
+    pt_gmem, len_gmem = refs[n_q + n_k : n_q + n_k + 2]
+    io = refs[n_q + n_k + 2 : n_q + n_k + 2 + n_io]
+    out_gmem = io[0] if n_io == 1 else tuple(io)
+    q_smem, score_smem, q_bar, *own = refs[n_q + n_k + 2 + n_io :]
     converted = own.pop(0) if k_gmem[0].dtype == FP8 else None
 
     def mma_keys(k_smems):
@@ -263,21 +289,30 @@ def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int):
     return q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, own, bi, seq_len, first, steps
 
 
-def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
-                    page_shape: tuple[int, int], transforms, stages: int):
-    """Stream this CTA's live pages through ``page_step`` (TMA ring of ``stages``), then store its
-    score rows."""
+def stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, page_shape: tuple[int, int], transforms,
+                 stages: int, init_carry=None):
+    """Stream this CTA's live pages through ``page_step`` (TMA ring of ``stages``; with ``init_carry``
+    the step carries it and its final value is returned), its generic SMEM writes committed after."""
 
     def page_of(i):
         return (pt_gmem[bi, first + i], 0)
 
-    plgpu.emit_pipeline(
+    carry = plgpu.emit_pipeline(
         page_step,
         grid=(steps,),
         in_specs=[plgpu.BlockSpec(page_shape, page_of, transforms=transforms) for _ in k_gmem],
         max_concurrent_steps=stages,
+        init_carry=init_carry,
     )(*k_gmem)
     plgpu.commit_smem()
+    return carry
+
+
+def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
+                    page_shape: tuple[int, int], transforms, stages: int):
+    """Stream this CTA's live pages through ``page_step`` (:func:`stream_pages`), then store its
+    score rows."""
+    stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, page_shape, transforms, stages)
     plgpu.copy_smem_to_gmem(score_smem, out_gmem.at[bi, pl.ds(first, chunk)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -292,6 +327,29 @@ def score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: i
     live = (seq_lens.astype(jnp.int32)[:, None] + bs - 1) // bs
     out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out[:, :max_pages, : hi * q], -jnp.inf)
     return jnp.transpose(out.reshape(b, max_pages, hi, q), (0, 2, 3, 1))
+
+
+def merge_candidates(vals: jax.Array, ids: jax.Array, bhq: tuple[int, int, int], topk: int) -> jax.Array:
+    """The global top-k from the context splits' lists (the fused selection's output).
+
+    vals fp32 / ids int32 [B, splits, kc, lanes]: split s's ``kc`` best ranked values of row (lane)
+    n and their block ids, descending, ties to the lower id, ``(-inf, -1)`` when empty. Every block
+    of the global top-k is in its split's top-k, so the union of the lists holds it. Laid out split
+    after split, equal values sit in increasing block id (a split's ids are below the next split's),
+    and ``lax.top_k`` takes equal values in increasing position: the reference's tie order. Returns
+    int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
+    b, hi, q = bhq
+    splits, kc = vals.shape[1], vals.shape[2]
+    rows = hi * q
+
+    def by_row(x):  # [B, splits, kc, lanes] -> [B, rows, splits * kc]
+        return jnp.transpose(x[..., :rows].reshape(b, splits * kc, rows), (0, 2, 1))
+
+    k = min(topk, splits * kc)
+    best, pos = lax.top_k(by_row(vals), k)
+    sel = jnp.where(best == -jnp.inf, -1, jnp.take_along_axis(by_row(ids), pos, axis=-1))
+    sel = jnp.pad(sel, [(0, 0), (0, 0), (0, topk - k)], constant_values=-1)
+    return sel.astype(jnp.int32).reshape(b, hi, q, topk)
 
 
 def union_pages(block_idx: jax.Array, page_table: jax.Array):

@@ -37,3 +37,13 @@ def sparse_decode_attention(
     real = (q_pos >= 0)[:, :, None]
     out = jnp.where(real[..., None], out, 0).astype(q.dtype)
     return (out, jnp.where(real, lse, -jnp.inf)) if return_lse else out
+
+
+def decode_select_blocks(iq, ik_pages, page_table, seq_lens, *, block_size: int, topk: int, local_blocks: int = 1,
+                         init_blocks: int = 0, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (),
+                         **_unused) -> jax.Array:
+    """int32 [B, Hi, Q, topk]: :func:`decode_index_scores` then :func:`m3jax.msa.reference.select_blocks`."""
+    scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
+    return msa.select_blocks(scores, query_positions(seq_lens, iq.shape[1]), block_size=block_size, topk=topk,
+                             local_blocks=local_blocks, init_blocks=init_blocks, force_in=tuple(force_in),
+                             force_out=tuple(force_out))
