@@ -182,8 +182,10 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
     c = config or GroupedMatmulConfig()
     if c.schedule == "gemv":
         return "the gemv schedule takes MXFP8 weights only (grouped_matmul_mxfp8)"
+    if c.schedule == "warp_specialized" and c.block_m == 256:  # two consumers of 128 rows (persistent)
+        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, c)
     if c.block_m not in (64, 128):
-        return f"block_m={c.block_m} must be 64 or 128"
+        return f"block_m={c.block_m} must be 64 or 128 (256: schedule='warp_specialized', wg_split='m')"
     if c.schedule == "warp_specialized":
         return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, c)
     if c.schedule != "pipeline":
@@ -452,10 +454,7 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
         return f"scale group of {group} inputs must divide block_k={c.block_k} (one K step holds whole groups)"
     if group % 8:
         return f"scale group of {group} inputs must be a multiple of 8 (the conversion takes whole 8-row SMEM tiles)"
-    reason = unsupported_reason(m, k, n, g, c)
-    if reason is None and c.schedule == "warp_specialized":
-        return persistent.unsupported_reason(k, c, mxfp8=True)
-    return reason
+    return unsupported_reason(m, k, n, g, c)
 
 
 def _check_mxfp8(lhs, values, scales, group_sizes, config: GroupedMatmulConfig) -> None:

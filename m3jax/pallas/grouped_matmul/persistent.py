@@ -62,6 +62,8 @@ Hopper only: the consumers issue wgmma (``unsupported_reason`` refuses a tcgen05
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -72,6 +74,7 @@ from m3jax.pallas.grouped_matmul import tiles
 from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
 
 CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
+CHUNK_ROWS = 64  # wgmma's M: with wg_split="m" a consumer multiplies (or skips) its rows this many at a time
 PRODUCER_REGISTERS = 40
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (the SMEM tiling's rows)
 EPI_ROWS, EPI_COLS = 64, 128  # a consumer's output staging tile; larger accumulators are stored in pieces
@@ -105,14 +108,27 @@ def aligned_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.
 
 
 def consumer_tile(config) -> tuple[int, int]:
-    """(rows, columns) of one consumer warpgroup's accumulator."""
+    """(rows, columns) of one consumer warpgroup's accumulators (with wg_split="m", ``rows / CHUNK_ROWS``
+    of them, :func:`chunk_rows`)."""
     if config.wg_split == "m":
         return config.block_m // CONSUMERS, config.block_n
     return config.block_m, config.block_n // CONSUMERS
 
 
-def unsupported_reason(k: int, config, mxfp8: bool = False) -> str | None:
-    """This schedule's own limits (the caller checks the shared ones: block_m, block_k, K, N)."""
+def chunk_rows(config, wg) -> list:
+    """The first tile row of each of consumer ``wg``'s accumulators: with wg_split="m" the tile's 64-row
+    chunks dealt to the consumers in turn (consumer w holds chunks w, w + 2, ...), so a visit whose rows
+    fill only the first chunks still keeps both consumers multiplying; with "n" one accumulator of all
+    the rows."""
+    if config.wg_split != "m":
+        return [0]
+    return [pl.multiple_of((CONSUMERS * i + wg) * CHUNK_ROWS, CHUNK_ROWS)
+            for i in range(config.block_m // CONSUMERS // CHUNK_ROWS)]
+
+
+def unsupported_reason(k: int, config) -> str | None:
+    """This schedule's own limits, bf16 and MXFP8 weights alike (the caller checks the shared ones: block_k,
+    K, N)."""
     bm, bn = config.block_m, config.block_n
     if current_target().mma != "wgmma":
         return "schedule='warp_specialized' issues wgmma (Hopper only)"
@@ -120,12 +136,12 @@ def unsupported_reason(k: int, config, mxfp8: bool = False) -> str | None:
         return f"wg_split={config.wg_split!r} must be 'n' or 'm'"
     rows, cols = consumer_tile(config)
     if config.wg_split == "m":
-        if bm != 128:
-            return f"wg_split='m' needs block_m=128 (two consumers of 64 rows), not {bm}"
-        if mxfp8:
-            return "wg_split='m' takes bf16 weights only (each consumer converts its own fp8 columns: wg_split='n')"
+        if bm not in (128, 256):
+            return f"wg_split='m' needs block_m=128 or 256 (two consumers of 64 or 128 rows), not {bm}"
         if bn % 64 or not 64 <= bn <= 256:
             return f"block_n={bn} must be a multiple of 64 in [64, 256] with wg_split='m'"
+    elif bm == 256:
+        return "block_m=256 takes wg_split='m' (two consumers of 128 rows)"
     elif bn % (64 * CONSUMERS) or not 128 <= bn <= 512:
         return f"block_n={bn} must be a multiple of 128 in [128, 512] (two consumer warpgroups of >= 64 columns)"
     if rows * cols > 128 * 128:
@@ -224,51 +240,58 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                 col0, k0 = ni * bn, ks * k_part
                 dst = out_ref.at[ks] if split > 1 else out_ref
 
-                # this consumer's rows and columns of the CTA tile; whether its rows hold any of [lo, hi)
+                # this consumer's columns of the CTA tile and its accumulators' first rows; with wg_split="m"
+                # whether each 64-row chunk holds any of [lo, hi)
                 by_rows = config.wg_split == "m"
-                r0 = pl.multiple_of(wg * bh, bh) if by_rows else 0
                 c0 = 0 if by_rows else pl.multiple_of(wg * bw, bw)  # whole swizzle atoms
-                active = (row0 + r0 < hi) & (row0 + r0 + bh > lo) if by_rows else None
+                acc_rows = chunk_rows(config, wg)
+                acc_h = CHUNK_ROWS if by_rows else bh
+                actives = [(row0 + r < hi) & (row0 + r + acc_h > lo) for r in acc_rows] if by_rows else [None]
 
-                def when_active(fn):
-                    # wg_split="n": no branch (see the module docstring: with one, ptxas serialized the wgmmas)
+                def when(active, fn):
                     return fn() if active is None else pl.when(active)(fn)
 
-                def store(values):  # a consumer's [bh, bw], one staging tile at a time
+                def store(pieces):  # (first tile row, [rows, bw] values) per accumulator, a staging tile at a time
                     o = o_smem.at[wg]
-                    for r in range(0, bh, epi_r):
-                        for c in range(0, bw, epi_c):
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece left the tile
-                            if explicit_barriers:  # ... which only the thread that issued its copy knows
+                    for r0, values in pieces:
+                        for r in range(0, values.shape[0], epi_r):
+                            for c in range(0, bw, epi_c):
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece left the tile
+                                if explicit_barriers:  # ... which only the thread that issued its copy knows
+                                    plgpu.commit_smem()
+                                o[...] = values[r : r + epi_r, c : c + epi_c].astype(part_dtype)
                                 plgpu.commit_smem()
-                            o[...] = values[r : r + epi_r, c : c + epi_c].astype(part_dtype)
-                            plgpu.commit_smem()
-                            base = row0 + r0 + r
-                            _store_ladder(o, dst, row0=base, lo=jnp.maximum(lo, base), hi=jnp.minimum(hi, base + epi_r),
-                                          col0=col0 + c0 + c, rows=epi_r, cols=epi_c)
+                                base = row0 + r0 + r
+                                _store_ladder(o, dst, row0=base, lo=jnp.maximum(lo, base),
+                                              hi=jnp.minimum(hi, base + epi_r), col0=col0 + c0 + c, rows=epi_r, cols=epi_c)
 
                 def step(idx, a_smem, b_smem, *rest):
-                    acc_ref = rest[-1]
+                    accs = rest[-1]
                     (kk,) = idx
                     cols = pl.ds(c0, bw)
                     if mxfp8:
                         w = w_smem.at[wg, lax.rem(kk, 2)]  # step kk - 2's MMA, its last reader, retired
-                        dequantize_tile(b_smem.at[:, cols], rest[0].at[:, cols], w, group)
+                        # a consumer without rows in this visit converts nothing
+                        when(functools.reduce(jnp.logical_or, actives) if by_rows else None,
+                             lambda: dequantize_tile(b_smem.at[:, cols], rest[0].at[:, cols], w, group))
                     elif transpose_rhs:
                         w = b_smem.at[cols].transpose((1, 0))
                     else:
                         w = b_smem.at[:, cols]
-                    a = a_smem.at[pl.ds(r0, bh)] if by_rows else a_smem
-                    when_active(lambda: plgpu.wgmma(acc_ref, a, w))
+                    for acc_ref, r, active in zip(accs, acc_rows, actives):
+                        a = a_smem.at[pl.ds(r, acc_h)] if by_rows else a_smem
+                        when(active, lambda acc_ref=acc_ref, a=a: plgpu.wgmma(acc_ref, a, w))
                     plgpu.wgmma_wait(delay)
-                    return acc_ref
+                    return accs
 
                 def context(run):
-                    def acc_scope(acc_ref):
-                        run(acc_ref)
-                        when_active(lambda: store(acc_ref[...]))
+                    # the store reads the accumulators under no branch: with one (a consumer's "has rows" test)
+                    # ptxas serialized the wgmmas (module docstring); a chunk without rows stores none
+                    def acc_scope(*accs):
+                        run(accs)
+                        store([(r, acc_ref[...]) for r, acc_ref in zip(acc_rows, accs)])
 
-                    pl.run_scoped(acc_scope, plgpu.ACC((bh, bw), jnp.float32))
+                    pl.run_scoped(acc_scope, *[plgpu.ACC((acc_h, bw), jnp.float32) for _ in acc_rows])
 
                 @pl.when(grp < g)
                 def _():
@@ -282,11 +305,9 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                         args.append(scale_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)])
                     pipeline(step, context)(*args, allocations=allocs)
 
-                zero_rows = (grp == g) & (wg < CONSUMERS)
-
-                @pl.when(zero_rows if active is None else zero_rows & active)
+                @pl.when((grp == g) & (wg < CONSUMERS))
                 def _():
-                    store(jnp.zeros((bh, bw), part_dtype))
+                    store([(r, jnp.zeros((acc_h, bw), part_dtype)) for r in acc_rows])
 
             plgpu.wait_smem_to_gmem(0)  # the last stores, before the CTA exits
 
