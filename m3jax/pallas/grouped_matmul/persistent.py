@@ -281,7 +281,19 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                     for acc_ref, r, active in zip(accs, acc_rows, actives):
                         a = a_smem.at[pl.ds(r, acc_h)] if by_rows else a_smem
                         when(active, lambda acc_ref=acc_ref, a=a: plgpu.wgmma(acc_ref, a, w))
-                    plgpu.wgmma_wait(delay)
+                    # each wgmma call commits a group of its own: retire step kk - 1's (delay 1), leaving
+                    # in flight the groups issued here, one per chunk with rows (with a tile clamped to
+                    # lhs's end, the rows may start in any chunk)
+                    if len(accs) == 1:
+                        plgpu.wgmma_wait(delay)
+                    else:
+                        both = functools.reduce(jnp.logical_and, actives)
+
+                        def wait(groups):
+                            plgpu.wgmma_wait(groups * delay)
+
+                        pl.when(both)(lambda: wait(len(accs)))
+                        pl.when(~both)(lambda: wait(1))
                     return accs
 
                 def context(run):
