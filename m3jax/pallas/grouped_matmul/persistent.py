@@ -75,6 +75,8 @@ from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, grou
 
 CONSUMERS = 2  # consumer warpgroups; the producer is warpgroup CONSUMERS (the last one)
 CHUNK_ROWS = 64  # wgmma's M: with wg_split="m" a consumer multiplies (or skips) its rows this many at a time
+# wg_split="m", block_m=256: a visit of at most this many rows (a group's last) loads an lhs tile this high
+SHORT_ROWS = 128
 PRODUCER_REGISTERS = 40
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (the SMEM tiling's rows)
 EPI_ROWS, EPI_COLS = 64, 128  # a consumer's output staging tile; larger accumulators are stored in pieces
@@ -115,15 +117,20 @@ def consumer_tile(config) -> tuple[int, int]:
     return config.block_m, config.block_n // CONSUMERS
 
 
-def chunk_rows(config, wg) -> list:
-    """The first tile row of each of consumer ``wg``'s accumulators: with wg_split="m" the tile's 64-row
-    chunks dealt to the consumers in turn (consumer w holds chunks w, w + 2, ...), so a visit whose rows
-    fill only the first chunks still keeps both consumers multiplying; with "n" one accumulator of all
-    the rows."""
+def chunk_rows(config, wg, rows: int) -> list:
+    """The first tile row of each of consumer ``wg``'s accumulators in a ``rows``-row tile: with
+    wg_split="m" the tile's 64-row chunks dealt to the consumers in turn (consumer w holds chunks w,
+    w + 2, ...), so a visit whose rows fill only the first chunks still keeps both consumers
+    multiplying; with "n" one accumulator of all the rows."""
     if config.wg_split != "m":
         return [0]
-    return [pl.multiple_of((CONSUMERS * i + wg) * CHUNK_ROWS, CHUNK_ROWS)
-            for i in range(config.block_m // CONSUMERS // CHUNK_ROWS)]
+    return [pl.multiple_of((CONSUMERS * i + wg) * CHUNK_ROWS, CHUNK_ROWS) for i in range(rows // CONSUMERS // CHUNK_ROWS)]
+
+
+def short_rows(config) -> int | None:
+    """The lhs tile's rows of a short visit (the schedule's last visit of a group, holding at most that
+    many rows), or None where every visit loads ``block_m`` rows."""
+    return SHORT_ROWS if config.wg_split == "m" and config.block_m > SHORT_ROWS else None
 
 
 def unsupported_reason(k: int, config) -> str | None:
@@ -201,8 +208,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     # MXFP8: the MMA's operands are the lhs tile and the converted weight tile, which Mosaic GPU wants
     # swizzled alike: as the conversion's plan has the weights
     plan = tiles.tile_plan(bw) if mxfp8 else None
-    lhs_spec = plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay,
-                               transforms=plan.bf16_transforms if mxfp8 else swizzle_transforms(bk))
+    short = short_rows(config)
+    lhs_transforms = plan.bf16_transforms if mxfp8 else swizzle_transforms(bk)
     if transpose_rhs:
         rhs_spec = plgpu.BlockSpec((bn, bk), lambda kk: (0, kk), transforms=swizzle_transforms(bk), delay_release=delay)
     else:
@@ -210,14 +217,16 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
         # conversion's plan for those columns has it
         rhs_spec = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), delay_release=delay,
                                    transforms=plan.fp8_transforms if mxfp8 else swizzle_transforms(bw))
-    in_specs = [lhs_spec, rhs_spec]
+    weight_specs = [rhs_spec]
     if mxfp8:  # read into registers by the consumer, released with the step's other buffers
-        in_specs.append(plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0), delay_release=delay))
+        weight_specs.append(plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0), delay_release=delay))
 
-    def pipeline(step, context):
+    def pipeline(step, context, rows=bm):
+        """The K loop of a ``rows``-row lhs tile (block_m, or a short visit's SHORT_ROWS)."""
+        lhs_spec = plgpu.BlockSpec((rows, bk), lambda kk: (0, kk), delay_release=delay, transforms=lhs_transforms)
         return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k_part // bk,), memory_registers=PRODUCER_REGISTERS, in_specs=in_specs, wg_axis="wg",
-            num_compute_wgs=CONSUMERS, max_concurrent_steps=steps, compute_context=context)
+            step, grid=(k_part // bk,), memory_registers=PRODUCER_REGISTERS, in_specs=[lhs_spec, *weight_specs],
+            wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=steps, compute_context=context)
 
     def body(sched_ref, live_ref, lhs_ref, rhs_ref, *refs):
         scale_ref, out_ref = refs if mxfp8 else (None, refs[0])
@@ -235,23 +244,20 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                 v, rest = lax.div(item, per_visit), lax.rem(item, per_visit)
                 ni, ks = lax.div(rest, split), lax.rem(rest, split)
                 grp, row0, lo, hi = (sched_ref[v, i] for i in range(4))
-                # inside lhs (m_rows and block_m are multiples of 8); [lo, hi) stays inside the tile
-                row0 = pl.multiple_of(jnp.minimum(row0, m_rows - bm), ROW_ALIGN)
                 col0, k0 = ni * bn, ks * k_part
                 dst = out_ref.at[ks] if split > 1 else out_ref
-
-                # this consumer's columns of the CTA tile and its accumulators' first rows; with wg_split="m"
-                # whether each 64-row chunk holds any of [lo, hi)
                 by_rows = config.wg_split == "m"
-                c0 = 0 if by_rows else pl.multiple_of(wg * bw, bw)  # whole swizzle atoms
-                acc_rows = chunk_rows(config, wg)
+                # this consumer's columns of the CTA tile (whole swizzle atoms)
+                c0 = 0 if by_rows else pl.multiple_of(wg * bw, bw)
                 acc_h = CHUNK_ROWS if by_rows else bh
-                actives = [(row0 + r < hi) & (row0 + r + acc_h > lo) for r in acc_rows] if by_rows else [None]
+
+                def inside(rows):  # the tile start kept inside lhs (m_rows and rows are multiples of 8)
+                    return pl.multiple_of(jnp.minimum(row0, m_rows - rows), ROW_ALIGN)
 
                 def when(active, fn):
                     return fn() if active is None else pl.when(active)(fn)
 
-                def store(pieces):  # (first tile row, [rows, bw] values) per accumulator, a staging tile at a time
+                def store(tile0, pieces):  # (first tile row, [rows, bw] values) per accumulator, a staging tile at a time
                     o = o_smem.at[wg]
                     for r0, values in pieces:
                         for r in range(0, values.shape[0], epi_r):
@@ -261,53 +267,58 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                                     plgpu.commit_smem()
                                 o[...] = values[r : r + epi_r, c : c + epi_c].astype(part_dtype)
                                 plgpu.commit_smem()
-                                base = row0 + r0 + r
+                                base = tile0 + r0 + r
                                 _store_ladder(o, dst, row0=base, lo=jnp.maximum(lo, base),
                                               hi=jnp.minimum(hi, base + epi_r), col0=col0 + c0 + c, rows=epi_r, cols=epi_c)
 
-                def step(idx, a_smem, b_smem, *rest):
-                    accs = rest[-1]
-                    (kk,) = idx
-                    cols = pl.ds(c0, bw)
-                    if mxfp8:
-                        w = w_smem.at[wg, lax.rem(kk, 2)]  # step kk - 2's MMA, its last reader, retired
-                        # a consumer without rows in this visit converts nothing
-                        when(functools.reduce(jnp.logical_or, actives) if by_rows else None,
-                             lambda: dequantize_tile(b_smem.at[:, cols], rest[0].at[:, cols], w, group))
-                    elif transpose_rhs:
-                        w = b_smem.at[cols].transpose((1, 0))
-                    else:
-                        w = b_smem.at[:, cols]
-                    for acc_ref, r, active in zip(accs, acc_rows, actives):
-                        a = a_smem.at[pl.ds(r, acc_h)] if by_rows else a_smem
-                        when(active, lambda acc_ref=acc_ref, a=a: plgpu.wgmma(acc_ref, a, w))
-                    # each wgmma call commits a group of its own: retire step kk - 1's (delay 1), leaving
-                    # in flight the groups issued here, one per chunk with rows (with a tile clamped to
-                    # lhs's end, the rows may start in any chunk)
-                    if len(accs) == 1:
-                        plgpu.wgmma_wait(delay)
-                    else:
-                        both = functools.reduce(jnp.logical_and, actives)
+                def visit(rows, tile_allocs):
+                    """The visit's K loop on a ``rows``-row lhs tile; [lo, hi) lies inside it."""
+                    tile0 = inside(rows)
+                    acc_rows = chunk_rows(config, wg, rows)
+                    # with wg_split="m": whether each 64-row chunk holds any of [lo, hi)
+                    actives = [(tile0 + r < hi) & (tile0 + r + acc_h > lo) for r in acc_rows] if by_rows else [None]
 
-                        def wait(groups):
-                            plgpu.wgmma_wait(groups * delay)
+                    def step(idx, a_smem, b_smem, *rest):
+                        accs = rest[-1]
+                        (kk,) = idx
+                        cols = pl.ds(c0, bw)
+                        if mxfp8:
+                            w = w_smem.at[wg, lax.rem(kk, 2)]  # step kk - 2's MMA, its last reader, retired
+                            # a consumer without rows in this visit converts nothing
+                            when(functools.reduce(jnp.logical_or, actives) if by_rows else None,
+                                 lambda: dequantize_tile(b_smem.at[:, cols], rest[0].at[:, cols], w, group))
+                        elif transpose_rhs:
+                            w = b_smem.at[cols].transpose((1, 0))
+                        else:
+                            w = b_smem.at[:, cols]
+                        for acc_ref, r, active in zip(accs, acc_rows, actives):
+                            a = a_smem.at[pl.ds(r, acc_h)] if by_rows else a_smem
+                            when(active, lambda acc_ref=acc_ref, a=a: plgpu.wgmma(acc_ref, a, w))
+                        # each wgmma call commits a group of its own: retire step kk - 1's (delay 1), leaving
+                        # in flight the groups issued here, one per chunk with rows (with a tile clamped to
+                        # lhs's end, the rows may start in any chunk)
+                        if len(accs) == 1:
+                            plgpu.wgmma_wait(delay)
+                        else:
+                            both = functools.reduce(jnp.logical_and, actives)
 
-                        pl.when(both)(lambda: wait(len(accs)))
-                        pl.when(~both)(lambda: wait(1))
-                    return accs
+                            def wait(groups):
+                                plgpu.wgmma_wait(groups * delay)
 
-                def context(run):
-                    # the store reads the accumulators under no branch: with one (a consumer's "has rows" test)
-                    # ptxas serialized the wgmmas (module docstring); a chunk without rows stores none
-                    def acc_scope(*accs):
-                        run(accs)
-                        store([(r, acc_ref[...]) for r, acc_ref in zip(acc_rows, accs)])
+                            pl.when(both)(lambda: wait(len(accs)))
+                            pl.when(~both)(lambda: wait(1))
+                        return accs
 
-                    pl.run_scoped(acc_scope, *[plgpu.ACC((acc_h, bw), jnp.float32) for _ in acc_rows])
+                    def context(run):
+                        # the store reads the accumulators under no branch: with one (a consumer's "has rows"
+                        # test) ptxas serialized the wgmmas (module docstring); a chunk without rows stores none
+                        def acc_scope(*accs):
+                            run(accs)
+                            store(tile0, [(r, acc_ref[...]) for r, acc_ref in zip(acc_rows, accs)])
 
-                @pl.when(grp < g)
-                def _():
-                    a = lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, k_part)]
+                        pl.run_scoped(acc_scope, *[plgpu.ACC((acc_h, bw), jnp.float32) for _ in acc_rows])
+
+                    a = lhs_ref.at[pl.ds(tile0, rows), pl.ds(k0, k_part)]
                     if transpose_rhs:
                         b = rhs_ref.at[grp, pl.ds(col0, bn), pl.ds(k0, k_part)]
                     else:
@@ -315,11 +326,22 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                     args = [a, b]
                     if mxfp8:
                         args.append(scale_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)])
-                    pipeline(step, context)(*args, allocations=allocs)
+                    pipeline(step, context, rows)(*args, allocations=tile_allocs)
+
+                if short is None:
+                    pl.when(grp < g)(lambda: visit(bm, allocs))
+                else:
+                    # a short visit's lhs tile: the first rows of each stage's block_m-row buffer, the
+                    # pipeline's other buffers and barriers shared (each visit's pipeline drains them)
+                    lhs_smem, *weight_smem = allocs["flat_in_smem_refs"]
+                    short_allocs = dict(allocs, flat_in_smem_refs=[lhs_smem.at[:, pl.ds(0, short)], *weight_smem])
+                    is_short = hi - row0 <= short  # the schedule's row0: a tile's rows before any clamping
+                    pl.when((grp < g) & ~is_short)(lambda: visit(bm, allocs))
+                    pl.when((grp < g) & is_short)(lambda: visit(short, short_allocs))
 
                 @pl.when((grp == g) & (wg < CONSUMERS))
                 def _():
-                    store([(r, jnp.zeros((acc_h, bw), part_dtype)) for r in acc_rows])
+                    store(inside(bm), [(r, jnp.zeros((acc_h, bw), part_dtype)) for r in chunk_rows(config, wg, bm)])
 
             plgpu.wait_smem_to_gmem(0)  # the last stores, before the CTA exits
 
