@@ -43,8 +43,9 @@ Design (Hopper, ``Target.HOPPER``):
   ``jax.lax.ragged_dot``'s VJP (a transposed grouped-GEMM kernel is the next step for training).
 
 Limits (``unsupported_reason``): ``K % block_k == 0``, ``N % block_n == 0``, ``block_m`` 64 or
-128, ``block_n`` a multiple of 64 up to 256 and ``block_m * block_n <= 128 * 128`` (one
-warpgroup holds the fp32 accumulator in 128 registers per thread).
+128 (256 on the warp-specialised schedule with ``wg_split="m"``), ``block_n`` a multiple of 64 up to
+256 and ``block_m * block_n <= 128 * 128`` (one warpgroup holds the fp32 accumulator in 128 registers
+per thread).
 
 The persistent, warp-specialised variant (``GroupedMatmulConfig(schedule="warp_specialized")``,
 :mod:`.persistent`: one CTA per SM over the work items, a TMA producer warpgroup and two consumer

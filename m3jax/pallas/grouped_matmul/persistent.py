@@ -19,18 +19,30 @@ how the work is cut and who does what in a CTA.
 * Warp specialisation (``plgpu.emit_pipeline_warp_specialized``). The last of three warpgroups
   issues the TMA copies (40 registers) and runs up to ``max_concurrent_steps`` K steps ahead of the
   consumers, across items (it loads the next item while the consumers store this one). Two
-  consumer warpgroups share the CTA tile, each with its own fp32 register accumulator, ``wgmma``
-  then ``wgmma_wait(1)`` so a stage is released (``delay_release=1``) only after the MMA that read
-  it retired. ``wg_split="n"``: each owns half of the ``block_n`` columns (``[block_m, block_n /
-  2]``). ``wg_split="m"`` (bf16 weights, ``block_m=128``): each owns 64 rows and all ``block_n``
-  columns (``m64n256`` MMAs at ``block_n=256``, the widest), and a consumer whose 64 rows hold none
-  of the visit's skips its MMAs: the tensor cores multiply a group's rows at 64-row granularity
-  while the CTA still loads 128-row tiles (half the weight reads per row of 64-row tiles).
-* MXFP8 weights (``wg_split="n"``). Each consumer dequantises its half of the fp8 tile
-  (``tiles.dequantize_tile``) into its own pair of bf16 SMEM tiles, then issues the MMA, so its MMA of
-  the previous step and the other consumer's MMA can run during the conversion. The fp8 tile is
-  swizzled by a consumer's column count (64 columns: 64 bytes; 128 or more: 128), so each consumer's
-  columns are whole swizzle atoms down to ``block_n=128``.
+  consumer warpgroups share the CTA tile, each with its own fp32 register accumulators, ``wgmma``
+  then ``wgmma_wait`` so a stage is released (``delay_release=1``) only after the MMAs that read it
+  retired. ``wg_split="n"``: each owns half of the ``block_n`` columns (``[block_m, block_n / 2]``).
+  ``wg_split="m"``: each owns ``block_m / 2`` rows and all ``block_n`` columns, as 64-row chunks with
+  an accumulator each (:func:`chunk_rows`: the tile's chunks dealt to the consumers in turn), and a
+  chunk's MMA is issued only where the chunk holds rows of the visit: the tensor cores multiply a
+  group's rows at 64-row granularity while the CTA loads ``block_m``-row tiles. Each ``wgmma`` call
+  commits a group of its own, so a step waits until only the groups it issued are in flight (two
+  where both of a consumer's chunks hold rows, else one): the previous step's retired.
+* The 256-row tiles (``block_m=256``, ``wg_split="m"``, ``block_n <= 128``: consumers of two
+  ``[64, block_n]`` accumulators, 128 registers). One weight tile per K step serves up to 256 of an
+  expert's rows, so an expert of up to ~256 rows streams its weights once per N tile, where 128-row
+  visits streamed them once per visit and multiplied whole 128-row tiles. A group's last visit with
+  at most ``SHORT_ROWS`` rows (:func:`short_rows`; at ~256 rows per expert, the few left past the
+  first visit) runs a second pipeline whose lhs tile is ``SHORT_ROWS`` high, in the first rows of each
+  stage's buffer (the pipelines share their buffers and barriers; each visit's drains them), so it
+  does not load 256 rows for a few.
+* MXFP8 weights. Each consumer dequantises its columns of the fp8 tile (``tiles.dequantize_tile``;
+  ``wg_split="m"``: all of them, into its own tiles: no barrier between the consumers) into its own
+  pair of bf16 SMEM tiles, then issues the MMA, so its MMA of the previous step and the other
+  consumer's MMA can run during the conversion; with ``wg_split="m"`` a consumer without rows in the
+  visit converts nothing. The fp8 tile is swizzled by a consumer's column count (64 columns: 64
+  bytes; 128 or more: 128), so each consumer's columns are whole swizzle atoms down to
+  ``block_n=128``.
 * Barriers (MXFP8). Pallas puts a warpgroup barrier before and after every SMEM store by default; the
   conversion stores its bf16 tile in two pieces per step (one per scale group), so a consumer met five
   barriers per K step where one is needed: ``commit_smem``'s, after the whole tile, which every thread
@@ -38,15 +50,18 @@ how the work is cut and who does what in a CTA.
   (``unsafe_no_auto_barriers``). What they guarded is covered without them: a thread's fp8 and scale
   loads of step ``kk`` finish before that step's ``commit_smem``, which comes before the slot's release
   (one step later, ``delay_release=1``); the bf16 buffer a step overwrites was last read by the MMA of
-  two steps before, retired by each thread's ``wgmma_wait(1)``. The epilogue gets its barrier back in
+  two steps before, retired by each thread's ``wgmma_wait`` of the step between. The epilogue gets its barrier back in
   place: its TMA stores are issued by one thread, so only that thread's wait knows a staging tile is
   free, and a ``commit_smem`` after the wait holds the others until it does.
-* No branch around the MMAs with ``wg_split="n"``: both consumers hold all of a live visit's rows.
-  With the wgmmas and the epilogue under an always-true "has rows" test, ptxas reports the wgmmas
-  serialized (C7511, "insufficient register resources", beside C7517, a ``warpgroup.wait`` injected
-  where the skipping path meets the next item) at every tile, bf16 and MXFP8, and the MXFP8 kernel
-  takes the MMAs' time plus the conversion's; without the test ptxas reports neither
-  (benchmarks/RESULTS.md#gmm-tile-figures). ``wg_split="m"`` keeps its test (a consumer can hold none of the rows).
+* No branch around the epilogue. With the wgmmas and the epilogue under a "has rows" test (always
+  true with ``wg_split="n"``), ptxas reports the wgmmas serialized (C7511, "insufficient register
+  resources", beside C7517, a ``warpgroup.wait`` injected where the skipping path meets the next item)
+  at every tile, bf16 and MXFP8, and the MXFP8 kernel takes the MMAs' time plus the conversion's;
+  without the test ptxas reports neither (benchmarks/RESULTS.md#gmm-tile-figures). What it needs is
+  the accumulators read under no branch: with ``wg_split="m"``'s wgmmas under their chunk's test and
+  the epilogue under none, ptxas 13.0 on the sm_90a PTX reports neither message, and the SASS issues
+  a step's HGMMAs back to back, its waits for all groups only at the epilogue. A chunk without rows
+  stores nothing (its piece of ``[lo, hi)`` is empty).
 * Store. Each consumer casts its accumulator into its own SMEM tile, 64 rows x 128 columns at a time
   (the SMEM saved is a fourth pipeline stage at ``block_m=128, block_n=256``), and TMA-stores the
   piece's rows of ``[lo, hi)`` as a sum of powers of two (at most 7 conditional copies per piece;
