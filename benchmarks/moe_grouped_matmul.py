@@ -28,7 +28,8 @@ consumer warpgroups, group-aligned tiles, ``split_k`` for decode; block_m 128, b
 layer's prefill tile below 192 rows per expert); ``ws-rows``: the consumers split the rows,
 ``wg_split="m"``, in 64-row chunks multiplied only where they hold rows; ``ws-rows bm256 bn128``: the
 256-row tiles (``PREFILL_ROWS256``, the layer's from 192 rows per expert: one weight tile per K step
-for all of a ~256-row expert's rows, a group's last few rows in a 128-row visit). "(layer)" marks the
+for all of a ~256-row expert's rows, a group's last few rows in a 128-row visit; ``--cluster`` adds them
+on two-CTA clusters, adjacent N tiles loading their shared lhs tile once by TMA multicast). "(layer)" marks the
 variant ``layer_config`` picks for the shape; at decode the first variant is the layer's bf16 config,
 the base of the "default" ratios; in ``--dry`` the first of the dry variants. Timing: CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``, median), wall clock off the GPU.
@@ -38,6 +39,7 @@ Prints the tables; writes ``$OUT/moe_grouped_matmul.md`` and ``.json`` (``$OUT``
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py            # H200: ~3-4 minutes (~70 kernel compiles)
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode   # or in two runs, each ~2 minutes
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode --tokens 4096   # the model's prefill chunk
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode --cluster   # + the two-CTA cluster variant
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-prefill
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --quick    # H200: every prefill variant, 3 decode ones, small shapes, < 1 minute
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --dry      # CPU: interpret mode, tiny shapes
@@ -73,9 +75,9 @@ QUICK = {"tokens": 512, "topk": 4, "experts": 16, "cases": (("gate/up", 1024, 51
 DRY = {"tokens": 24, "topk": 2, "experts": 4, "cases": (("gate/up", 128, 256),), "decode": (1,)}
 
 
-def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4, wg_split="n"):
+def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4, wg_split="n", cluster=1):
     return GroupedMatmulConfig(block_m=bm, block_n=bn, schedule=schedule, split_k=split_k, max_concurrent_steps=steps,
-                               wg_split=wg_split)
+                               wg_split=wg_split, cluster=cluster)
 
 
 # name -> config; at decode the first is the MoE layer's bf16 config (grouped_matmul.layer_config; MXFP8 at
@@ -99,6 +101,8 @@ DECODE = {
     "ws bm64 bn256 split8": _cfg(64, 256, WS, 8),
     "ws bm64 bn256 split4 8 stages": _cfg(64, 256, WS, 4, steps=8),
 }
+# --cluster: the 256-row tiles on two-CTA clusters (adjacent N tiles, the lhs tile multicast), not yet run on a GPU
+CLUSTER = {"ws-rows bm256 bn128 cluster2": _cfg(256, 128, WS, wg_split="m", cluster=2)}
 QUICK_DECODE = {name: DECODE[name] for name in ("pipeline bm64 bn128 (default)", "ws bm64 bn256 split1",
                                                 "ws bm64 bn256 split4")}
 DRY_PREFILL = {"ws-rows bm256 bn128": _cfg(256, 128, WS, steps=2, wg_split="m"),
@@ -243,7 +247,8 @@ def summary(prefill: list[dict], decode: list[dict]) -> dict:
             "bf16 best variants": [b_old[1], b_new[1]],
             "mxfp8 / best bf16: pipeline / ws (target <= 1.1)": [_ratio(m_old[0], best_bf16), _ratio(m_new[0], best_bf16)],
             "mxfp8 best variants": [m_old[1], m_new[1]],
-            "vs dense, bf16 / mxfp8: 256-row tiles": [_ratio(dense, ms(rows256, "bf16")), _ratio(dense, ms(rows256, "mxfp8"))],
+            "vs dense, bf16 / mxfp8: 256-row tiles": [_ratio(dense, ms(rows256, "bf16")),
+                                                      _ratio(dense, ms(rows256, "mxfp8"))],
             f"vs dense, bf16 / mxfp8: {BASE}": [_ratio(dense, ms(base, "bf16")), _ratio(dense, ms(base, "mxfp8"))],
             f"256-row tiles / {BASE}, bf16 / mxfp8": [_ratio(ms(rows256, "bf16"), ms(base, "bf16")),
                                                       _ratio(ms(rows256, "mxfp8"), ms(base, "mxfp8"))],
@@ -277,13 +282,15 @@ def markdown(res: dict) -> str:
     base = {(r["case"], r["m"]): r for r in res["prefill"] if r["variant"] == BASE}
     for r in res["prefill"]:
         b, x, d = r["bf16"], r["mxfp8"], r["dense_ms"]
-        bb, bx = (base[(r["case"], r["m"])][kind]["ms"] if (r["case"], r["m"]) in base else None for kind in ("bf16", "mxfp8"))
+        b0 = base.get((r["case"], r["m"]))
+        bb, bx = (None if b0 is None else b0[kind]["ms"] for kind in ("bf16", "mxfp8"))
         tf = None if b["ms"] is None else r["flops"] / b["ms"] / 1e9
         fl = r["floor_ms"]
         name = r["variant"] + "".join(f" (layer, {kind})" for kind in r["layer"])
         lines.append(
-            f"| {r['case']} M={r['m']} K={r['k']} N={r['n']} G={r['g']} (dense {d:.3f} ms; floor bf16 {fl['bf16']:.3f} / "
-            f"mxfp8 {fl['mxfp8']:.3f} ms) | {name} | {_f(b['ms'])} | {_f(tf, '.0f')} | {_f(_ratio(d, b['ms']), '.2f')} | "
+            f"| {r['case']} M={r['m']} K={r['k']} N={r['n']} G={r['g']} (dense {d:.3f} ms; floor bf16 "
+            f"{fl['bf16']:.3f} / mxfp8 {fl['mxfp8']:.3f} ms) | {name} | {_f(b['ms'])} | {_f(tf, '.0f')} | "
+            f"{_f(_ratio(d, b['ms']), '.2f')} | "
             f"{_f(_ratio(b['ms'], bb), '.2f')} | {_f(x['ms'])} | {_f(_ratio(d, x['ms']), '.2f')} | "
             f"{_f(_ratio(x['ms'], bx), '.2f')} | {_f(_ratio(x['ms'], b['ms']), '.2f')} | "
             f"{_f(b.get('rel_l2'), '.1e')} / {_f(x.get('rel_l2'), '.1e')} | {b.get('note', '')} {x.get('note', '')} |")
@@ -311,8 +318,11 @@ def main(argv=None):
     mode.add_argument("--dry", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=None,
-                    help=f"prefill tokens (x top-4 rows; default {M3['tokens']} at M3 shapes, 4096 is the model's chunk)")
+                    help=f"prefill tokens (x top-4 rows; default {M3['tokens']} at M3 shapes; 4096: the model's "
+                         "prefill chunk)")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--cluster", action="store_true",
+                    help="also the 256-row tiles on two-CTA clusters (lhs tile by TMA multicast), last")
     ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args(argv)
     if args.dry:
@@ -323,6 +333,8 @@ def main(argv=None):
         shape, pre, dec, iters, name, gib = M3, PREFILL, DECODE, args.iters, "M3 shapes", 4.0
     if args.tokens:
         shape = dict(shape, tokens=args.tokens)
+    if args.cluster:
+        pre = {**pre, **CLUSTER}
     bandwidth = copy_bandwidth(gib, iters=max(iters, 3))
     print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s", flush=True)
     prefill = [] if args.skip_prefill else bench_prefill(shape, pre, iters, bandwidth)

@@ -162,12 +162,14 @@ def test_fewer_rows_than_a_tile_single_k_step(schedule):
     _check(*_inputs(40, 64, 128, [10, 25], jnp.bfloat16, seed=2), cfg=SCHEDULES[schedule])
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_256_row_tiles_over_several_visits(dtype):
-    # MULTI_VISIT on the 256-row tiles: 2 N tiles, 2 K steps; bf16 and fp32 (three bf16 pieces along K)
+@pytest.mark.parametrize("dtype,cluster", [(jnp.bfloat16, 1), (jnp.float32, 1), (jnp.bfloat16, 2)])
+def test_256_row_tiles_over_several_visits(dtype, cluster):
+    # MULTI_VISIT on the 256-row tiles: 2 N tiles, 2 K steps; bf16 and fp32 (three bf16 pieces along K);
+    # cluster 2: the N tiles' CTAs share the lhs tile (TMA multicast on the GPU: interpret mode copies the
+    # whole tile into each CTA, so there this checks the item split and the cluster barriers' count)
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = MULTI_VISIT
-    _check(*_inputs(m, 128, 256, sizes, dtype, seed=9), cfg=WS_ROWS256)
+    _check(*_inputs(m, 128, 256, sizes, dtype, seed=9), cfg=dataclasses.replace(WS_ROWS256, cluster=cluster))
 
 
 def test_split_k_decode_rows():
@@ -231,6 +233,11 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
     assert "registers" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows256, block_n=256))
     assert "wg_split='m'" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows256, wg_split="n"))
     assert "256: schedule='warp_specialized'" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(block_m=256))
+    pair = dataclasses.replace(rows256, cluster=2)
+    assert unsupported_reason(256, 128, 256, 2, pair) is None  # two N tiles of 128: one cluster's
+    assert "multiple of cluster=2" in unsupported_reason(256, 128, 384, 2, pair)
+    assert "must be 1 or 2" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(pair, cluster=4))
+    assert "no clusters" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(cluster=2))
 
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
     ok_x, ok_w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
@@ -339,13 +346,15 @@ def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule, n):
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, n), gs, cfg=cfg)
 
 
-def test_mxfp8_256_row_tiles_match_dequantised_reference():
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_mxfp8_256_row_tiles_match_dequantised_reference(cluster):
     # MULTI_VISIT on the 256-row tiles with MXFP8 weights: each consumer converts the whole fp8 tile (all
     # 128 columns) into its own bf16 tiles, and a consumer without rows in a visit converts none
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = MULTI_VISIT
     lhs, _, gs = _inputs(m, 128, 256, sizes, jnp.bfloat16, seed=10)
-    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 256, seed=11), gs, cfg=WS_ROWS256, traced_sizes=True)
+    cfg = dataclasses.replace(WS_ROWS256, cluster=cluster)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 256, seed=11), gs, cfg=cfg, traced_sizes=True)
 
 
 @pytest.mark.parametrize("schedule,n", [("pipeline", 128), ("warp_specialized", 256),

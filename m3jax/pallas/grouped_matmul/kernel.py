@@ -101,7 +101,10 @@ class GroupedMatmulConfig:
     ``wg_split`` (``"warp_specialized"`` only): how the two consumers share the CTA tile, ``"n"``
     (half the columns each) or ``"m"`` (``block_m / 2`` rows each, in 64-row chunks that are multiplied
     only where they hold rows of the visit; ``block_m`` 128, or 256 with ``block_n <= 128``: the 256-row
-    tiles, one weight tile per K step for up to 256 of an expert's rows, ``PREFILL_ROWS256``)."""
+    tiles, one weight tile per K step for up to 256 of an expert's rows, ``PREFILL_ROWS256``).
+    ``cluster`` (``"warp_specialized"`` only): CTAs per cluster, 1 or 2; with 2 a cluster's CTAs take
+    adjacent N tiles of the same visit and load its lhs tile once between them (TMA multicast, each
+    CTA half of it)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -110,6 +113,7 @@ class GroupedMatmulConfig:
     schedule: str = "pipeline"
     split_k: int = 1
     wg_split: str = "n"
+    cluster: int = 1
 
 
 # The MoE layer's schedule per regime (decode: at most 64 rows per expert on average): at prefill
@@ -198,15 +202,16 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
     if c.schedule == "gemv":
         return "the gemv schedule takes MXFP8 weights only (grouped_matmul_mxfp8)"
     if c.schedule == "warp_specialized" and c.block_m == 256:  # two consumers of 128 rows (persistent)
-        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, c)
+        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.block_m not in (64, 128):
         return f"block_m={c.block_m} must be 64 or 128 (256: schedule='warp_specialized', wg_split='m')"
     if c.schedule == "warp_specialized":
-        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, c)
+        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.schedule != "pipeline":
         return f"schedule={c.schedule!r} must be 'pipeline', 'warp_specialized' or 'gemv' (MXFP8)"
-    if c.split_k != 1 or c.wg_split != "n":
-        return f"split_k={c.split_k}, wg_split={c.wg_split!r}: the pipeline schedule has one warpgroup and no K split"
+    if c.split_k != 1 or c.wg_split != "n" or c.cluster != 1:
+        return (f"split_k={c.split_k}, wg_split={c.wg_split!r}, cluster={c.cluster}: the pipeline schedule has one "
+                "warpgroup, no K split and no clusters")
     if c.block_n % 64 or not 64 <= c.block_n <= 256:
         return f"block_n={c.block_n} must be a multiple of 64 in [64, 256]"
     if reason := arch_module(hopper, blackwell).tile_reason(c.block_m, c.block_n):

@@ -139,7 +139,8 @@ def chunk_rows(config, wg, rows: int) -> list:
     multiplying; with "n" one accumulator of all the rows."""
     if config.wg_split != "m":
         return [0]
-    return [pl.multiple_of((CONSUMERS * i + wg) * CHUNK_ROWS, CHUNK_ROWS) for i in range(rows // CONSUMERS // CHUNK_ROWS)]
+    return [pl.multiple_of((CONSUMERS * i + wg) * CHUNK_ROWS, CHUNK_ROWS)
+            for i in range(rows // CONSUMERS // CHUNK_ROWS)]
 
 
 def short_rows(config) -> int | None:
@@ -148,7 +149,7 @@ def short_rows(config) -> int | None:
     return SHORT_ROWS if config.wg_split == "m" and config.block_m > SHORT_ROWS else None
 
 
-def unsupported_reason(k: int, config) -> str | None:
+def unsupported_reason(k: int, n: int, config) -> str | None:
     """This schedule's own limits, bf16 and MXFP8 weights alike (the caller checks the shared ones: block_k,
     K, N)."""
     bm, bn = config.block_m, config.block_n
@@ -171,6 +172,11 @@ def unsupported_reason(k: int, config) -> str | None:
                 f"(block_m={bm}, block_n={bn}, wg_split={config.wg_split!r})")
     if config.split_k < 1 or k % (config.split_k * config.block_k):
         return f"K={k} must be a multiple of split_k * block_k = {config.split_k} * {config.block_k}"
+    if config.cluster not in (1, 2):
+        return f"cluster={config.cluster} must be 1 or 2"
+    if (n // bn) % config.cluster:
+        return (f"N / block_n = {n // bn} N tiles must be a multiple of cluster={config.cluster} (a cluster's CTAs "
+                "take adjacent N tiles)")
     return None
 
 
@@ -217,8 +223,9 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
     steps = _stages(k_part // bk, config, rhs.dtype.itemsize, bk // group if mxfp8 else 0, part_dtype.itemsize)
     delay = 1 if steps > 1 else 0
     sched, live = aligned_schedule(group_sizes, m, bm)
-    per_visit = n_tiles * split
-    n_ctas = min(current_target().num_sms, sched.shape[0] * per_visit)
+    cl = config.cluster  # a cluster's CTAs take adjacent N tiles of one visit: per_visit counts clusters' items
+    per_visit = n_tiles // cl * split
+    n_clusters = min(current_target().num_sms // cl, sched.shape[0] * per_visit)
 
     # MXFP8: the MMA's operands are the lhs tile and the converted weight tile, which Mosaic GPU wants
     # swizzled alike: as the conversion's plan has the weights
@@ -238,7 +245,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
 
     def pipeline(step, context, rows=bm):
         """The K loop of a ``rows``-row lhs tile (block_m, or a short visit's SHORT_ROWS)."""
-        lhs_spec = plgpu.BlockSpec((rows, bk), lambda kk: (0, kk), delay_release=delay, transforms=lhs_transforms)
+        lhs_spec = plgpu.BlockSpec((rows, bk), lambda kk: (0, kk), delay_release=delay, transforms=lhs_transforms,
+                                   collective_axes=("cluster",) if cl > 1 else ())  # multicast, half by each CTA
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k_part // bk,), memory_registers=PRODUCER_REGISTERS, in_specs=[lhs_spec, *weight_specs],
             wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=steps, compute_context=context)
@@ -258,6 +266,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                 (item,) = info.index
                 v, rest = lax.div(item, per_visit), lax.rem(item, per_visit)
                 ni, ks = lax.div(rest, split), lax.rem(rest, split)
+                if cl > 1:
+                    ni = ni * cl + lax.axis_index("cluster")
                 grp, row0, lo, hi = (sched_ref[v, i] for i in range(4))
                 col0, k0 = ni * bn, ks * k_part
                 dst = out_ref.at[ks] if split > 1 else out_ref
@@ -272,7 +282,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                 def when(active, fn):
                     return fn() if active is None else pl.when(active)(fn)
 
-                def store(tile0, pieces):  # (first tile row, [rows, bw] values) per accumulator, a staging tile at a time
+                def store(tile0, pieces):
+                    """(first tile row, [rows, bw] values) per accumulator, a staging tile at a time."""
                     o = o_smem.at[wg]
                     for r0, values in pieces:
                         for r in range(0, values.shape[0], epi_r):
@@ -284,7 +295,8 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                                 plgpu.commit_smem()
                                 base = tile0 + r0 + r
                                 _store_ladder(o, dst, row0=base, lo=jnp.maximum(lo, base),
-                                              hi=jnp.minimum(hi, base + epi_r), col0=col0 + c0 + c, rows=epi_r, cols=epi_c)
+                                              hi=jnp.minimum(hi, base + epi_r), col0=col0 + c0 + c,
+                                              rows=epi_r, cols=epi_c)
 
                 def visit(rows, tile_allocs):
                     """The visit's K loop on a ``rows``-row lhs tile; [lo, hi) lies inside it."""
@@ -371,8 +383,9 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
-        grid=(n_ctas,),
+        grid=(n_clusters,),
         grid_names=("sm",),
+        **({"cluster": (cl,), "cluster_names": ("cluster",)} if cl > 1 else {}),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=explicit_barriers),
