@@ -105,13 +105,14 @@ EXPECTED_FAILURES = {("sparse_attention_query_major", "sm_100a"): "wgmma"}
 _TOOLS = Path(__file__).resolve().parents[2] / ".venvs" / "cuda-compile"  # scripts/fetch_cuda_compile_tools.sh
 
 
-def _m3_moe(mx: bool, m: int):
+def _m3_moe(mx: bool, m: int, config=None):
     """The MoE layer's grouped GEMM at M3's expert shapes (hidden 6144 -> 3072 per expert, 128 experts)
-    with the config the layer picks for ``m`` rows (m3jax.moe: 4 rows per token): bf16 or MXFP8 weights."""
+    with the config the layer picks for ``m`` rows (m3jax.moe: 4 rows per token), or ``config``: bf16 or
+    MXFP8 weights."""
     from m3jax.pallas.grouped_matmul import grouped_matmul, grouped_matmul_mxfp8, layer_config
 
     S, (k, n, g) = jax.ShapeDtypeStruct, (6144, 3072, 128)
-    config = layer_config(m, k, n, g, k // 32 if mx else None)
+    config = config or layer_config(m, k, n, g, k // 32 if mx else None)
     if mx:
         return (lambda x, w, sc, gs: grouped_matmul_mxfp8(x, w, sc, gs, config=config),
                 (S((m, k), jnp.bfloat16), S((g, k, n), jnp.float8_e4m3fn), S((g, k // 32, n), jnp.uint8),
@@ -127,7 +128,17 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32))})
+# the 256-row tiles on two-CTA clusters (opt-in, GroupedMatmulConfig.cluster), 8192 tokens
+_CLUSTER = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m", cluster=2)
+CASES.update({f"m3 grouped_matmul prefill cluster{' mxfp8' * mx}": (
+    "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_CLUSTER))) for mx in (False, True)})
 CASES.update({f"canary {c.name}": (c.kernel, lambda c=c: (c.run, ())) for c in canaries.CANARIES.values()})
+
+
+def _gmm_config(**kw):
+    from m3jax.pallas.grouped_matmul import GroupedMatmulConfig
+
+    return GroupedMatmulConfig(**kw)
 
 
 def _plugin() -> Path | None:

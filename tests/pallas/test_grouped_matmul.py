@@ -624,7 +624,7 @@ def test_mxfp8_reference_is_the_checkpoint_dequantisation():
     assert "multiple of 8" in mxfp8_unsupported_reason(64, 128, 128, 2, 32)  # groups of 4 inputs
 
 
-@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized", "warp_specialized_rows256"])
 def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     # M3's expert down projection (F = 3072 -> D = 6144) for a 4096-token prefill chunk, and decode rows
     # (64-row tiles): fp8 tiles + scale rows by TMA, dequantised in registers, wgmma (sm_90a).
@@ -632,6 +632,8 @@ def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     configs = list(zip((16384, 32), M3_CONFIGS[schedule]))
     if schedule == "warp_specialized":  # consumers of 64 fp8 columns (64-byte swizzle)
         configs.append((16384, GroupedMatmulConfig(block_n=128, schedule="warp_specialized")))
+    if schedule == "warp_specialized_rows256":  # and on two-CTA clusters (the lhs tile multicast)
+        configs.append((16384, dataclasses.replace(M3_CONFIGS[schedule][0], cluster=2)))
     for m, cfg in configs:
         args = (jax.ShapeDtypeStruct((m, 3072), jnp.bfloat16), jax.ShapeDtypeStruct((128, 3072, 6144), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((128, 96, 6144), jnp.uint8), jax.ShapeDtypeStruct((128,), jnp.int32))

@@ -36,6 +36,10 @@ how the work is cut and who does what in a CTA.
   first visit) runs a second pipeline whose lhs tile is ``SHORT_ROWS`` high, in the first rows of each
   stage's buffer (the pipelines share their buffers and barriers; each visit's drains them), so it
   does not load 256 rows for a few.
+* Clusters (``cluster=2``, opt-in). The grid runs over two-CTA clusters; a cluster's CTAs take
+  adjacent N tiles of one visit, and the lhs tile's BlockSpec is collective over the cluster: each CTA
+  loads half of it by TMA multicast into both (the consumed barriers become cluster barriers). On the
+  256-row tiles the lhs tile is a K step's larger load.
 * MXFP8 weights. Each consumer dequantises its columns of the fp8 tile (``tiles.dequantize_tile``;
   ``wg_split="m"``: all of them, into its own tiles: no barrier between the consumers) into its own
   pair of bf16 SMEM tiles, then issues the MMA, so its MMA of the previous step and the other
