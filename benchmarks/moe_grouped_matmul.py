@@ -40,6 +40,7 @@ Prints the tables; writes ``$OUT/moe_grouped_matmul.md`` and ``.json`` (``$OUT``
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode   # or in two runs, each ~2 minutes
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode --tokens 4096   # the model's prefill chunk
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode --cluster   # + the two-CTA cluster variant
+    PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-decode --variants "ws-rows bm256 bn128,ws bm128 bn256"
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --skip-prefill
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --quick    # H200: every prefill variant, 3 decode ones, small shapes, < 1 minute
     PYTHONPATH=. python benchmarks/moe_grouped_matmul.py --dry      # CPU: interpret mode, tiny shapes
@@ -323,6 +324,9 @@ def main(argv=None):
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--cluster", action="store_true",
                     help="also the 256-row tiles on two-CTA clusters (lhs tile by TMA multicast), last")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated prefill variant names to run (default: all); e.g. "
+                         f"'ws-rows bm256 bn128,{BASE}'")
     ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args(argv)
     if args.dry:
@@ -335,6 +339,12 @@ def main(argv=None):
         shape = dict(shape, tokens=args.tokens)
     if args.cluster:
         pre = {**pre, **CLUSTER}
+    if args.variants:
+        names = [v.strip() for v in args.variants.split(",")]
+        unknown = [v for v in names if v not in pre]
+        if unknown:
+            raise SystemExit(f"unknown prefill variants {unknown}; known: {list(pre)}")
+        pre = {v: pre[v] for v in names}
     bandwidth = copy_bandwidth(gib, iters=max(iters, 3))
     print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s", flush=True)
     prefill = [] if args.skip_prefill else bench_prefill(shape, pre, iters, bandwidth)
