@@ -188,8 +188,13 @@ def _sparse_decode_attention(seq_lens=(100, 200), **tile):
 
 
 def _grouped_matmul():
-    from m3jax.pallas.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_mxfp8, layer_config
-    from m3jax.pallas.grouped_matmul.kernel import ROWS256_MIN_ROWS_PER_GROUP
+    from m3jax.pallas.grouped_matmul import (
+        ROWS256_MIN_ROWS_PER_GROUP,
+        GroupedMatmulConfig,
+        grouped_matmul,
+        grouped_matmul_mxfp8,
+        layer_config,
+    )
 
     # 6 experts, empty groups, rows past sum(group_sizes); K = 128, N = 256. The bf16 kernel and the MXFP8
     # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products), each with

@@ -88,8 +88,9 @@ ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
-    """Tile configuration. ``block_m``: rows per tile (64 or 128); ``block_n``: output columns per
-    CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512, multiple of 128); ``block_k``: K
+    """Tile configuration. ``block_m``: rows per tile (64 or 128; 256 warp-specialised with ``wg_split="m"``);
+    ``block_n``: output columns per CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512,
+    multiple of 128; with ``wg_split="m"`` 64..256, multiple of 64, and at most 128 at ``block_m=256``); ``block_k``: K
     per pipeline step (64 = one 128-byte swizzled bf16 row); ``max_concurrent_steps``: K steps in flight
     (capped by SMEM).
 
