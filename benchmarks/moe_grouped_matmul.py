@@ -12,8 +12,9 @@ and down (K = 3072 -> N = 6144), 128 experts.
   timed in the same process before and after the variants, the faster kept; issue #43's target >= 0.8),
   ratio to the 128 x 256 warp-specialised tile of the same weights (the layer's prefill tile before the
   256-row tiles), MXFP8 / bf16 of the same variant (target <= 1.1), and the time of reading every
-  expert's weights once at the copy bandwidth (the bytes floor: at 128 rows per expert it is above the
-  dense GEMM's time, so no grouped GEMM reaches 0.8 there).
+  expert's weights once at the copy bandwidth (the bytes floor: at 128 rows per expert the bf16 weights'
+  floor is above the dense GEMM's time, so no bf16 grouped GEMM reaches 0.8 there; the summary prints
+  dense / floor, the most a bytes-bound kernel reaches).
 * Decode: 1 and 8 tokens x top-4. Floor = bytes of the experts' weights the rows touch (bf16: 2 bytes,
   MXFP8: 1 + 1/32 per weight) / the device's copy bandwidth (read + write of a 4 GiB elementwise pass,
   same process). Each variant: ms, ms / floor, MXFP8 / bf16 of the same variant, and MXFP8 / the bf16
