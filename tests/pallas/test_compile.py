@@ -89,24 +89,40 @@ TARGETS = {"sm_90a": (_backend.HOPPER, "9.0"), "sm_100a": (_backend.BLACKWELL, "
 # it is still the fastest prefill tile (smaller tiles spill less and run slower,
 # benchmarks/RESULTS.md#compile-canaries). Every other module compiles with no spill.
 _WS_SPILL = "warp-specialised grouped GEMM at the 168-register cap; the fastest prefill tile with it"
+# the 256-row tiles (two accumulators per consumer, two pipelines: full and short visits): ptxas 13.0's
+# spills lie outside the K loops (SASS, CPU), a few loads per work item; GPU timing pending
+_ROWS256_SPILL = "grouped GEMM 256-row tiles at the 168-register cap; the spills lie outside the K loops"
+# the same on two-CTA clusters (opt-in): more of the producer's and each item's bookkeeping (cluster barrier
+# addresses) spilled; GPU timing pending
+_CLUSTER_SPILL = "grouped GEMM 256-row tiles on clusters (opt-in): producer and per-item bookkeeping spilled"
 SPILL_ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
-    ("canary grouped_matmul@bf16-mxfp8 [1]", "sm_90a"): (12, _WS_SPILL),  # bf16, the layer's prefill config
-    ("canary grouped_matmul@bf16-mxfp8 [3]", "sm_90a"): (28, _WS_SPILL),  # MXFP8, the layer's prefill config
-    ("m3 grouped_matmul prefill", "sm_90a"): (12, _WS_SPILL),
-    ("m3 grouped_matmul prefill mxfp8", "sm_90a"): (28, _WS_SPILL),
+    ("canary grouped_matmul@bf16-mxfp8 [1]", "sm_90a"): (12, _WS_SPILL),  # bf16, the layer's 128 x 256 prefill tile
+    ("canary grouped_matmul@bf16-mxfp8 [4]", "sm_90a"): (28, _WS_SPILL),  # MXFP8, the same
+    ("canary grouped_matmul@bf16-mxfp8 [5]", "sm_90a"): (16, _ROWS256_SPILL),  # MXFP8, the 256-row tiles
+    ("m3 grouped_matmul prefill", "sm_90a"): (24, _ROWS256_SPILL),  # 512 rows per expert: the 256-row tiles
+    ("m3 grouped_matmul prefill mxfp8", "sm_90a"): (28, _ROWS256_SPILL),
+    ("m3 grouped_matmul prefill 4096-token chunk", "sm_90a"): (12, _WS_SPILL),  # 128 rows per expert: 128 x 256
+    ("m3 grouped_matmul prefill 4096-token chunk mxfp8", "sm_90a"): (28, _WS_SPILL),
+    ("m3 grouped_matmul prefill cluster", "sm_90a"): (160, _CLUSTER_SPILL),
+    ("m3 grouped_matmul prefill cluster mxfp8", "sm_90a"): (256, _CLUSTER_SPILL),
 }
 # (kernel, arch) that must not compile: the query-major baseline's wgmma on Blackwell
 EXPECTED_FAILURES = {("sparse_attention_query_major", "sm_100a"): "wgmma"}
 _TOOLS = Path(__file__).resolve().parents[2] / ".venvs" / "cuda-compile"  # scripts/fetch_cuda_compile_tools.sh
 
 
-def _m3_moe(mx: bool, m: int):
+def _m3_moe(mx: bool, m: int, config=None):
     """The MoE layer's grouped GEMM at M3's expert shapes (hidden 6144 -> 3072 per expert, 128 experts)
-    with the config the layer picks for ``m`` rows (m3jax.moe: 4 rows per token): bf16 or MXFP8 weights."""
-    from m3jax.pallas.grouped_matmul import grouped_matmul, grouped_matmul_mxfp8, layer_config
+    with the config the layer picks for ``m`` rows (m3jax.moe: 4 rows per token), or ``config`` (None where
+    the target refuses it): bf16 or MXFP8 weights."""
+    from m3jax.pallas.grouped_matmul import (grouped_matmul, grouped_matmul_mxfp8, layer_config,
+                                             mxfp8_unsupported_reason, unsupported_reason)
 
     S, (k, n, g) = jax.ShapeDtypeStruct, (6144, 3072, 128)
-    config = layer_config(m, k, n, g, k // 32 if mx else None)
+    if config is not None and (mxfp8_unsupported_reason(m, k, n, g, k // 32, config) if mx
+                               else unsupported_reason(m, k, n, g, config)):
+        return None
+    config = config or layer_config(m, k, n, g, k // 32 if mx else None)
     if mx:
         return (lambda x, w, sc, gs: grouped_matmul_mxfp8(x, w, sc, gs, config=config),
                 (S((m, k), jnp.bfloat16), S((g, k, n), jnp.float8_e4m3fn), S((g, k // 32, n), jnp.uint8),
@@ -119,8 +135,20 @@ def _m3_moe(mx: bool, m: int):
 CASES = {f"m3 {name}": (name, make) for name, (make, _) in KERNELS.items()}
 CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(False, 65536)),  # 16K tokens
               "m3 grouped_matmul prefill mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 65536)),
+              "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
+              "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32))})
+# the 256-row tiles on two-CTA clusters (opt-in, GroupedMatmulConfig.cluster; Hopper only), 8192 tokens
+_CLUSTER = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m", cluster=2)
+CASES.update({f"m3 grouped_matmul prefill cluster{' mxfp8' * mx}": (
+    "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_CLUSTER))) for mx in (False, True)})
 CASES.update({f"canary {c.name}": (c.kernel, lambda c=c: (c.run, ())) for c in canaries.CANARIES.values()})
+
+
+def _gmm_config(**kw):
+    from m3jax.pallas.grouped_matmul import GroupedMatmulConfig
+
+    return GroupedMatmulConfig(**kw)
 
 
 def _plugin() -> Path | None:
@@ -158,7 +186,8 @@ def toolchain(tmp_path_factory):
 
 def _modules(make, target) -> list[tuple[str, bytes]]:
     """(text, bytecode) of every Mosaic module the kernel lowers to for ``target``: the text before
-    Mosaic serialises it (its launch's dynamic SMEM), the bytes the custom call would carry."""
+    Mosaic serialises it (its launch's dynamic SMEM), the bytes the custom call would carry; none where
+    ``make`` returns None (a case the target does not run)."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
     out, serde = [], mgpu_core._run_serde_pass
@@ -175,8 +204,10 @@ def _modules(make, target) -> list[tuple[str, bytes]]:
     mgpu_core._run_serde_pass = capture
     try:
         with _backend.lowering_for(target):
-            f, args = make()
-            jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+            made = make()
+            if made is not None:
+                f, args = made
+                jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         mgpu_core._run_serde_pass = serde
     return out

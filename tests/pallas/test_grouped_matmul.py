@@ -10,6 +10,8 @@ Shapes are tiny (K = N = 128, 64-row tiles) to keep the file fast on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,16 @@ WS = GroupedMatmulConfig(block_m=64, block_n=128, max_concurrent_steps=2, schedu
 # the consumers split the 128 rows (64 each, skipping a half without the visit's rows)
 WS_ROWS = GroupedMatmulConfig(block_m=128, block_n=128, max_concurrent_steps=2, schedule="warp_specialized",
                               wg_split="m")
-SCHEDULES = {"pipeline": CFG, "warp_specialized": WS, "warp_specialized_rows": WS_ROWS}
+# 256-row tiles: each consumer holds two 64-row chunks (consumer w chunks w and w + 2), each multiplied
+# only where it holds rows of the visit: one weight tile per K step serves up to 256 of an expert's rows
+WS_ROWS256 = GroupedMatmulConfig(block_m=256, block_n=128, max_concurrent_steps=2, schedule="warp_specialized",
+                                 wg_split="m")
+SCHEDULES = {"pipeline": CFG, "warp_specialized": WS, "warp_specialized_rows": WS_ROWS,
+             "warp_specialized_rows256": WS_ROWS256}
+# groups over several 256-row visits: a group of 300 rows from row 5 (its second visit holds rows of
+# the first chunk only: consumer 1 idle), one of 130 rows in three chunks straddling two 256-row tiles,
+# empty groups, and rows past the sum
+MULTI_VISIT = (600, [5, 300, 0, 130, 70, 0, 40])
 
 # name -> (M, group sizes): rows sorted by group, sum <= M.
 PATTERNS = {
@@ -117,7 +128,9 @@ def test_aligned_schedule_covers_each_row_once(m, sizes, bm):
 # consumer on the row split (test_two_n_tiles_128_row_tiles_fp32_out has its straddling groups)
 KERNEL_CASES = ([(p, d, "pipeline") for d in (jnp.bfloat16, jnp.float32) for p in PATTERNS]
                 + [(p, jnp.bfloat16, "warp_specialized") for p in PATTERNS]
-                + [("sum_below_m", jnp.float32, "warp_specialized_rows")])
+                + [("sum_below_m", jnp.float32, "warp_specialized_rows")]
+                + [(p, jnp.bfloat16, "warp_specialized_rows256") for p in PATTERNS]
+                + [("sum_below_m", jnp.float32, "warp_specialized_rows256")])
 
 
 @pytest.mark.parametrize("pattern,dtype,schedule", KERNEL_CASES)
@@ -134,17 +147,29 @@ def test_two_n_tiles_128_row_tiles_fp32_out(schedule):
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     lhs, rhs, gs = _inputs(200, 192, 256, [5, 70, 0, 60, 40], jnp.bfloat16, seed=1)
     cfg = GroupedMatmulConfig(block_m=128, block_n=128, max_concurrent_steps=3)
-    if schedule != "pipeline":
+    if schedule == "warp_specialized_rows256":  # 2 N tiles of 128, consumers of 128 rows
+        cfg = dataclasses.replace(WS_ROWS256, max_concurrent_steps=3)
+    elif schedule != "pipeline":
         cfg = GroupedMatmulConfig(block_m=128, block_n=256, max_concurrent_steps=3, schedule="warp_specialized",
                                   wg_split="m" if schedule == "warp_specialized_rows" else "n")
     _check(lhs, rhs, gs, cfg=cfg, out_dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized", "warp_specialized_rows256"])
 def test_fewer_rows_than_a_tile_single_k_step(schedule):
     # M < block_m (padded), K = block_k (one pipeline step, no delayed release).
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     _check(*_inputs(40, 64, 128, [10, 25], jnp.bfloat16, seed=2), cfg=SCHEDULES[schedule])
+
+
+@pytest.mark.parametrize("dtype,cluster", [(jnp.bfloat16, 1), (jnp.float32, 1), (jnp.bfloat16, 2)])
+def test_256_row_tiles_over_several_visits(dtype, cluster):
+    # MULTI_VISIT on the 256-row tiles: 2 N tiles, 2 K steps; bf16 and fp32 (three bf16 pieces along K);
+    # cluster 2: the N tiles' CTAs share the lhs tile (TMA multicast on the GPU: interpret mode copies the
+    # whole tile into each CTA, so there this checks the item split and the cluster barriers' count)
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    m, sizes = MULTI_VISIT
+    _check(*_inputs(m, 128, 256, sizes, dtype, seed=9), cfg=dataclasses.replace(WS_ROWS256, cluster=cluster))
 
 
 def test_split_k_decode_rows():
@@ -199,9 +224,20 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
         assert "Hopper only" in unsupported_reason(256, 128, 256, 2, ws)
     rows = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized", wg_split="m")
     assert unsupported_reason(256, 128, 256, 2, rows) is None  # two consumers of 64 x 256
-    assert "bf16 weights only" in mxfp8_unsupported_reason(256, 128, 256, 2, 4, rows)
-    assert "block_m=128" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(
+    assert mxfp8_unsupported_reason(256, 128, 256, 2, 4, rows) is None  # each converts the whole tile
+    assert "block_m=128 or 256" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(
         block_m=64, block_n=256, schedule="warp_specialized", wg_split="m"))
+    rows256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
+    assert unsupported_reason(256, 128, 256, 2, rows256) is None  # two consumers of 128 x 128
+    assert mxfp8_unsupported_reason(256, 128, 256, 2, 4, rows256) is None
+    assert "registers" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows256, block_n=256))
+    assert "wg_split='m'" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows256, wg_split="n"))
+    assert "256: schedule='warp_specialized'" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(block_m=256))
+    pair = dataclasses.replace(rows256, cluster=2)
+    assert unsupported_reason(256, 128, 256, 2, pair) is None  # two N tiles of 128: one cluster's
+    assert "multiple of cluster=2" in unsupported_reason(256, 128, 384, 2, pair)
+    assert "must be 1 or 2" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(pair, cluster=4))
+    assert "no clusters" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(cluster=2))
 
     monkeypatch.setattr(_backend, "on_gpu", lambda: True)
     ok_x, ok_w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
@@ -247,6 +283,8 @@ M3_CONFIGS = {  # per schedule: the prefill tile and the decode tile
     "warp_specialized": (GroupedMatmulConfig(block_n=256, schedule="warp_specialized"),
                          GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=4)),
     "warp_specialized_rows": (GroupedMatmulConfig(block_n=256, schedule="warp_specialized", wg_split="m"),),
+    "warp_specialized_rows256": (GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized",
+                                                     wg_split="m"),),
 }
 
 
@@ -308,14 +346,27 @@ def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule, n):
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, n), gs, cfg=cfg)
 
 
-@pytest.mark.parametrize("schedule,n", [("pipeline", 128), ("warp_specialized", 256)])
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_mxfp8_256_row_tiles_match_dequantised_reference(cluster):
+    # MULTI_VISIT on the 256-row tiles with MXFP8 weights: each consumer converts the whole fp8 tile (all
+    # 128 columns) into its own bf16 tiles, and a consumer without rows in a visit converts none
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    m, sizes = MULTI_VISIT
+    lhs, _, gs = _inputs(m, 128, 256, sizes, jnp.bfloat16, seed=10)
+    cfg = dataclasses.replace(WS_ROWS256, cluster=cluster)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 256, seed=11), gs, cfg=cfg, traced_sizes=True)
+
+
+@pytest.mark.parametrize("schedule,n", [("pipeline", 128), ("warp_specialized", 256),
+                                        ("warp_specialized_rows256", 128)])
 def test_mxfp8_tile_dequantisation_is_exact(schedule, n):
     # the in-kernel conversion gives the MMA exactly the bf16 weights of the dequantise-on-load path: the
     # MXFP8 kernel equals the bf16 kernel of the same config (same MMAs, same order) on those weights,
     # bit for bit, over a wide spread of scales (2^-27 .. 2^12)
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = PATTERNS["group_larger_than_tile"]
-    cfg = GroupedMatmulConfig(block_m=64, block_n=n, max_concurrent_steps=2, schedule=schedule)
+    cfg = (WS_ROWS256 if schedule == "warp_specialized_rows256"
+           else GroupedMatmulConfig(block_m=64, block_n=n, max_concurrent_steps=2, schedule=schedule))
     lhs, _, gs = _inputs(m, 128, n, sizes, jnp.bfloat16, seed=5)
     values, _ = _mxfp8_weights(len(sizes), 128, n, seed=6)
     scales = jnp.asarray(np.random.default_rng(7).integers(100, 140, size=(len(sizes), 128 // 32, n)), jnp.uint8)
@@ -573,7 +624,7 @@ def test_mxfp8_reference_is_the_checkpoint_dequantisation():
     assert "multiple of 8" in mxfp8_unsupported_reason(64, 128, 128, 2, 32)  # groups of 4 inputs
 
 
-@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["pipeline", "warp_specialized", "warp_specialized_rows256"])
 def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     # M3's expert down projection (F = 3072 -> D = 6144) for a 4096-token prefill chunk, and decode rows
     # (64-row tiles): fp8 tiles + scale rows by TMA, dequantised in registers, wgmma (sm_90a).
@@ -581,6 +632,8 @@ def test_mxfp8_lowers_for_cuda_at_m3_shapes(schedule):
     configs = list(zip((16384, 32), M3_CONFIGS[schedule]))
     if schedule == "warp_specialized":  # consumers of 64 fp8 columns (64-byte swizzle)
         configs.append((16384, GroupedMatmulConfig(block_n=128, schedule="warp_specialized")))
+    if schedule == "warp_specialized_rows256":  # and on two-CTA clusters (the lhs tile multicast)
+        configs.append((16384, dataclasses.replace(M3_CONFIGS[schedule][0], cluster=2)))
     for m, cfg in configs:
         args = (jax.ShapeDtypeStruct((m, 3072), jnp.bfloat16), jax.ShapeDtypeStruct((128, 3072, 6144), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((128, 96, 6144), jnp.uint8), jax.ShapeDtypeStruct((128,), jnp.int32))
@@ -739,9 +792,15 @@ def test_layer_config_per_regime(monkeypatch):
     # Machine: any: host-side config choice for the current target (Hopper off the GPU and on the H200)
     from m3jax.pallas.grouped_matmul import kernel, layer_config
 
-    # the H200's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill, pipelined decode in 64-row tiles
-    prefill, prefill_mx = layer_config(32768, 6144, 3072, 128), layer_config(32768, 6144, 3072, 128, 192)
+    # the H200's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill, pipelined decode in 64-row tiles;
+    # prefill at a 4096-token chunk (128 rows per expert) on 128 x 256 tiles, from 192 rows per expert
+    # (8192 tokens: 256) on the 256-row tiles
+    prefill, prefill_mx = layer_config(16384, 6144, 3072, 128), layer_config(16384, 6144, 3072, 128, 192)
     assert prefill == prefill_mx == GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
+    rows256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
+    assert kernel.PREFILL_ROWS256 == rows256
+    assert layer_config(32768, 6144, 3072, 128) == layer_config(32768, 3072, 6144, 128, 96) == rows256
+    assert layer_config(192 * 128, 6144, 3072, 128) == rows256 != layer_config(192 * 128 - 1, 6144, 3072, 128)
     assert layer_config(4, 6144, 3072, 128) == GroupedMatmulConfig(block_m=64)
     # MXFP8 at decode rows (<= 64, <= 8 per group on average): the gemv schedule, K split into parts of
     # 768 rows or more parts where too few CTAs would run (gemv.decode_split)

@@ -130,6 +130,8 @@ def unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int, config) ->
         return f"block_n={config.block_n}, block_k={config.block_k}: the gemv schedule runs {BLOCK_N} x {BLOCK_K}"
     if n % BLOCK_N:
         return f"N={n} must be a multiple of {BLOCK_N}"
+    if config.cluster != 1:
+        return f"cluster={config.cluster}: the gemv schedule runs no clusters"
     if config.split_k < 1 or k % (config.split_k * BLOCK_K):
         return f"K={k} must be a multiple of split_k * block_k = {config.split_k} * {BLOCK_K}"
     group = k // k_groups

@@ -43,8 +43,9 @@ Design (Hopper, ``Target.HOPPER``):
   ``jax.lax.ragged_dot``'s VJP (a transposed grouped-GEMM kernel is the next step for training).
 
 Limits (``unsupported_reason``): ``K % block_k == 0``, ``N % block_n == 0``, ``block_m`` 64 or
-128, ``block_n`` a multiple of 64 up to 256 and ``block_m * block_n <= 128 * 128`` (one
-warpgroup holds the fp32 accumulator in 128 registers per thread).
+128 (256 on the warp-specialised schedule with ``wg_split="m"``), ``block_n`` a multiple of 64 up to
+256 and ``block_m * block_n <= 128 * 128`` (one warpgroup holds the fp32 accumulator in 128 registers
+per thread).
 
 The persistent, warp-specialised variant (``GroupedMatmulConfig(schedule="warp_specialized")``,
 :mod:`.persistent`: one CTA per SM over the work items, a TMA producer warpgroup and two consumer
@@ -87,8 +88,9 @@ ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
-    """Tile configuration. ``block_m``: rows per tile (64 or 128); ``block_n``: output columns per
-    CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512, multiple of 128); ``block_k``: K
+    """Tile configuration. ``block_m``: rows per tile (64 or 128; 256 warp-specialised with ``wg_split="m"``);
+    ``block_n``: output columns per CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512,
+    multiple of 128; with ``wg_split="m"`` 64..256, multiple of 64, and at most 128 at ``block_m=256``); ``block_k``: K
     per pipeline step (64 = one 128-byte swizzled bf16 row); ``max_concurrent_steps``: K steps in flight
     (capped by SMEM).
 
@@ -98,7 +100,12 @@ class GroupedMatmulConfig:
     tiles; Hopper only). ``split_k``: K parts of each work item, summed in fp32 by XLA
     (``"warp_specialized"`` only; for decode, where the few rows per expert give too few items).
     ``wg_split`` (``"warp_specialized"`` only): how the two consumers share the CTA tile, ``"n"``
-    (half the columns each) or ``"m"`` (64 rows each, bf16 weights, ``block_m=128``)."""
+    (half the columns each) or ``"m"`` (``block_m / 2`` rows each, in 64-row chunks that are multiplied
+    only where they hold rows of the visit; ``block_m`` 128, or 256 with ``block_n <= 128``: the 256-row
+    tiles, one weight tile per K step for up to 256 of an expert's rows, ``PREFILL_ROWS256``).
+    ``cluster`` (``"warp_specialized"`` only): CTAs per cluster, 1 or 2; with 2 a cluster's CTAs take
+    adjacent N tiles of the same visit and load its lhs tile once between them (TMA multicast, each
+    CTA half of it)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -107,6 +114,7 @@ class GroupedMatmulConfig:
     schedule: str = "pipeline"
     split_k: int = 1
     wg_split: str = "n"
+    cluster: int = 1
 
 
 # The MoE layer's schedule per regime (decode: at most 64 rows per expert on average): at prefill
@@ -115,6 +123,14 @@ class GroupedMatmulConfig:
 # decode on the warp-specialised schedule (benchmarks/RESULTS.md#gmm-schedules).
 LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
+# Warp-specialised prefill with at least this many rows per expert on average takes the 256-row tiles
+# (PREFILL_ROWS256: consumers of 128 rows in 64-row chunks, block_n 128): one weight tile per K step
+# then serves all of a ~256-row expert's rows, a group's few remaining rows go in a short 128-row visit,
+# and the MMAs skip 64-row chunks without rows, where the 128 x 256 tile multiplies whole 128-row tiles
+# (~1.3x the rows at ~256 per expert, each weight tile streamed per visit). Below it the 128 x 256 tile
+# (the one measured, benchmarks/RESULTS.md#mxfp8-prefill-gemms) until a measurement moves the line.
+ROWS256_MIN_ROWS_PER_GROUP = 192
+PREFILL_ROWS256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
 # MXFP8 decode where the pipeline's CTAs (one per 128 columns of each expert with rows, each converting
 # its whole K of fp8 tiles) are fewer than the SMs, past the gemv schedule's rows (below; a dense weight's
 # 9-64 rows, one group). There the warp-specialised schedule splits K until there are MXFP8_DECODE_ITEMS_PER_SM work
@@ -135,8 +151,9 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None, we
     """The MoE layer's config for ``[m, k] x [g, k, n]`` (``k_groups``: MXFP8 weights' scale rows; ``weights``:
     how many such weights times the same rows one launch takes, ``grouped_matmuls_mxfp8``):
     the gemv schedule for MXFP8 at decode rows (``GEMV_MAX_ROWS``, ``ROWS_PER_GEMV_GROUP``), else
-    ``LAYER_SCHEDULE``'s for the regime, split-K on the warp-specialised schedule for MXFP8 decode that
-    would leave SMs idle (``_mxfp8_decode_split``), the pipeline's where those cannot take the shape."""
+    ``LAYER_SCHEDULE``'s for the regime (prefill from ``ROWS256_MIN_ROWS_PER_GROUP`` rows per expert:
+    ``PREFILL_ROWS256``), split-K on the warp-specialised schedule for MXFP8 decode that would leave SMs
+    idle (``_mxfp8_decode_split``), the pipeline's where those cannot take the shape."""
     decode = m <= 64 * g  # few rows per expert: 64-row tiles waste less of each tile
     if k_groups and m <= min(GEMV_MAX_ROWS, ROWS_PER_GEMV_GROUP * g):
         cfg = GroupedMatmulConfig(block_m=64, block_n=gemv.BLOCK_N, block_k=gemv.BLOCK_K, schedule="gemv",
@@ -152,13 +169,16 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None, we
     if LAYER_SCHEDULE["decode" if decode else "prefill"] == "warp_specialized":
         if decode:
             split = next(s for s in (DECODE_SPLIT_K, 2, 1) if k % (s * 64) == 0)
-            cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)
-        else:  # the consumers split N (faster than rows in bf16; MXFP8 needs it: each converts its own columns)
-            cfg = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
-        reason = (mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) if k_groups
-                  else unsupported_reason(m, k, n, g, cfg))
-        if reason is None:
-            return cfg
+            candidates = [GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)]
+        else:  # 128 x 256: the consumers split N (faster than split rows in bf16, RESULTS.md#gmm-schedules)
+            candidates = [GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")]
+            if m >= ROWS256_MIN_ROWS_PER_GROUP * g:
+                candidates.insert(0, PREFILL_ROWS256)
+        for cfg in candidates:
+            reason = (mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) if k_groups
+                      else unsupported_reason(m, k, n, g, cfg))
+            if reason is None:
+                return cfg
     return GroupedMatmulConfig(block_m=64 if decode else 128)
 
 
@@ -182,14 +202,17 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
     c = config or GroupedMatmulConfig()
     if c.schedule == "gemv":
         return "the gemv schedule takes MXFP8 weights only (grouped_matmul_mxfp8)"
+    if c.schedule == "warp_specialized" and c.block_m == 256:  # two consumers of 128 rows (persistent)
+        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.block_m not in (64, 128):
-        return f"block_m={c.block_m} must be 64 or 128"
+        return f"block_m={c.block_m} must be 64 or 128 (256: schedule='warp_specialized', wg_split='m')"
     if c.schedule == "warp_specialized":
-        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, c)
+        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.schedule != "pipeline":
         return f"schedule={c.schedule!r} must be 'pipeline', 'warp_specialized' or 'gemv' (MXFP8)"
-    if c.split_k != 1 or c.wg_split != "n":
-        return f"split_k={c.split_k}, wg_split={c.wg_split!r}: the pipeline schedule has one warpgroup and no K split"
+    if c.split_k != 1 or c.wg_split != "n" or c.cluster != 1:
+        return (f"split_k={c.split_k}, wg_split={c.wg_split!r}, cluster={c.cluster}: the pipeline schedule has one "
+                "warpgroup, no K split and no clusters")
     if c.block_n % 64 or not 64 <= c.block_n <= 256:
         return f"block_n={c.block_n} must be a multiple of 64 in [64, 256]"
     if reason := arch_module(hopper, blackwell).tile_reason(c.block_m, c.block_n):
@@ -452,10 +475,7 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
         return f"scale group of {group} inputs must divide block_k={c.block_k} (one K step holds whole groups)"
     if group % 8:
         return f"scale group of {group} inputs must be a multiple of 8 (the conversion takes whole 8-row SMEM tiles)"
-    reason = unsupported_reason(m, k, n, g, c)
-    if reason is None and c.schedule == "warp_specialized":
-        return persistent.unsupported_reason(k, c, mxfp8=True)
-    return reason
+    return unsupported_reason(m, k, n, g, c)
 
 
 def _check_mxfp8(lhs, values, scales, group_sizes, config: GroupedMatmulConfig) -> None:
