@@ -6,16 +6,20 @@ Given the forward's output O and natural-log LSE, per (query, head) ``D = rowsum
 (query t selected key block j) with P = exp(S - LSE) over the block's visible keys:
 ``dV_j += P^T dO``, ``dS = P * (dO V_j^T - D)``, ``dK_j += dS^T Q / sqrt(H)``, ``dQ_t += dS K_j / sqrt(H)``.
 
-1. :func:`.csr.build_work` inverts the selections (in ``KEY_BLOCK``-key sub-blocks) into work items
-   of at most ``tiles_per_item`` tiles of one (KV head, batch, block) row (:func:`item_tiles`: half of
-   a persistent CTA's share, so the long rows of a local-heavy selection are spread over CTAs).
+1. :func:`.csr.build_work` inverts the selections (in ``kb``-key item blocks) into work items of at
+   most ``tiles_per_item`` tiles of one (KV head, batch, block) row (:func:`item_tiles`: half of a
+   persistent CTA's share, so the long rows of a local-heavy selection are spread over CTAs).
 2. A persistent kernel (grid = SMs) loads an item's K and V block once and streams its Q and dO tiles
    (``tq`` tokens x ``gp`` heads, gathered per token by TMA into a ring, with the rows' LSE and D from
-   edge-space arrays). Per tile, keys on the MMA rows (S^T = K Q^T, dP^T = V dO^T: the accumulators
-   dK, dV [kb, H] stay in registers across the item's tiles) and P^T, dS^T through SMEM as the 16-bit
-   A operands of dV += P^T dO, dK += dS^T Q and, transposed, dQ_e = dS K. The item ends by writing
-   its fp32 dK and dV partials once, to its own slot; XLA sums a row's items in a fixed order (no
-   atomics, so the sum is deterministic), and a block no query selected gets zeros.
+   edge-space arrays). ``wgs`` consumer warpgroups own ``KEY_BLOCK`` keys each of the ``kb``-key
+   block (two at M3's width: one gather per tile serves 128 keys; warpgroup 0 issues the loads). Per
+   tile and warpgroup, keys on the MMA rows (S^T = K Q^T, dP^T = V dO^T: the accumulators dK, dV
+   [KEY_BLOCK, H] stay in registers across the item's tiles), P^T from registers (SMEM in interpret
+   mode) as the A operand of dV += P^T dO, and dS^T through SMEM as the 16-bit A operand of
+   dK += dS^T Q and, transposed, of dQ_e = dS K: each warpgroup computes H / wgs of dQ's columns over
+   all the block's keys, after a barrier that makes both warpgroups' dS^T tiles visible. The item
+   ends by writing its fp32 dK and dV partials once, to its own slot; XLA sums a row's items in a
+   fixed order (no atomics, so the sum is deterministic), and a block no query selected gets zeros.
 3. dQ: each edge's partial [gp, H] (the input dtype; fp32 for fp32) is staged by padded edge, as the
    forward stages its O partials, and XLA sums a query's slots in fp32 (a gather + reduce like the forward's combine). A separate
    query-major dQ kernel would re-read every selected K/V block once per query token, the memory
