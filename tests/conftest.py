@@ -25,6 +25,15 @@ from m3jax.pallas.tolerances import TOL as TOLERANCES
 # futex waits).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
+# Kernels with several warpgroups (the warp-specialised grouped GEMM, the two-warpgroup MSA backward)
+# run in interpret mode as one thread per warpgroup, each executing its kernel body as an XLA program
+# whose barrier waits are blocking host callbacks. XLA's CPU client runs those programs on a worker
+# pool of one thread per core: on two cores the interpreter's own callback and one waiting warpgroup
+# fill it, the warpgroup it waits for never runs, and the test hangs (the two-warpgroup backward hung in
+# about 1 run in 3; in 0 of 10 with a pool of 8). PJRT_NPROC sizes the pool when the CPU client starts,
+# which is after this file is imported.
+os.environ.setdefault("PJRT_NPROC", "8")
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("M3JAX_FIXTURES", Path(__file__).parent / "fixtures"))
 ORACLE_CONFIGS = ("text_mixed", "text_wide_block", "image", "video", "mxfp8", "kernel_g8", "kernel_g2")

@@ -11,11 +11,6 @@ fallback to the reference gradient where the kernel cannot run.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,27 +23,6 @@ from m3jax.pallas.sparse_attention import SparseAttentionConfig, backward, refer
 from m3jax.pallas.tolerances import TOL
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-ROOT = Path(__file__).resolve().parents[2]
-
-# Two warpgroups in interpret mode are two threads, each running its kernel body as an XLA program whose
-# barrier waits are blocking host callbacks. XLA's CPU client runs those programs on its worker pool, one
-# thread per core: on CI's two cores the interpreter's own callback and one waiting warpgroup fill the
-# pool, the other warpgroup never runs, and the test hangs (seen here in about 1 run in 3; in 0 of 10 with
-# a larger pool). PJRT_NPROC sizes that pool; it is read when JAX starts, so such a case reruns itself in
-# a subprocess with it set.
-POOL_THREADS = "8"
-
-
-def rerun_with_larger_pool(request) -> bool:
-    """In interpret mode with the default pool: run this test in a subprocess whose CPU client has
-    POOL_THREADS worker threads (True: it ran and passed there)."""
-    if _backend.on_gpu() or os.environ.get("PJRT_NPROC") == POOL_THREADS:
-        return False
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                         cwd=ROOT, env=dict(os.environ, PJRT_NPROC=POOL_THREADS), capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    return True
 
 
 def random_selection(rng, b, kh, t, q_pos, bs, topk):
@@ -129,16 +103,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("g,kh,h,bs,dtype,selection,b,with_lse,tpi,stages,wgs", CASES)
-def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, with_lse, tpi, stages, wgs, request):
-    # Machine: any: interpret mode on a CPU (two-warpgroup cases in a subprocess, see POOL_THREADS),
-    # compiled for the device on a GPU (the same assertions on both)
+def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, with_lse, tpi, stages, wgs):
+    # Machine: any: interpret mode on a CPU (two warpgroups: two threads, see tests/conftest.py's
+    # PJRT_NPROC), compiled for the device on a GPU (the same assertions on both)
     config = SparseAttentionConfig(backward_tiles_per_item=tpi, backward_stages=stages, backward_warpgroups=wgs)
     assert backward.unsupported_reason(num_heads=g * kh, num_kv_heads=kh, head_dim=h, block_size=bs,
                                        dtype=jnp.dtype(dtype).name, config=config) is None  # the kernel, not the fallback
     plan = backward.plan_backward(n=g * kh, kh=kh, h=h, block_size=bs, dtype=dtype, cfg=config)
     assert plan.wgs == (wgs or (2 if bs % 128 == 0 and h % 128 == 0 and dtype != F32 else 1))
-    if plan.wgs > 1 and rerun_with_larger_pool(request):
-        return
     q, k, v, bi, qp, do = make_case(g=g, kh=kh, h=h, bs=bs, dtype=dtype, selection=selection, b=b,
                                     t=5 if tpi is None else 40, prefix_blocks=2 if bs < 256 else 1)
     assert (bi < 0).any(), "the case should have empty slots"
