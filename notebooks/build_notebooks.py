@@ -195,8 +195,8 @@ NOTEBOOKS_02 = {
                "`experiments/2026-12-05_block_topk_retrained/retrain.py` retrains the indexer (`indexer_only`, main "
                "weights frozen) at each block size and scores the same cells on the same rows; top: the shipped "
                "indexer, bottom: the retrained one (README there: hypothesis, run, outcome). The committed run "
-               "covers 7 of the 9 cells through the shipped one: the block-64 row and block 32 × 8 (the README's "
-               "Outcome says why blocks 128 and 256 are missing)."),
+               "covers the 9 cells through the shipped one: the block-64 row and the top-8 column (blocks 32, "
+               "64, 128 and 256)."),
         ("code", "retrained = EXPERIMENTS / '2026-12-05_block_topk_retrained'\n"
                  "side, png = retrained / 'results' / 'side_by_side.md', retrained / 'plots' / 'retrained_vs_inference.png'\n"
                  "if side.exists() and png.exists():\n"
