@@ -26,9 +26,9 @@ and down (K = 3072 -> N = 6144), 128 experts.
 Variants: ``pipeline`` (the one-warpgroup kernel, non-persistent grid; the MoE layer's bf16 config at
 decode: block_m 64, block_n 128) and ``ws`` (``warp_specialized``: persistent, TMA producer + two
 consumer warpgroups, group-aligned tiles, ``split_k`` for decode; block_m 128, block_n 256 is the
-layer's prefill tile below 192 rows per expert); ``ws-rows``: the consumers split the rows,
+layer's prefill tile); ``ws-rows``: the consumers split the rows,
 ``wg_split="m"``, in 64-row chunks multiplied only where they hold rows; ``ws-rows bm256 bn128``: the
-256-row tiles (``PREFILL_ROWS256``, the layer's from 192 rows per expert: one weight tile per K step
+256-row tiles (``PREFILL_ROWS256``, opt-in: one weight tile per K step
 for all of a ~256-row expert's rows, a group's last few rows in a 128-row visit; ``--cluster`` adds them
 on two-CTA clusters, adjacent N tiles loading their shared lhs tile once by TMA multicast). "(layer)" marks the
 variant ``layer_config`` picks for the shape; at decode the first variant is the layer's bf16 config,

@@ -99,8 +99,10 @@ SPILL_ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("canary grouped_matmul@bf16-mxfp8 [1]", "sm_90a"): (12, _WS_SPILL),  # bf16, the layer's 128 x 256 prefill tile
     ("canary grouped_matmul@bf16-mxfp8 [4]", "sm_90a"): (28, _WS_SPILL),  # MXFP8, the same
     ("canary grouped_matmul@bf16-mxfp8 [5]", "sm_90a"): (16, _ROWS256_SPILL),  # MXFP8, the 256-row tiles
-    ("m3 grouped_matmul prefill", "sm_90a"): (24, _ROWS256_SPILL),  # 512 rows per expert: the 256-row tiles
-    ("m3 grouped_matmul prefill mxfp8", "sm_90a"): (28, _ROWS256_SPILL),
+    ("m3 grouped_matmul prefill", "sm_90a"): (12, _WS_SPILL),  # the layer's 128 x 256 prefill tile
+    ("m3 grouped_matmul prefill mxfp8", "sm_90a"): (28, _WS_SPILL),
+    ("m3 grouped_matmul prefill 256-row tiles", "sm_90a"): (24, _ROWS256_SPILL),  # opt-in PREFILL_ROWS256
+    ("m3 grouped_matmul prefill 256-row tiles mxfp8", "sm_90a"): (28, _ROWS256_SPILL),
     ("m3 grouped_matmul prefill 4096-token chunk", "sm_90a"): (12, _WS_SPILL),  # 128 rows per expert: 128 x 256
     ("m3 grouped_matmul prefill 4096-token chunk mxfp8", "sm_90a"): (28, _WS_SPILL),
     ("m3 grouped_matmul prefill cluster", "sm_90a"): (160, _CLUSTER_SPILL),
@@ -138,8 +140,11 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32))})
-# the 256-row tiles on two-CTA clusters (opt-in, GroupedMatmulConfig.cluster; Hopper only), 8192 tokens
-_CLUSTER = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m", cluster=2)
+# the opt-in 256-row tiles, alone and on two-CTA clusters (GroupedMatmulConfig.cluster; Hopper only), 8192 tokens
+_ROWS256 = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
+_CLUSTER = dict(_ROWS256, cluster=2)
+CASES.update({f"m3 grouped_matmul prefill 256-row tiles{' mxfp8' * mx}": (
+    "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_ROWS256))) for mx in (False, True)})
 CASES.update({f"m3 grouped_matmul prefill cluster{' mxfp8' * mx}": (
     "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_CLUSTER))) for mx in (False, True)})
 CASES.update({f"canary {c.name}": (c.kernel, lambda c=c: (c.run, ())) for c in canaries.CANARIES.values()})

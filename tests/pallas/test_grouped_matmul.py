@@ -792,15 +792,13 @@ def test_layer_config_per_regime(monkeypatch):
     # Machine: any: host-side config choice for the current target (Hopper off the GPU and on the H200)
     from m3jax.pallas.grouped_matmul import kernel, layer_config
 
-    # the H200's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill, pipelined decode in 64-row tiles;
-    # prefill at a 4096-token chunk (128 rows per expert) on 128 x 256 tiles, from 192 rows per expert
-    # (8192 tokens: 256) on the 256-row tiles
+    # the H200's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill on 128 x 256 tiles at any row
+    # count (the 256-row tiles are opt-in, kernel.PREFILL_ROWS256), pipelined decode in 64-row tiles
     prefill, prefill_mx = layer_config(16384, 6144, 3072, 128), layer_config(16384, 6144, 3072, 128, 192)
     assert prefill == prefill_mx == GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
-    rows256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
-    assert kernel.PREFILL_ROWS256 == rows256
-    assert layer_config(32768, 6144, 3072, 128) == layer_config(32768, 3072, 6144, 128, 96) == rows256
-    assert layer_config(192 * 128, 6144, 3072, 128) == rows256 != layer_config(192 * 128 - 1, 6144, 3072, 128)
+    assert layer_config(32768, 6144, 3072, 128) == layer_config(32768, 3072, 6144, 128, 96) == prefill
+    assert kernel.PREFILL_ROWS256 == GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized",
+                                                         wg_split="m")
     assert layer_config(4, 6144, 3072, 128) == GroupedMatmulConfig(block_m=64)
     # MXFP8 at decode rows (<= 64, <= 8 per group on average): the gemv schedule, K split into parts of
     # 768 rows or more parts where too few CTAs would run (gemv.decode_split)

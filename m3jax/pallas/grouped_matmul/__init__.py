@@ -14,9 +14,8 @@ shape times the same rows (an MLP's gate and up), one launch on the gemv schedul
 and groups, in one gemv launch (a decode step's shared expert beside the routed experts).
 
 ``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`),
-``"warp_specialized"`` (:mod:`.persistent`; ``PREFILL_ROWS256`` its 256-row tiles) or, MXFP8 weights at
-decode rows, ``"gemv"`` (:mod:`.gemv`); ``layer_config`` is the MoE layer's choice per shape (the 256-row
-tiles for prefill from ``ROWS256_MIN_ROWS_PER_GROUP`` rows per expert).
+``"warp_specialized"`` (:mod:`.persistent`; ``PREFILL_ROWS256`` its opt-in 256-row tiles) or, MXFP8
+weights at decode rows, ``"gemv"`` (:mod:`.gemv`); ``layer_config`` is the MoE layer's choice per shape.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from m3jax.pallas.grouped_matmul import kernel as _kernel
 from m3jax.pallas.grouped_matmul import reference as _reference
 from m3jax.pallas.grouped_matmul.kernel import (
     PREFILL_ROWS256,
-    ROWS256_MIN_ROWS_PER_GROUP,
     GroupedMatmulConfig,
     layer_config,
     mxfp8_unsupported_reason,
@@ -34,7 +32,7 @@ from m3jax.pallas.grouped_matmul.kernel import (
 )
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["PREFILL_ROWS256", "ROWS256_MIN_ROWS_PER_GROUP", "GroupedMatmulConfig", "dequantize_mxfp8",
+__all__ = ["PREFILL_ROWS256", "GroupedMatmulConfig", "dequantize_mxfp8",
            "gemv_launch_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8", "layer_config",
            "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 

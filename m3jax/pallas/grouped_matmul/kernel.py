@@ -123,13 +123,11 @@ class GroupedMatmulConfig:
 # decode on the warp-specialised schedule (benchmarks/RESULTS.md#gmm-schedules).
 LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
-# Warp-specialised prefill with at least this many rows per expert on average takes the 256-row tiles
-# (PREFILL_ROWS256: consumers of 128 rows in 64-row chunks, block_n 128): one weight tile per K step
-# then serves all of a ~256-row expert's rows, a group's few remaining rows go in a short 128-row visit,
-# and the MMAs skip 64-row chunks without rows, where the 128 x 256 tile multiplies whole 128-row tiles
-# (~1.3x the rows at ~256 per expert, each weight tile streamed per visit). Below it the 128 x 256 tile
-# (the one measured, benchmarks/RESULTS.md#mxfp8-prefill-gemms) until a measurement moves the line.
-ROWS256_MIN_ROWS_PER_GROUP = 192
+# The 256-row tiles (consumers of 128 rows in 64-row chunks, block_n 128): one weight tile per K step
+# serves all of a ~256-row expert's rows, a group's few remaining rows go in a short 128-row visit, and
+# the MMAs skip 64-row chunks without rows, where the 128 x 256 tile multiplies whole 128-row tiles. An
+# opt-in config (``config=PREFILL_ROWS256``) until a GPU measurement of its speed
+# (benchmarks/moe_grouped_matmul.py) decides whether the layer picks it.
 PREFILL_ROWS256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
 # MXFP8 decode where the pipeline's CTAs (one per 128 columns of each expert with rows, each converting
 # its whole K of fp8 tiles) are fewer than the SMs, past the gemv schedule's rows (below; a dense weight's
@@ -151,9 +149,8 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None, we
     """The MoE layer's config for ``[m, k] x [g, k, n]`` (``k_groups``: MXFP8 weights' scale rows; ``weights``:
     how many such weights times the same rows one launch takes, ``grouped_matmuls_mxfp8``):
     the gemv schedule for MXFP8 at decode rows (``GEMV_MAX_ROWS``, ``ROWS_PER_GEMV_GROUP``), else
-    ``LAYER_SCHEDULE``'s for the regime (prefill from ``ROWS256_MIN_ROWS_PER_GROUP`` rows per expert:
-    ``PREFILL_ROWS256``), split-K on the warp-specialised schedule for MXFP8 decode that would leave SMs
-    idle (``_mxfp8_decode_split``), the pipeline's where those cannot take the shape."""
+    ``LAYER_SCHEDULE``'s for the regime, split-K on the warp-specialised schedule for MXFP8 decode that
+    would leave SMs idle (``_mxfp8_decode_split``), the pipeline's where those cannot take the shape."""
     decode = m <= 64 * g  # few rows per expert: 64-row tiles waste less of each tile
     if k_groups and m <= min(GEMV_MAX_ROWS, ROWS_PER_GEMV_GROUP * g):
         cfg = GroupedMatmulConfig(block_m=64, block_n=gemv.BLOCK_N, block_k=gemv.BLOCK_K, schedule="gemv",
@@ -172,8 +169,6 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None, we
             candidates = [GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)]
         else:  # 128 x 256: the consumers split N (faster than split rows in bf16, RESULTS.md#gmm-schedules)
             candidates = [GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")]
-            if m >= ROWS256_MIN_ROWS_PER_GROUP * g:
-                candidates.insert(0, PREFILL_ROWS256)
         for cfg in candidates:
             reason = (mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) if k_groups
                       else unsupported_reason(m, k, n, g, cfg))
