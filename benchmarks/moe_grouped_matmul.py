@@ -21,7 +21,8 @@ and down (K = 3072 -> N = 6144), 128 experts.
   default (the MoE layer's bf16 decode config today; target <= 0.6). MXFP8 weights at decode rows run
   the gemv schedule instead (``layer_config``), which has no bf16 counterpart:
   ``benchmarks/mxfp8_gemv.py`` and ``benchmarks/mxfp8_resident.py`` measure it.
-* Every result: relative L2 against ``jax.lax.ragged_dot`` on the dequantised weights.
+* Every result: relative L2 against ``jax.lax.ragged_dot`` on the dequantised weights (at prefill the same
+  products one expert at a time, :func:`expert_by_expert`, to fit an H100's memory).
 
 Variants: ``pipeline`` (the one-warpgroup kernel, non-persistent grid; the MoE layer's bf16 config at
 decode: block_m 64, block_n 128) and ``ws`` (``warp_specialized``: persistent, TMA producer + two
@@ -163,6 +164,23 @@ def _variant(lhs, values, scales, w_bf16, gs, cfg, iters: int, ref) -> dict:
     return out
 
 
+@jax.jit
+def expert_by_expert(lhs, w, gs):
+    """``jax.lax.ragged_dot(lhs, w, gs)`` in fp32, one expert's dense product at a time (rows of other
+    experts masked, rows past the sum zero). At M3's prefill widths XLA's GPU ragged_dot ran out of an
+    H100's memory next to the benchmark's weights (benchmarks/RESULTS.md#gmm-rows256); this keeps one
+    [M, N] product live."""
+    row_expert = jnp.searchsorted(jnp.cumsum(gs), jnp.arange(lhs.shape[0]), side="right")
+
+    def one(out, expert_w):
+        e, we = expert_w
+        prod = jnp.dot(lhs, we, preferred_element_type=jnp.float32)
+        return jnp.where((row_expert == e)[:, None], prod, out), None
+
+    out = jnp.zeros((lhs.shape[0], w.shape[2]), jnp.float32)
+    return jax.lax.scan(one, out, (jnp.arange(w.shape[0]), w))[0]
+
+
 def bench_prefill(shape, variants, iters: int, bandwidth: float) -> list[dict]:
     gs = router_group_sizes(shape["tokens"], shape["topk"], shape["experts"])
     m, g = shape["tokens"] * shape["topk"], shape["experts"]
@@ -173,7 +191,7 @@ def bench_prefill(shape, variants, iters: int, bandwidth: float) -> list[dict]:
         lhs = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.bfloat16)
         dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
         dense_ms = _time_ms(dense, lhs, w[0], iters=iters)
-        ref = jax.lax.ragged_dot(lhs, w, gs, preferred_element_type=jnp.float32)
+        ref = expert_by_expert(lhs, w, gs)
         # every expert's weights read once (each has rows at these sizes)
         floor = {"bf16": 1e3 * g * k * n * 2 / bandwidth, "mxfp8": 1e3 * g * k * n * (1 + 1 / 32) / bandwidth}
         layer = {"bf16": layer_config(m, k, n, g), "mxfp8": layer_config(m, k, n, g, scales.shape[1])}
