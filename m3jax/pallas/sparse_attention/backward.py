@@ -258,11 +258,13 @@ def _body(plan: BackwardPlan, dtype):
             """Warpgroup i's slot of a per-warpgroup scratch ref (no leading axis with one warpgroup)."""
             return parts(ref, n_parts) if wgs == 1 else [r.at[i] for r in parts(ref, n_parts)]
 
+        def span(i, size):
+            """Warpgroup i's ``size``-wide slice (``i`` static, or the warpgroup's axis index)."""
+            return pl.ds(i * size if isinstance(i, int) else pl.multiple_of(i * size, size), size)
+
         def keys(tile, u):
             """Warpgroup u's KEY_BLOCK keys of an item's [kb, H] K or V tile."""
-            if wgs == 1:
-                return tile
-            return tile.at[pl.ds(u * kw if isinstance(u, int) else pl.multiple_of(u * kw, kw), kw)]
+            return tile if wgs == 1 else tile.at[span(u, kw)]
 
         p_mine = None if not plan.stage_p else p_smem if wgs == 1 else p_smem.at[wg]
         out_mine = out_smem if wgs == 1 else out_smem.at[wg]
@@ -338,7 +340,7 @@ def _body(plan: BackwardPlan, dtype):
                     plgpu.barrier_arrive(ds_bar)
                     plgpu.barrier_wait(ds_bar)
                 # dQ_e = dS K over the block's keys, this warpgroup's columns of it
-                my_cols = pl.ds(pl.multiple_of(wg * cols, cols), cols) if wgs > 1 else None
+                my_cols = span(wg, cols) if wgs > 1 else None
                 dq = _mm((m, cols), [(mine(ds_smem, u * 2 + buf)[a].transpose((1, 0)),
                                       k_tiles[c] if wgs == 1 else keys(k_tiles[c], u).at[:, my_cols])
                                      for u in range(wgs) for a, c in prods])
@@ -364,7 +366,7 @@ def _body(plan: BackwardPlan, dtype):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     kv_mine[...] = grad[:, c0 : c0 + cols] * mult if wgs > 1 else grad * mult
                     plgpu.commit_smem()
-                    at = (w,) if wgs == 1 else (w, pl.ds(pl.multiple_of(wg * kw, kw), kw), pl.ds(c0, cols))
+                    at = (w,) if wgs == 1 else (w, span(wg, kw), pl.ds(c0, cols))
                     plgpu.copy_smem_to_gmem(kv_mine, ref.at[at])
             if wgs > 1:
                 plgpu.barrier_arrive(item_bar)
