@@ -146,6 +146,22 @@ def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, *, cfg: M
     return lm_head(params, h[0, last]), cache
 
 
+def embed_chunk(embed, ids, n):
+    """Embeddings [1, C, D] of a chunk's token ids [1, C] (int32, checked in range), rows from ``n`` on
+    zero (the padding of a chunk shorter than its compiled size)."""
+    rows = jnp.arange(ids.shape[1])[None, :, None]
+    return jnp.where(rows < n, jnp.take(embed, ids, axis=0), jnp.zeros((), embed.dtype))
+
+
+def first_tokens(row_logits, key_data, *, sampling: SamplingParams):
+    """The first sampled token of every row from its prefill's fp32 logits (``row_logits``: B arrays
+    [V]): returns (logits [B, V], tokens [B], whether each row's logits are all finite [B], key data
+    after the split the token was sampled with)."""
+    logits = jnp.stack(row_logits)
+    key, sub = jax.random.split(jax.random.wrap_key_data(key_data))
+    return logits, sample(logits, sub, sampling), jnp.isfinite(logits).all(-1), jax.random.key_data(key)
+
+
 def decode_steps(params, cache: PagedCache, tokens, positions, key_data, *, cfg: M3Config,
                  sampling: SamplingParams, steps: int, with_logits: bool):
     """``steps`` decode steps for every sequence, sampled on the device. tokens, positions: int32 [B]
@@ -233,6 +249,8 @@ class Engine:
         # here, not through the AOT cache, whose key hashes every parameter leaf's shape and sharding on
         # every lookup (hundreds of leaves per model).
         self._prefill_programs: dict[tuple[int, int], Callable] = {}
+        self._embed_programs: dict[int, Callable] = {}  # by chunk size
+        self._first_programs: dict[SamplingParams, Callable] = {}  # by sampling mode
         # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated (and logits
         # come out so under a mesh), and the decode loop's small arrays on the engine's devices (nothing
         # moves host-to-device per call).
@@ -330,6 +348,18 @@ class Engine:
             fn = self._prefill_programs[key_pages, size] = aot.compile_all([self._prefill_spec(key_pages, size)])[0]
         return fn
 
+    def _embed_program(self, size: int) -> Callable:
+        fn = self._embed_programs.get(size)
+        if fn is None:
+            fn = self._embed_programs[size] = aot.compile_all([self._embed_spec(size)])[0]
+        return fn
+
+    def _first_program(self, sampling: SamplingParams) -> Callable:
+        fn = self._first_programs.get(sampling)
+        if fn is None:
+            fn = self._first_programs[sampling] = aot.compile_all([self._first_spec(sampling)])[0]
+        return fn
+
     def _decode_spec(self, sampling: SamplingParams, with_logits: bool) -> aot.Program:
         """``decode_steps`` for ``steps_per_call`` steps in ``sampling``'s mode, as the AOT cache compiles it."""
         b = self.batch
@@ -345,6 +375,28 @@ class Engine:
     def _decode_program(self, sampling: SamplingParams, with_logits: bool) -> Callable:
         """The decode program compiled (once per mode: the AOT cache keeps it in memory)."""
         return aot.compile_all([self._decode_spec(sampling, with_logits)])[0]
+
+    def _embed_spec(self, size: int) -> aot.Program:
+        """:func:`embed_chunk` of a chunk of ``size`` token ids, as the AOT cache compiles it."""
+        embed = self.params["text"]["embed"]
+        ids = jax.ShapeDtypeStruct((1, size), jnp.int32)
+        return aot.Program("embed_chunk", embed_chunk, (embed, ids, jax.ShapeDtypeStruct((), jnp.int32)),
+                           out_tree=jax.tree.structure(0), out_shardings=self._replicated)
+
+    def _first_spec(self, sampling: SamplingParams) -> aot.Program:
+        """:func:`first_tokens` for this engine's batch in ``sampling``'s mode, as the AOT cache compiles it."""
+        vocab = self.params["text"]["embed"].shape[0]
+        row = jax.ShapeDtypeStruct((vocab,), jnp.float32, sharding=self._replicated)
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        small = None if self.mesh is None else (self._replicated, *(self._small_sharding,) * 3)
+        return aot.Program("first_tokens", first_tokens, ((row,) * self.batch, key),
+                           out_tree=jax.tree.structure((0, 0, 0, 0)), static={"sampling": sampling},
+                           out_shardings=small)
+
+    @staticmethod
+    def _seed_key_data(seed: int) -> jax.Array:
+        """The raw PRNG key of ``seed`` (``jax.random.key``; its program is compiled in the warmup)."""
+        return jax.random.key_data(jax.random.key(seed))
 
     @_under_mesh
     def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),
@@ -365,11 +417,20 @@ class Engine:
         else:
             wanted = {(w, c) for t in prompt_lens for _, _, w, c in self._prefill_plan(min(t, self.capacity))}
         # Traced one after the other, compiled by XLA side by side (aot.compile_all): at 1M tokens of M3
-        # widths that is ten prefill programs, one per key window, and the decode program.
+        # widths that is ten prefill programs, one per key window, and the decode program; with them the
+        # small programs around them (a chunk's embedding per chunk size, the first token), so that
+        # nothing compiles once generation runs: a compile inside the decode loop was the first
+        # process's decode time over a second process's (which reads them from the disk cache).
         programs = [wc for wc in sorted(wanted) if wc not in self._prefill_programs]
-        *prefill, decode = aot.compile_all([*(self._prefill_spec(*wc) for wc in programs),
-                                            self._decode_spec(sampling, keep_logits)])
-        self._prefill_programs.update(zip(programs, prefill))
+        sizes = sorted({c for _, c in wanted})
+        compiled = aot.compile_all([*(self._prefill_spec(*wc) for wc in programs),
+                                    *(self._embed_spec(c) for c in sizes), self._first_spec(sampling),
+                                    self._decode_spec(sampling, keep_logits)])
+        self._prefill_programs.update(zip(programs, compiled))
+        self._embed_programs.update(zip(sizes, compiled[len(programs):]))
+        self._first_programs[sampling] = compiled[-2]
+        decode = compiled[-1]
+        self._seed_key_data(0)
         t1 = time.perf_counter()
         zeros = jax.device_put(np.zeros((self.batch,), np.int32), self._small_sharding)
         key = jax.device_put(np.zeros((2,), np.uint32), self._small_sharding)
@@ -405,10 +466,16 @@ class Engine:
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens exceeds the context capacity {self.capacity}")
         for start, n, window, size in self._prefill_plan(t):
-            piece = embed[jnp.asarray(prompt[start : start + n])] if by_id else prompt[start : start + n]
-            if n < size:  # pad to the compiled size; pad rows land beyond the prompt and are rewritten later
-                piece = jnp.concatenate([piece, jnp.zeros((size - n, piece.shape[1]), piece.dtype)])
-            piece = jax.device_put(piece[None], self._replicated)
+            # Padded to the compiled size: pad rows land beyond the prompt and are rewritten later.
+            if by_id:  # ids padded on the host, embedded by a compiled program (nothing compiles per prompt)
+                ids = np.zeros((1, size), np.int32)
+                ids[0, :n] = prompt[start : start + n]
+                piece = self._embed_program(size)(embed, ids, np.int32(n))
+            else:
+                piece = prompt[start : start + n]
+                if n < size:
+                    piece = jnp.concatenate([piece, jnp.zeros((size - n, piece.shape[1]), piece.dtype)])
+                piece = jax.device_put(piece[None], self._replicated)
             logits, self.cache = self._prefill_step(window, size)(
                 self.params, self.cache, piece, np.int32(row), np.int32(start), np.int32(n - 1))
             if on_progress:
@@ -462,25 +529,23 @@ class Engine:
                 f"{self.capacity}; raise --ctx or shorten the prompt"
             )
         timings: dict[str, float] = {}
-        key = jax.random.key(seed)
+        key_data = self._seed_key_data(seed)
         t0 = time.perf_counter()
         first_logits = []
         for row, p in enumerate(inputs):
             first_logits.append(self.prefill(row, p, on_progress=on_prefill_progress))
-        logits = jnp.stack(first_logits + [first_logits[0]] * (self.batch - n))
-        key, sub = jax.random.split(key)
-        if not bool(jnp.isfinite(logits[:n]).all()):
-            bad = [i for i in range(n) if not bool(jnp.isfinite(logits[i]).all())]
+        logits, tokens, finite, key_data = self._first_program(sampling)(
+            tuple(first_logits + [first_logits[0]] * (self.batch - n)), key_data)
+        bad = [i for i, ok in enumerate(jax.device_get(finite)[:n]) if not ok]
+        if bad:
             raise FloatingPointError(f"the logits at the end of prompt(s) {bad} hold NaN or infinite values: the "
                                      "weights or the inputs overflow; refusing to sample from them")
-        tokens = sample(logits, sub, sampling)
-        tokens.block_until_ready()
         timings["ttft_s"] = time.perf_counter() - t0
         timings["prefill_tokens"] = sum(lens)
 
         positions = jax.device_put(np.array(lens + [0] * (self.batch - n), np.int32), self._small_sharding)
         tokens = jax.device_put(tokens, self._small_sharding)
-        key_data = jax.device_put(jax.random.key_data(key), self._small_sharding)
+        key_data = jax.device_put(key_data, self._small_sharding)
         decode = self._decode_program(sampling, keep_logits) if max_new_tokens > 1 else None
         t1 = time.perf_counter()
         generated, step_logits, steps = self._decode(
@@ -507,7 +572,7 @@ class Engine:
             return generated, step_logits, 0
         done = [False] * n
         calls = -(-(max_new_tokens - 1) // self.steps_per_call) if max_new_tokens > 1 else 0
-        pending = (tokens[:, None], logits[None] if keep_logits else None)  # the first token: one "step"
+        pending = (tokens, logits if keep_logits else None)  # the first token: one "step" (shaped on the host)
         latest = tokens
         steps = 0
         for call in range(calls + 1):
@@ -516,8 +581,9 @@ class Engine:
                     self.params, self.cache, tokens, positions, key_data)
                 latest = out
                 steps += self.steps_per_call
-            host_tokens = jax.device_get(pending[0])
-            host_logits = jax.device_get(pending[1]) if keep_logits else None
+            # [B, steps] tokens and [steps, B, V] logits ([B] and [B, V] for the first token)
+            host_tokens = np.asarray(jax.device_get(pending[0])).reshape(self.batch, -1)
+            host_logits = np.asarray(jax.device_get(pending[1])).reshape(-1, *logits.shape) if keep_logits else None
             for j in range(host_tokens.shape[1]):
                 if all(done):
                     break
