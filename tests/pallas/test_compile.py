@@ -143,7 +143,7 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
 # fp8 e4m3 index pages (index_cache_dtype) at M3's decode shapes: the keys converted into an SMEM page or
 # (DecodeScoreConfig.fp8_convert="registers", Hopper) in registers as the wgmma A operand, which only
 # the GPU and this compile check run (interpret mode converts in SMEM)
-CASES.update({f"m3 {kernel} fp8 {convert}": (kernel, lambda kernel=kernel, convert=convert: _m3_decode_fp8(kernel, convert))
+CASES.update({f"m3 {kernel} fp8 {convert}": (kernel, lambda k=kernel, c=convert: _m3_decode_fp8(k, c))
               for kernel in ("decode_index_scores", "decode_select_fused") for convert in ("smem", "registers")})
 # the opt-in 256-row tiles, alone and on two-CTA clusters (GroupedMatmulConfig.cluster; Hopper only), 8192 tokens
 _ROWS256 = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")

@@ -266,8 +266,8 @@ def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, fp8_conv
 
 
 @pytest.mark.parametrize("b,ik_dtype,fp8_mma,fp8_convert", [
-    (1, BF16, "bfloat16", "smem"), (8, jnp.float8_e4m3fn, "bfloat16", "smem"), (1, jnp.float8_e4m3fn, "float16", "smem"),
-    (8, jnp.float8_e4m3fn, "bfloat16", "registers")])
+    (1, BF16, "bfloat16", "smem"), (8, jnp.float8_e4m3fn, "bfloat16", "smem"),
+    (1, jnp.float8_e4m3fn, "float16", "smem"), (8, jnp.float8_e4m3fn, "bfloat16", "registers")])
 @pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
 def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, fp8_convert, mosaic_modules):
     # The fused paged selection (decode_select_blocks) at M3's shapes: on Hopper one module, the wgmma

@@ -19,8 +19,10 @@ position ``seq_lens[b] - Q + i``.
    fp8 e4m3 index pages (``index_cache_dtype="float8_e4m3fn"``) are TMA-loaded as fp8 (half the
    bytes) and converted in SMEM, 64 rows at a time through registers, into one page of the query's
    16-bit type that the MMA reads as its A operand (:func:`convert_page`; exact: every e4m3 value is
-   a bf16 and an f16). Register-A wgmma would skip that SMEM round trip, but tcgen05 takes A from
-   SMEM or TMEM only and the interpreter has no register-A wgmma, so both variants share this path.
+   a bf16 and an f16). ``DecodeScoreConfig.fp8_convert="registers"`` skips that SMEM round trip on
+   Hopper: the page is loaded into wgmma's register A layout, converted there and fed to the wgmma
+   from registers (:func:`page_registers`); tcgen05 takes A from SMEM or TMEM only and the
+   interpreter has no register-A wgmma, so those run the SMEM path (:func:`keys_in_registers`).
    ``DecodeScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
    instead of three, the bf16 query scaled into f16's range per row); ``benchmarks/decode_fp8_index.py``
    measures which is faster (benchmarks/RESULTS.md#decode-fp8-index).
