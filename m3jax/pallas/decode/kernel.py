@@ -111,7 +111,7 @@ class DecodeScoreConfig:
       reads as its A operand (:func:`convert_page`). ``"registers"``: loaded from the TMA'd page
       straight into wgmma's register A layout, converted there and fed to the wgmma from registers
       (:func:`page_registers`): no SMEM write, no fence, and no SMEM page for the converted keys
-      (one more page load in flight). Hopper on the GPU only (:func:`keys_in_registers`); interpret
+      (room for more page loads in flight where SMEM limits ``stages``). Hopper on the GPU only (:func:`keys_in_registers`); interpret
       mode (no register-A wgmma) and tcgen05 (A from SMEM or TMEM only) run ``"smem"``.
     """
 
@@ -283,6 +283,8 @@ def page_registers(src, dtype):
     (``Layout.WGMMA``: each 64-row group is one wgmma's M; the warpgroup holds the whole page, bs x
     Hx / 128 elements a thread). Through f16 and exact, as :func:`convert_page`; nothing is written
     back to SMEM."""
+    # 2-byte loads straight into the A layout: a 4-byte load (Layout.WGMMA_UPCAST_2X) plus Mosaic's
+    # relayout to WGMMA compiles to more SASS instructions per page (shuffles and permutes, ptxas 13.0)
     x = plgpu.load(src, layout=plgpu.Layout.WGMMA)
     return x.astype(jnp.float16).astype(dtype)
 
