@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import pytest
 
 from m3jax.pallas import _backend, canaries
-from tests.pallas.test_lowering import KERNELS
+from tests.pallas.test_lowering import BF16, BS, H, HI, I32, KERNELS, NB, TOPK, S
 
 _STAND_IN_LIBCUDA = r"""
 #include <stdlib.h>
@@ -140,6 +140,11 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32))})
+# fp8 e4m3 index pages (index_cache_dtype) at M3's decode shapes: the keys converted into an SMEM page or
+# (DecodeScoreConfig.fp8_convert="registers", Hopper) in registers as the wgmma A operand, which only
+# the GPU and this compile check run (interpret mode converts in SMEM)
+CASES.update({f"m3 {kernel} fp8 {convert}": (kernel, lambda k=kernel, c=convert: _m3_decode_fp8(k, c))
+              for kernel in ("decode_index_scores", "decode_select_fused") for convert in ("smem", "registers")})
 # the 256-row tiles (bf16's prefill tile, MXFP8's opt-in), alone and on two-CTA clusters (GroupedMatmulConfig.cluster;
 # opt-in; Hopper only), 8192 tokens
 _ROWS256 = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
@@ -149,6 +154,20 @@ CASES.update({f"m3 grouped_matmul prefill 256-row tiles{' mxfp8' * mx}": (
 CASES.update({f"m3 grouped_matmul prefill cluster{' mxfp8' * mx}": (
     "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_CLUSTER))) for mx in (False, True)})
 CASES.update({f"canary {c.name}": (c.kernel, lambda c=c: (c.run, ())) for c in canaries.CANARIES.values()})
+
+
+def _m3_decode_fp8(kernel: str, convert: str):
+    """The decode index scoring or the fused selection (``kernel``) over fp8 e4m3 index pages, at
+    test_lowering.py's decode shapes (two requests of 8192 tokens, bf16 queries), the keys converted
+    as ``convert`` says."""
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores, decode_select_blocks
+
+    config = DecodeScoreConfig(fp8_convert=convert)
+    args = (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), jnp.float8_e4m3fn), S((2, NB), I32), S((2,), I32))
+    if kernel == "decode_index_scores":
+        return lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, config=config), args
+    return (lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK, config=config),
+            args)
 
 
 def _gmm_config(**kw):

@@ -60,22 +60,26 @@ def _no_races():
     assert not _backend.interpret_races_found()
 
 
+# fp8 pages: fp8_convert "registers" feeds the converted keys to the wgmma from registers (the GPU; interpret
+# mode runs the SMEM path)
 @pytest.mark.parametrize(
-    "lens,q_len,dtype,ik_dtype,splits,fp8_mma,ints",
+    "lens,q_len,dtype,ik_dtype,splits,fp8_mma,ints,fp8_convert",
     [
-        ([700], 1, jnp.bfloat16, None, 1, "bfloat16", True),  # B=1, the whole context in one CTA
-        ([100, 700], 1, jnp.bfloat16, FP8, 12, "bfloat16", True),  # one page per split: lists of 1
-        ([1, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True),  # fp8 in f16; a row at position -1
-        ([130, 700, 450], 1, jnp.float32, None, 2, "bfloat16", True),  # fp32: three bf16 pieces
-        ([260, 700], 2, jnp.bfloat16, None, 4, "bfloat16", False),
-        ([700, 333], 1, jnp.bfloat16, FP8, None, "bfloat16", False),  # default splits
-        ([60, 100], 1, jnp.bfloat16, None, None, "bfloat16", True),  # fewer candidates than top-k
+        ([700], 1, jnp.bfloat16, None, 1, "bfloat16", True, "smem"),  # B=1, the whole context in one CTA
+        ([100, 700], 1, jnp.bfloat16, FP8, 12, "bfloat16", True, "smem"),  # one page per split: lists of 1
+        ([1, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True, "smem"),  # fp8 in f16; a row at position -1
+        ([130, 700, 450], 1, jnp.float32, None, 2, "bfloat16", True, "smem"),  # fp32: three bf16 pieces
+        ([260, 700], 2, jnp.bfloat16, None, 4, "bfloat16", False, "smem"),
+        ([700, 333], 1, jnp.bfloat16, FP8, None, "bfloat16", False, "smem"),  # default splits
+        ([60, 100], 1, jnp.bfloat16, None, None, "bfloat16", True, "smem"),  # fewer candidates than top-k
+        ([100, 700], 1, jnp.bfloat16, FP8, 12, "bfloat16", True, "registers"),
+        ([1, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True, "registers"),
     ],
 )
-def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, ints):
+def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, ints, fp8_convert):
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     iq, ikp, pt, sl = make_case(lens, q_len, dtype, ik_dtype, ints, seed=len(lens) * 10 + q_len)
-    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma)
+    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma, fp8_convert=fp8_convert)
     got = np.asarray(D.decode_select_blocks(iq, ikp, pt, sl, config=config, **SEL))
     ref = np.asarray(_reference(iq, ikp, pt, sl))
     assert got.shape == ref.shape == (len(lens), HI, q_len, SEL["topk"]) and got.dtype == np.int32

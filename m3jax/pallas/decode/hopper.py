@@ -22,6 +22,7 @@ from m3jax.pallas.decode.kernel import (
     attention_plan,
     attention_refs,
     cta_start,
+    keys_in_registers,
     kv_pipeline,
     merge_candidates,
     page_transforms,
@@ -46,7 +47,8 @@ from m3jax.pallas.topk import select
 
 def _block_max(q_smem, k_smems, prods, q: int, bs: int, n_pad: int, seq_len, j):
     """What both scoring kernels compute per page: the page's ``[bs, n_pad]`` scores by wgmma (keys
-    as M, query rows as N), masked causally and max-reduced over the keys: the ``[n_pad]`` block-max
+    as M, query rows as N; ``k_smems`` the key parts in SMEM, or one register array of fp8 keys
+    converted in registers), masked causally and max-reduced over the keys: the ``[n_pad]`` block-max
     row of logical block ``j``. (Call it inside the pipeline step: no vector values closed over by
     the pipeline loop.)"""
     # query position of accumulator column n (n = h * Q + t): seq_len - Q + t
@@ -94,11 +96,12 @@ def decode_index_scores(
     prods = score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
+    registers = keys_in_registers(config, k_parts, interpret)
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, registers=registers)
 
     def body(*refs):
         q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = score_prologue(
-            refs, len(q_parts), len(k_parts), chunk, bs)
+            refs, len(q_parts), len(k_parts), chunk, bs, registers=registers)
 
         def page_step(idx, *k_smems):
             (i,) = idx
@@ -111,7 +114,7 @@ def decode_index_scores(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
-        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
+        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms, registers=registers),
         grid=(b, splits),
         grid_names=("b", "s"),
     )
@@ -161,15 +164,16 @@ def decode_select_blocks(
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     scaled = unscale is not None
     lists = 2 * kc * SELECT_LANES * 4
+    registers = keys_in_registers(config, k_parts, interpret)
     stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, tile=(2, SELECT_LANES),
-                          extra=lists + (SELECT_LANES * 4 if scaled else 0))
+                          extra=lists + (SELECT_LANES * 4 if scaled else 0), registers=registers)
     lanes = plgpu.Layout.WG_STRIDED((SELECT_LANES,), 1)  # lane n = query row n = h * Q + t
     rank = functools.partial(select.forced_candidate, block_size=bs, local_blocks=local_blocks,
                              init_blocks=init_blocks, force_in=tuple(force_in), force_out=tuple(force_out))
 
     def body(*refs):
         q_smem, k_gmem, pt_gmem, io, rows_smem, mma_keys, own, bi, seq_len, first, steps = score_prologue(
-            refs, len(q_parts), len(k_parts), chunk, bs, n_io=int(scaled) + 2)
+            refs, len(q_parts), len(k_parts), chunk, bs, n_io=int(scaled) + 2, registers=registers)
         vals_gmem, ids_gmem = io[-2:]
         vals_smem, ids_smem, *unscale_refs = own
         if scaled:
@@ -213,7 +217,7 @@ def decode_select_blocks(
         plgpu.wait_smem_to_gmem(0)
 
     # the score tile: two staging rows of SELECT_LANES (the chunk's rows never all live in SMEM)
-    scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, 2, transforms, cols=SELECT_LANES)
+    scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, 2, transforms, cols=SELECT_LANES, registers=registers)
     scratch += [plgpu.SMEM((kc, SELECT_LANES), jnp.float32), plgpu.SMEM((kc, SELECT_LANES), jnp.int32)]
     if scaled:
         scratch += [plgpu.SMEM((SELECT_LANES,), jnp.float32), plgpu.Barrier(num_arrivals=1)]

@@ -19,8 +19,10 @@ position ``seq_lens[b] - Q + i``.
    fp8 e4m3 index pages (``index_cache_dtype="float8_e4m3fn"``) are TMA-loaded as fp8 (half the
    bytes) and converted in SMEM, 64 rows at a time through registers, into one page of the query's
    16-bit type that the MMA reads as its A operand (:func:`convert_page`; exact: every e4m3 value is
-   a bf16 and an f16). Register-A wgmma would skip that SMEM round trip, but tcgen05 takes A from
-   SMEM or TMEM only and the interpreter has no register-A wgmma, so both variants share this path.
+   a bf16 and an f16). ``DecodeScoreConfig.fp8_convert="registers"`` skips that SMEM round trip on
+   Hopper: the page is loaded into wgmma's register A layout, converted there and fed to the wgmma
+   from registers (:func:`page_registers`); tcgen05 takes A from SMEM or TMEM only and the
+   interpreter has no register-A wgmma, so those run the SMEM path (:func:`keys_in_registers`).
    ``DecodeScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
    instead of three, the bf16 query scaled into f16's range per row); ``benchmarks/decode_fp8_index.py``
    measures which is faster (benchmarks/RESULTS.md#decode-fp8-index).
@@ -83,7 +85,7 @@ from jax import lax
 
 from m3jax.msa.reference import lse_merge
 from m3jax.pallas._common import LOG2E, split_parts, split_products, swizzle_transforms
-from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._backend import Target, current_target, interprets, mosaic_kernel, pl, plgpu
 
 FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
 # The fused selection's register lists: one lane per query row (h * Q + t) in a warpgroup-wide vector.
@@ -105,12 +107,23 @@ class DecodeScoreConfig:
       power of two into f16's range (max |q| in [2^14, 2^15)), the scores scaled back after; only
       elements below 2^-31 of their row's max can round (far below the fp32 accumulation's own
       error). fp32 queries always meet bf16 keys (their three bf16 pieces); f16 queries f16 keys.
+    fp8_convert: where fp8 pages become those 16-bit keys. ``"smem"``: into an SMEM page the wgmma
+      reads as its A operand (:func:`convert_page`). ``"registers"``: loaded from the TMA'd page
+      straight into wgmma's register A layout, converted there and fed to the wgmma from registers
+      (:func:`page_registers`): no SMEM write, no fence, and no SMEM page for the converted keys
+      (room for more page loads in flight where SMEM limits ``stages``). Hopper on the GPU only (:func:`keys_in_registers`); interpret
+      mode (no register-A wgmma) and tcgen05 (A from SMEM or TMEM only) run ``"smem"``.
     """
 
     num_splits: int | None = None
     stages: int = 4
     waves: int = 2
     fp8_mma: str = "bfloat16"
+    fp8_convert: str = "smem"
+
+    def __post_init__(self):
+        if self.fp8_convert not in ("smem", "registers"):
+            raise ValueError(f"fp8_convert={self.fp8_convert!r} must be 'smem' or 'registers'")
 
     def splits(self, batch: int, max_pages: int, target: Target) -> int:
         if self.num_splits is not None:
@@ -218,24 +231,25 @@ def page_transforms(k_parts, hx: int, transforms):
 
 
 def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int,
-                 tile: tuple[int, int] | None = None, extra: int = 0) -> int:
+                 tile: tuple[int, int] | None = None, extra: int = 0, registers: bool = False) -> int:
     """Page buffers that fit next to the query tile, the fp32 score tile (``tile`` rows x columns,
-    default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages) the converted page
-    (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
+    default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages converted in SMEM, not
+    in ``registers``) the converted page (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
     page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
-    convert = bs * hx * 2 if k_parts[0].dtype == FP8 else 0
+    convert = bs * hx * 2 if k_parts[0].dtype == FP8 and not registers else 0
     rows, cols = tile or (chunk, n_pad)
     fixed = len(q_parts) * n_pad * hx * 2 + rows * cols * 4 + convert + extra + 4096
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
 
 
 def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms,
-                  cols: int | None = None) -> list:
+                  cols: int | None = None, registers: bool = False) -> list:
     """The scratch every variant starts with: query tile, score tile (``chunk`` rows of ``cols``,
-    default n_pad), the query tile's barrier and, for fp8 pages, the page converted to the query's
-    type (the MMA's key operand)."""
+    default n_pad), the query tile's barrier and, for fp8 pages converted in SMEM (not in
+    ``registers``), the page converted to the query's type (the MMA's key operand)."""
     dtype = q_parts[0].dtype
-    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if k_parts[0].dtype == FP8 else []
+    smem_page = k_parts[0].dtype == FP8 and not registers
+    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if smem_page else []
     return [
         plgpu.SMEM((len(q_parts), n_pad, hx), dtype, transforms=transforms),
         plgpu.SMEM((chunk, cols or n_pad), jnp.float32),
@@ -255,24 +269,47 @@ def convert_page(src, dst) -> None:
     plgpu.commit_smem()
 
 
-def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1):
+def keys_in_registers(config: DecodeScoreConfig, k_parts, interpret: bool | None) -> bool:
+    """Whether fp8 pages reach the MMA from registers (``config.fp8_convert == "registers"``,
+    :func:`page_registers`) rather than converted in SMEM (:func:`convert_page`): only for wgmma
+    (tcgen05 takes A from SMEM or TMEM) compiled for the GPU (the interpreter has no register-A
+    wgmma). The one place the scoring kernels choose."""
+    return (k_parts[0].dtype == FP8 and config.fp8_convert == "registers" and current_target().mma == "wgmma"
+            and not interprets(interpret))
+
+
+def page_registers(src, dtype):
+    """fp8 e4m3 key page (SMEM, [bs, Hx]) -> ``dtype`` registers in the wgmma A operand's layout
+    (``Layout.WGMMA``: each 64-row group is one wgmma's M; the warpgroup holds the whole page, bs x
+    Hx / 128 elements a thread). Through f16 and exact, as :func:`convert_page`; nothing is written
+    back to SMEM."""
+    # 2-byte loads straight into the A layout: a 4-byte load (Layout.WGMMA_UPCAST_2X) plus Mosaic's
+    # relayout to WGMMA compiles to more SASS instructions per page (shuffles and permutes, ptxas 13.0)
+    x = plgpu.load(src, layout=plgpu.Layout.WGMMA)
+    return x.astype(jnp.float16).astype(dtype)
+
+
+def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1, registers: bool = False):
     """Unpack a scoring kernel's refs, copy the query tile in and find this CTA's pages.
 
     refs: q parts, k parts, page table, seq lens, ``n_io`` more (the scores kernel: its output; the
     fused selection: its inputs and outputs), then :func:`score_scratch` and the variant's own scratch.
     Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, [variant scratch], bi, seq_len,
     first page, live steps), ``out_gmem`` the one extra ref or the tuple of ``n_io``;
-    ``mma_keys(page refs)`` gives the MMA's key operands of a loaded page (fp8: the page converted;
-    the caller's MMAs must be done with the previous one)."""
+    ``mma_keys(page refs)`` gives the MMA's key operands of a loaded page (fp8: the page converted,
+    in SMEM -- the caller's MMAs must be done with the previous one -- or with ``registers`` a
+    register array, :func:`keys_in_registers`)."""
     q_gmem = refs[:n_q]
     k_gmem = refs[n_q : n_q + n_k]
     pt_gmem, len_gmem = refs[n_q + n_k : n_q + n_k + 2]
     io = refs[n_q + n_k + 2 : n_q + n_k + 2 + n_io]
     out_gmem = io[0] if n_io == 1 else tuple(io)
     q_smem, score_smem, q_bar, *own = refs[n_q + n_k + 2 + n_io :]
-    converted = own.pop(0) if k_gmem[0].dtype == FP8 else None
+    converted = own.pop(0) if k_gmem[0].dtype == FP8 and not registers else None
 
     def mma_keys(k_smems):
+        if registers:
+            return (page_registers(k_smems[0], q_smem.dtype),)
         if converted is None:
             return k_smems
         convert_page(k_smems[0], converted)
