@@ -52,6 +52,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -415,13 +416,17 @@ def _finish(st: _Staged) -> Callable:
     return run
 
 
-def compile_all(programs: list[Program], threads: int | None = None) -> list[Callable]:
+def compile_all(programs: list[Program], threads: int | None = None, timing: dict | None = None) -> list[Callable]:
     """:func:`compile` for several programs, XLA compiling them side by side: each is traced, exported
     or read back and lowered here, one after the other (tracing holds the GIL, and a mesh set with
     ``jax.set_mesh`` is the calling thread's), then XLA compiles the lowered modules on up to
     ``threads`` worker threads (default :func:`compile_threads`; XLA compiles outside the GIL). Then
     each is written to the disk cache and kept in memory, in order. Returns the programs' calls in the
-    order given; a program listed twice is compiled once."""
+    order given; a program listed twice is compiled once. ``timing`` (a dict) gets the seconds of the
+    three phases: ``stage_s`` (trace, export or read back, lower: one thread), ``xla_s`` (XLA's
+    compiles, side by side) and ``finish_s`` (written to disk; programs that cannot be exported are
+    compiled here)."""
+    t0 = time.perf_counter()
     staged: dict[str, _Staged] = {}
     order = []
     for p in programs:
@@ -430,13 +435,17 @@ def compile_all(programs: list[Program], threads: int | None = None) -> list[Cal
         order.append(st.key)
     todo = [st for st in staged.values() if st.run is None and st.lowered is not None]
     workers = min(len(todo), threads or compile_threads())
+    t1 = time.perf_counter()
     if workers > 1:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-compile") as pool:
             list(pool.map(_xla_compile, todo))
     else:
         for st in todo:
             _xla_compile(st)
+    t2 = time.perf_counter()
     runs = {key: _finish(st) for key, st in staged.items()}
+    if timing is not None:
+        timing.update(stage_s=t1 - t0, xla_s=t2 - t1, finish_s=time.perf_counter() - t2)
     return [runs[key] for key in order]
 
 

@@ -408,7 +408,8 @@ class Engine:
         first run loads the kernels), so that timings after it measure running, not compiling. The
         dummy call writes positions 0..N-1 of each row, which the real prefill or decode rewrites
         before anything reads them. Returns the seconds spent; their split is in ``warmup_split``
-        (programs compiled or read back; the decode call)."""
+        (programs compiled or read back, and that time by phase of :func:`m3jax.aot.compile_all`:
+        ``programs_stage_s``, ``programs_xla_s``, ``programs_finish_s``; the decode call)."""
         t0 = time.perf_counter()
         if prompt_lens is None:
             wanted = self._programs_up_to(min(max_prompt_len or self.capacity, self.capacity))
@@ -423,9 +424,10 @@ class Engine:
         # process's decode time over a second process's (which reads them from the disk cache).
         programs = [wc for wc in sorted(wanted) if wc not in self._prefill_programs]
         sizes = sorted({c for _, c in wanted})
+        phases: dict[str, float] = {}
         compiled = aot.compile_all([*(self._prefill_spec(*wc) for wc in programs),
                                     *(self._embed_spec(c) for c in sizes), self._first_spec(sampling),
-                                    self._decode_spec(sampling, keep_logits)])
+                                    self._decode_spec(sampling, keep_logits)], timing=phases)
         self._prefill_programs.update(zip(programs, compiled))
         self._embed_programs.update(zip(sizes, compiled[len(programs):]))
         self._first_programs[sampling] = compiled[-2]
@@ -437,7 +439,8 @@ class Engine:
         out, *_, self.cache = decode(self.params, self.cache, zeros, zeros, key)
         jax.block_until_ready(out)
         t2 = time.perf_counter()
-        self.warmup_split = {"programs_s": t1 - t0, "first_decode_call_s": t2 - t1}
+        self.warmup_split = {"programs_s": t1 - t0, "first_decode_call_s": t2 - t1,
+                             **{f"programs_{k}": v for k, v in phases.items()}}
         return t2 - t0
 
     def _check_embeds(self, x, name: str) -> None:
