@@ -104,22 +104,22 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
 
 
 # Smallest key window (tokens) of a prefill chunk. Below it a wider window costs next to nothing
-# (the full-attention layers stop at the chunk's own keys, the MSA index scores of C queries over
-# 64K keys are a fraction of a millisecond) while every bucket is one more compile: a 1M prefill in
-# chunks of 2048 compiles 9 windows instead of 18, and a context up to 64K one.
+# (the full-attention layers stop at the chunk's own keys, the MSA kernels skip the key blocks past a
+# query tile's causal limit) while every bucket is one more compile: a 1M prefill in chunks of 2048
+# compiles 5 windows, and a context up to 64K one.
 MIN_KEY_WINDOW = 65536
 
 
 def key_window_pages(end: int, block_size: int, max_pages: int) -> int:
     """Pages a prefill chunk ending (exclusive) at token ``end`` attends over: ceil(end / block)
-    rounded up to the next 2^k or 3 * 2^(k-1) (at most 1.5x the keys needed, about 2 log2(max_pages)
-    distinct shapes), at least ``MIN_KEY_WINDOW`` tokens, capped at the sequence's ``max_pages``."""
+    rounded up to the next power of two (under 2x the keys needed: the kernels skip keys past the
+    causal limit, so a wider window costs little, and each distinct window is one more long compile,
+    about log2(max_pages) of them), at least ``MIN_KEY_WINDOW`` tokens, capped at the sequence's
+    ``max_pages``."""
     need = max(-(-end // block_size), -(-MIN_KEY_WINDOW // block_size))
     w = 1
     while w < need:
         w *= 2
-    if w >= 4 and 3 * w // 4 >= need:
-        w = 3 * w // 4
     return min(w, max_pages)
 
 
@@ -418,7 +418,7 @@ class Engine:
         else:
             wanted = {(w, c) for t in prompt_lens for _, _, w, c in self._prefill_plan(min(t, self.capacity))}
         # Traced one after the other, compiled by XLA side by side (aot.compile_all): at 1M tokens of M3
-        # widths that is ten prefill programs, one per key window, and the decode program; with them the
+        # widths that is five prefill programs, one per key window, and the decode program; with them the
         # small programs around them (a chunk's embedding per chunk size, the first token), so that
         # nothing compiles once generation runs: a compile inside the decode loop was the first
         # process's decode time over a second process's (which reads them from the disk cache).
