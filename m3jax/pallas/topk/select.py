@@ -37,6 +37,24 @@ def forced_candidate(score, rowpos, j, *, block_size: int, local_blocks: int, in
     return rank_scores(forced_out(score, dist, j, force_out), prio)
 
 
+def may_force(j, pos_lo, pos_hi, *, block_size: int, local_blocks: int, init_blocks: int,
+              force_in: tuple[int, ...] = ()):
+    """Whether block ``j`` (a traced int32 scalar) can get a forced priority (:func:`forced_candidate`
+    above its score) in some row whose position lies in ``[pos_lo, pos_hi]`` (scalars): a scalar, so
+    a kernel can branch on it uniformly. Conservative (it may say yes for a block no row forces,
+    e.g. a ``force_in`` block that is also local), never the reverse: the forced blocks are the own
+    block and the ``local_blocks - 1`` before it of some row, or a sink / ``force_in`` block at or
+    before the last row's own block. ``force_out`` only lowers a value, so it needs no branch."""
+    own_lo, own_hi = jnp.floor_divide(pos_lo, block_size), jnp.floor_divide(pos_hi, block_size)
+    # some row's own block o in [own_lo, own_hi] has 0 <= o - j < local_blocks (given j <= own_hi)
+    forced = j > own_lo - local_blocks
+    if init_blocks:
+        forced = forced | (j < init_blocks)
+    for b in force_in:
+        forced = forced | (j == b)
+    return forced & (j <= own_hi)
+
+
 def insert(vals, ids, x, j):
     """Insert candidate ``x`` (vector) with block id ``j`` (scalar) into the sorted lists.
 
