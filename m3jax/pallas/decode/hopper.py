@@ -198,22 +198,20 @@ def decode_select_blocks(
 
             def insert():
                 # The row goes through SMEM from its layout to one lane per query row (the lists'),
-                # the new k-th values back. Every SMEM access here is ordered by a warpgroup barrier
-                # (commit_smem) after the previous access to the same row by any thread: slot 0's load
-                # precedes the commit after the k-th store, slot 1's load precedes the next
-                # insertion's first commit.
+                # the new k-th values back. No commit_smem: nothing asynchronous reads these rows,
+                # and the kernel keeps Pallas' automatic barriers, a warpgroup barrier before and
+                # after each SMEM store, which order every thread's earlier loads of a row before
+                # the store and the store before every later load.
                 slot, kth_slot = rows_smem.at[0], rows_smem.at[1]
                 if n_pad == SELECT_LANES:
                     slot[...] = row
                 else:
                     slot[pl.ds(0, n_pad)] = row  # lanes past n_pad belong to no query row
-                plgpu.commit_smem()
                 x = plgpu.load(slot, layout=lanes)
                 lane = plgpu.broadcasted_iota(jnp.int32, (SELECT_LANES,), 0, layout=lanes)
                 # Pages arrive in increasing block id and the insertion is strict: ties to the lower id.
                 vals, ids = select.insert(*lists, rank(x, seq_len - q + lax.rem(lane, q), j), j)
                 kth_slot[...] = vals[-1]
-                plgpu.commit_smem()
                 return (vals, ids), plgpu.load(kth_slot.at[pl.ds(0, n_pad)], layout=cols)
 
             return lax.cond(beats | forced, insert, lambda: (lists, kth))

@@ -39,14 +39,18 @@ position ``seq_lens[b] - Q + i``.
    tokens share pages) have token bits 0, load page 0 and change nothing -- but they cost a page
    load + MMAs each; for Q = 1 the union is full and nothing is wasted.
 3. :func:`.hopper.decode_select_blocks` (docs/KERNELS.md §2.2, "Fused selection"): item 1's grid and
-   page pipeline, and each CTA also selects. A page's ``[N]`` block-max row goes through a two-slot
-   SMEM stage (:data:`SELECT_LANES` lanes, one per query row) into the split's top-k lists, which the
-   pipeline carries (``topk.select``'s insertion and forced priorities), so the selection runs while
-   the next pages load; each CTA writes its lists and :func:`merge_candidates` takes the global top-k
-   of the ``splits * k`` candidates in XLA (the reference's order, ties included). One launch for
-   scores, block max and the splits' top-k: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that
-   interpret mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which
-   the interpreter cannot run), so the merge is not in the kernel. Hopper only: on tcgen05 targets
+   page pipeline, and each CTA also selects into the split's top-k lists, which the pipeline carries
+   (:data:`SELECT_LANES` lanes, one per query row; ``topk.select``'s insertion and forced
+   priorities), so the selection runs while the next pages load. Threshold insertion: a page's
+   ``[N]`` block-max row is compared, in its own layout (whole in every warp, so the vote needs no
+   SMEM and no barrier), with the lists' k-th values; only when some row beats its k-th value or
+   the page can carry a forced priority (``topk.select.may_force``) does the row go through an SMEM
+   stage into the lists' layout and get inserted, the new k-th values coming back the same way.
+   Each CTA writes its lists and :func:`merge_candidates` takes the global top-k of the
+   ``splits * k`` candidates with the top-k kernel (the reference's order, ties included). The
+   merge is a second launch: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that interpret
+   mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which the
+   interpreter cannot run). Hopper only: on tcgen05 targets
    :func:`m3jax.pallas.decode.decode_select_blocks` runs item 1's Blackwell kernel and the top-k kernel.
 
 fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
@@ -342,8 +346,8 @@ def merge_candidates(vals: jax.Array, ids: jax.Array, bhq: tuple[int, int, int],
     (:func:`m3jax.pallas.topk.select_blocks`; the row-split kernel at decode's row counts, one CTA per
     row): its positions are the candidates' "block ids", and ``local_blocks=0``, no sinks and no
     interventions force none of them (the values already carry the forced priorities; ranking them
-    again changes nothing). XLA's ``lax.top_k`` on a few long rows is a sort, several times the
-    kernel's time. Returns int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
+    again changes nothing); XLA's ``lax.top_k`` on a few long rows takes several times the
+    kernel's time (benchmarks/RESULTS.md, the decode table's ``topk(select_blocks)`` rows). Returns int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
     b, hi, q = bhq
     splits, kc = vals.shape[1], vals.shape[2]
     n = splits * kc
