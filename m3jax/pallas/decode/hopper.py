@@ -160,9 +160,9 @@ def decode_select_blocks(
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     scaled = unscale is not None
-    lists = 2 * kc * SELECT_LANES * 4
+    # (the lists' SMEM for the output is taken after the pipeline, from the page buffers' space)
     stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, tile=(2, SELECT_LANES),
-                          extra=lists + (SELECT_LANES * 4 if scaled else 0))
+                          extra=SELECT_LANES * 4 if scaled else 0)
     lanes = plgpu.Layout.WG_STRIDED((SELECT_LANES,), 1)  # lane n = query row n = h * Q + t
     cols = plgpu.Layout.WGMMA.reduce(0)  # the block-max row's layout: whole in every warp
     sel = dict(block_size=bs, local_blocks=local_blocks, init_blocks=init_blocks, force_in=tuple(force_in))
@@ -172,9 +172,8 @@ def decode_select_blocks(
         q_smem, k_gmem, pt_gmem, io, rows_smem, mma_keys, own, bi, seq_len, first, steps = score_prologue(
             refs, len(q_parts), len(k_parts), chunk, bs, n_io=int(scaled) + 2)
         vals_gmem, ids_gmem = io[-2:]
-        vals_smem, ids_smem, *unscale_refs = own
         if scaled:
-            unscale_smem, unscale_bar = unscale_refs
+            unscale_smem, unscale_bar = own
             plgpu.copy_gmem_to_smem(io[0].at[bi], unscale_smem, unscale_bar)
             plgpu.barrier_wait(unscale_bar)
 
@@ -222,19 +221,21 @@ def decode_select_blocks(
                 plgpu.layout_cast(jnp.full((n_pad,), -jnp.inf, jnp.float32), cols))
         (vals, ids), _ = stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, (bs, hx),
                                       page_transforms(k_parts, hx, transforms), stages, init_carry=init)
-        for r in range(kc):
-            vals_smem[r] = vals[r]
-            ids_smem[r] = ids[r]
-        plgpu.commit_smem()
-        si = lax.axis_index("s")
-        plgpu.copy_smem_to_gmem(vals_smem, vals_gmem.at[bi, si])
-        plgpu.copy_smem_to_gmem(ids_smem, ids_gmem.at[bi, si])
-        plgpu.wait_smem_to_gmem(0)
+        def store(vals_smem, ids_smem):  # scoped after the pipeline: the page buffers' SMEM, now free
+            for r in range(kc):
+                vals_smem[r] = vals[r]
+                ids_smem[r] = ids[r]
+            plgpu.commit_smem()
+            si = lax.axis_index("s")
+            plgpu.copy_smem_to_gmem(vals_smem, vals_gmem.at[bi, si])
+            plgpu.copy_smem_to_gmem(ids_smem, ids_gmem.at[bi, si])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((kc, SELECT_LANES), jnp.float32), plgpu.SMEM((kc, SELECT_LANES), jnp.int32))
 
     # the score tile: two staging rows of SELECT_LANES (a block-max row, the k-th values; the chunk's
     # rows never all live in SMEM)
     scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, 2, transforms, cols=SELECT_LANES)
-    scratch += [plgpu.SMEM((kc, SELECT_LANES), jnp.float32), plgpu.SMEM((kc, SELECT_LANES), jnp.int32)]
     if scaled:
         scratch += [plgpu.SMEM((SELECT_LANES,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
     kern = mosaic_kernel(
