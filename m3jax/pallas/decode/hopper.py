@@ -166,7 +166,8 @@ def decode_select_blocks(
     lanes = plgpu.Layout.WG_STRIDED((SELECT_LANES,), 1)  # lane n = query row n = h * Q + t
     cols = plgpu.Layout.WGMMA.reduce(0)  # the block-max row's layout: whole in every warp
     sel = dict(block_size=bs, local_blocks=local_blocks, init_blocks=init_blocks, force_in=tuple(force_in))
-    rank = functools.partial(select.forced_candidate, force_out=tuple(force_out), **sel)
+    rank = functools.partial(select.ranked_candidate, local_blocks=local_blocks, init_blocks=init_blocks,
+                             force_in=tuple(force_in), force_out=tuple(force_out))
 
     def body(*refs):
         q_smem, k_gmem, pt_gmem, io, rows_smem, mma_keys, own, bi, seq_len, first, steps = score_prologue(
@@ -179,7 +180,7 @@ def decode_select_blocks(
 
         def page_step(idx, *k_smems_and_carry):
             (i,) = idx
-            *k_smems, (lists, kth) = k_smems_and_carry
+            *k_smems, (lists, kth, own_block) = k_smems_and_carry
             j = first + i
             row = _block_max(q_smem, mma_keys(k_smems), prods, q, bs, n_pad, seq_len, j)
             if scaled:  # undo the query's power-of-two scaling before ranking, as score_result does
@@ -207,19 +208,21 @@ def decode_select_blocks(
                 else:
                     slot[pl.ds(0, n_pad)] = row  # lanes past n_pad belong to no query row
                 x = plgpu.load(slot, layout=lanes)
-                lane = plgpu.broadcasted_iota(jnp.int32, (SELECT_LANES,), 0, layout=lanes)
                 # Pages arrive in increasing block id and the insertion is strict: ties to the lower id.
-                vals, ids = select.insert(*lists, rank(x, seq_len - q + lax.rem(lane, q), j), j)
+                vals, ids = select.insert(*lists, rank(x, own_block - j, j), j)
                 kth_slot[...] = vals[-1]
-                return (vals, ids), plgpu.load(kth_slot.at[pl.ds(0, n_pad)], layout=cols)
+                return (vals, ids), plgpu.load(kth_slot.at[pl.ds(0, n_pad)], layout=cols), own_block
 
-            return lax.cond(beats | forced, insert, lambda: (lists, kth))
+            return lax.cond(beats | forced, insert, lambda: (lists, kth, own_block))
 
         empty = (tuple(jnp.full((SELECT_LANES,), -jnp.inf, jnp.float32) for _ in range(kc)),
                  tuple(jnp.full((SELECT_LANES,), -1, jnp.int32) for _ in range(kc)))
+        lane = plgpu.broadcasted_iota(jnp.int32, (SELECT_LANES,), 0, layout=lanes)
+        # each lane's (query row's) own block, computed once and carried (no vector closures in the loop)
+        own_block = jnp.floor_divide(seq_len - q + lax.rem(lane, q), bs)
         init = (jax.tree.map(lambda x: plgpu.layout_cast(x, lanes), empty),
-                plgpu.layout_cast(jnp.full((n_pad,), -jnp.inf, jnp.float32), cols))
-        (vals, ids), _ = stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, (bs, hx),
+                plgpu.layout_cast(jnp.full((n_pad,), -jnp.inf, jnp.float32), cols), own_block)
+        (vals, ids), _, _ = stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, (bs, hx),
                                       page_transforms(k_parts, hx, transforms), stages, init_carry=init)
         def store(vals_smem, ids_smem):  # scoped after the pipeline: the page buffers' SMEM, now free
             for r in range(kc):

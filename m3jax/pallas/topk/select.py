@@ -33,6 +33,15 @@ def forced_candidate(score, rowpos, j, *, block_size: int, local_blocks: int, in
     reference's own ranking (:func:`m3jax.msa.reference.rank_scores` after the ``force_out`` and with
     the ``force_in`` interventions, static block ids) on the row's register vector."""
     dist = jnp.floor_divide(rowpos, block_size) - j  # >= 0 for blocks at or before the own block
+    return ranked_candidate(score, dist, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in,
+                            force_out=force_out)
+
+
+def ranked_candidate(score, dist, j, *, local_blocks: int, init_blocks: int, force_in: tuple[int, ...] = (),
+                     force_out: tuple[int, ...] = ()):
+    """:func:`forced_candidate` given each row's distance ``dist = own block - j`` instead of its
+    position (a kernel that visits many blocks per row computes the own block once: the integer
+    division is several instructions on the GPU)."""
     prio = forced_priority(dist, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in)
     return rank_scores(forced_out(score, dist, j, force_out), prio)
 
