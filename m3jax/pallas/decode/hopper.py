@@ -138,7 +138,7 @@ def decode_select_blocks(
 ) -> jax.Array:
     """Top-k block ids of the Q new tokens over a paged index-key cache, in one kernel launch
     (scores, block max and each context split's top-k; :mod:`.kernel`'s docstring, item 3) plus
-    the merge of the splits' candidates (:func:`.kernel.merge_candidates`).
+    the merge of the splits' candidates by the top-k kernel (:func:`.kernel.merge_candidates`).
 
     Args: as :func:`decode_index_scores`, and the selection's ``topk``, ``local_blocks``,
       ``init_blocks``, ``force_in``, ``force_out`` (:func:`m3jax.msa.reference.select_blocks`).
