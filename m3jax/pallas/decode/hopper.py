@@ -165,9 +165,8 @@ def decode_select_blocks(
                           extra=SELECT_LANES * 4 if scaled else 0)
     lanes = plgpu.Layout.WG_STRIDED((SELECT_LANES,), 1)  # lane n = query row n = h * Q + t
     cols = plgpu.Layout.WGMMA.reduce(0)  # the block-max row's layout: whole in every warp
-    sel = dict(block_size=bs, local_blocks=local_blocks, init_blocks=init_blocks, force_in=tuple(force_in))
-    rank = functools.partial(select.ranked_candidate, local_blocks=local_blocks, init_blocks=init_blocks,
-                             force_in=tuple(force_in), force_out=tuple(force_out))
+    forcing = dict(local_blocks=local_blocks, init_blocks=init_blocks, force_in=tuple(force_in))
+    rank = functools.partial(select.ranked_candidate, force_out=tuple(force_out), **forcing)
 
     def body(*refs):
         q_smem, k_gmem, pt_gmem, io, rows_smem, mma_keys, own, bi, seq_len, first, steps = score_prologue(
@@ -194,7 +193,7 @@ def decode_select_blocks(
             # needs no SMEM and no barrier. Lanes n >= Hi * Q are padding (no query row).
             n = plgpu.broadcasted_iota(jnp.int32, (n_pad,), 0, layout=cols)
             beats = jnp.max(jnp.where((row > kth) & (n < n_rows), 1, 0)) > 0
-            forced = select.may_force(j, seq_len - q, seq_len - 1, **sel)
+            forced = select.may_force(j, seq_len - q, seq_len - 1, block_size=bs, **forcing)
 
             def insert():
                 # The row goes through SMEM from its layout to one lane per query row (the lists'),
@@ -223,7 +222,8 @@ def decode_select_blocks(
         init = (jax.tree.map(lambda x: plgpu.layout_cast(x, lanes), empty),
                 plgpu.layout_cast(jnp.full((n_pad,), -jnp.inf, jnp.float32), cols), own_block)
         (vals, ids), _, _ = stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, (bs, hx),
-                                      page_transforms(k_parts, hx, transforms), stages, init_carry=init)
+                                         page_transforms(k_parts, hx, transforms), stages, init_carry=init)
+
         def store(vals_smem, ids_smem):  # scoped after the pipeline: the page buffers' SMEM, now free
             for r in range(kc):
                 vals_smem[r] = vals[r]

@@ -347,7 +347,8 @@ def merge_candidates(vals: jax.Array, ids: jax.Array, bhq: tuple[int, int, int],
     row): its positions are the candidates' "block ids", and ``local_blocks=0``, no sinks and no
     interventions force none of them (the values already carry the forced priorities; ranking them
     again changes nothing); XLA's ``lax.top_k`` on a few long rows takes several times the
-    kernel's time (benchmarks/RESULTS.md, the decode table's ``topk(select_blocks)`` rows). Returns int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
+    kernel's time (benchmarks/RESULTS.md, the decode table's ``topk(select_blocks)`` rows).
+    Returns int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
     b, hi, q = bhq
     splits, kc = vals.shape[1], vals.shape[2]
     n = splits * kc
