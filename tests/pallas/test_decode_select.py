@@ -9,6 +9,9 @@ to the whole context. Small-integer inputs make every score exact whatever the s
 many exact ties: the ids must then equal the reference's in order (the tie order included). Normal
 inputs: equal to the reference except rows whose reference margin is a near-tie
 (:mod:`m3jax.msa.compare`), and in order equal to the top-k of the scoring kernel's own scores.
+Threshold insertion (a page's row is inserted only where it beats a row's k-th kept value or may be
+forced): splits of up to 40 pages with block maxima in increasing, decreasing, tied and periodic
+order, and the scalar forced-page test against the reference's priorities.
 """
 
 from __future__ import annotations
