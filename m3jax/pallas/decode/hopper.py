@@ -209,8 +209,13 @@ def decode_select_blocks(
                 x = plgpu.load(slot, layout=lanes)
                 # Pages arrive in increasing block id and the insertion is strict: ties to the lower id.
                 vals, ids = select.insert(*lists, rank(x, own_block - j, j), j)
-                kth_slot[...] = vals[-1]
-                return (vals, ids), plgpu.load(kth_slot.at[pl.ds(0, n_pad)], layout=cols), own_block
+
+                def refresh():
+                    kth_slot[...] = vals[-1]
+                    return plgpu.load(kth_slot.at[pl.ds(0, n_pad)], layout=cols)
+
+                # The split's first k - 1 pages cannot fill a list: its k-th values stay -inf.
+                return (vals, ids), lax.cond(i >= kc - 1, refresh, lambda: kth), own_block
 
             return lax.cond(beats | forced, insert, lambda: (lists, kth, own_block))
 
