@@ -50,10 +50,11 @@ def may_force(j, pos_lo, pos_hi, *, block_size: int, local_blocks: int, init_blo
               force_in: tuple[int, ...] = ()):
     """Whether block ``j`` (a traced int32 scalar) can get a forced priority (:func:`forced_candidate`
     above its score) in some row whose position lies in ``[pos_lo, pos_hi]`` (scalars): a scalar, so
-    a kernel can branch on it uniformly. Conservative (it may say yes for a block no row forces,
-    e.g. a ``force_in`` block that is also local), never the reverse: the forced blocks are the own
-    block and the ``local_blocks - 1`` before it of some row, or a sink / ``force_in`` block at or
-    before the last row's own block. ``force_out`` only lowers a value, so it needs no branch."""
+    a kernel can branch on it uniformly. The forced blocks are the own block and the
+    ``local_blocks - 1`` before it of some row, or a sink / ``force_in`` block at or before the last
+    row's own block; exact for ``local_blocks >= 1`` (with 0 it also says yes for the blocks after
+    the first row's own block up to the last row's: a caller needs only that it never says no for
+    a forced block). ``force_out`` only lowers a value, so it needs no branch."""
     own_lo, own_hi = jnp.floor_divide(pos_lo, block_size), jnp.floor_divide(pos_hi, block_size)
     # some row's own block o in [own_lo, own_hi] has 0 <= o - j < local_blocks (given j <= own_hi)
     forced = j > own_lo - local_blocks
