@@ -270,9 +270,10 @@ def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, fp8_conv
     (1, jnp.float8_e4m3fn, "float16", "smem"), (8, jnp.float8_e4m3fn, "bfloat16", "registers")])
 @pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
 def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, fp8_convert, mosaic_modules):
-    # The fused paged selection (decode_select_blocks) at M3's shapes: on Hopper one module, the wgmma
-    # scoring with the split's top-k lists carried through the page pipeline; Blackwell has no tcgen05
-    # port of it and runs the scoring kernel and the top-k kernel (two modules, no wgmma).
+    # The fused paged selection (decode_select_blocks) at M3's shapes: on Hopper two modules, the wgmma
+    # scoring with the split's top-k lists carried through the page pipeline, then the top-k kernel
+    # merging the splits' lists; Blackwell has no tcgen05 port of it and runs the scoring kernel and
+    # the top-k kernel (two modules, no wgmma).
     # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.decode import DecodeScoreConfig, decode_select_blocks
 
@@ -288,5 +289,5 @@ def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, fp8_convert, m
     if target.mma == "tcgen05":
         assert len(mods) == 2 and not any("wgmma" in m for m in mods)
     else:
-        assert len(mods) == 1 and "wgmma.mma_async" in mods[0]
+        assert len(mods) == 2 and "wgmma.mma_async" in mods[0] and "wgmma" not in mods[1]
         assert bool(_WGMMA_REGISTER_A.search(mods[0])) == (fp8_convert == "registers")

@@ -41,14 +41,18 @@ position ``seq_lens[b] - Q + i``.
    tokens share pages) have token bits 0, load page 0 and change nothing -- but they cost a page
    load + MMAs each; for Q = 1 the union is full and nothing is wasted.
 3. :func:`.hopper.decode_select_blocks` (docs/KERNELS.md §2.2, "Fused selection"): item 1's grid and
-   page pipeline, and each CTA also selects. A page's ``[N]`` block-max row goes through a two-slot
-   SMEM stage (:data:`SELECT_LANES` lanes, one per query row) into the split's top-k lists, which the
-   pipeline carries (``topk.select``'s insertion and forced priorities), so the selection runs while
-   the next pages load; each CTA writes its lists and :func:`merge_candidates` takes the global top-k
-   of the ``splits * k`` candidates in XLA (the reference's order, ties included). One launch for
-   scores, block max and the splits' top-k: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that
-   interpret mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which
-   the interpreter cannot run), so the merge is not in the kernel. Hopper only: on tcgen05 targets
+   page pipeline, and each CTA also selects into the split's top-k lists, which the pipeline carries
+   (:data:`SELECT_LANES` lanes, one per query row; ``topk.select``'s insertion and forced
+   priorities), so the selection runs while the next pages load. Threshold insertion: a page's
+   ``[N]`` block-max row is compared, in its own layout (whole in every warp, so the vote needs no
+   SMEM and no barrier), with the lists' k-th values; only when some row beats its k-th value or
+   the page can carry a forced priority (``topk.select.may_force``) does the row go through an SMEM
+   stage into the lists' layout and get inserted, the new k-th values coming back the same way.
+   Each CTA writes its lists and :func:`merge_candidates` takes the global top-k of the
+   ``splits * k`` candidates with the top-k kernel (the reference's order, ties included). The
+   merge is a second launch: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that interpret
+   mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which the
+   interpreter cannot run). Hopper only: on tcgen05 targets
    :func:`m3jax.pallas.decode.decode_select_blocks` runs item 1's Blackwell kernel and the top-k kernel.
 
 fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
@@ -86,6 +90,7 @@ from jax import lax
 from m3jax.msa.reference import lse_merge
 from m3jax.pallas._common import LOG2E, split_parts, split_products, swizzle_transforms
 from m3jax.pallas._backend import Target, current_target, interprets, mosaic_kernel, pl, plgpu
+from m3jax.pallas import topk as topk_kernels
 
 FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
 # The fused selection's register lists: one lane per query row (h * Q + t) in a warpgroup-wide vector.
@@ -373,20 +378,26 @@ def merge_candidates(vals: jax.Array, ids: jax.Array, bhq: tuple[int, int, int],
     n and their block ids, descending, ties to the lower id, ``(-inf, -1)`` when empty. Every block
     of the global top-k is in its split's top-k, so the union of the lists holds it. Laid out split
     after split, equal values sit in increasing block id (a split's ids are below the next split's),
-    and ``lax.top_k`` takes equal values in increasing position: the reference's tie order. Returns
-    int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
+    so the top-k of the ``splits * kc`` candidates by value with ties to the lower position is the
+    reference's selection in the reference's order. That top-k runs in the top-k kernel
+    (:func:`m3jax.pallas.topk.select_blocks`; the row-split kernel at decode's row counts, one CTA per
+    row): its positions are the candidates' "block ids", and ``local_blocks=0``, no sinks and no
+    interventions force none of them (the values already carry the forced priorities; ranking them
+    again changes nothing); XLA's ``lax.top_k`` on a few long rows takes several times the
+    kernel's time (benchmarks/RESULTS.md, the decode table's ``topk(select_blocks)`` rows).
+    Returns int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
     b, hi, q = bhq
     splits, kc = vals.shape[1], vals.shape[2]
-    rows = hi * q
+    n = splits * kc
 
-    def by_row(x):  # [B, splits, kc, lanes] -> [B, rows, splits * kc]
-        return jnp.transpose(x[..., :rows].reshape(b, splits * kc, rows), (0, 2, 1))
+    def by_row(x):  # [B, splits, kc, lanes] -> [B, Hi, Q, splits * kc]
+        return jnp.transpose(x[..., : hi * q].reshape(b, n, hi * q), (0, 2, 1)).reshape(b, hi, q, n)
 
-    k = min(topk, splits * kc)
-    best, pos = lax.top_k(by_row(vals), k)
-    sel = jnp.where(best == -jnp.inf, -1, jnp.take_along_axis(by_row(ids), pos, axis=-1))
-    sel = jnp.pad(sel, [(0, 0), (0, 0), (0, topk - k)], constant_values=-1)
-    return sel.astype(jnp.int32).reshape(b, hi, q, topk)
+    # block_size 1 and every row at the last position: all candidates visible, none forced
+    pos = topk_kernels.select_blocks(by_row(vals), jnp.full((b, q), n - 1, jnp.int32), block_size=1, topk=topk,
+                                     local_blocks=0)
+    sel = jnp.take_along_axis(by_row(ids), jnp.maximum(pos, 0), axis=-1)
+    return jnp.where(pos < 0, -1, sel).astype(jnp.int32)
 
 
 def union_pages(block_idx: jax.Array, page_table: jax.Array):
