@@ -340,24 +340,13 @@ class Engine:
                            out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
                            donate_argnums=(1,), out_shardings=self._out_shardings(self._replicated))
 
-    def _prefill_step(self, key_pages: int, size: int) -> Callable:
-        """The prefill chunk of ``size`` tokens compiled for one key window (ahead of time: warmup builds
-        every program without running a chunk per program)."""
-        fn = self._prefill_programs.get((key_pages, size))
+    @staticmethod
+    def _program(store: dict, key, spec: Callable[[], aot.Program]) -> Callable:
+        """``store[key]``: a prefill, chunk-embedding or first-token program, compiled from ``spec()``
+        the first time it is asked for (warmup fills the stores ahead, without running them)."""
+        fn = store.get(key)
         if fn is None:
-            fn = self._prefill_programs[key_pages, size] = aot.compile_all([self._prefill_spec(key_pages, size)])[0]
-        return fn
-
-    def _embed_program(self, size: int) -> Callable:
-        fn = self._embed_programs.get(size)
-        if fn is None:
-            fn = self._embed_programs[size] = aot.compile_all([self._embed_spec(size)])[0]
-        return fn
-
-    def _first_program(self, sampling: SamplingParams) -> Callable:
-        fn = self._first_programs.get(sampling)
-        if fn is None:
-            fn = self._first_programs[sampling] = aot.compile_all([self._first_spec(sampling)])[0]
+            fn = store[key] = aot.compile_all([spec()])[0]
         return fn
 
     def _decode_spec(self, sampling: SamplingParams, with_logits: bool) -> aot.Program:
@@ -473,13 +462,15 @@ class Engine:
             if by_id:  # ids padded on the host, embedded by a compiled program (nothing compiles per prompt)
                 ids = np.zeros((1, size), np.int32)
                 ids[0, :n] = prompt[start : start + n]
-                piece = self._embed_program(size)(embed, ids, np.int32(n))
+                piece = self._program(self._embed_programs, size, lambda: self._embed_spec(size))(
+                    embed, ids, np.int32(n))
             else:
                 piece = prompt[start : start + n]
                 if n < size:
                     piece = jnp.concatenate([piece, jnp.zeros((size - n, piece.shape[1]), piece.dtype)])
                 piece = jax.device_put(piece[None], self._replicated)
-            logits, self.cache = self._prefill_step(window, size)(
+            step = self._program(self._prefill_programs, (window, size), lambda: self._prefill_spec(window, size))
+            logits, self.cache = step(
                 self.params, self.cache, piece, np.int32(row), np.int32(start), np.int32(n - 1))
             if on_progress:
                 on_progress(n)
@@ -537,7 +528,8 @@ class Engine:
         first_logits = []
         for row, p in enumerate(inputs):
             first_logits.append(self.prefill(row, p, on_progress=on_prefill_progress))
-        logits, tokens, finite, key_data = self._first_program(sampling)(
+        first = self._program(self._first_programs, sampling, lambda: self._first_spec(sampling))
+        logits, tokens, finite, key_data = first(
             tuple(first_logits + [first_logits[0]] * (self.batch - n)), key_data)
         bad = [i for i, ok in enumerate(jax.device_get(finite)[:n]) if not ok]
         if bad:

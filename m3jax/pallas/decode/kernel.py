@@ -116,8 +116,9 @@ class DecodeScoreConfig:
       reads as its A operand (:func:`convert_page`). ``"registers"``: loaded from the TMA'd page
       straight into wgmma's register A layout, converted there and fed to the wgmma from registers
       (:func:`page_registers`): no SMEM write, no fence, and no SMEM page for the converted keys
-      (room for more page loads in flight where SMEM limits ``stages``). Hopper on the GPU only (:func:`keys_in_registers`); interpret
-      mode (no register-A wgmma) and tcgen05 (A from SMEM or TMEM only) run ``"smem"``.
+      (room for more page loads in flight where SMEM limits ``stages``). Hopper on the GPU only
+      (:func:`keys_in_registers`); interpret mode (no register-A wgmma) and tcgen05 (A from SMEM or
+      TMEM only) run ``"smem"``.
     """
 
     num_splits: int | None = None
@@ -235,13 +236,19 @@ def page_transforms(k_parts, hx: int, transforms):
     return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
 
 
+def _smem_page(page_dtype, registers: bool) -> bool:
+    """Whether a scoring kernel converts its pages into an SMEM page (:func:`convert_page`): fp8 pages
+    not taken to the MMA from ``registers``."""
+    return page_dtype == FP8 and not registers
+
+
 def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int,
                  tile: tuple[int, int] | None = None, extra: int = 0, registers: bool = False) -> int:
     """Page buffers that fit next to the query tile, the fp32 score tile (``tile`` rows x columns,
     default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages converted in SMEM, not
     in ``registers``) the converted page (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
     page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
-    convert = bs * hx * 2 if k_parts[0].dtype == FP8 and not registers else 0
+    convert = bs * hx * 2 if _smem_page(k_parts[0].dtype, registers) else 0
     rows, cols = tile or (chunk, n_pad)
     fixed = len(q_parts) * n_pad * hx * 2 + rows * cols * 4 + convert + extra + 4096
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
@@ -253,8 +260,7 @@ def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, tr
     default n_pad), the query tile's barrier and, for fp8 pages converted in SMEM (not in
     ``registers``), the page converted to the query's type (the MMA's key operand)."""
     dtype = q_parts[0].dtype
-    smem_page = k_parts[0].dtype == FP8 and not registers
-    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if smem_page else []
+    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if _smem_page(k_parts[0].dtype, registers) else []
     return [
         plgpu.SMEM((len(q_parts), n_pad, hx), dtype, transforms=transforms),
         plgpu.SMEM((chunk, cols or n_pad), jnp.float32),
@@ -310,7 +316,7 @@ def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1,
     io = refs[n_q + n_k + 2 : n_q + n_k + 2 + n_io]
     out_gmem = io[0] if n_io == 1 else tuple(io)
     q_smem, score_smem, q_bar, *own = refs[n_q + n_k + 2 + n_io :]
-    converted = own.pop(0) if k_gmem[0].dtype == FP8 and not registers else None
+    converted = own.pop(0) if _smem_page(k_gmem[0].dtype, registers) else None
 
     def mma_keys(k_smems):
         if registers:
