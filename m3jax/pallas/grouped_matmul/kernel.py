@@ -118,8 +118,9 @@ class GroupedMatmulConfig:
 
 
 # The MoE layer's schedule per regime (decode: at most 64 rows per expert on average): at prefill
-# sizes the warp-specialised schedule (tiles below) is the faster in bf16 and MXFP8; at decode the pipeline is as fast or faster, so decode keeps it. DECODE_SPLIT_K: the split for
-# decode on the warp-specialised schedule (benchmarks/RESULTS.md#gmm-schedules).
+# sizes the warp-specialised schedule (tiles below) is the faster in bf16 and MXFP8; at decode the
+# pipeline is as fast or faster, so decode keeps it. DECODE_SPLIT_K: the split for decode on the
+# warp-specialised schedule (benchmarks/RESULTS.md#gmm-schedules).
 LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
 # The 256-row tiles (consumers of 128 rows in 64-row chunks, block_n 128): one weight tile per K step
