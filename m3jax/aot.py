@@ -30,10 +30,12 @@ through ``custom_partitioning``, whose call holds a Python pointer. A bad entry 
 format, another key) is reported with a warning and rebuilt.
 
 :func:`compile_all` builds several programs at once (the engine's warmup: a prefill program per key
-window and the decode program): tracing, export and lowering stay on the calling thread, one program
-after the other (they hold the GIL, and the mesh of ``jax.set_mesh`` belongs to that thread), and only
-XLA's compiles of the lowered modules run side by side on worker threads, which release the GIL: each
-starts as soon as its program is lowered, while the next one is staged.
+window and the decode program). Staging a program (trace, export, lower) holds the GIL, and at M3
+widths it is mostly Mosaic GPU lowering its kernels in Python, so the programs to export are staged
+in forked child processes as well as the calling one (each child writes its export to a file and
+exits; the calling thread keeps the mesh of ``jax.set_mesh`` and every other setting, which the fork
+copies). XLA's compiles of the lowered modules run side by side on worker threads, which release the
+GIL: each starts as soon as its program is lowered.
 
 Compiled programs are also kept in memory for the process (a second engine reuses them);
 :func:`clear` drops those (a benchmark's "second run" in one process). Nothing is evicted from the
@@ -53,6 +55,8 @@ import functools
 import hashlib
 import json
 import os
+import signal
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -285,19 +289,30 @@ def _write(path: Path, data: bytes) -> None:
         _warn(f"cannot write {path} ({e}); programs are not cached")
 
 
+def _env_count(name: str) -> int:
+    """``$name`` as a count >= 1; default the CPU count up to 8. ValueError naming it if it is not one."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return max(1, min(8, os.cpu_count() or 1))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if n < 1:
+        raise ValueError(f"{name}={raw!r} must be >= 1")
+    return n
+
+
 def compile_threads() -> int:
     """Worker threads that :func:`compile_all` gives XLA: ``$M3JAX_COMPILE_THREADS``, default the CPU
     count up to 8 (1: one after the other)."""
-    raw = os.environ.get("M3JAX_COMPILE_THREADS", "")
-    if raw.strip():
-        try:
-            n = int(raw)
-        except ValueError:
-            raise ValueError(f"M3JAX_COMPILE_THREADS={raw!r} is not an integer") from None
-        if n < 1:
-            raise ValueError(f"M3JAX_COMPILE_THREADS={raw!r} must be >= 1")
-        return n
-    return max(1, min(8, os.cpu_count() or 1))
+    return _env_count("M3JAX_COMPILE_THREADS")
+
+
+def stage_processes() -> int:
+    """Processes that :func:`compile_all` exports programs in: ``$M3JAX_STAGE_PROCESSES``, default the
+    CPU count up to 8 (1: every program in this process)."""
+    return _env_count("M3JAX_STAGE_PROCESSES")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,12 +330,17 @@ class Program:
 
 @dataclasses.dataclass
 class _Staged:
-    """A program traced and lowered (this thread), waiting for XLA: ``lowered`` is the exported module
-    read back (``source`` "hit") or just exported (``source`` "miss", ``data`` to be written once it
-    compiles); None where the program is in memory (``run``) or compiles the plain way."""
+    """A program on its way to XLA: its flat inputs and cache key (:func:`_locate`), then traced and
+    lowered (:func:`_stage`): ``lowered`` is the exported module read back (``source`` "hit") or just
+    exported (``source`` "miss", ``data`` to be written once it compiles); None where the program is
+    in memory (``run``) or compiles the plain way."""
 
     program: Program
     key: str
+    leaves: list
+    in_tree: Any
+    donated: tuple[int, ...]
+    flat_out: tuple | None
     run: Callable | None = None
     lowered: Any = None
     source: str = ""
@@ -342,36 +362,51 @@ def _warn_uncompiled(name: str, e: Exception) -> None:
     _warn(f"{name} was exported but its module did not compile ({_brief(e)}); it is compiled without the AOT cache")
 
 
-def _stage(p: Program, read: bool = True) -> _Staged:
+def _locate(p: Program) -> _Staged:
+    """``p``'s flat inputs, key, compiled call if this process has it, and file in the disk cache."""
     leaves, in_tree = jax.tree.flatten(p.args)
     flat_out = None if p.out_shardings is None else tuple(p.out_tree.flatten_up_to(p.out_shardings))
     key = program_key(p.name, leaves, in_tree, p.static or {}, flat_out)
     # Leaf indices of the donated arguments: the exported program takes the leaves flat.
     bounds = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in p.args])
     donated = tuple(i for a in p.donate_argnums for i in range(bounds[a], bounds[a + 1]))
-    st = _Staged(p, key, run=_memo.get(key))
-    if st.run is not None or _dir is None:
+    st = _Staged(p, key, leaves, in_tree, donated, flat_out, run=_memo.get(key))
+    if st.run is None and _dir is not None:
+        st.path = Path(_dir) / f"{p.name}-{key[:32]}.m3aot"
+    return st
+
+
+def _exported(st: _Staged) -> bytes:
+    """The program traced and exported, as the disk cache stores it."""
+    p = st.program
+    return _encode(st.key, _export(p.fn, st.leaves, st.in_tree, p.out_tree, p.static or {}, p.name, st.flat_out))
+
+
+def _stage(st: _Staged, read: bool = True, data: bytes | None = None) -> _Staged:
+    """Lower ``st``'s program (nothing where it is in memory or there is no disk cache): read back from
+    the disk cache, else from ``data`` (its export, made in a staging process), else exported here."""
+    if st.run is not None or st.path is None:
         return st
-    st.path = Path(_dir) / f"{p.name}-{key[:32]}.m3aot"
-    exp = _read(st.path, key) if read else None
+    exp = _read(st.path, st.key) if read else None
     if exp is not None:
         try:
-            st.lowered, st.source = _lower_exported(exp, leaves, donated), "hit"
+            st.lowered, st.source = _lower_exported(exp, st.leaves, st.donated), "hit"
         except Exception as e:  # noqa: BLE001  (a parseable entry that does not lower: rebuild it)
             _warn_rebuilt(st.path, e)
-    if st.lowered is None:
+    if st.lowered is None and data is None:
         try:
-            st.data = _encode(key, _export(p.fn, leaves, in_tree, p.out_tree, p.static or {}, p.name, flat_out))
+            data = _exported(st)
         except OutTreeError:
             raise
         except Exception as e:  # noqa: BLE001  (export refused: custom call, effects; compile the plain way)
-            _warn(f"{p.name} cannot be exported ({_brief(e)}); it is compiled without the AOT cache")
-        else:
-            try:
-                # Compile the module as a later run will read it back, so that run hits JAX's cache.
-                st.lowered, st.source = _lower_exported(_decode(st.data, key), leaves, donated), "miss"
-            except Exception as e:  # noqa: BLE001  (never fail the run for the cache: compile the plain way)
-                _warn_uncompiled(p.name, e)
+            _warn(f"{st.program.name} cannot be exported ({_brief(e)}); it is compiled without the AOT cache")
+    if st.lowered is None and data is not None:
+        st.data = data
+        try:
+            # Compile the module as a later run will read it back, so that run hits JAX's cache.
+            st.lowered, st.source = _lower_exported(_decode(data, st.key), st.leaves, st.donated), "miss"
+        except Exception as e:  # noqa: BLE001  (never fail the run for the cache: compile the plain way)
+            _warn_uncompiled(st.program.name, e)
     return st
 
 
@@ -391,7 +426,7 @@ def _finish(st: _Staged) -> Callable:
     if st.lowered is not None and st.compiled is None:
         if st.source == "hit":  # a parseable entry XLA refuses: rebuild it, never fail the run
             _warn_rebuilt(st.path, st.error)
-            st = _stage(p, read=False)
+            st = _stage(_locate(p), read=False)
             if st.lowered is not None:
                 _xla_compile(st)
             return _finish(st)
@@ -417,36 +452,128 @@ def _finish(st: _Staged) -> Callable:
     return run
 
 
-def compile_all(programs: list[Program], threads: int | None = None, timing: dict | None = None) -> list[Callable]:
-    """:func:`compile` for several programs, XLA compiling them side by side: each is traced, exported
-    or read back and lowered here, one after the other (tracing holds the GIL, and a mesh set with
-    ``jax.set_mesh`` is the calling thread's), and handed as soon as it is lowered to one of up to
+# A staging process that has not exported its program by then is killed, and the program is exported in
+# the calling process: a trace that waits on something the fork did not carry over must not hang the run.
+STAGE_DEADLINE_S = 300.0
+
+
+def _fork_export(st: _Staged, out: Path) -> int:
+    """Export ``st``'s program in a child process (``os.fork``: the child holds this process's state as
+    it is, so it traces the very program this process would) into ``out``; returns the child's pid.
+    The child only traces and lowers, never runs anything on a device, and leaves by ``os._exit``."""
+    with warnings.catch_warnings():
+        # JAX and Python warn that a fork of a threaded process may deadlock in the child, which holds
+        # a copy of any lock another thread held. The child takes no runtime lock (it does not execute
+        # or compile), and one that hangs anyway is killed at STAGE_DEADLINE_S and its program staged here.
+        warnings.simplefilter("ignore")
+        pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _own_mlir_threads()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)  # the parent repeats a failed export, with its warnings, in its own output
+        os.dup2(devnull, 2)
+        atomic_write(out, _exported(st))
+        code = 0
+    finally:
+        os._exit(code)  # no atexit handlers, no runtime teardown: they are the parent's
+
+
+_inherited: list = []  # a forked child's copies of the parent's MLIR thread pool and context
+
+
+def _own_mlir_threads() -> None:
+    """Give a forked child its own MLIR thread pool. JAX's MLIR contexts share one pool, whose threads
+    are the parent's and do not exist in the child: the first parallel pass (the module's verifier)
+    would wait on them forever. The context JAX keeps per thread goes too, since it holds that pool."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    # The old pool and context stay referenced: destroying the pool joins threads the child does not have.
+    _inherited.append((mlir.global_thread_pool, mlir._thread_local_context.value))
+    mlir.global_thread_pool = ir.ThreadPool()
+    mlir._thread_local_context.set_local(None)
+
+
+def _forked(children: dict[int, tuple[_Staged, Path]]):
+    """Yield (staged, export bytes or None) as each staging child ends; None where it failed or passed
+    :data:`STAGE_DEADLINE_S` (killed)."""
+    t0 = time.monotonic()
+    while children:
+        ended = False
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done and time.monotonic() - t0 < STAGE_DEADLINE_S:
+                continue
+            st, out = children.pop(pid)
+            if not done:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                _warn(f"staging {st.program.name} in a child process took over {STAGE_DEADLINE_S:.0f} s; "
+                      "it is staged in this process")
+            ok = done and os.waitstatus_to_exitcode(status) == 0
+            ended = True
+            yield st, out.read_bytes() if ok else None
+        if not ended:
+            time.sleep(0.02)
+
+
+def compile_all(programs: list[Program], threads: int | None = None, timing: dict | None = None,
+                processes: int | None = None) -> list[Callable]:
+    """:func:`compile` for several programs, staged in several processes and compiled by XLA side by
+    side. Staging (trace, export, lower) holds the GIL, and at M3 widths it is mostly Mosaic GPU's
+    lowering of the kernels, in Python: so the programs to export are exported in up to ``processes``
+    processes (default :func:`stage_processes`; only with a disk cache, in a one-process job): this one
+    and forked children, each child handing its export back through a file while this process stages
+    the others (programs read back from the disk, or past the count). The first program to export is staged here
+    before any fork, so that what a trace computes once per process (the kernels' self-check verdicts)
+    is computed once and inherited. Each lowered program goes as soon as it is ready to one of up to
     ``threads`` worker threads (default :func:`compile_threads`) for XLA's compile, which releases the
-    GIL: the next program is staged while the earlier ones compile. Then each is written to the disk
-    cache and kept in memory, in order. Returns the programs' calls in the order given; a program
-    listed twice is compiled once. ``timing`` (a dict) gets the seconds of the three phases:
-    ``stage_s`` (staging every program, XLA compiling beside it), ``xla_s`` (the compiles still
-    running after that) and ``finish_s`` (written to disk; programs that cannot be exported are
-    compiled here)."""
+    GIL. Then each is written to the disk cache and kept in memory, in order. Returns the programs'
+    calls in the order given; a program listed twice is compiled once. ``timing`` (a dict) gets the
+    seconds of the three phases: ``stage_s`` (staging every program, XLA compiling beside it),
+    ``xla_s`` (the compiles still running after that) and ``finish_s`` (written to disk; programs that
+    cannot be exported are compiled here)."""
     t0 = time.perf_counter()
     staged: dict[str, _Staged] = {}
     order = []
-    workers = min(len(programs), threads or compile_threads())
+    for p in programs:
+        st = _locate(p)
+        order.append(st.key)
+        staged.setdefault(st.key, st)
+    # Multi-process jobs stage in-process: a fork would copy the distributed client's connections.
+    to_export = [st for st in staged.values() if st.path is not None and not st.path.exists()]
+    forks = (min(len(to_export), processes or stage_processes()) - 1
+             if hasattr(os, "fork") and jax.process_count() == 1 else 0)
+    children: dict[int, tuple[_Staged, Path]] = {}
     with contextlib.ExitStack() as stack:
+        if forks > 0:
+            _stage(to_export[0])
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="m3jax-stage-")))
+            stack.callback(_reap, children)  # an error here leaves no child behind
+            for i, st in enumerate(to_export[1:forks + 1]):
+                children[_fork_export(st, tmp / f"{i}.m3aot")] = st, tmp / f"{i}.m3aot"
+        # The pool's threads start after the forks: no child holds a copy of a compiling thread's locks.
+        workers = min(len(staged), threads or compile_threads())
         pool = (stack.enter_context(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-compile"))
                 if workers > 1 else None)
         compiling = []
-        for p in programs:
-            st = _stage(p)
-            order.append(st.key)
-            if st.key in staged:
-                continue
-            staged[st.key] = st
+
+        def submit(st: _Staged) -> None:
             if st.run is None and st.lowered is not None:
                 if pool is None:
                     _xla_compile(st)
                 else:
                     compiling.append(pool.submit(_xla_compile, st))
+
+        in_children = {id(st) for st, _ in children.values()}
+        for st in staged.values():
+            if id(st) not in in_children:
+                submit(st if forks > 0 and st is to_export[0] else _stage(st))
+        for st, data in _forked(children):
+            submit(_stage(st, read=False, data=data))
         t1 = time.perf_counter()
         for f in compiling:
             f.result()
@@ -455,6 +582,15 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
     if timing is not None:
         timing.update(stage_s=t1 - t0, xla_s=t2 - t1, finish_s=time.perf_counter() - t2)
     return [runs[key] for key in order]
+
+
+def _reap(children: dict[int, tuple[_Staged, Path]]) -> None:
+    """Kill and wait for the staging children still running (compile_all is leaving on an error)."""
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    children.clear()
 
 
 def compile(name: str, fn: Callable, args: tuple, *, out_tree, static: dict | None = None,

@@ -394,6 +394,7 @@ def main(argv=None) -> dict:
     distributed.initialize(args)  # several processes: join the job; only process 0 prints and writes
     try:  # read by the engine's warmup; a bad value is the user's, refused before anything loads
         aot.compile_threads()
+        aot.stage_processes()
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     cache_dir = None if args.no_compile_cache else compile_cache_dir()

@@ -221,6 +221,53 @@ def test_compile_all_compiles_a_repeated_program_once(tmp_path, monkeypatch):
     aot.clear()
 
 
+def test_compile_all_stages_in_child_processes(tmp_path, monkeypatch):
+    """compile_all exports programs in forked children as well as here (the first one here, before any
+    fork): the programs give what they give staged here, their entries are the ones a later run reads
+    back, and a child that fails or hangs (killed at the deadline) has its program staged here."""
+    import os
+    import time
+
+    parent = os.getpid()
+    seen = tmp_path / "traced"
+    seen.mkdir()
+
+    def scaled(x, *, k, mode):
+        (seen / f"{k}-{os.getpid()}").touch()  # traced by whichever process stages the program
+        if os.getpid() != parent and mode == "fail":
+            raise RuntimeError("fails in a child only")
+        if os.getpid() != parent and mode == "hang":
+            time.sleep(120)
+        return x * k + 1.0
+
+    x = jnp.arange(4.0) - 1.5
+    modes = {1: "ok", 2: "ok", 3: "fail", 4: "hang", 5: "ok"}
+    progs = [aot.Program(f"scaled{k}", scaled, (x,), jax.tree.structure(0), {"k": k, "mode": m})
+             for k, m in modes.items()]
+    monkeypatch.setattr(aot, "STAGE_DEADLINE_S", 10.0)
+    aot.clear()
+    with pytest.warns(RuntimeWarning, match="staging scaled4 in a child process took over"), \
+            aot.disk_cache(tmp_path / "cache") as stats:
+        calls = aot.compile_all(progs, processes=5)
+    for k, call in zip(modes, calls, strict=True):
+        np.testing.assert_array_equal(call(x), np.asarray(x) * k + 1.0)
+    assert stats["misses"] == 5 and len(list((tmp_path / "cache").glob("*.m3aot"))) == 5
+    by = {k: {int(f.name.split("-")[1]) for f in seen.glob(f"{k}-*")} for k in modes}
+    assert by[1] == {parent}
+    assert all(len(by[k]) == 1 and parent not in by[k] for k in (2, 5)) and by[2] != by[5]
+    assert all(len(by[k]) == 2 and parent in by[k] for k in (3, 4))  # a child, then here
+    aot.clear()
+    with aot.disk_cache(tmp_path / "cache") as stats:
+        again = aot.compile_all(progs, processes=5)
+    assert stats["hits"] == 5
+    for call, old in zip(again, calls, strict=True):
+        np.testing.assert_array_equal(call(x), old(x))
+    monkeypatch.setenv("M3JAX_STAGE_PROCESSES", "0")
+    with pytest.raises(ValueError, match="M3JAX_STAGE_PROCESSES"):
+        aot.stage_processes()
+    aot.clear()
+
+
 def test_key_holds_the_selection_rules_code(monkeypatch):
     """A config names its MSA selection rules; the code under a name is the registering process's, so the
     key holds its digest (another process may register other code under the name)."""
