@@ -50,7 +50,7 @@ def row_max(n_parts: int, rows: int, bs: int) -> RowMax:
     if rows != ROWS:
         raise ValueError(f"the tcgen05 index-score kernel takes {ROWS}-row tiles, not {rows}")
 
-    def block_max(q_smems, k_smems, scratch_refs, mask):
+    def block_max(q_smems, k_smems, scratch_refs, epilogue):
         bar, acc = scratch_refs
         for n, (i, jp) in enumerate(reversed(split_products(n_parts))):  # smallest products first
             plgpu.tcgen05_mma(acc, q_smems[i], k_smems[jp].transpose((1, 0)), accumulate=n > 0)
@@ -59,8 +59,8 @@ def row_max(n_parts: int, rows: int, bs: int) -> RowMax:
         best = None
         for col0 in range(0, bs, PIECE):
             s = plgpu.async_load_tmem(acc.at[:, pl.ds(col0, min(PIECE, bs - col0))], layout=LAYOUT)
-            if mask is not None:
-                s = mask(s, col0, LAYOUT)
+            if epilogue is not None:
+                s = epilogue(s, col0, LAYOUT)
             s = s.max(axis=1)
             best = s if best is None else jnp.maximum(best, s)
         tmem_handoff("ld")  # the next block's MMAs overwrite the accumulator
