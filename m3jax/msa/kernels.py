@@ -12,14 +12,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from m3jax.cache import LayerCache
+from m3jax.cache import FP8_NAME, LayerCache
 from m3jax.config import TextConfig, UnsupportedConfigError
 from m3jax.msa.parallel import Local, local_window
 from m3jax.pallas import canaries, verdicts
 from m3jax.pallas.block_mass import block_mass
 from m3jax.pallas.block_mass import unsupported_reason as mass_reason
 from m3jax.pallas.decode import decode_index_scores, decode_select_blocks, query_positions, sparse_decode_attention
-from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
+from m3jax.pallas.index_scores import IndexScoreConfig, fp8_unsupported_reason, index_block_scores, index_select_blocks
 from m3jax.pallas.sparse_attention import sparse_attention
 from m3jax.pallas.sparse_attention.kernel import unsupported_reason as attention_reason
 from m3jax.pallas.topk import select_blocks
@@ -30,17 +30,29 @@ MAX_TOPK = 64
 
 
 def _score_dtype_reason(cfg: TextConfig) -> str | None:
-    """The index-score kernels multiply bf16 (or fp32 split into bf16) operands: the fp8 indexer is the
-    jnp reference's only, so a kernel never computes it in bf16 instead."""
-    if cfg.index_score_dtype != "bfloat16":
-        return (f"index_score_dtype={cfg.index_score_dtype!r} has no index-score kernel; the fp8 indexer "
-                "runs on the jnp reference path")
+    """The prefill index-score kernel multiplies bf16 operands (fp32 as bf16 pieces) or, for the fp8
+    indexer, the reference's e4m3 operands (:func:`m3jax.pallas.index_scores.fp8_unsupported_reason`
+    says where it cannot): never the fp8 indexer's scores as a bf16 product."""
+    if cfg.index_score_dtype == "bfloat16":
+        return None
+    if reason := fp8_unsupported_reason(cfg.index_head_dim):
+        return f"index_score_dtype={cfg.index_score_dtype!r}: {reason}"
     return None
 
 
-def _refuse_score_dtype(cfg: TextConfig) -> None:
-    if reason := _score_dtype_reason(cfg):
-        raise UnsupportedConfigError(f"MSA kernels: {reason}")
+def _decode_score_dtype_reason(cfg: TextConfig) -> str | None:
+    """The paged decode scoring kernels multiply bf16 (fp8 pages converted in SMEM), so under the fp8
+    indexer a decode step gathers the cache and runs the prefill kernels (or the reference)."""
+    if cfg.index_score_dtype != "bfloat16":
+        return (f"index_score_dtype={cfg.index_score_dtype!r} has no paged decode scoring kernel; decode steps "
+                "run the prefill index-score kernel over the gathered cache")
+    return None
+
+
+def _score_args(cfg: TextConfig) -> dict:
+    """The index-score kernels' score arguments: the product (``index_score_dtype``) and whether the
+    keys are an fp8 index cache's, taken as stored (as :func:`m3jax.cache.cached_block_scores` does)."""
+    return dict(score_dtype=cfg.index_score_dtype, keys_fp8=cfg.index_cache_dtype == FP8_NAME)
 
 
 def _selection_reason(cfg: TextConfig) -> str | None:
@@ -79,7 +91,7 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
     """Why the paged decode kernels cannot read this config's cache in place, or one failed its
     self-check on this GPU (None when they can): the index-score kernel puts a page's keys on the wgmma
     M side (64 rows), and the attention kernel's key tiles are multiples of 64."""
-    if reason := _score_dtype_reason(cfg):
+    if reason := _decode_score_dtype_reason(cfg):
         return reason
     if cfg.index_block_size % 64:
         return f"index_block_size {cfg.index_block_size} is not a multiple of 64 (a page is the decode kernels' wgmma M tile)"
@@ -98,13 +110,14 @@ def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] =
     ``force_out``: the layer's intervention block ids (:func:`m3jax.msa.layer.forced_blocks`). The
     kernels tile the query range themselves. Returns (o [B, T, N, H], block ids int32 [B, K, T, topk]).
     """
-    _refuse_score_dtype(cfg)
+    if reason := _score_dtype_reason(cfg):
+        raise UnsupportedConfigError(f"MSA kernels: {reason}")
     bs = cfg.index_block_size
     # Fused scores + top-k: the kernel's block-major scores go straight into the top-k kernel, never
     # transposed to [B, Hi, T, nb] (1 GiB per 8K-token chunk at 1M context).
     sel = index_select_blocks(iq, ik, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
                               local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
-                              force_in=force_in, force_out=force_out)
+                              force_in=force_in, force_out=force_out, **_score_args(cfg))
     return sparse_attention(q, k, v, sel, q_pos, block_size=bs, implementation="kv_major"), sel
 
 
@@ -168,7 +181,8 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
     ``force_out`` as in :func:`prefill`. ``msa_decode_select="fused"`` takes the fused selection unless
     its canary failed on this GPU at this block size (then the scoring and top-k kernels, with a
     warning). Returns (o, block ids)."""
-    _refuse_score_dtype(cfg)
+    if reason := _decode_score_dtype_reason(cfg):
+        raise UnsupportedConfigError(f"MSA decode kernels: {reason}")
     fused = cfg.msa_decode_select == "fused" and not verdicts.kernel_failure(
         "decode_select_fused", block_size=cfg.index_block_size)
     return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
@@ -196,7 +210,7 @@ def local_prefill(cfg: TextConfig) -> Local:
 
     def scores(iq, keys, local_len):
         # fp8 index pages (index_cache_dtype) are upcast (exact), as the single-device path does
-        return index_block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, block_size=bs)
+        return index_block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, block_size=bs, **_score_args(cfg))
 
     def attend(q, keys, local_sel, local_len):
         return sparse_attention(q, keys[0], keys[1], local_sel, jnp.maximum(local_len - 1, 0), block_size=bs,
