@@ -8,7 +8,13 @@ same process (the tensor-core ceiling as XLA/cuBLAS reaches it), and the XLA ref
 
 ``bench(report)`` records rows for: the unfused score kernel, the fused score + top-k kernel, the
 top-k kernel alone on block-major scores, and ``jax.lax.top_k`` (the reference) on the same rows.
-Run ``python benchmarks/msa_index.py`` to print the rows.
+Run ``python benchmarks/msa_index.py [ctx ...]`` to print the rows.
+
+``bench_fp8(report)`` (``python benchmarks/msa_index.py --fp8 [ctx ...]``, default 64K, 256K, 1M keys
+under 4096 queries) times the fp8 indexer's score kernel (``score_dtype="float8_e4m3fn"``: e4m3 x e4m3
+MMA) against the bf16 score kernel in the same process, both writing block-major scores: the fp8 kernel
+alone (operands quantised beforehand) and with the quantisation of the queries and of every key in XLA
+(what a prefill chunk pays when the index cache is not fp8). ratio = bf16 ms / fp8 ms.
 """
 
 from __future__ import annotations
@@ -115,11 +121,47 @@ def bench(report, contexts=(32768, 131072, 1048576), chunk=8192):
                         tflops=flops / ms_r / 1e9, baseline=None, ratio=ms_r / ms, notes="ratio = reference / pallas"))
 
 
+def bench_fp8(report, contexts=(65536, 262144, 1048576), chunk=4096):
+    from m3jax.pallas.index_scores import kernel
+
+    fp8 = "float8_e4m3fn"
+    for ctx in contexts:
+        iq, ik, q_pos = _inputs(chunk, ctx)
+        causal = float(chunk) * (ctx - chunk) + chunk * (chunk + 1) / 2
+        flops = 2 * HX * HI * causal
+        shape = f"B=1 T={chunk} S={ctx} Hi={HI} Hx={HX} bs={BS}"
+        f_bf16 = jax.jit(lambda a, b, c: index_scores.index_block_scores_blockmajor(a, b, c, block_size=BS)[0])
+        ms_bf16 = _time_ms(f_bf16, iq, ik, q_pos)
+        report(dict(op="msa_index_scores", shape=shape, impl="pallas bf16 (block-major out)", ms=ms_bf16,
+                    tflops=flops / ms_bf16 / 1e9, baseline=None, ratio=None, notes="the fp8 rows' baseline"))
+
+        f_q = jax.jit(lambda a, b, c: index_scores.index_block_scores_blockmajor(a, b, c, block_size=BS,
+                                                                                 score_dtype=fp8)[0])
+        ms_q = _time_ms(f_q, iq, ik, q_pos)
+        report(dict(op="msa_index_scores", shape=shape, impl="pallas fp8 + XLA quantisation", ms=ms_q,
+                    tflops=flops / ms_q / 1e9, baseline="pallas bf16", ratio=ms_bf16 / ms_q,
+                    notes="ratio = bf16 / fp8; q and every key quantised per call"))
+
+        config = index_scores.IndexScoreConfig().for_block(BS, fused=False)
+        qs, ks, scales, rowpos, info, nb, _ = kernel._prepare(iq, ik, q_pos, BS, config.rows, fp8)
+        f_k = jax.jit(lambda qs, ks, scales, rowpos, info: kernel._kernel_call(
+            qs, ks, scales, rowpos, info, s_len=ctx, block_size=BS, nb=nb, config=config, fused=False, topk=0,
+            local_blocks=0, init_blocks=0))
+        ms_k = _time_ms(f_k, qs, ks, scales, rowpos, info)
+        report(dict(op="msa_index_scores", shape=shape, impl="pallas fp8 kernel alone", ms=ms_k,
+                    tflops=flops / ms_k / 1e9, baseline="pallas bf16", ratio=ms_bf16 / ms_k,
+                    notes="ratio = bf16 / fp8; operands quantised beforehand"))
+        del iq, ik, qs, ks, scales
+
+
 if __name__ == "__main__":
     from run_info import help_or_run
 
     help_or_run(__doc__)
     import sys
 
-    ctxs = tuple(int(x) for x in sys.argv[1:]) or (32768, 131072, 1048576)
-    bench(lambda row: print(json.dumps(row), flush=True), contexts=ctxs)
+    args = sys.argv[1:]
+    fp8_only = "--fp8" in args
+    ctxs = tuple(int(x) for x in args if x != "--fp8")
+    run = bench_fp8 if fp8_only else bench
+    run(lambda row: print(json.dumps(row), flush=True), **({"contexts": ctxs} if ctxs else {}))
