@@ -15,6 +15,10 @@ under 4096 queries) times the fp8 indexer's score kernel (``score_dtype="float8_
 MMA) against the bf16 score kernel in the same process, both writing block-major scores: the fp8 kernel
 alone (operands quantised beforehand) and with the quantisation of the queries and of every key in XLA
 (what a prefill chunk pays when the index cache is not fp8). ratio = bf16 ms / fp8 ms.
+``bench_fp8_decode(report)`` (run by ``--fp8`` too: 128K and 1M keys, B=1 and 8, one token) times the
+paged decode scoring kernel on fp8 index pages under the fp8 indexer (e4m3 x e4m3 wgmma, the query
+quantised in XLA) against the same kernel on the same fp8 pages with the bf16 indexer (each page
+converted in SMEM) and on bf16 pages; ratio = that baseline's ms / fp8 indexer ms.
 """
 
 from __future__ import annotations
@@ -154,6 +158,35 @@ def bench_fp8(report, contexts=(65536, 262144, 1048576), chunk=4096):
         del iq, ik, qs, ks, scales
 
 
+def bench_fp8_decode(report, contexts=(131072, 1048576), batches=(1, 8)):
+    from m3jax.pallas import decode
+
+    fp8 = "float8_e4m3fn"
+    for ctx in contexts:
+        for b in batches:
+            pages = ctx // BS
+            k1, k2, k3 = jax.random.split(jax.random.key(b), 3)
+            iq = jax.random.normal(k1, (b, 1, HI, HX), jnp.bfloat16)
+            ik16 = jax.random.normal(k2, (b * pages, BS, HX), jnp.bfloat16)
+            ik8 = ik16.astype(jnp.float8_e4m3fn)  # unit normals: far inside e4m3's range
+            pt = jax.random.permutation(k3, b * pages).astype(jnp.int32).reshape(b, pages)
+            sl = jnp.full((b,), ctx, jnp.int32)
+            shape = f"B={b} Q=1 ctx={ctx} Hi={HI} Hx={HX} bs={BS}"
+            f = {s: jax.jit(lambda *a, s=s: decode.decode_index_scores(*a, block_size=BS, score_dtype=s))
+                 for s in ("bfloat16", fp8)}
+            ms16 = _time_ms(f["bfloat16"], iq, ik16, pt, sl)
+            ms_conv = _time_ms(f["bfloat16"], iq, ik8, pt, sl)
+            ms8 = _time_ms(f[fp8], iq, ik8, pt, sl)
+            for impl, ms, nbytes in (("bf16 pages, bf16 indexer", ms16, ik16.nbytes),
+                                     ("fp8 pages, bf16 indexer (converted)", ms_conv, ik8.nbytes)):
+                report(dict(op="msa_decode_index_scores", shape=shape, impl=impl, ms=ms, gbps=nbytes / ms / 1e6,
+                            baseline=None, ratio=None, notes="baseline of the fp8 indexer row"))
+            report(dict(op="msa_decode_index_scores", shape=shape, impl="fp8 pages, fp8 indexer (e4m3 x e4m3)",
+                        ms=ms8, gbps=ik8.nbytes / ms8 / 1e6, baseline="fp8 pages, bf16 indexer", ratio=ms_conv / ms8,
+                        notes=f"ratio = converted / fp8 indexer; bf16 pages / fp8 indexer = {ms16 / ms8:.3f}"))
+            del ik16, ik8
+
+
 if __name__ == "__main__":
     from run_info import help_or_run
 
@@ -163,5 +196,9 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     fp8_only = "--fp8" in args
     ctxs = tuple(int(x) for x in args if x != "--fp8")
-    run = bench_fp8 if fp8_only else bench
-    run(lambda row: print(json.dumps(row), flush=True), **({"contexts": ctxs} if ctxs else {}))
+    report = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
+    if fp8_only:
+        bench_fp8(report, **({"contexts": ctxs} if ctxs else {}))
+        bench_fp8_decode(report)
+    else:
+        bench(report, **({"contexts": ctxs} if ctxs else {}))

@@ -118,7 +118,8 @@ class TextConfig:
     index_cache_dtype: str = "bfloat16"
     # Research knob (not in any checkpoint): the index product, one of INDEX_SCORE_DTYPES. The jnp
     # reference computes it on every backend; the prefill index-score kernel takes both (fp8: an e4m3
-    # MMA), the paged decode scoring kernels "bfloat16" only (m3jax.msa.kernels says why, per config).
+    # MMA), the paged decode scoring kernel fp8 over an fp8 index cache on Hopper (m3jax.msa.kernels
+    # says where not, per config).
     index_score_dtype: str = "bfloat16"
     # Kernel switch (not in any checkpoint; the selections are the same either way): how the paged MSA
     # decode kernels select blocks, one of DECODE_SELECTS. "separate": the scoring kernel writes every

@@ -133,9 +133,11 @@ def test_config_validation_and_kernel_refusal():
     # so a decode step runs the prefill kernels over the gathered cache
     fp8 = KERNEL_CFG.replace_text(index_score_dtype=FP8_NAME)
     assert kernels.unsupported_reason(fp8.text) is None
-    assert "index_score_dtype" in kernels.decode_unsupported_reason(fp8.text)
+    assert "reads fp8 index pages" in kernels.decode_unsupported_reason(fp8.text)  # a bf16 index cache
     with pytest.raises(UnsupportedConfigError, match="MSA decode kernels: index_score_dtype"):
         kernels.decode(None, None, None, None, None, fp8.text)
+    # an fp8 index cache: read in place by the decode scoring kernel (Hopper; the CPU's target)
+    assert kernels.decode_unsupported_reason(fp8.replace_text(index_cache_dtype=FP8_NAME).text) is None
     # an index head dim the fp8 MMA cannot take: "auto" runs the reference, "pallas" is refused
     small = cfg.replace_text(index_score_dtype=FP8_NAME, index_head_dim=16)
     assert "index_score_dtype='float8_e4m3fn': index_head_dim 16" in kernels.unsupported_reason(small.text)
@@ -198,3 +200,41 @@ def test_kernels_path_runs_the_fp8_indexer(cache):
     assert same.mean() >= 0.9, (same.mean(), diff)  # most rows: near-ties are rare at random inputs
     np.testing.assert_allclose(np.asarray(o, np.float32)[same], np.asarray(o_ref, np.float32)[same],
                                **TOL[("attention", "bfloat16")])
+
+
+def test_decode_kernels_run_the_fp8_indexer_in_place():
+    # A decode step under the fp8 indexer over an fp8 index cache: the paged scoring kernel's e4m3 x
+    # e4m3 path (msa_decode_select="fused" has none: the scoring and top-k kernels run), selections the
+    # reference's except counted near-ties.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
+    from m3jax.pallas import _backend
+    from m3jax.pallas import decode as D
+    from m3jax.pallas.tolerances import TOL
+
+    t = KERNEL_CFG.replace_text(index_score_dtype=FP8_NAME, index_cache_dtype=FP8_NAME,
+                                msa_decode_select="fused").text
+    bs, hx, kh, b, pages = t.index_block_size, t.index_head_dim, t.num_key_value_heads, 2, 8
+    rng = np.random.default_rng(6)
+    k, v = (jnp.asarray(rng.normal(0, 1, (pages, bs, kh, t.head_dim)), jnp.bfloat16) for _ in range(2))
+    ik = jnp.asarray(rng.normal(0, 1.5, (pages, bs, hx))).astype(jnp.float8_e4m3fn)
+    table = jnp.asarray(rng.permutation(pages).reshape(b, pages // b), jnp.int32)
+    q_pos = jnp.asarray([[150], [255]], jnp.int32)
+    q = jnp.asarray(rng.normal(0, 1, (b, 1, t.num_attention_heads, t.head_dim)), jnp.bfloat16)
+    iq = jnp.asarray(rng.normal(0, 1, (b, 1, kh, hx)), jnp.bfloat16)
+    calls = []
+    real = kernels.decode_index_scores
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "decode_index_scores", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        _, sel = kernels.decode(q, iq, LayerCache(k, v, ik), table, q_pos, t)
+    assert not _backend.interpret_races_found()
+    assert calls and calls[0]["score_dtype"] == FP8_NAME
+    scores = D.decode_index_scores(iq, ik, table, q_pos[:, 0] + 1, block_size=bs, score_dtype=FP8_NAME,
+                                   implementation="reference")
+    ref = reference.select_blocks(scores, q_pos, block_size=bs, topk=t.index_topk_blocks)
+    gathered = D.reference.gather_pages(ik, table).astype(jnp.float32)
+    scale = reference.block_scores(jnp.abs(iq), jnp.abs(gathered), q_pos, bs)
+    scale = jnp.max(jnp.where(jnp.isfinite(scale), scale, 0.0), -1)
+    diff = compare.compare_selections(sel, ref, scores, q_pos, bs, scale, 2 * hx * TOL[("index_scores", FP8_NAME)])
+    assert diff.unexplained == 0, diff

@@ -18,7 +18,13 @@ from m3jax.msa.parallel import Local, local_window
 from m3jax.pallas import canaries, verdicts
 from m3jax.pallas.block_mass import block_mass
 from m3jax.pallas.block_mass import unsupported_reason as mass_reason
-from m3jax.pallas.decode import decode_index_scores, decode_select_blocks, query_positions, sparse_decode_attention
+from m3jax.pallas.decode import (
+    decode_index_scores,
+    decode_select_blocks,
+    fp8_scores_unsupported_reason,
+    query_positions,
+    sparse_decode_attention,
+)
 from m3jax.pallas.index_scores import IndexScoreConfig, fp8_unsupported_reason, index_block_scores, index_select_blocks
 from m3jax.pallas.sparse_attention import sparse_attention
 from m3jax.pallas.sparse_attention.kernel import unsupported_reason as attention_reason
@@ -41,11 +47,14 @@ def _score_dtype_reason(cfg: TextConfig) -> str | None:
 
 
 def _decode_score_dtype_reason(cfg: TextConfig) -> str | None:
-    """The paged decode scoring kernels multiply bf16 (fp8 pages converted in SMEM), so under the fp8
-    indexer a decode step gathers the cache and runs the prefill kernels (or the reference)."""
-    if cfg.index_score_dtype != "bfloat16":
-        return (f"index_score_dtype={cfg.index_score_dtype!r} has no paged decode scoring kernel; decode steps "
-                "run the prefill index-score kernel over the gathered cache")
+    """The fp8 indexer's paged decode scoring reads an fp8 index cache in place (e4m3 x e4m3, Hopper);
+    where it cannot (:func:`m3jax.pallas.decode.fp8_scores_unsupported_reason`) a decode step gathers
+    the cache and runs the prefill kernels."""
+    if cfg.index_score_dtype == "bfloat16":
+        return None
+    pages = jnp.float8_e4m3fn if cfg.index_cache_dtype == FP8_NAME else jnp.bfloat16
+    if reason := fp8_scores_unsupported_reason(pages):
+        return f"index_score_dtype={cfg.index_score_dtype!r}: {reason}"
     return None
 
 
@@ -155,21 +164,25 @@ def indexer_target_mass(q, k, q_pos, *, block_size: int, num_blocks: int):
 
 def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,
                  local_blocks: int = 1, init_blocks: int = 0, force_in: tuple[int, ...] = (),
-                 force_out: tuple[int, ...] = (), fused_select: bool = False):
+                 force_out: tuple[int, ...] = (), fused_select: bool = False, score_dtype: str = "bfloat16"):
     """One MSA decode step over paged caches, read in place: paged index scores -> top-k -> sparse
     paged attention. q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), pages as the decode kernels take them
     (:mod:`m3jax.pallas.decode`), seq_lens [B]. ``fused_select``: the selection in one launch
     (:func:`m3jax.pallas.decode.decode_select_blocks`; ``TextConfig.msa_decode_select="fused"``)
     instead of the scoring kernel then the top-k kernel; the same block ids either way.
-    Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
+    ``score_dtype="float8_e4m3fn"``: the fp8 indexer over fp8 index pages (the scoring kernel's e4m3 x
+    e4m3 path; the fused selection has none). Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
     # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts each page in SMEM
-    # (exact), so the scan reads one byte per key element.
+    # (exact), or multiplies it as it is under the fp8 indexer, so the scan reads one byte per key element.
     kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
               force_in=force_in, force_out=force_out)
+    if fused_select and score_dtype != "bfloat16":
+        raise ValueError(f"decode_pages: the fused selection has no score_dtype={score_dtype!r} path")
     if fused_select:
         sel = decode_select_blocks(iq, ik_pages, page_table, seq_lens, **kw)
     else:
-        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
+        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
+                                     score_dtype=score_dtype)
         sel = select_blocks(scores, query_positions(seq_lens, q.shape[1]), implementation="pallas", **kw)
     return sparse_decode_attention(q, k_pages, v_pages, page_table, sel, seq_lens, block_size=block_size), sel
 
@@ -180,15 +193,16 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
     keys and the selected K/V pages are read in place, the cache is never gathered. ``force_in`` /
     ``force_out`` as in :func:`prefill`. ``msa_decode_select="fused"`` takes the fused selection unless
     its canary failed on this GPU at this block size (then the scoring and top-k kernels, with a
-    warning). Returns (o, block ids)."""
+    warning) or under the fp8 indexer (no e4m3 product there; the scoring and top-k kernels select the
+    same ids). Returns (o, block ids)."""
     if reason := _decode_score_dtype_reason(cfg):
         raise UnsupportedConfigError(f"MSA decode kernels: {reason}")
-    fused = cfg.msa_decode_select == "fused" and not verdicts.kernel_failure(
+    fused = cfg.msa_decode_select == "fused" and cfg.index_score_dtype == "bfloat16" and not verdicts.kernel_failure(
         "decode_select_fused", block_size=cfg.index_block_size)
     return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
                         topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                         init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,
-                        fused_select=fused)
+                        fused_select=fused, score_dtype=cfg.index_score_dtype)
 
 
 def dense_decode(q, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
@@ -239,7 +253,8 @@ def local_decode(cfg: TextConfig) -> Local:
     bs = cfg.index_block_size
 
     def scores(iq, keys, local_len):
-        return decode_index_scores(iq, keys[2], keys[3], local_len[:, -1], block_size=bs)
+        return decode_index_scores(iq, keys[2], keys[3], local_len[:, -1], block_size=bs,
+                                   score_dtype=cfg.index_score_dtype)
 
     return Local(keys=_paged_keys, scores=scores, attend=_paged_attend(bs))
 

@@ -277,3 +277,41 @@ def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, mosaic_modules
         assert len(mods) == 2 and not any("wgmma" in m for m in mods)
     else:
         assert len(mods) == 1 and "wgmma.mma_async" in mods[0]
+
+
+@pytest.mark.parametrize("hx,bs,fused", [(128, 128, False), (64, 256, True), (32, 64, False)])
+@pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
+def test_fp8_indexer_scores_lower(target, hx, bs, fused, mosaic_modules):
+    # The fp8 indexer (score_dtype="float8_e4m3fn"): e4m3 Q tiles and key blocks straight into an e4m3 x
+    # e4m3 MMA (wgmma, K steps of 32; tcgen05 kind::f8f6f4), the key scales pipelined beside the keys;
+    # head dims 32..128 (32- to 128-byte swizzles), block 64..256, the fused top-k epilogue.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
+    from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
+
+    target = getattr(_backend, target)
+    args = (S((1, T, HI, hx), BF16), S((1, CTX, hx), BF16), S((1, T), I32))
+    kw = dict(block_size=bs, score_dtype="float8_e4m3fn")
+    if fused:
+        f = lambda iq, ik, p: index_select_blocks(iq, ik, p, topk=TOPK, config=IndexScoreConfig(fused_topk=True), **kw)
+    else:
+        f = lambda iq, ik, p: index_block_scores(iq, ik, p, **kw)
+    with _backend.lowering_for(target):
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    mma = "tcgen05.mma.cta_group::1.kind::f8f6f4" if target.mma == "tcgen05" else ".f32.e4m3.e4m3"
+    assert mma in mosaic_modules[0]
+
+
+@pytest.mark.parametrize("hx,bs,q", [(128, 128, 1), (64, 64, 2), (128, 256, 4)])
+def test_fp8_indexer_decode_scores_lower(hx, bs, q, mosaic_modules):
+    # The decode scoring kernel under the fp8 indexer over fp8 pages: the page as loaded is the wgmma's
+    # A operand (e4m3 x e4m3, no conversion), the query tile swizzled as the page.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
+    from m3jax.pallas.decode import decode_index_scores
+
+    nb = CTX // bs
+    args = (S((2, q, HI, hx), BF16), S((2 * nb, bs, hx), jnp.float8_e4m3fn), S((2, nb), I32), S((2,), I32))
+    with _backend.lowering_for(_backend.HOPPER):
+        jax.jit(lambda *a: decode_index_scores(*a, block_size=bs, score_dtype="float8_e4m3fn")).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    module = mosaic_modules[-1]
+    assert ".f32.e4m3.e4m3" in module and "e4m3x2" not in module

@@ -26,6 +26,12 @@ Design (Hopper, ``Target.HOPPER``):
   scores decide selections and a bf16x3 error of ~2^-16 flips blocks that fp32 keeps apart) at 6x the
   MMA work and 3x the SMEM per stage (fewer stages; block 256 runs as two half blocks). bf16 inputs
   run one K = Hx wgmma per block.
+* fp8 indexer (``score_dtype="float8_e4m3fn"``, docs/KERNELS.md §2.1). The wrapper quantises in XLA
+  with the reference's ``msa.reference.fp8_index_operands`` (e4m3 Q rows and keys, fp32 scales per row
+  and per key); the kernel loads the e4m3 tiles (K-major, as Hopper's fp8 wgmma needs) and runs one
+  e4m3 x e4m3 MMA per key block into fp32. The row scales come in with the Q tile, the key scales as a
+  1-D block of the key pipeline; the epilogue multiplies by the row's, then the key's scale (the
+  reference's order) before the mask and the block max.
 
 What remains for peak (measured numbers in benchmarks/msa_index.py): a warp-specialised version
 (one TMA producer warpgroup + two consumer warpgroups ping-ponging so that one warpgroup's epilogue
