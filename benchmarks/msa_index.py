@@ -13,8 +13,9 @@ Run ``python benchmarks/msa_index.py [ctx ...]`` to print the rows.
 ``bench_fp8(report)`` (``python benchmarks/msa_index.py --fp8 [ctx ...]``, default 64K, 256K, 1M keys
 under 4096 queries) times the fp8 indexer's score kernel (``score_dtype="float8_e4m3fn"``: e4m3 x e4m3
 MMA) against the bf16 score kernel in the same process, both writing block-major scores: the fp8 kernel
-alone (operands quantised beforehand) and with the quantisation of the queries and of every key in XLA
-(what a prefill chunk pays when the index cache is not fp8). ratio = bf16 ms / fp8 ms.
+with the quantisation of the queries and of every key in XLA (what a prefill chunk pays when the index
+cache is not fp8), and alone (operands quantised beforehand) at the default tile and two others.
+ratio = bf16 ms / fp8 ms.
 ``bench_fp8_decode(report)`` (run by ``--fp8`` too: 128K and 1M keys, B=1 and 8, one token) times the
 paged decode scoring kernel on fp8 index pages under the fp8 indexer (e4m3 x e4m3 wgmma, the query
 quantised in XLA) against the same kernel on the same fp8 pages with the bf16 indexer (each page
