@@ -93,7 +93,8 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
     if reason:
         return reason
     # a kernel whose canary fails here at the path this block takes is not used
-    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS, block_size=cfg.index_block_size)
+    fp8 = canaries.FP8_INDEXER_PREFILL_KERNELS if cfg.index_score_dtype != "bfloat16" else ()
+    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS, *fp8, block_size=cfg.index_block_size)
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:

@@ -37,6 +37,13 @@ def _index_scores():
             (S((1, T, HI, H), BF16), S((1, CTX, H), BF16), S((1, T), I32)))
 
 
+def _index_scores_fp8():
+    from m3jax.pallas.index_scores import index_block_scores
+
+    return (lambda iq, ik, p: index_block_scores(iq, ik, p, block_size=BS, score_dtype="float8_e4m3fn"),
+            (S((1, T, HI, H), BF16), S((1, CTX, H), BF16), S((1, T), I32)))
+
+
 def _index_topk_fused():
     from m3jax.pallas.index_scores import IndexScoreConfig, index_select_blocks
 
@@ -91,6 +98,7 @@ def _grouped_matmul():
 # kernel -> (function and abstract arguments, whether it multiplies on the tensor cores)
 KERNELS = {
     "index_scores": (_index_scores, True),
+    "index_scores_fp8": (_index_scores_fp8, True),
     "index_topk_fused": (_index_topk_fused, True),
     "topk_blockmajor": (lambda: _topk("pallas_blockmajor", T), False),
     "topk_rowsplit": (lambda: _topk("pallas_rowsplit", 1), False),
@@ -105,8 +113,8 @@ KERNELS = {
 
 # kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma (the fused
 # decode selection's is the fallback: the Blackwell decode scoring kernel, then the top-k kernel)
-BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_major", "decode_index_scores",
-                      "decode_select_fused", "sparse_decode_attention", "grouped_matmul"}
+BLACKWELL_VARIANTS = {"index_scores", "index_scores_fp8", "index_topk_fused", "sparse_attention_kv_major",
+                      "decode_index_scores", "decode_select_fused", "sparse_decode_attention", "grouped_matmul"}
 
 
 # tcgen05.fence::before_thread_sync per kernel at M3's shapes: one per hand-off of TMEM from the
@@ -115,8 +123,8 @@ BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_m
 # fully visible blocks and the causally masked one), the KV-major attention S and O once per tile (also
 # emitted twice: tiles with and without a query's own block), the decode attention O's zeros, S and O's rescale once per page; the grouped GEMM reads its accumulator
 # once, after the last MMA, and frees it.
-FENCES = {"index_scores": 2, "index_topk_fused": 2, "sparse_attention_kv_major": 4, "decode_index_scores": 1,
-          "sparse_decode_attention": 3, "grouped_matmul": 0}
+FENCES = {"index_scores": 2, "index_scores_fp8": 2, "index_topk_fused": 2, "sparse_attention_kv_major": 4,
+          "decode_index_scores": 1, "sparse_decode_attention": 3, "grouped_matmul": 0}
 
 
 def _mma_instruction(name: str, mma: bool, target) -> str | None:

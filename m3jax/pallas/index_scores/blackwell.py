@@ -21,7 +21,8 @@ how a key block becomes its rows' maxima differs (:class:`.tile.RowMax`; Hopper'
 Chosen by :func:`m3jax.pallas._backend.arch_module` when the target's MMA is ``"tcgen05"``. Verified: interpret
 mode (tests/pallas/test_index_scores.py runs its cases also under ``_backend.interpret_as(BLACKWELL)``)
 and lowering for sm_100a on a CPU (tests/pallas/test_lowering.py); not run on a B200 (the
-``index_scores`` / ``index_topk_fused`` self-check canaries are what will say so on one). Not done:
+``index_scores`` / ``index_scores_fp8`` / ``index_topk_fused`` self-check canaries are what will say so on
+one). Not done:
 a warp-specialised MMA warp running a block ahead into a second TMEM accumulator while the
 warpgroup reduces the previous one, 2-CTA tiles of 256 rows, ``async_load_tmem(reduce="max")``.
 """
