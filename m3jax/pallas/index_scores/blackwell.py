@@ -22,9 +22,8 @@ Chosen by :func:`m3jax.pallas._backend.arch_module` when the target's MMA is ``"
 mode (tests/pallas/test_index_scores.py runs its cases also under ``_backend.interpret_as(BLACKWELL)``)
 and lowering for sm_100a on a CPU (tests/pallas/test_lowering.py); not run on a B200 (the
 ``index_scores`` / ``index_scores_fp8`` / ``index_topk_fused`` self-check canaries are what will say so on
-one). Not done:
-a warp-specialised MMA warp running a block ahead into a second TMEM accumulator while the
-warpgroup reduces the previous one, 2-CTA tiles of 256 rows, ``async_load_tmem(reduce="max")``.
+one). Not done: a warp-specialised MMA warp running a block ahead into a second TMEM accumulator while
+the warpgroup reduces the previous one, 2-CTA tiles of 256 rows, ``async_load_tmem(reduce="max")``.
 """
 
 from __future__ import annotations
