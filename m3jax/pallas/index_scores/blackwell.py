@@ -17,6 +17,8 @@ how a key block becomes its rows' maxima differs (:class:`.tile.RowMax`; Hopper'
   overlap.
 - fp32 inputs are the three bf16 pieces of ``pallas._common.bf16_split`` as on Hopper (six MMAs per
   block; tcgen05 would run fp32 as TF32, too coarse for selections).
+- The fp8 indexer's e4m3 Q tile and key block go into one ``kind::f8f6f4`` MMA; the kernel's epilogue
+  scales each 64-column piece by its rows' and keys' scales before the mask.
 
 Chosen by :func:`m3jax.pallas._backend.arch_module` when the target's MMA is ``"tcgen05"``. Verified: interpret
 mode (tests/pallas/test_index_scores.py runs its cases also under ``_backend.interpret_as(BLACKWELL)``)
