@@ -18,6 +18,9 @@ interpret mode does not).
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -287,26 +290,52 @@ def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, mosaic_modules
         assert len(mods) == 1 and "wgmma.mma_async" in mods[0]
 
 
-@pytest.mark.parametrize("hx,bs,fused", [(128, 128, False), (64, 256, True), (32, 64, False)])
+_SMEM_VIEW = re.compile(r"memref\.view [^\n]*? to memref<((?:\d+x)+)(f32|i32|f8E4M3FN|bf16), #gpu\.address_space<workgroup>>")
+_BYTES = {"f32": 4, "i32": 4, "bf16": 2, "f8E4M3FN": 1}
+
+
+def _unaligned_slots(module: str) -> set[str]:
+    """The module's SMEM buffers stacked along their leading dim whose slots (one leading index) are not
+    whole multiples of 128 bytes. Mosaic places each buffer at a 1 KiB boundary but a slot at the
+    buffer's start plus the slot index times its bytes, and a TMA copy to or from SMEM faults
+    (CUDA_ERROR_MISALIGNED_ADDRESS) at an address off 128 bytes."""
+    bad = set()
+    for dims, dtype in _SMEM_VIEW.findall(module):
+        shape = [int(d) for d in dims.rstrip("x").split("x")]
+        if len(shape) >= 2 and math.prod(shape[1:]) * _BYTES[dtype] % 128:
+            bad.add(f"{dims}{dtype}")
+    return bad
+
+
+# tests/pallas/test_index_scores_fp8.py's tiles (its block 16 at Hx 64, 64 rows, 2 key buffers, groups of 2)
+_TEST_TILE = dict(rows=64, group=2, max_concurrent_steps=2)
+
+
+@pytest.mark.parametrize("hx,bs,fused,tile", [(128, 128, False, {}), (64, 256, True, {}), (32, 64, False, {}),
+                                              (64, 16, False, _TEST_TILE), (64, 16, True, _TEST_TILE)])
 @pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
-def test_fp8_indexer_scores_lower(target, hx, bs, fused, mosaic_modules):
+def test_fp8_indexer_scores_lower(target, hx, bs, fused, tile, mosaic_modules):
     # The fp8 indexer (score_dtype="float8_e4m3fn"): e4m3 Q tiles and key blocks straight into an e4m3 x
     # e4m3 MMA (wgmma, K steps of 32; tcgen05 kind::f8f6f4), the key scales pipelined beside the keys;
-    # head dims 32..128 (32- to 128-byte swizzles), block 64..256, the fused top-k epilogue.
+    # head dims 32..128 (32- to 128-byte swizzles), block 16..256, the fused top-k epilogue. Every
+    # pipeline slot and output buffer slot, which TMA fills or reads, at a 128-byte boundary: the key
+    # scales' slots too (a block of 16 keys' fp32 scales is 64 bytes, padded to 128).
     # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
 
     target = getattr(_backend, target)
     args = (S((1, T, HI, hx), BF16), S((1, CTX, hx), BF16), S((1, T), I32))
     kw = dict(block_size=bs, score_dtype="float8_e4m3fn")
+    config = IndexScoreConfig(fused_topk=fused, **tile)
     if fused:
-        f = lambda iq, ik, p: index_select_blocks(iq, ik, p, topk=TOPK, config=IndexScoreConfig(fused_topk=True), **kw)
+        f = lambda iq, ik, p: index_select_blocks(iq, ik, p, topk=TOPK, config=config, **kw)
     else:
-        f = lambda iq, ik, p: index_block_scores(iq, ik, p, **kw)
+        f = lambda iq, ik, p: index_block_scores(iq, ik, p, config=config, **kw)
     with _backend.lowering_for(target):
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     mma = "tcgen05.mma.cta_group::1.kind::f8f6f4" if target.mma == "tcgen05" else ".f32.e4m3.e4m3"
     assert mma in mosaic_modules[0]
+    assert not _unaligned_slots(mosaic_modules[0])
 
 
 @pytest.mark.parametrize("hx,bs,q", [(128, 128, 1), (64, 64, 2), (128, 256, 4)])

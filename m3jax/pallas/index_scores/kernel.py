@@ -30,8 +30,9 @@ Design (Hopper, ``Target.HOPPER``):
   with the reference's ``msa.reference.fp8_index_operands`` (e4m3 Q rows and keys, fp32 scales per row
   and per key); the kernel loads the e4m3 tiles (K-major, as Hopper's fp8 wgmma needs) and runs one
   e4m3 x e4m3 MMA per key block into fp32. The row scales come in with the Q tile, the key scales as a
-  1-D block of the key pipeline; the epilogue multiplies by the row's, then the key's scale (the
-  reference's order) before the mask and the block max.
+  1-D block of the key pipeline, each block's padded to a multiple of 32 (:func:`_key_scale_width`:
+  every pipeline slot a TMA destination at a 128-byte boundary); the epilogue multiplies by the row's,
+  then the key's scale (the reference's order) before the mask and the block max.
 
 What remains for peak (measured numbers in benchmarks/msa_index.py): a warp-specialised version
 (one TMA producer warpgroup + two consumer warpgroups ping-ponging so that one warpgroup's epilogue
@@ -88,7 +89,8 @@ def _kernel_call(q_parts, k_parts, scales, rowpos, tile_info, *, s_len, block_si
                  local_blocks, init_blocks, force_in=(), force_out=(), interpret=None):
     """q_parts: 1 or 3 bf16 pieces [B, Rp, Hx], or one e4m3 [B, Rp, Hx] (:func:`_prepare`); k_parts
     likewise [B, Sp, Hx]; scales: None, or with e4m3 parts the fp32 (row scales [B, Rp], key scales
-    [B, Sp]); rowpos [B, Rp] i32; tile_info [B, ntiles, 2] i32 (min, max position of the tile's valid rows)."""
+    [B, nb * _key_scale_width(block_size)]); rowpos [B, Rp] i32; tile_info [B, ntiles, 2] i32 (min, max
+    position of the tile's valid rows)."""
     n_parts = len(q_parts)
     n_in = 2 * n_parts + (2 if scales else 0)  # operand arrays before rowpos
     dtype = q_parts[0].dtype
@@ -161,7 +163,7 @@ def _kernel_call(q_parts, k_parts, scales, rowpos, tile_info, *, s_len, block_si
             return plgpu.BlockSpec((bs, hx), lambda j: (j + offset, 0), transforms=transforms)
 
         def specs(offset):  # the key block's operands (and its keys' scales)
-            key_scale = [plgpu.BlockSpec((bs,), lambda j: (j + offset,))] if scales else []
+            key_scale = [plgpu.BlockSpec((_key_scale_width(bs),), lambda j: (j + offset,))] if scales else []
             return [spec(offset)] * n_parts + key_scale
 
         key_refs = [k.at[bi] for k in k_refs] + ([ks_ref.at[bi]] if scales else [])
@@ -256,6 +258,20 @@ FP32_PARTS = 3  # bf16 pieces of an fp32 operand (see the module docstring)
 SCORE_DTYPES = ("bfloat16", FP8_NAME)  # msa.reference.block_scores' score_dtype: what the kernel multiplies
 
 
+# A TMA copy's SMEM address must be a multiple of 128 bytes (CUDA's alignment table for tensor copies;
+# the GPU raises CUDA_ERROR_MISALIGNED_ADDRESS otherwise). Mosaic aligns each scratch buffer, not the
+# slots of a pipeline buffer, which lie at multiples of one block's bytes from its start.
+TMA_SMEM_ALIGN = 128
+
+
+def _key_scale_width(block_size: int) -> int:
+    """fp32 key scales per key block as the kernel loads them: ``block_size`` rounded up to a multiple of
+    32 (128 bytes, :data:`TMA_SMEM_ALIGN`; the pad scale 1, never read), so that every pipeline slot of
+    the scales starts at a TMA-aligned address whatever the block size."""
+    per = TMA_SMEM_ALIGN // 4
+    return -(-block_size // per) * per
+
+
 def _row_bytes(hx, n_parts, dtype) -> int:
     """SMEM bytes of one Q row or key: its operand pieces (and an fp8 row's fp32 scale)."""
     dtype = jnp.dtype(dtype)
@@ -273,7 +289,10 @@ def _operands(iq, ik, score_dtype):
 def _pipeline_steps(rows, row_bytes, bs, fused, topk, config):
     """Key-block buffers that fit next to the Q tile and the output tiles (0 if not even 2 fit)."""
     fixed = rows * row_bytes + (topk * rows * 4 + 8 * rows * 4 if fused else 3 * config.group * rows * 4) + 4096
-    steps = min(config.max_concurrent_steps, (current_target().smem_bytes - fixed) // (bs * row_bytes))
+    # a key block's slot: its operand rows (whole multiples of 128 bytes: bs % 8, Hx bytes % 16) and an fp8
+    # block's scales padded to the next 128 bytes (_key_scale_width), hence the block's bytes rounded up
+    block = -(-bs * row_bytes // TMA_SMEM_ALIGN) * TMA_SMEM_ALIGN
+    steps = min(config.max_concurrent_steps, (current_target().smem_bytes - fixed) // block)
     return steps if steps >= 2 else 0
 
 
@@ -320,6 +339,9 @@ def _prepare(iq, ik, q_pos, block_size, rows, score_dtype="bfloat16", keys_fp8=F
         # padding rows and keys: scale 1 (their scores are masked or dropped; no 0 * inf)
         q_scale = jnp.pad(q_scale[..., 0], [(0, 0), (0, t_pad - t), (0, 0)], constant_values=1.0)
         k_scale = jnp.pad(k_scale[..., 0], [(0, 0), (0, nb * block_size - s_len)], constant_values=1.0)
+        width = _key_scale_width(block_size)  # each block's scales padded to whole TMA-aligned slots
+        k_scale = jnp.pad(k_scale.reshape(b, nb, block_size), [(0, 0), (0, 0), (0, width - block_size)],
+                          constant_values=1.0).reshape(b, nb * width)
         scales = (q_scale.reshape(b, t_pad * hi), k_scale)
     elif iq.dtype == jnp.float32 or ik.dtype == jnp.float32:
         qs, ks = bf16_split(iq, FP32_PARTS), bf16_split(ik, FP32_PARTS)
