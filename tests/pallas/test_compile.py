@@ -148,6 +148,21 @@ CASES.update({f"m3 grouped_matmul prefill 256-row tiles{' mxfp8' * mx}": (
 CASES.update({f"m3 grouped_matmul prefill cluster{' mxfp8' * mx}": (
     "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_CLUSTER))) for mx in (False, True)})
 CASES.update({f"canary {c.name}": (c.kernel, lambda c=c: (c.run, ())) for c in canaries.CANARIES.values()})
+# tests/pallas/test_index_scores_fp8.py's kernel calls at its shapes and tiles (block 16, Hx 64, 64 rows)
+CASES.update({f"test index_scores_fp8{' fused' * fused}": ("index_scores_fp8", lambda fused=fused: _fp8_test(fused))
+              for fused in (False, True)})
+
+
+def _fp8_test(fused: bool):
+    from m3jax.pallas.index_scores import index_block_scores, index_select_blocks
+    from tests.pallas import test_index_scores_fp8 as t
+
+    kw = dict(block_size=t.BS, score_dtype=t.FP8)
+    args = jax.eval_shape(lambda: t._case(False, 0))  # (iq, ik, q_pos) of the test's shapes
+    if fused:  # the fused top-k kernel (its test's selection arguments)
+        return (lambda iq, ik, p: index_select_blocks(iq, ik, p, config=t.CFG_FUSED, topk=4, local_blocks=2,
+                                                      init_blocks=1, force_in=(1,), force_out=(2,), **kw), args)
+    return (lambda iq, ik, p: index_block_scores(iq, ik, p, config=t.CFG, **kw), args)
 
 
 def _gmm_config(**kw):
