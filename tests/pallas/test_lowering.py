@@ -295,14 +295,14 @@ _BYTES = {"f32": 4, "i32": 4, "bf16": 2, "f8E4M3FN": 1}
 
 
 def _unaligned_slots(module: str) -> set[str]:
-    """The module's SMEM buffers stacked along their leading dim whose slots (one leading index) are not
-    whole multiples of 128 bytes. Mosaic places each buffer at a 1 KiB boundary but a slot at the
+    """The module's SMEM buffers stacked along their leading dim (two slots or more) whose slots (one
+    leading index) are not whole multiples of 128 bytes. Mosaic places each buffer at a 1 KiB boundary but a slot at the
     buffer's start plus the slot index times its bytes, and a TMA copy to or from SMEM faults
     (CUDA_ERROR_MISALIGNED_ADDRESS) at an address off 128 bytes."""
     bad = set()
     for dims, dtype in _SMEM_VIEW.findall(module):
         shape = [int(d) for d in dims.rstrip("x").split("x")]
-        if len(shape) >= 2 and math.prod(shape[1:]) * _BYTES[dtype] % 128:
+        if len(shape) >= 2 and shape[0] > 1 and math.prod(shape[1:]) * _BYTES[dtype] % 128:
             bad.add(f"{dims}{dtype}")
     return bad
 
