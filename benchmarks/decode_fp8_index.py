@@ -4,17 +4,22 @@ At MiniMax-M3's widths (the ``minimax_m3`` preset: N=64 query heads, K=4 KV head
 heads, Hx=128, block (page) 128, top-16), caches of 128K and 1M tokens, B=1 and B=8, Q=1, on one GPU:
 
 - ``index_scores``: the decode index-score kernel (``m3jax.pallas.decode.decode_index_scores``) on bf16
-  pages, on fp8 pages read as stored (the kernel converts each page in SMEM) with the keys met in
-  bf16 (``DecodeScoreConfig.fp8_mma="bfloat16"``, the default: e4m3 -> f16 -> bf16) and in f16
-  (``"float16"``: e4m3 -> f16, the query scaled into f16), and on fp8 pages upcast to bf16 in XLA
-  first (what the model did before the kernel took fp8);
+  pages, on fp8 pages read as stored with the keys met in bf16 (``DecodeScoreConfig.fp8_mma="bfloat16"``,
+  the default: e4m3 -> f16 -> bf16) and in f16 (``"float16"``: e4m3 -> f16, the query scaled into
+  f16), each converted into an SMEM page the wgmma reads (``fp8_convert="smem"``, the default) or in
+  registers as the wgmma's A operand (``"registers"``), and on fp8 pages upcast to bf16 in XLA first
+  (what the model did before the kernel took fp8);
+- ``select_fused``: the fused selection (``decode_select_blocks``: scores, block max and the splits'
+  top-k in one launch) on bf16 pages and on fp8 pages converted in SMEM and in registers;
 - ``decode_step``: the model's whole MSA decode step (``m3jax.msa.kernels.decode``: index scores,
-  top-k, sparse paged attention) with the cache's index pages in bf16 and in fp8 (both ``fp8_mma``).
+  top-k, sparse paged attention) with the cache's index pages in bf16 and in fp8 (both ``fp8_mma``,
+  both ``fp8_convert``).
 
 Columns: device time (CUPTI, ``jax.experimental.mosaic.gpu.profiler.measure``, median of 20), ``ratio``
 = bf16 ms / ms (> 1: faster than bf16 pages), ``floor_ms`` = the index-key bytes the step reads
 (B x ctx x Hx x 1 or 2 B) / the copy bandwidth measured here ((read + written bytes) / time of an XLA
-copy of a 4 GiB buffer), and ``GB/s`` = index-key bytes / ms. Selections (per request and KV head):
+copy of a 4 GiB buffer), ``x_floor`` = ms / floor_ms (1: at the copy's rate), and ``GB/s`` =
+index-key bytes / ms. Selections (per request and KV head):
 ``rows_equal_bf16`` = fraction of selection rows (as sets) the fp8 pages select exactly as the bf16
 pages do, ``overlap_bf16`` = mean fraction of selected blocks they share (random keys: block maxima
 lie close together, so e4m3's 3 mantissa bits flip many near-ties; this measures that, not a model);
@@ -23,8 +28,8 @@ reference's selection from the same pages (``m3jax.msa.reference``, which upcast
 exact fp32 near-ties), with ``score_err`` = max |kernel - reference| / the index-score tolerance
 (m3jax/pallas/tolerances.py; <= 1 passes).
 
-Run on one H200 (about 2 minutes): ``PYTHONPATH=. python benchmarks/decode_fp8_index.py``. Prints the
-table and writes ``$OUT/decode_fp8_index.md`` and ``.json`` (``$OUT`` default ``benchmarks/out``).
+Run on one GPU: ``PYTHONPATH=. python benchmarks/decode_fp8_index.py``. Prints the table and writes
+``$OUT/decode_fp8_index.md`` and ``.json`` (``$OUT`` default ``benchmarks/out``).
 ``FP8_BENCH_CTX=131072,1048576`` / ``FP8_BENCH_BATCH=1,8`` choose the shapes; ``FP8_BENCH_BUDGET_S``
 (default 150) stops starting new shapes after that many seconds (they are reported as skipped).
 """
@@ -56,8 +61,9 @@ def _time_ms(f, *args, iters: int = 20) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Bytes per second of an XLA copy (read + write) of a 4 GiB bf16 buffer."""
-    x = jnp.ones((1 << 31,), jnp.bfloat16)
+    """Bytes per second of an XLA copy (read + write) of a 1 GiB bf16 buffer (far past L2; 4 GiB ran out of
+    memory on an H100 80GB beside the benchmark's pages)."""
+    x = jnp.ones((1 << 29,), jnp.bfloat16)
     ms = _time_ms(jax.jit(lambda x: x + jnp.bfloat16(1)), x)
     return 2 * x.nbytes / (ms * 1e-3)
 
@@ -114,20 +120,25 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
              f"Hi={t.index_n_heads} Hx={hx} bs={bs} topk={t.index_topk_blocks}")
     select = jax.jit(functools.partial(msa.select_blocks, block_size=bs, topk=t.index_topk_blocks,
                                        local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks))
-    scores = {m: jax.jit(functools.partial(D.decode_index_scores, block_size=bs, config=D.DecodeScoreConfig(fp8_mma=m)))
-              for m in ("bfloat16", "float16")}
+    variants = [(m, c) for m in ("bfloat16", "float16") for c in ("smem", "registers")]  # (fp8_mma, fp8_convert)
+    configs = {v: D.DecodeScoreConfig(fp8_mma=v[0], fp8_convert=v[1]) for v in variants}
+    scores = {v: jax.jit(functools.partial(D.decode_index_scores, block_size=bs, config=configs[v])) for v in variants}
+    fused = {c: jax.jit(functools.partial(D.decode_select_blocks, block_size=bs, topk=t.index_topk_blocks,
+                                          local_blocks=t.index_local_blocks, init_blocks=t.index_init_blocks,
+                                          config=D.DecodeScoreConfig(fp8_convert=c)))
+             for c in ("smem", "registers")}
 
     ref_scores = jax.jit(functools.partial(D.decode_index_scores, block_size=bs, implementation="reference"))
     upcast_scores = jax.jit(lambda iq, ik, pt, sl: D.decode_index_scores(iq, ik.astype(jnp.bfloat16), pt, sl,
                                                                          block_size=bs))
 
-    def step(cfg, fp8_mma="bfloat16"):
-        """The model's decode step, its index scoring traced with ``DecodeScoreConfig(fp8_mma=...)`` (the
-        model passes the default config: msa.kernels.decode looks the function up when traced)."""
+    def step(cfg, variant=("bfloat16", "smem")):
+        """The model's decode step, its index scoring traced with the ``(fp8_mma, fp8_convert)`` variant's
+        config (the model passes the default config: msa.kernels.decode looks the function up when traced)."""
         scoring = D.decode_index_scores
 
         def run(q, iq, kp, vp, ik, pt):
-            D.decode_index_scores = functools.partial(scoring, config=D.DecodeScoreConfig(fp8_mma=fp8_mma))
+            D.decode_index_scores = functools.partial(scoring, config=configs[variant])
             try:
                 return kernels.decode(q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg)
             finally:
@@ -139,48 +150,59 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
 
     def row(op, pages, ms, nbytes, base_ms=None, **extra) -> dict:
         rows.append({"op": op, "shape": shape, "index_pages": pages, "ms": ms, "index_bytes": nbytes,
-                     "gbps": nbytes / ms / 1e6, "floor_ms": nbytes / bw * 1e3,
+                     "gbps": nbytes / ms / 1e6, "floor_ms": nbytes / bw * 1e3, "x_floor": ms / (nbytes / bw * 1e3),
                      "ratio": None if base_ms is None else base_ms / ms, **extra})
         return rows[-1]
 
     # 1. the index-score kernel alone: bf16 pages; fp8 pages met in bf16 (the default) and in f16
-    # (DecodeScoreConfig.fp8_mma: one conversion per key pair instead of three); fp8 upcast in XLA first.
-    # Selections from each fp8 variant's scores: against the bf16 pages' and the reference's on fp8 pages.
+    # (DecodeScoreConfig.fp8_mma: one conversion per key pair instead of three), converted in SMEM or in
+    # registers (fp8_convert); fp8 upcast in XLA first. Selections from each fp8 variant's scores:
+    # against the bf16 pages' and the reference's on fp8 pages.
     n16, n8 = ikp.nbytes, ik8.nbytes
     tol = TOL[("index_scores", "bfloat16")]
-    ms16 = _time_ms(scores["bfloat16"], iq, ikp, pt, sl)
+    base = scores[variants[0]]  # bf16 pages: the config's fp8 fields do not apply
+    ms16 = _time_ms(base, iq, ikp, pt, sl)
     row("index_scores", "bfloat16", ms16, n16)
-    sel16 = select(scores["bfloat16"](iq, ikp, pt, sl), q_pos)
+    sel16 = select(base(iq, ikp, pt, sl), q_pos)
     r8 = ref_scores(iq, ik8, pt, sl)
     fin = np.isfinite(np.asarray(r8))
     sel_ref = select(r8, q_pos)
-    for fp8_mma in ("bfloat16", "float16"):
-        f = scores[fp8_mma]
+    for fp8_mma, convert in variants:
+        f = scores[(fp8_mma, convert)]
         s8 = f(iq, ik8, pt, sl)
         d = np.abs(np.asarray(s8)[fin] - np.asarray(r8)[fin]) / (tol["atol"] + tol["rtol"] * np.abs(np.asarray(r8)[fin]))
         sel8 = select(s8, q_pos)
         eq16, overlap16 = _agreement(sel8, sel16)
-        row("index_scores", f"float8_e4m3fn, fp8_mma={fp8_mma}", _time_ms(f, iq, ik8, pt, sl), n8, ms16,
-            rows_equal_bf16=eq16, overlap_bf16=overlap16, rows_equal_ref=_agreement(sel8, sel_ref)[0],
+        row("index_scores", f"float8_e4m3fn, fp8_mma={fp8_mma}, fp8_convert={convert}", _time_ms(f, iq, ik8, pt, sl),
+            n8, ms16, rows_equal_bf16=eq16, overlap_bf16=overlap16, rows_equal_ref=_agreement(sel8, sel_ref)[0],
             score_err=float(d.max()))
     row("index_scores", "float8_e4m3fn upcast in XLA (before)", _time_ms(upcast_scores, iq, ik8, pt, sl), n8, ms16)
     del r8
 
-    # 2. the model's whole MSA decode step (index scores, top-k, sparse attention); its selection too
+    # 2. the fused selection (one launch: scores, block max, the splits' top-k): bf16 pages, fp8 pages
+    # converted in SMEM and in registers; its selections from fp8 pages against the reference's
+    fs16 = _time_ms(fused["smem"], iq, ikp, pt, sl)
+    row("select_fused", "bfloat16", fs16, n16)
+    for convert in ("smem", "registers"):
+        f = fused[convert]
+        row("select_fused", f"float8_e4m3fn, fp8_convert={convert}", _time_ms(f, iq, ik8, pt, sl), n8, fs16,
+            rows_equal_ref=_agreement(f(iq, ik8, pt, sl), sel_ref)[0])
+
+    # 3. the model's whole MSA decode step (index scores, top-k, sparse attention); its selection too
     kv_bytes = b * t.num_key_value_heads * t.index_topk_blocks * bs * t.head_dim * 2 * 2
     cfg16 = dataclasses.replace(t, index_cache_dtype="bfloat16")
     cfg8 = dataclasses.replace(t, index_cache_dtype="float8_e4m3fn")
     st16 = _time_ms(step(cfg16), q, iq, kp, vp, ikp, pt)
     row("decode_step", "bfloat16", st16, n16, kv_bytes=kv_bytes)
-    for fp8_mma in ("bfloat16", "float16"):
-        f8 = step(cfg8, fp8_mma)
+    for fp8_mma, convert in variants:
+        f8 = step(cfg8, (fp8_mma, convert))
         eq_step, _ = _agreement(f8(q, iq, kp, vp, ik8, pt)[1], sel_ref)
-        row("decode_step", f"float8_e4m3fn, fp8_mma={fp8_mma}", _time_ms(f8, q, iq, kp, vp, ik8, pt), n8, st16,
-            kv_bytes=kv_bytes, rows_equal_ref=eq_step)
+        row("decode_step", f"float8_e4m3fn, fp8_mma={fp8_mma}, fp8_convert={convert}",
+            _time_ms(f8, q, iq, kp, vp, ik8, pt), n8, st16, kv_bytes=kv_bytes, rows_equal_ref=eq_step)
     return rows
 
 
-COLS = ("op", "shape", "index_pages", "ms", "ratio", "floor_ms", "gbps", "rows_equal_bf16", "overlap_bf16",
+COLS = ("op", "shape", "index_pages", "ms", "ratio", "floor_ms", "x_floor", "gbps", "rows_equal_bf16", "overlap_bf16",
         "rows_equal_ref", "score_err", "notes")
 
 

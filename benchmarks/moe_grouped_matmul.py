@@ -10,8 +10,8 @@ and down (K = 3072 -> N = 6144), 128 experts.
   rows) from a random router (sigmoid scores, top-4). Each variant, bf16 and MXFP8 weights: device ms,
   TFLOP/s, ratio to one dense bf16 ``[M, K] x [K, N]`` ``jnp.dot`` of the same FLOPs (cuBLAS through XLA,
   timed in the same process before and after the variants, the faster kept; issue #43's target >= 0.8),
-  ratio to the 128 x 256 warp-specialised tile of the same weights (the layer's prefill tile before the
-  256-row tiles), MXFP8 / bf16 of the same variant (target <= 1.1), and the time of reading every
+  ratio to the 128 x 256 warp-specialised tile of the same weights (MXFP8's prefill tile; bf16's before
+  the 256-row tiles), MXFP8 / bf16 of the same variant (target <= 1.1), and the time of reading every
   expert's weights once at the copy bandwidth (the bytes floor: at 128 rows per expert the bf16 weights'
   floor is above the dense GEMM's time, so no bf16 grouped GEMM reaches 0.8 there; the summary prints
   dense / floor, the most a bytes-bound kernel reaches).
@@ -27,9 +27,9 @@ and down (K = 3072 -> N = 6144), 128 experts.
 Variants: ``pipeline`` (the one-warpgroup kernel, non-persistent grid; the MoE layer's bf16 config at
 decode: block_m 64, block_n 128) and ``ws`` (``warp_specialized``: persistent, TMA producer + two
 consumer warpgroups, group-aligned tiles, ``split_k`` for decode; block_m 128, block_n 256 is the
-layer's prefill tile); ``ws-rows``: the consumers split the rows,
+layer's MXFP8 prefill tile); ``ws-rows``: the consumers split the rows,
 ``wg_split="m"``, in 64-row chunks multiplied only where they hold rows; ``ws-rows bm256 bn128``: the
-256-row tiles (``PREFILL_ROWS256``, opt-in: one weight tile per K step
+256-row tiles (``PREFILL_ROWS256``, the layer's bf16 prefill tile: one weight tile per K step
 for all of a ~256-row expert's rows, a group's last few rows in a 128-row visit; ``--cluster`` adds them
 on two-CTA clusters, adjacent N tiles loading their shared lhs tile once by TMA multicast). "(layer)" marks the
 variant ``layer_config`` picks for the shape; at decode the first variant is the layer's bf16 config,
@@ -85,7 +85,7 @@ def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4, wg_split="n", cluster=
 
 # name -> config; at decode the first is the MoE layer's bf16 config (grouped_matmul.layer_config; MXFP8 at
 # decode rows runs the gemv schedule, not here); at prefill the table marks the layer's pick per shape
-BASE = "ws bm128 bn256"  # the prefill tile the 256-row tiles are compared with (the layer's below 192 rows/expert)
+BASE = "ws bm128 bn256"  # the prefill tile the 256-row tiles are compared with (the layer's for MXFP8)
 PREFILL = {
     "ws-rows bm256 bn128": _cfg(256, 128, WS, wg_split="m"),
     BASE: _cfg(128, 256, WS),

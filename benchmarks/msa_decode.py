@@ -28,8 +28,12 @@ the existing pair (scoring kernel + top-k kernel, ``impl=scores+topk``) and the 
 (> 1: fusing is faster), cuDNN's ratio in the notes. ``decode_step[pages]`` rows time the whole MSA
 step (``kernels.decode_pages``) with each (``impl=separate`` / ``fused``); ``ratio`` = cudnn ms / ms,
 and the fused row's notes give separate ms / fused ms. ``MSA_BENCH_FUSED_ONLY=1``: only these rows
-and cuDNN (a shorter run). ``MSA_BENCH_FUSED_WAVES=1,2``: also time the fused selection with that
-many waves of context splits (``DecodeScoreConfig.waves``; rows ``fused[waves=w]``, 2 is the default).
+and cuDNN (a shorter run). ``MSA_BENCH_FUSED_WAVES=1,2`` / ``MSA_BENCH_FUSED_STAGES=2,4``: time the
+fused selection with each of those waves of context splits and page loads in flight
+(``DecodeScoreConfig.waves`` / ``.stages``; rows ``fused[waves=w,stages=s]``, naming what differs from
+the default config, whose row is ``fused``). The selection rows' notes list each launch's median time
+(Mosaic kernels and XLA fusions by CUPTI name): the fused selection is its kernel, the merge of the
+splits' lists in the top-k kernel and the XLA reshapes around it.
 """
 
 from __future__ import annotations
@@ -47,12 +51,18 @@ import jax.numpy as jnp
 N, K, H, HX, HI, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
 
 
-def _time_ms(f, *args, iters: int = 20) -> float:
+def _time_ms(f, *args, iters: int = 20, parts: bool = False):
+    """Median device ms of ``f``; with ``parts`` also ``{kernel name: median ms}`` of each launch."""
     from jax.experimental.mosaic.gpu import profiler
 
     jax.block_until_ready(f(*args))  # compile + warm-up
-    _, times = profiler.measure(f, iterations=iters)(*args)
-    return float(statistics.median(times))
+    _, times = profiler.measure(f, aggregate=False, iterations=iters)(*args)
+    total = float(statistics.median(sum(t for _, t in it) for it in times))
+    if not parts:
+        return total
+    names = [name for name, _ in times[0]]
+    return total, {f"{k}:{name[:48]}": float(statistics.median(it[k][1] for it in times))
+                   for k, name in enumerate(names)}
 
 
 def _inputs(b: int, ctx: int, q_len: int = 1, seed: int = 0):
@@ -128,15 +138,19 @@ def bench(report) -> None:
 
             rows = []
 
-            def timed(op, impl, nbytes, f, *args, want=None, want_name="xla"):
+            def timed(op, impl, nbytes, f, *args, want=None, want_name="xla", parts=False):
                 if time.time() > deadline:
                     rows.append((op, impl, float("nan"), nbytes, "skipped: time budget"))
                     return
                 try:
-                    ms = _time_ms(f, *args)
+                    ms = _time_ms(f, *args, parts=parts)
+                    note = ""
+                    if parts:  # where the time goes: each launch (Mosaic kernels, XLA fusions)
+                        ms, per = ms
+                        note = "launches: " + ", ".join(f"{k} {v:.4f} ms" for k, v in per.items()) + "; "
                     # the interpret-mode tests cannot see races inside a warpgroup: check on the device too
                     wrong = want is not None and not bool(jnp.array_equal(f(*args), want))
-                    rows.append((op, impl, ms, nbytes, f"WRONG: differs from {want_name}" if wrong else ""))
+                    rows.append((op, impl, ms, nbytes, note + (f"WRONG: differs from {want_name}" if wrong else "")))
                 except Exception as e:  # noqa: BLE001  (a failing piece must not hide the others)
                     rows.append((op, impl, float("nan"), nbytes, f"failed: {type(e).__name__}: {str(e)[:200]}"))
 
@@ -144,19 +158,27 @@ def bench(report) -> None:
             pair = jax.jit(lambda iq, ik, pt, sl: T.select_blocks(
                 D.decode_index_scores(iq, ik, pt, sl, block_size=BS), D.query_positions(sl, 1), block_size=BS,
                 topk=TOPK, implementation="pallas"))
-            waves = [int(w) for w in os.environ.get("MSA_BENCH_FUSED_WAVES", "2").split(",")]
-            fused = {("fused" if w == D.DecodeScoreConfig().waves else f"fused[waves={w}]"):
-                     jax.jit(functools.partial(D.decode_select_blocks, block_size=BS, topk=TOPK,
-                                               config=D.DecodeScoreConfig(waves=w))) for w in waves}
+            default = D.DecodeScoreConfig()
+            waves = [int(w) for w in os.environ.get("MSA_BENCH_FUSED_WAVES", str(default.waves)).split(",")]
+            stages = [int(x) for x in os.environ.get("MSA_BENCH_FUSED_STAGES", str(default.stages)).split(",")]
+
+            def fused_name(w, st):
+                cfg = [f"waves={w}"] * (w != default.waves) + [f"stages={st}"] * (st != default.stages)
+                return "fused" + (f"[{','.join(cfg)}]" if cfg else "")
+
+            fused = {fused_name(w, st): jax.jit(functools.partial(D.decode_select_blocks, block_size=BS, topk=TOPK,
+                                                                  config=D.DecodeScoreConfig(waves=w, stages=st)))
+                     for w in waves for st in stages}
             steps = {mode: jax.jit(functools.partial(kernels.decode_pages, block_size=BS, topk=TOPK,
                                                      fused_select=mode == "fused"))
                      for mode in ("separate", "fused")}
             for name, nbytes in (("bf16", idx_bytes), ("fp8", idx_bytes // 2)):
                 pages = ikp if name == "bf16" else ikp.astype(jnp.float8_e4m3fn)
-                timed(f"selection[{name}]", "scores+topk", nbytes, pair, iq, pages, pt, sl)
+                timed(f"selection[{name}]", "scores+topk", nbytes, pair, iq, pages, pt, sl, parts=True)
                 want = pair(iq, pages, pt, sl)
                 for impl, f in fused.items():
-                    timed(f"selection[{name}]", impl, nbytes, f, iq, pages, pt, sl, want=want, want_name="scores+topk")
+                    timed(f"selection[{name}]", impl, nbytes, f, iq, pages, pt, sl, want=want, want_name="scores+topk",
+                          parts=True)
                 for mode, f in steps.items():
                     timed(f"decode_step[{name}]", mode, nbytes + kv_bytes, lambda *a, f=f: f(*a)[0],
                           q, iq, kp, vp, pages, pt, sl)

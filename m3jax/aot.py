@@ -32,7 +32,8 @@ format, another key) is reported with a warning and rebuilt.
 :func:`compile_all` builds several programs at once (the engine's warmup: a prefill program per key
 window and the decode program): tracing, export and lowering stay on the calling thread, one program
 after the other (they hold the GIL, and the mesh of ``jax.set_mesh`` belongs to that thread), and only
-XLA's compiles of the lowered modules run side by side on worker threads, which release the GIL.
+XLA's compiles of the lowered modules run side by side on worker threads, which release the GIL: each
+starts as soon as its program is lowered, while the next one is staged.
 
 Compiled programs are also kept in memory for the process (a second engine reuses them);
 :func:`clear` drops those (a benchmark's "second run" in one process). Nothing is evicted from the
@@ -52,6 +53,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -415,28 +417,43 @@ def _finish(st: _Staged) -> Callable:
     return run
 
 
-def compile_all(programs: list[Program], threads: int | None = None) -> list[Callable]:
+def compile_all(programs: list[Program], threads: int | None = None, timing: dict | None = None) -> list[Callable]:
     """:func:`compile` for several programs, XLA compiling them side by side: each is traced, exported
     or read back and lowered here, one after the other (tracing holds the GIL, and a mesh set with
-    ``jax.set_mesh`` is the calling thread's), then XLA compiles the lowered modules on up to
-    ``threads`` worker threads (default :func:`compile_threads`; XLA compiles outside the GIL). Then
-    each is written to the disk cache and kept in memory, in order. Returns the programs' calls in the
-    order given; a program listed twice is compiled once."""
+    ``jax.set_mesh`` is the calling thread's), and handed as soon as it is lowered to one of up to
+    ``threads`` worker threads (default :func:`compile_threads`) for XLA's compile, which releases the
+    GIL: the next program is staged while the earlier ones compile. Then each is written to the disk
+    cache and kept in memory, in order. Returns the programs' calls in the order given; a program
+    listed twice is compiled once. ``timing`` (a dict) gets the seconds of the three phases:
+    ``stage_s`` (staging every program, XLA compiling beside it), ``xla_s`` (the compiles still
+    running after that) and ``finish_s`` (written to disk; programs that cannot be exported are
+    compiled here)."""
+    t0 = time.perf_counter()
     staged: dict[str, _Staged] = {}
     order = []
-    for p in programs:
-        st = _stage(p)
-        staged.setdefault(st.key, st)
-        order.append(st.key)
-    todo = [st for st in staged.values() if st.run is None and st.lowered is not None]
-    workers = min(len(todo), threads or compile_threads())
-    if workers > 1:
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-compile") as pool:
-            list(pool.map(_xla_compile, todo))
-    else:
-        for st in todo:
-            _xla_compile(st)
+    workers = min(len(programs), threads or compile_threads())
+    with contextlib.ExitStack() as stack:
+        pool = (stack.enter_context(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-compile"))
+                if workers > 1 else None)
+        compiling = []
+        for p in programs:
+            st = _stage(p)
+            order.append(st.key)
+            if st.key in staged:
+                continue
+            staged[st.key] = st
+            if st.run is None and st.lowered is not None:
+                if pool is None:
+                    _xla_compile(st)
+                else:
+                    compiling.append(pool.submit(_xla_compile, st))
+        t1 = time.perf_counter()
+        for f in compiling:
+            f.result()
+    t2 = time.perf_counter()
     runs = {key: _finish(st) for key, st in staged.items()}
+    if timing is not None:
+        timing.update(stage_s=t1 - t0, xla_s=t2 - t1, finish_s=time.perf_counter() - t2)
     return [runs[key] for key in order]
 
 

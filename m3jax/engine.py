@@ -104,22 +104,22 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
 
 
 # Smallest key window (tokens) of a prefill chunk. Below it a wider window costs next to nothing
-# (the full-attention layers stop at the chunk's own keys, the MSA index scores of C queries over
-# 64K keys are a fraction of a millisecond) while every bucket is one more compile: a 1M prefill in
-# chunks of 2048 compiles 9 windows instead of 18, and a context up to 64K one.
+# (the full-attention layers stop at the chunk's own keys, the MSA kernels skip the key blocks past a
+# query tile's causal limit) while every bucket is one more compile: a 1M prefill in chunks of 2048
+# compiles 5 windows, and a context up to 64K one.
 MIN_KEY_WINDOW = 65536
 
 
 def key_window_pages(end: int, block_size: int, max_pages: int) -> int:
     """Pages a prefill chunk ending (exclusive) at token ``end`` attends over: ceil(end / block)
-    rounded up to the next 2^k or 3 * 2^(k-1) (at most 1.5x the keys needed, about 2 log2(max_pages)
-    distinct shapes), at least ``MIN_KEY_WINDOW`` tokens, capped at the sequence's ``max_pages``."""
+    rounded up to the next power of two (under 2x the keys needed: the kernels skip keys past the
+    causal limit, so a wider window costs little, and each distinct window is one more long compile,
+    about log2(max_pages) of them), at least ``MIN_KEY_WINDOW`` tokens, capped at the sequence's
+    ``max_pages``."""
     need = max(-(-end // block_size), -(-MIN_KEY_WINDOW // block_size))
     w = 1
     while w < need:
         w *= 2
-    if w >= 4 and 3 * w // 4 >= need:
-        w = 3 * w // 4
     return min(w, max_pages)
 
 
@@ -144,6 +144,22 @@ def prefill_chunk(params, cache: PagedCache, embeds, row, start, last, *, cfg: M
     page_table = jax.lax.dynamic_slice(cache.page_table, (row, 0), (1, key_pages))
     h, _, cache = text_hidden(params, embeds, positions, cfg, cache, page_table)
     return lm_head(params, h[0, last]), cache
+
+
+def embed_chunk(embed, ids, n):
+    """Embeddings [1, C, D] of a chunk's token ids [1, C] (int32, checked in range), rows from ``n`` on
+    zero (the padding of a chunk shorter than its compiled size)."""
+    rows = jnp.arange(ids.shape[1])[None, :, None]
+    return jnp.where(rows < n, jnp.take(embed, ids, axis=0), jnp.zeros((), embed.dtype))
+
+
+def first_tokens(row_logits, key_data, *, sampling: SamplingParams):
+    """The first sampled token of every row from its prefill's fp32 logits (``row_logits``: B arrays
+    [V]): returns (logits [B, V], tokens [B], whether each row's logits are all finite [B], key data
+    after the split the token was sampled with)."""
+    logits = jnp.stack(row_logits)
+    key, sub = jax.random.split(jax.random.wrap_key_data(key_data))
+    return logits, sample(logits, sub, sampling), jnp.isfinite(logits).all(-1), jax.random.key_data(key)
 
 
 def decode_steps(params, cache: PagedCache, tokens, positions, key_data, *, cfg: M3Config,
@@ -233,6 +249,8 @@ class Engine:
         # here, not through the AOT cache, whose key hashes every parameter leaf's shape and sharding on
         # every lookup (hundreds of leaves per model).
         self._prefill_programs: dict[tuple[int, int], Callable] = {}
+        self._embed_programs: dict[int, Callable] = {}  # by chunk size
+        self._first_programs: dict[SamplingParams, Callable] = {}  # by sampling mode
         # Compiled programs take inputs exactly as lowered: chunk embeddings go in replicated (and logits
         # come out so under a mesh), and the decode loop's small arrays on the engine's devices (nothing
         # moves host-to-device per call).
@@ -322,12 +340,13 @@ class Engine:
                            out_tree=self._out_tree(0), static={"cfg": self.cfg, "key_pages": key_pages},
                            donate_argnums=(1,), out_shardings=self._out_shardings(self._replicated))
 
-    def _prefill_step(self, key_pages: int, size: int) -> Callable:
-        """The prefill chunk of ``size`` tokens compiled for one key window (ahead of time: warmup builds
-        every program without running a chunk per program)."""
-        fn = self._prefill_programs.get((key_pages, size))
+    @staticmethod
+    def _program(store: dict, key, spec: Callable[[], aot.Program]) -> Callable:
+        """``store[key]``: a prefill, chunk-embedding or first-token program, compiled from ``spec()``
+        the first time it is asked for (warmup fills the stores ahead, without running them)."""
+        fn = store.get(key)
         if fn is None:
-            fn = self._prefill_programs[key_pages, size] = aot.compile_all([self._prefill_spec(key_pages, size)])[0]
+            fn = store[key] = aot.compile_all([spec()])[0]
         return fn
 
     def _decode_spec(self, sampling: SamplingParams, with_logits: bool) -> aot.Program:
@@ -346,6 +365,28 @@ class Engine:
         """The decode program compiled (once per mode: the AOT cache keeps it in memory)."""
         return aot.compile_all([self._decode_spec(sampling, with_logits)])[0]
 
+    def _embed_spec(self, size: int) -> aot.Program:
+        """:func:`embed_chunk` of a chunk of ``size`` token ids, as the AOT cache compiles it."""
+        embed = self.params["text"]["embed"]
+        ids = jax.ShapeDtypeStruct((1, size), jnp.int32)
+        return aot.Program("embed_chunk", embed_chunk, (embed, ids, jax.ShapeDtypeStruct((), jnp.int32)),
+                           out_tree=jax.tree.structure(0), out_shardings=self._replicated)
+
+    def _first_spec(self, sampling: SamplingParams) -> aot.Program:
+        """:func:`first_tokens` for this engine's batch in ``sampling``'s mode, as the AOT cache compiles it."""
+        vocab = self.params["text"]["embed"].shape[0]
+        row = jax.ShapeDtypeStruct((vocab,), jnp.float32, sharding=self._replicated)
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        small = None if self.mesh is None else (self._replicated, *(self._small_sharding,) * 3)
+        return aot.Program("first_tokens", first_tokens, ((row,) * self.batch, key),
+                           out_tree=jax.tree.structure((0, 0, 0, 0)), static={"sampling": sampling},
+                           out_shardings=small)
+
+    @staticmethod
+    def _seed_key_data(seed: int) -> jax.Array:
+        """The raw PRNG key of ``seed`` (``jax.random.key``; its program is compiled in the warmup)."""
+        return jax.random.key_data(jax.random.key(seed))
+
     @_under_mesh
     def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),
                keep_logits: bool = False, *, prompt_lens: Sequence[int] | None = None) -> float:
@@ -356,7 +397,8 @@ class Engine:
         first run loads the kernels), so that timings after it measure running, not compiling. The
         dummy call writes positions 0..N-1 of each row, which the real prefill or decode rewrites
         before anything reads them. Returns the seconds spent; their split is in ``warmup_split``
-        (programs compiled or read back; the decode call)."""
+        (programs compiled or read back, and that time by phase of :func:`m3jax.aot.compile_all`:
+        ``programs_stage_s``, ``programs_xla_s``, ``programs_finish_s``; the decode call)."""
         t0 = time.perf_counter()
         if prompt_lens is None:
             wanted = self._programs_up_to(min(max_prompt_len or self.capacity, self.capacity))
@@ -365,18 +407,29 @@ class Engine:
         else:
             wanted = {(w, c) for t in prompt_lens for _, _, w, c in self._prefill_plan(min(t, self.capacity))}
         # Traced one after the other, compiled by XLA side by side (aot.compile_all): at 1M tokens of M3
-        # widths that is ten prefill programs, one per key window, and the decode program.
+        # widths that is five prefill programs, one per key window, and the decode program; with them the
+        # small programs around them (a chunk's embedding per chunk size, the first token), so that
+        # nothing compiles once generation runs: a compile inside the decode loop was the first
+        # process's decode time over a second process's (which reads them from the disk cache).
         programs = [wc for wc in sorted(wanted) if wc not in self._prefill_programs]
-        *prefill, decode = aot.compile_all([*(self._prefill_spec(*wc) for wc in programs),
-                                            self._decode_spec(sampling, keep_logits)])
-        self._prefill_programs.update(zip(programs, prefill))
+        sizes = sorted({c for _, c in wanted})
+        phases: dict[str, float] = {}
+        compiled = aot.compile_all([*(self._prefill_spec(*wc) for wc in programs),
+                                    *(self._embed_spec(c) for c in sizes), self._first_spec(sampling),
+                                    self._decode_spec(sampling, keep_logits)], timing=phases)
+        self._prefill_programs.update(zip(programs, compiled))
+        self._embed_programs.update(zip(sizes, compiled[len(programs):]))
+        self._first_programs[sampling] = compiled[-2]
+        decode = compiled[-1]
+        self._seed_key_data(0)
         t1 = time.perf_counter()
         zeros = jax.device_put(np.zeros((self.batch,), np.int32), self._small_sharding)
         key = jax.device_put(np.zeros((2,), np.uint32), self._small_sharding)
         out, *_, self.cache = decode(self.params, self.cache, zeros, zeros, key)
         jax.block_until_ready(out)
         t2 = time.perf_counter()
-        self.warmup_split = {"programs_s": t1 - t0, "first_decode_call_s": t2 - t1}
+        self.warmup_split = {"programs_s": t1 - t0, "first_decode_call_s": t2 - t1,
+                             **{f"programs_{k}": v for k, v in phases.items()}}
         return t2 - t0
 
     def _check_embeds(self, x, name: str) -> None:
@@ -405,11 +458,19 @@ class Engine:
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens exceeds the context capacity {self.capacity}")
         for start, n, window, size in self._prefill_plan(t):
-            piece = embed[jnp.asarray(prompt[start : start + n])] if by_id else prompt[start : start + n]
-            if n < size:  # pad to the compiled size; pad rows land beyond the prompt and are rewritten later
-                piece = jnp.concatenate([piece, jnp.zeros((size - n, piece.shape[1]), piece.dtype)])
-            piece = jax.device_put(piece[None], self._replicated)
-            logits, self.cache = self._prefill_step(window, size)(
+            # Padded to the compiled size: pad rows land beyond the prompt and are rewritten later.
+            if by_id:  # ids padded on the host, embedded by a compiled program (nothing compiles per prompt)
+                ids = np.zeros((1, size), np.int32)
+                ids[0, :n] = prompt[start : start + n]
+                piece = self._program(self._embed_programs, size, lambda: self._embed_spec(size))(
+                    embed, ids, np.int32(n))
+            else:
+                piece = prompt[start : start + n]
+                if n < size:
+                    piece = jnp.concatenate([piece, jnp.zeros((size - n, piece.shape[1]), piece.dtype)])
+                piece = jax.device_put(piece[None], self._replicated)
+            step = self._program(self._prefill_programs, (window, size), lambda: self._prefill_spec(window, size))
+            logits, self.cache = step(
                 self.params, self.cache, piece, np.int32(row), np.int32(start), np.int32(n - 1))
             if on_progress:
                 on_progress(n)
@@ -462,25 +523,24 @@ class Engine:
                 f"{self.capacity}; raise --ctx or shorten the prompt"
             )
         timings: dict[str, float] = {}
-        key = jax.random.key(seed)
+        key_data = self._seed_key_data(seed)
         t0 = time.perf_counter()
         first_logits = []
         for row, p in enumerate(inputs):
             first_logits.append(self.prefill(row, p, on_progress=on_prefill_progress))
-        logits = jnp.stack(first_logits + [first_logits[0]] * (self.batch - n))
-        key, sub = jax.random.split(key)
-        if not bool(jnp.isfinite(logits[:n]).all()):
-            bad = [i for i in range(n) if not bool(jnp.isfinite(logits[i]).all())]
+        first = self._program(self._first_programs, sampling, lambda: self._first_spec(sampling))
+        logits, tokens, finite, key_data = first(
+            tuple(first_logits + [first_logits[0]] * (self.batch - n)), key_data)
+        bad = [i for i, ok in enumerate(jax.device_get(finite)[:n]) if not ok]
+        if bad:
             raise FloatingPointError(f"the logits at the end of prompt(s) {bad} hold NaN or infinite values: the "
                                      "weights or the inputs overflow; refusing to sample from them")
-        tokens = sample(logits, sub, sampling)
-        tokens.block_until_ready()
         timings["ttft_s"] = time.perf_counter() - t0
         timings["prefill_tokens"] = sum(lens)
 
         positions = jax.device_put(np.array(lens + [0] * (self.batch - n), np.int32), self._small_sharding)
         tokens = jax.device_put(tokens, self._small_sharding)
-        key_data = jax.device_put(jax.random.key_data(key), self._small_sharding)
+        key_data = jax.device_put(key_data, self._small_sharding)
         decode = self._decode_program(sampling, keep_logits) if max_new_tokens > 1 else None
         t1 = time.perf_counter()
         generated, step_logits, steps = self._decode(
@@ -507,7 +567,7 @@ class Engine:
             return generated, step_logits, 0
         done = [False] * n
         calls = -(-(max_new_tokens - 1) // self.steps_per_call) if max_new_tokens > 1 else 0
-        pending = (tokens[:, None], logits[None] if keep_logits else None)  # the first token: one "step"
+        pending = (tokens, logits if keep_logits else None)  # the first token: one "step" (shaped on the host)
         latest = tokens
         steps = 0
         for call in range(calls + 1):
@@ -516,8 +576,9 @@ class Engine:
                     self.params, self.cache, tokens, positions, key_data)
                 latest = out
                 steps += self.steps_per_call
-            host_tokens = jax.device_get(pending[0])
-            host_logits = jax.device_get(pending[1]) if keep_logits else None
+            # [B, steps] tokens and [steps, B, V] logits ([B] and [B, V] for the first token)
+            host_tokens = np.asarray(jax.device_get(pending[0])).reshape(self.batch, -1)
+            host_logits = np.asarray(jax.device_get(pending[1])).reshape(-1, *logits.shape) if keep_logits else None
             for j in range(host_tokens.shape[1]):
                 if all(done):
                     break

@@ -168,8 +168,8 @@ def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, blo
                  force_out: tuple[int, ...] = (), fused_select: bool = False, score_dtype: str = "bfloat16"):
     """One MSA decode step over paged caches, read in place: paged index scores -> top-k -> sparse
     paged attention. q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), pages as the decode kernels take them
-    (:mod:`m3jax.pallas.decode`), seq_lens [B]. ``fused_select``: the selection in one launch
-    (:func:`m3jax.pallas.decode.decode_select_blocks`; ``TextConfig.msa_decode_select="fused"``)
+    (:mod:`m3jax.pallas.decode`), seq_lens [B]. ``fused_select``: the selection from one scan of the
+    pages (:func:`m3jax.pallas.decode.decode_select_blocks`; ``TextConfig.msa_decode_select="fused"``)
     instead of the scoring kernel then the top-k kernel; the same block ids either way.
     ``score_dtype="float8_e4m3fn"``: the fp8 indexer over fp8 index pages (the scoring kernel's e4m3 x
     e4m3 path; the fused selection has none). Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""

@@ -160,14 +160,18 @@ def interpret_params(detect_races: bool = True):
     return plgpu.InterpretGPUParams(detect_races=detect_races)
 
 
+def interprets(interpret: bool | None) -> bool:
+    """Whether :func:`mosaic_kernel` given ``interpret`` runs the kernel in interpret mode (None: off-GPU)."""
+    return not on_gpu() if interpret is None else interpret
+
+
 def mosaic_kernel(body, *, interpret: bool | None = None, detect_races: bool = True, **kwargs):
     """``plgpu.kernel`` that runs in GPU interpret mode when no GPU is present (or when asked).
 
     ``kwargs`` are ``plgpu.kernel``'s: out_type, scratch_types, grid, grid_names, num_threads,
     thread_name, cluster, compiler_params.
     """
-    if interpret is None:
-        interpret = not on_gpu()
+    interpret = interprets(interpret)
     if not interpret:
         refused = current_target().refused
         if refused:

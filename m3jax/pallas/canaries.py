@@ -223,6 +223,7 @@ def _sparse_decode_attention(seq_lens=(100, 200), **tile):
 
 def _grouped_matmul():
     from m3jax.pallas.grouped_matmul import (
+        PREFILL_128X256,
         PREFILL_ROWS256,
         GroupedMatmulConfig,
         grouped_matmul,
@@ -232,9 +233,9 @@ def _grouped_matmul():
 
     # 6 experts, empty groups, rows past sum(group_sizes); K = 128, N = 256. The bf16 kernel and the MXFP8
     # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products), each with
-    # the default tiles and with the MoE layer's prefill configs for these widths (385 rows > 64 per
-    # expert: on Hopper the warp-specialised schedule's 128 x 256 tile) and the opt-in 256-row tiles
-    # (PREFILL_ROWS256, where the target takes them), so its verdict also covers what prefill runs, and the MXFP8
+    # the default tiles and with both warp-specialised prefill tiles where the target takes them (385 rows
+    # > 64 per expert: the MoE layer's prefill config, the 256-row tiles in bf16 and 128 x 256 in MXFP8,
+    # and the other one), so its verdict covers what prefill runs whichever the layer picks, and the MXFP8
     # variant on 5 decode rows with the layer's decode config (the gemv schedule, split over K, as for a
     # decode step's routed experts and the shared expert).
     rng = np.random.default_rng(6)
@@ -249,8 +250,8 @@ def _grouped_matmul():
     for mx in (False, True):
         want = run(mx, implementation="reference")
         layer = layer_config(m, k, n, g, k // 32 if mx else None)
-        rows256 = [PREFILL_ROWS256] if layer.schedule == "warp_specialized" else []  # Hopper's schedule
-        for config in dict.fromkeys([GroupedMatmulConfig(), layer, *rows256]):
+        prefill = [PREFILL_128X256, PREFILL_ROWS256] if layer.schedule == "warp_specialized" else [layer]  # Hopper's
+        for config in dict.fromkeys([GroupedMatmulConfig(), *prefill]):
             got.append(run(mx, config=config))
             ref.append(want)
     dec, dec_gs = lhs[:5], jnp.asarray([0, 2, 0, 0, 3, 0], jnp.int32)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import pytest
 
 from m3jax.pallas import _backend, canaries
-from tests.pallas.test_lowering import KERNELS
+from tests.pallas.test_lowering import BF16, BS, H, HI, I32, KERNELS, NB, TOPK, S
 
 _STAND_IN_LIBCUDA = r"""
 #include <stdlib.h>
@@ -84,26 +84,26 @@ compile_(data, len(data))  # null: the stand-in refuses to load the module; the 
 
 TARGETS = {"sm_90a": (_backend.HOPPER, "9.0"), "sm_100a": (_backend.BLACKWELL, "10.0")}
 # (case, arch) -> (bytes, why) of a spill accepted up to that many bytes. The grouped GEMM's
-# warp-specialised schedule (the MoE prefill's on Hopper; block 128 x 256, two consumer warpgroups) sits
-# at ptxas's 168 registers per thread and spills a few bytes, bf16 and MXFP8: measured with its spills,
-# it is still the fastest prefill tile (smaller tiles spill less and run slower,
-# benchmarks/RESULTS.md#compile-canaries). Every other module compiles with no spill.
-_WS_SPILL = "warp-specialised grouped GEMM at the 168-register cap; the fastest prefill tile with it"
-# the 256-row tiles (two accumulators per consumer, two pipelines: full and short visits): ptxas 13.0's
-# spills lie outside the K loops (SASS, CPU), a few loads per work item; GPU timing pending
+# warp-specialised schedule (the MoE prefill's on Hopper; block 128 x 256, two consumer warpgroups: MXFP8's
+# prefill tile) sits at ptxas's 168 registers per thread and spills a few bytes: measured with its spills,
+# it is still MXFP8's fastest prefill tile (smaller tiles spill less and run slower,
+# benchmarks/RESULTS.md#compile-canaries, #gmm-rows256). Every other module compiles with no spill.
+_WS_SPILL = "warp-specialised grouped GEMM at the 168-register cap; MXFP8's fastest prefill tile with it"
+# the 256-row tiles (two accumulators per consumer, two pipelines: full and short visits; bf16's prefill
+# tile): ptxas 13.0's spills lie outside the K loops (SASS, CPU), a few loads per work item
 _ROWS256_SPILL = "grouped GEMM 256-row tiles at the 168-register cap; the spills lie outside the K loops"
 # the same on two-CTA clusters (opt-in): more of the producer's and each item's bookkeeping (cluster barrier
 # addresses) spilled; GPU timing pending
 _CLUSTER_SPILL = "grouped GEMM 256-row tiles on clusters (opt-in): producer and per-item bookkeeping spilled"
 SPILL_ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
-    ("canary grouped_matmul@bf16-mxfp8 [1]", "sm_90a"): (12, _WS_SPILL),  # bf16, the layer's 128 x 256 prefill tile
+    ("canary grouped_matmul@bf16-mxfp8 [1]", "sm_90a"): (12, _WS_SPILL),  # bf16, the 128 x 256 prefill tile
     ("canary grouped_matmul@bf16-mxfp8 [4]", "sm_90a"): (28, _WS_SPILL),  # MXFP8, the same
     ("canary grouped_matmul@bf16-mxfp8 [5]", "sm_90a"): (16, _ROWS256_SPILL),  # MXFP8, the 256-row tiles
-    ("m3 grouped_matmul prefill", "sm_90a"): (12, _WS_SPILL),  # the layer's 128 x 256 prefill tile
-    ("m3 grouped_matmul prefill mxfp8", "sm_90a"): (28, _WS_SPILL),
-    ("m3 grouped_matmul prefill 256-row tiles", "sm_90a"): (24, _ROWS256_SPILL),  # opt-in PREFILL_ROWS256
+    ("m3 grouped_matmul prefill", "sm_90a"): (24, _ROWS256_SPILL),  # bf16: the layer's 256-row tiles
+    ("m3 grouped_matmul prefill mxfp8", "sm_90a"): (28, _WS_SPILL),  # MXFP8: the layer's 128 x 256 tile
+    ("m3 grouped_matmul prefill 256-row tiles", "sm_90a"): (24, _ROWS256_SPILL),  # PREFILL_ROWS256
     ("m3 grouped_matmul prefill 256-row tiles mxfp8", "sm_90a"): (28, _ROWS256_SPILL),
-    ("m3 grouped_matmul prefill 4096-token chunk", "sm_90a"): (12, _WS_SPILL),  # 128 rows per expert: 128 x 256
+    ("m3 grouped_matmul prefill 4096-token chunk", "sm_90a"): (24, _ROWS256_SPILL),  # 128 rows per expert
     ("m3 grouped_matmul prefill 4096-token chunk mxfp8", "sm_90a"): (28, _WS_SPILL),
     ("m3 grouped_matmul prefill cluster", "sm_90a"): (160, _CLUSTER_SPILL),
     ("m3 grouped_matmul prefill cluster mxfp8", "sm_90a"): (256, _CLUSTER_SPILL),
@@ -140,7 +140,13 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32))})
-# the opt-in 256-row tiles, alone and on two-CTA clusters (GroupedMatmulConfig.cluster; Hopper only), 8192 tokens
+# fp8 e4m3 index pages (index_cache_dtype) at M3's decode shapes: the keys converted into an SMEM page or
+# (DecodeScoreConfig.fp8_convert="registers", Hopper) in registers as the wgmma A operand, which only
+# the GPU and this compile check run (interpret mode converts in SMEM)
+CASES.update({f"m3 {kernel} fp8 {convert}": (kernel, lambda k=kernel, c=convert: _m3_decode_fp8(k, c))
+              for kernel in ("decode_index_scores", "decode_select_fused") for convert in ("smem", "registers")})
+# the 256-row tiles (bf16's prefill tile, MXFP8's opt-in), alone and on two-CTA clusters (GroupedMatmulConfig.cluster;
+# opt-in; Hopper only), 8192 tokens
 _ROWS256 = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
 _CLUSTER = dict(_ROWS256, cluster=2)
 CASES.update({f"m3 grouped_matmul prefill 256-row tiles{' mxfp8' * mx}": (
@@ -163,6 +169,20 @@ def _fp8_test(fused: bool):
         return (lambda iq, ik, p: index_select_blocks(iq, ik, p, config=t.CFG_FUSED, topk=4, local_blocks=2,
                                                       init_blocks=1, force_in=(1,), force_out=(2,), **kw), args)
     return (lambda iq, ik, p: index_block_scores(iq, ik, p, config=t.CFG, **kw), args)
+
+
+def _m3_decode_fp8(kernel: str, convert: str):
+    """The decode index scoring or the fused selection (``kernel``) over fp8 e4m3 index pages, at
+    test_lowering.py's decode shapes (two requests of 8192 tokens, bf16 queries), the keys converted
+    as ``convert`` says."""
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores, decode_select_blocks
+
+    config = DecodeScoreConfig(fp8_convert=convert)
+    args = (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), jnp.float8_e4m3fn), S((2, NB), I32), S((2,), I32))
+    if kernel == "decode_index_scores":
+        return lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, config=config), args
+    return (lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK, config=config),
+            args)
 
 
 def _gmm_config(**kw):

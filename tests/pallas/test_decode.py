@@ -50,10 +50,10 @@ _ref_attention = jax.jit(functools.partial(D.sparse_decode_attention, block_size
                                            return_lse=True))
 
 
-def check_scores(iq, ikp, pt, sl, splits=None, fp8_mma="bfloat16"):
+def check_scores(iq, ikp, pt, sl, splits=None, fp8_mma="bfloat16", fp8_convert="smem"):
     """The kernel's scores against the reference's; returns (reference, kernel) scores."""
     ref = np.asarray(_ref_scores(iq, ikp, pt, sl))
-    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma)
+    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma, fp8_convert=fp8_convert)
     got = np.asarray(D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, config=config))
     assert got.shape == ref.shape
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
@@ -87,18 +87,21 @@ FP8 = jnp.float8_e4m3fn
 
 
 @pytest.mark.parametrize(
-    "q_len,dtype,splits,ik_dtype",
-    [(1, jnp.float32, 2, None), (4, jnp.bfloat16, 1, None), (4, jnp.float32, None, None),
-     (4, jnp.bfloat16, 2, FP8), (1, jnp.float32, None, FP8)],
+    "q_len,dtype,splits,ik_dtype,fp8_convert",
+    [(1, jnp.float32, 2, None, "smem"), (4, jnp.bfloat16, 1, None, "smem"), (4, jnp.float32, None, None, "smem"),
+     (4, jnp.bfloat16, 2, FP8, "smem"), (1, jnp.float32, None, FP8, "smem"),
+     (4, jnp.bfloat16, 2, FP8, "registers"), (1, jnp.float32, None, FP8, "registers")],
 )
-def test_decode_step(q_len, dtype, splits, ik_dtype):
+def test_decode_step(q_len, dtype, splits, ik_dtype, fp8_convert):
     # Q=1: 100 < topk * BS (fewer visible blocks than top-k); 150 not a multiple of BS; 256 = 4 blocks.
     # Q=4: the first request has seq_len 3 < Q, so its first query row has position -1 (-> 0 output).
-    # fp8 pages: the bf16 query meets the converted keys in one MMA, an fp32 one as three bf16 pieces.
+    # fp8 pages: the bf16 query meets the converted keys in one MMA, an fp32 one as three bf16 pieces;
+    # the keys converted in SMEM or (fp8_convert="registers", the GPU's wgmma; interpret mode runs the
+    # SMEM path) in registers as the wgmma's A operand: the same scores and selections.
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     lens = [100, 150, 256] if q_len == 1 else [3, 150, 256]
     q, iq, kp, vp, ikp, pt, sl = make_case(lens, q_len, dtype, seed=q_len, ik_dtype=ik_dtype)
-    scores, got = check_scores(iq, ikp, pt, sl, splits=splits)
+    scores, got = check_scores(iq, ikp, pt, sl, splits=splits, fp8_convert=fp8_convert)
     q_pos = D.query_positions(sl, q_len)
     bidx = np.asarray(_select(jnp.asarray(scores), q_pos))
     # the kernel's scores select the reference's blocks (as sets)
@@ -124,13 +127,15 @@ def test_attention_sub_page_tiles():
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL[("decode_attention", "float32")])
 
 
-def test_index_scores_fp8_pages_in_f16():
+@pytest.mark.parametrize("fp8_convert", ["smem", "registers"])
+def test_index_scores_fp8_pages_in_f16(fp8_convert):
     # DecodeScoreConfig(fp8_mma="float16"): keys e4m3 -> f16, bf16 queries scaled per row into f16's
     # range; rows of 2^20 and 2^-20 scale (beyond f16's max, inside its subnormals) score as the rest.
+    # The keys converted in SMEM or in registers (the GPU; interpret mode runs the SMEM path).
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     _, iq, _, _, ikp, pt, sl = make_case([3, 150, 256], 4, jnp.bfloat16, seed=5, ik_dtype=FP8)
     iq = iq.at[1, :, 0].multiply(2.0**20).at[2, :, 1].multiply(2.0**-20)
-    check_scores(iq, ikp, pt, sl, splits=2, fp8_mma="float16")
+    check_scores(iq, ikp, pt, sl, splits=2, fp8_mma="float16", fp8_convert=fp8_convert)
 
 
 @settings(max_examples=3, deadline=None)

@@ -43,7 +43,7 @@ def test_decode_step_as_test_decode(q_len, dtype, splits):
     # test_decode.test_decode_step: index scores, top-k and the sparse attention of one step (Q = 1:
     # fewer visible blocks than top-k, fp32 as bf16 pieces; Q = 4: a query at position -1, bf16).
     # Machine: any: the Blackwell (sm_100a) variant in interpret mode, on a CPU and on a GPU alike
-    test_decode.test_decode_step(q_len, dtype, splits, None)
+    test_decode.test_decode_step(q_len, dtype, splits, None, "smem")
 
 
 def test_attention_sub_page_tiles_as_test_decode():
@@ -81,4 +81,5 @@ def test_fused_selection_falls_back_as_test_decode_select(monkeypatch):
     from tests.pallas import test_decode_select
 
     monkeypatch.setattr(D._hopper, "decode_select_blocks", lambda *a, **kw: pytest.fail("Hopper fused selection ran"))
-    test_decode_select.test_decode_select_blocks([100, 700], 1, jnp.bfloat16, jnp.float8_e4m3fn, 3, "bfloat16", True)
+    test_decode_select.test_decode_select_blocks([100, 700], 1, jnp.bfloat16, jnp.float8_e4m3fn, 3, "bfloat16", True,
+                                                 "smem")

@@ -9,6 +9,9 @@ to the whole context. Small-integer inputs make every score exact whatever the s
 many exact ties: the ids must then equal the reference's in order (the tie order included). Normal
 inputs: equal to the reference except rows whose reference margin is a near-tie
 (:mod:`m3jax.msa.compare`), and in order equal to the top-k of the scoring kernel's own scores.
+Threshold insertion (a page's row is inserted only where it beats a row's k-th kept value or may be
+forced): splits of up to 40 pages with block maxima in increasing, decreasing, tied and periodic
+order, and the scalar forced-page test against the reference's priorities.
 """
 
 from __future__ import annotations
@@ -60,22 +63,26 @@ def _no_races():
     assert not _backend.interpret_races_found()
 
 
+# fp8 pages: fp8_convert "registers" feeds the converted keys to the wgmma from registers (the GPU; interpret
+# mode runs the SMEM path)
 @pytest.mark.parametrize(
-    "lens,q_len,dtype,ik_dtype,splits,fp8_mma,ints",
+    "lens,q_len,dtype,ik_dtype,splits,fp8_mma,ints,fp8_convert",
     [
-        ([700], 1, jnp.bfloat16, None, 1, "bfloat16", True),  # B=1, the whole context in one CTA
-        ([100, 700], 1, jnp.bfloat16, FP8, 12, "bfloat16", True),  # one page per split: lists of 1
-        ([1, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True),  # fp8 in f16; a row at position -1
-        ([130, 700, 450], 1, jnp.float32, None, 2, "bfloat16", True),  # fp32: three bf16 pieces
-        ([260, 700], 2, jnp.bfloat16, None, 4, "bfloat16", False),
-        ([700, 333], 1, jnp.bfloat16, FP8, None, "bfloat16", False),  # default splits
-        ([60, 100], 1, jnp.bfloat16, None, None, "bfloat16", True),  # fewer candidates than top-k
+        ([700], 1, jnp.bfloat16, None, 1, "bfloat16", True, "smem"),  # B=1, the whole context in one CTA
+        ([100, 700], 1, jnp.bfloat16, FP8, 12, "bfloat16", True, "smem"),  # one page per split: lists of 1
+        ([1, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True, "smem"),  # fp8 in f16; a row at position -1
+        ([130, 700, 450], 1, jnp.float32, None, 2, "bfloat16", True, "smem"),  # fp32: three bf16 pieces
+        ([260, 700], 2, jnp.bfloat16, None, 4, "bfloat16", False, "smem"),
+        ([700, 333], 1, jnp.bfloat16, FP8, None, "bfloat16", False, "smem"),  # default splits
+        ([60, 100], 1, jnp.bfloat16, None, None, "bfloat16", True, "smem"),  # fewer candidates than top-k
+        ([100, 700], 1, jnp.bfloat16, FP8, 12, "bfloat16", True, "registers"),
+        ([1, 300, 700], 2, jnp.bfloat16, FP8, 3, "float16", True, "registers"),
     ],
 )
-def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, ints):
+def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, ints, fp8_convert):
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     iq, ikp, pt, sl = make_case(lens, q_len, dtype, ik_dtype, ints, seed=len(lens) * 10 + q_len)
-    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma)
+    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma, fp8_convert=fp8_convert)
     got = np.asarray(D.decode_select_blocks(iq, ikp, pt, sl, config=config, **SEL))
     ref = np.asarray(_reference(iq, ikp, pt, sl))
     assert got.shape == ref.shape == (len(lens), HI, q_len, SEL["topk"]) and got.dtype == np.int32
@@ -90,6 +97,59 @@ def test_decode_select_blocks(lens, q_len, dtype, ik_dtype, splits, fp8_mma, int
     scale = jnp.max(jnp.where(jnp.isfinite(ref_scores), jnp.abs(ref_scores), 0.0), axis=-1)
     diff = compare.compare_selections(got, ref, ref_scores, q_pos, BS, scale, compare.summation_bound(HX))
     assert diff.unexplained == 0, diff
+
+
+def ramp_case(seq_lens, pattern, seed):
+    """Block maxima in a chosen order (exact small integers, bf16 pages): every key of page j carries
+    v_j in dim 0; query head 0 is +e_0 and head 1 is -e_0, so head 0 ranks the pages by v and head 1
+    by -v. "ramp": v_j = j (head 0 increasing, every page beats the k-th; head 1 decreasing, none
+    after the first k). "tied": one value everywhere (no page displaces an equal earlier one).
+    "mod": v_j = 3 j mod 7 (many ties at every rank)."""
+    iq, ikp, pt, sl = make_case(seq_lens, 2, jnp.bfloat16, None, True, seed)
+    pages = np.asarray(pt)
+    v = {"ramp": lambda j: j, "tied": lambda j: 0 * j + 2, "mod": lambda j: (3 * j) % 7}[pattern]
+    keys = np.zeros(ikp.shape, np.float32)
+    for b in range(pages.shape[0]):
+        keys[pages[b], :, 0] = v(np.arange(pages.shape[1]))[:, None]
+    q = np.zeros(iq.shape, np.float32)
+    q[:, :, 0, 0], q[:, :, 1, 0] = 1.0, -1.0
+    return jnp.asarray(q, jnp.bfloat16), jnp.asarray(keys, jnp.bfloat16), pt, sl
+
+
+@pytest.mark.parametrize("pattern,splits", [("ramp", 1), ("tied", 2), ("mod", 3)])
+def test_decode_select_threshold(pattern, splits):
+    # Many pages per context split (up to 40 at top-5): after the first k pages a page's row is inserted
+    # only where it beats a row's k-th kept value or a forced priority applies (own, local, sink,
+    # force_in, force_out blocks of SEL), the rest skip the insertion. The ids equal the reference's,
+    # in order, ties included.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    iq, ikp, pt, sl = ramp_case([2560, 1900], pattern, seed=5)
+    config = D.DecodeScoreConfig(num_splits=splits)
+    got = np.asarray(D.decode_select_blocks(iq, ikp, pt, sl, config=config, **SEL))
+    np.testing.assert_array_equal(got, np.asarray(_reference(iq, ikp, pt, sl)))
+
+
+@pytest.mark.parametrize("local_blocks,init_blocks,force_in", [(1, 0, ()), (2, 1, (3,)), (3, 2, (0, 5, 9)),
+                                                              (0, 1, (4,))])
+def test_may_force(local_blocks, init_blocks, force_in):
+    # The fused selection's scalar test of whether a page can carry a forced priority in some query row:
+    # never no where the reference forces (the page would skip its insertion), and exact when
+    # local_blocks >= 1 (with none it also says yes for blocks up to the last row's own block).
+    # Machine: any: pure jnp
+    from m3jax.msa.reference import forced_priority
+    from m3jax.pallas.topk import select
+
+    bs, j = 4, jnp.arange(12)[:, None, None]
+    lo = jnp.arange(-1, 40)[None, :, None]
+    hi = lo + jnp.arange(0, 9)[None, None, :]  # rows at positions lo .. hi (Q = hi - lo + 1)
+    kw = dict(local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in)
+    pos = lo[..., None] + jnp.arange(9)  # [.., Q]: only positions <= hi are rows
+    prio = forced_priority(jnp.floor_divide(pos, bs) - j[..., None], j[..., None], **kw)
+    want = jnp.any((prio > 0) & (pos <= hi[..., None]), axis=-1)
+    got = select.may_force(j, lo, hi, block_size=bs, **kw)
+    assert not np.any(np.asarray(want & ~got))
+    if local_blocks:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_model_decode_switch():

@@ -792,13 +792,18 @@ def test_layer_config_per_regime(monkeypatch):
     # Machine: any: host-side config choice for the current target (Hopper off the GPU and on the H200)
     from m3jax.pallas.grouped_matmul import kernel, layer_config
 
-    # the H200's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill on 128 x 256 tiles at any row
-    # count (the 256-row tiles are opt-in, kernel.PREFILL_ROWS256), pipelined decode in 64-row tiles
-    prefill, prefill_mx = layer_config(16384, 6144, 3072, 128), layer_config(16384, 6144, 3072, 128, 192)
-    assert prefill == prefill_mx == GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
-    assert layer_config(32768, 6144, 3072, 128) == layer_config(32768, 3072, 6144, 128, 96) == prefill
-    assert kernel.PREFILL_ROWS256 == GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized",
-                                                         wg_split="m")
+    # Hopper's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill at any row count, bf16 on the
+    # 256-row tiles (consumers split rows), MXFP8 on 128 x 256 (consumers split N); pipelined decode in
+    # 64-row tiles
+    rows256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
+    wide = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
+    assert (kernel.PREFILL_ROWS256, kernel.PREFILL_128X256) == (rows256, wide)
+    for m in (16384, 32768):  # the 4096- and 8192-token chunks' rows (top-4)
+        assert layer_config(m, 6144, 3072, 128) == layer_config(m, 3072, 6144, 128) == rows256
+        assert layer_config(m, 6144, 3072, 128, 192) == layer_config(m, 3072, 6144, 128, 96) == wide
+    # N = 384 fits 128-column tiles only: bf16 keeps the 256-row tiles, MXFP8 falls back to the pipeline
+    assert layer_config(16384, 6144, 384, 128) == rows256
+    assert layer_config(16384, 6144, 384, 128, 192) == GroupedMatmulConfig(block_m=128)
     assert layer_config(4, 6144, 3072, 128) == GroupedMatmulConfig(block_m=64)
     # MXFP8 at decode rows (<= 64, <= 8 per group on average): the gemv schedule, K split into parts of
     # 768 rows or more parts where too few CTAs would run (gemv.decode_split)

@@ -136,3 +136,9 @@ def test_check_dims_returns_sizes():
     assert check_dims("f", a=(_ones(2, 3), "B T"), b=(_ones(2), "B")) == {"B": 2, "T": 3}
     with pytest.raises(ValueError, match=r"f: b must be \[B\], got shape \(2, 1\)"):
         check_dims("f", a=(_ones(2, 3), "B T"), b=(_ones(2, 1), "B"))
+
+
+def test_decode_score_config_fp8_convert():
+    # Machine: any: a config check, nothing runs
+    with pytest.raises(ValueError, match="fp8_convert='register' must be 'smem' or 'registers'"):
+        decode.DecodeScoreConfig(fp8_convert="register")

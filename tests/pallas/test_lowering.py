@@ -246,38 +246,49 @@ def test_blackwell_kv_major_attention_lowers_at_other_tiles(g, h, bs, dtype, mos
     assert "tcgen05.mma" in mosaic_modules[-1] and "wgmma" not in mosaic_modules[-1]
 
 
-@pytest.mark.parametrize("bs,dtype,fp8_mma", [(128, BF16, "bfloat16"), (128, BF16, "float16"), (64, F32, "bfloat16")])
+# a wgmma whose A operand is four registers (after the accumulator's), not an SMEM descriptor
+_WGMMA_REGISTER_A = re.compile(r"wgmma\.mma_async[^;]*\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}, \$\d+, p")
+
+
+@pytest.mark.parametrize("bs,dtype,fp8_mma,fp8_convert", [
+    (128, BF16, "bfloat16", "smem"), (128, BF16, "float16", "smem"), (64, F32, "bfloat16", "smem"),
+    (128, BF16, "bfloat16", "registers"), (256, BF16, "float16", "registers"), (64, F32, "bfloat16", "registers")])
 @pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
-def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, mosaic_modules):
-    # fp8 e4m3 index-key pages (index_cache_dtype): loaded by TMA as fp8, converted in SMEM (e4m3x2 ->
-    # f16x2 cvt, then the query's 16-bit type) for the MMA; fp32 queries as bf16 pieces.
+def test_decode_scores_lower_with_fp8_pages(target, bs, dtype, fp8_mma, fp8_convert, mosaic_modules):
+    # fp8 e4m3 index-key pages (index_cache_dtype): loaded by TMA as fp8, converted (e4m3x2 -> f16x2
+    # cvt, then the query's 16-bit type) in SMEM for the MMA, or with fp8_convert="registers" on
+    # Hopper in registers, the wgmma's A operand (Blackwell: SMEM, tcgen05 has no register A); fp32
+    # queries as bf16 pieces; pages of 64 to 256 keys (one to four 64-row wgmma groups).
     # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores
 
     target = getattr(_backend, target)
     nb = CTX // bs
     args = (S((2, 1, HI, H), dtype), S((2 * nb, bs, H), jnp.float8_e4m3fn), S((2, nb), I32), S((2,), I32))
-    config = DecodeScoreConfig(fp8_mma=fp8_mma)
+    config = DecodeScoreConfig(fp8_mma=fp8_mma, fp8_convert=fp8_convert)
     with _backend.lowering_for(target):
         jax.jit(lambda *a: decode_index_scores(*a, block_size=bs, config=config)).trace(*args).lower(
             lowering_platforms=("cuda",))
     module = mosaic_modules[-1]
     assert "cvt.rn.f16x2.e4m3x2" in module and _mma_instruction("decode_index_scores", True, target) in module
+    assert bool(_WGMMA_REGISTER_A.search(module)) == (fp8_convert == "registers" and target.mma == "wgmma")
 
 
-@pytest.mark.parametrize("b,ik_dtype,fp8_mma", [(1, BF16, "bfloat16"), (8, jnp.float8_e4m3fn, "bfloat16"),
-                                                (1, jnp.float8_e4m3fn, "float16")])
+@pytest.mark.parametrize("b,ik_dtype,fp8_mma,fp8_convert", [
+    (1, BF16, "bfloat16", "smem"), (8, jnp.float8_e4m3fn, "bfloat16", "smem"),
+    (1, jnp.float8_e4m3fn, "float16", "smem"), (8, jnp.float8_e4m3fn, "bfloat16", "registers")])
 @pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
-def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, mosaic_modules):
-    # The fused paged selection (decode_select_blocks) at M3's shapes: on Hopper one module, the wgmma
-    # scoring with the split's top-k lists carried through the page pipeline; Blackwell has no tcgen05
-    # port of it and runs the scoring kernel and the top-k kernel (two modules, no wgmma).
+def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, fp8_convert, mosaic_modules):
+    # The fused paged selection (decode_select_blocks) at M3's shapes: on Hopper two modules, the wgmma
+    # scoring with the split's top-k lists carried through the page pipeline, then the top-k kernel
+    # merging the splits' lists; Blackwell has no tcgen05 port of it and runs the scoring kernel and
+    # the top-k kernel (two modules, no wgmma).
     # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     from m3jax.pallas.decode import DecodeScoreConfig, decode_select_blocks
 
     target = getattr(_backend, target)
     args = (S((b, 1, HI, H), BF16), S((b * NB, BS, H), ik_dtype), S((b, NB), I32), S((b,), I32))
-    config = DecodeScoreConfig(fp8_mma=fp8_mma)
+    config = DecodeScoreConfig(fp8_mma=fp8_mma, fp8_convert=fp8_convert)
     start = len(mosaic_modules)
     with _backend.lowering_for(target):
         jax.jit(lambda *a: decode_select_blocks(*a, block_size=BS, topk=TOPK, init_blocks=1, force_in=(3,),
@@ -287,7 +298,8 @@ def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, mosaic_modules
     if target.mma == "tcgen05":
         assert len(mods) == 2 and not any("wgmma" in m for m in mods)
     else:
-        assert len(mods) == 1 and "wgmma.mma_async" in mods[0]
+        assert len(mods) == 2 and "wgmma.mma_async" in mods[0] and "wgmma" not in mods[1]
+        assert bool(_WGMMA_REGISTER_A.search(mods[0])) == (fp8_convert == "registers")
 
 
 _SMEM_VIEW = re.compile(r"memref\.view [^\n]*? to memref<((?:\d+x)+)(f32|i32|f8E4M3FN|bf16), #gpu\.address_space<workgroup>>")

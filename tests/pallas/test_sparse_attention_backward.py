@@ -5,8 +5,9 @@ On CPU the kernels run in GPU interpret mode (race detector on; unwritten rows a
 compiled kernels run unchanged. Errors are relative in the L2 norm per gradient (||got - ref|| /
 ||ref||, m3jax/pallas/tolerances.py): fp32 (bf16x3) 2e-5, bf16 2e-2. The cases cover G > 1, -1 slots,
 a context that is not a multiple of the block, 128-key blocks shared by two consumer warpgroups and
-the same blocks as 64-key sub-blocks of one, the LSE's cotangent, selections both random and made by the indexer's top-k (own block forced), and the named
-fallback to the reference gradient where the kernel cannot run.
+the same blocks as 64-key sub-blocks of one, the LSE's cotangent, selections both random and made by
+the indexer's top-k (own block forced), and the named fallback to the reference gradient where the
+kernel cannot run.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def test_kv_major_backward_matches_reference(g, kh, h, bs, dtype, selection, b, 
     # Machine: any: interpret mode on a CPU (two warpgroups: two threads, see tests/conftest.py's
     # PJRT_NPROC), compiled for the device on a GPU (the same assertions on both)
     config = SparseAttentionConfig(backward_tiles_per_item=tpi, backward_stages=stages, backward_warpgroups=wgs)
+    # the kernel, not the fallback
     assert backward.unsupported_reason(num_heads=g * kh, num_kv_heads=kh, head_dim=h, block_size=bs,
-                                       dtype=jnp.dtype(dtype).name, config=config) is None  # the kernel, not the fallback
+                                       dtype=jnp.dtype(dtype).name, config=config) is None
     plan = backward.plan_backward(n=g * kh, kh=kh, h=h, block_size=bs, dtype=dtype, cfg=config)
     assert plan.wgs == (wgs or (2 if bs % 128 == 0 and h % 128 == 0 and dtype != F32 else 1))
     q, k, v, bi, qp, do = make_case(g=g, kh=kh, h=h, bs=bs, dtype=dtype, selection=selection, b=b,

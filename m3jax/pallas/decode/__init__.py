@@ -87,7 +87,8 @@ def decode_select_blocks(
     config: DecodeScoreConfig = DecodeScoreConfig(), interpret: bool | None = None,
 ) -> jax.Array:
     """int32 [B, Hi, Q, topk] block ids of the Q new tokens (see :func:`.hopper.decode_select_blocks`):
-    what :func:`decode_index_scores` then :func:`m3jax.pallas.topk.select_blocks` give, in one launch."""
+    what :func:`decode_index_scores` then :func:`m3jax.pallas.topk.select_blocks` give, from one scan
+    of the pages (the fused kernel's per-split lists, merged by the top-k kernel)."""
     check_dims("decode_select_blocks", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
                page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"))
     _check_block_size("decode_select_blocks", "ik_pages", ik_pages, block_size)

@@ -16,8 +16,9 @@ multiple of 8 as tcgen05 needs, of 16 for 64-row tiles). What differs:
   Waiting at once keeps the SMEM page live until its MMAs are done (the pipeline frees the slot when
   the step returns), and the next pages' TMA loads still overlap this one.
 - fp32 inputs are split into bf16 pieces as on Hopper (tcgen05 would run fp32 as TF32). fp8 e4m3
-  pages are converted in SMEM as on Hopper (``kernel.convert_page``); the converted page is free
-  for the next one once this page's MMAs were waited for.
+  pages are converted in SMEM as on Hopper by default (``kernel.convert_page``; tcgen05 has no
+  register A operand, so ``fp8_convert="registers"`` converts in SMEM here too); the converted page
+  is free for the next one once this page's MMAs were waited for.
 
 **Sparse attention** (:func:`sparse_decode_attention`): the Hopper kernel's plan (union of
 selected pages, K/V pipeline, masks, online softmax, split merge: the shared ``kernel.attention_*``

@@ -23,6 +23,7 @@ from m3jax.pallas.decode.kernel import (
     attention_plan,
     attention_refs,
     cta_start,
+    keys_in_registers,
     kv_pipeline,
     merge_candidates,
     page_transforms,
@@ -47,7 +48,8 @@ from m3jax.pallas.topk import select
 
 def _block_max(q_smem, k_smems, prods, q: int, bs: int, n_pad: int, seq_len, j):
     """What both scoring kernels compute per page: the page's ``[bs, n_pad]`` scores by wgmma (keys
-    as M, query rows as N), masked causally and max-reduced over the keys: the ``[n_pad]`` block-max
+    as M, query rows as N; ``k_smems`` the key parts in SMEM, or one register array of fp8 keys
+    converted in registers), masked causally and max-reduced over the keys: the ``[n_pad]`` block-max
     row of logical block ``j``. (Call it inside the pipeline step: no vector values closed over by
     the pipeline loop.)"""
     # query position of accumulator column n (n = h * Q + t): seq_len - Q + t
@@ -100,11 +102,12 @@ def decode_index_scores(
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     if dtype == FP8:  # e4m3 x e4m3: the query tile swizzled as the pages (a wgmma's operands share one swizzle)
         transforms = page_transforms(k_parts, hx, transforms)
-    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
+    registers = keys_in_registers(config, q_parts, k_parts, interpret)
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, registers=registers)
 
     def body(*refs):
         q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = score_prologue(
-            refs, len(q_parts), len(k_parts), chunk, bs)
+            refs, len(q_parts), len(k_parts), chunk, bs, registers=registers)
 
         def page_step(idx, *k_smems):
             (i,) = idx
@@ -117,7 +120,7 @@ def decode_index_scores(
         body,
         interpret=interpret,
         out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
-        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
+        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms, registers=registers),
         grid=(b, splits),
         grid_names=("b", "s"),
     )
@@ -144,7 +147,7 @@ def decode_select_blocks(
 ) -> jax.Array:
     """Top-k block ids of the Q new tokens over a paged index-key cache, in one kernel launch
     (scores, block max and each context split's top-k; :mod:`.kernel`'s docstring, item 3) plus
-    the merge of the splits' candidates (:func:`.kernel.merge_candidates`).
+    the merge of the splits' candidates by the top-k kernel (:func:`.kernel.merge_candidates`).
 
     Args: as :func:`decode_index_scores`, and the selection's ``topk``, ``local_blocks``,
       ``init_blocks``, ``force_in``, ``force_out`` (:func:`m3jax.msa.reference.select_blocks`).
@@ -166,61 +169,91 @@ def decode_select_blocks(
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     scaled = unscale is not None
-    lists = 2 * kc * SELECT_LANES * 4
+    registers = keys_in_registers(config, q_parts, k_parts, interpret)
+    # (the lists' SMEM for the output is taken after the pipeline, from the page buffers' space)
     stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, tile=(2, SELECT_LANES),
-                          extra=lists + (SELECT_LANES * 4 if scaled else 0))
+                          extra=SELECT_LANES * 4 if scaled else 0, registers=registers)
     lanes = plgpu.Layout.WG_STRIDED((SELECT_LANES,), 1)  # lane n = query row n = h * Q + t
-    rank = functools.partial(select.forced_candidate, block_size=bs, local_blocks=local_blocks,
-                             init_blocks=init_blocks, force_in=tuple(force_in), force_out=tuple(force_out))
+    cols = plgpu.Layout.WGMMA.reduce(0)  # the block-max row's layout: whole in every warp
+    forcing = dict(local_blocks=local_blocks, init_blocks=init_blocks, force_in=tuple(force_in))
+    rank = functools.partial(select.ranked_candidate, force_out=tuple(force_out), **forcing)
 
     def body(*refs):
         q_smem, k_gmem, pt_gmem, io, rows_smem, mma_keys, own, bi, seq_len, first, steps = score_prologue(
-            refs, len(q_parts), len(k_parts), chunk, bs, n_io=int(scaled) + 2)
+            refs, len(q_parts), len(k_parts), chunk, bs, n_io=int(scaled) + 2, registers=registers)
         vals_gmem, ids_gmem = io[-2:]
-        vals_smem, ids_smem, *unscale_refs = own
         if scaled:
-            unscale_smem, unscale_bar = unscale_refs
+            unscale_smem, unscale_bar = own
             plgpu.copy_gmem_to_smem(io[0].at[bi], unscale_smem, unscale_bar)
             plgpu.barrier_wait(unscale_bar)
 
-        def page_step(idx, *k_smems_and_lists):
+        def page_step(idx, *k_smems_and_carry):
             (i,) = idx
-            *k_smems, lists = k_smems_and_lists
+            *k_smems, (lists, kth, own_block) = k_smems_and_carry
             j = first + i
-            # The block-max row goes through SMEM from the accumulator's layout to one lane per query
-            # row (the top-k lists' layout). Slot i % 2: the commit (warpgroup barrier) of step i + 1
-            # orders every thread's load of step i before the store of step i + 2 into that slot.
-            slot = rows_smem.at[lax.rem(i, 2)]
             row = _block_max(q_smem, mma_keys(k_smems), prods, q, bs, n_pad, seq_len, j)
-            if n_pad == SELECT_LANES:
-                slot[...] = row
-            else:
-                slot[pl.ds(0, n_pad)] = row  # lanes past n_pad belong to no query row
-            plgpu.commit_smem()
-            x = plgpu.load(slot, layout=lanes)
             if scaled:  # undo the query's power-of-two scaling before ranking, as score_result does
-                x = x * plgpu.load(unscale_smem, layout=lanes)
-            lane = plgpu.broadcasted_iota(jnp.int32, (SELECT_LANES,), 0, layout=lanes)
-            # Pages arrive in increasing block id and the insertion is strict: ties to the lower id.
-            return select.insert(*lists, rank(x, seq_len - q + lax.rem(lane, q), j), j)
+                row = row * plgpu.load(unscale_smem.at[pl.ds(0, n_pad)], layout=cols)
+            # Threshold: the lists change only where a row's value beats its k-th kept value ``kth``
+            # (strictly: pages come in increasing block id, so an equal value never displaces), or
+            # where a forced priority can raise the value above the score. Otherwise the insertion
+            # is a no-op and is skipped. The test runs in the row's own layout, whose values every
+            # warp holds whole (the block max reduced across the warps), so the vote is a shuffle
+            # reduction inside each warp and the same in all four: a warpgroup-uniform branch that
+            # needs no SMEM and no barrier. Lanes n >= Hi * Q are padding (no query row).
+            n = plgpu.broadcasted_iota(jnp.int32, (n_pad,), 0, layout=cols)
+            beats = jnp.max(jnp.where((row > kth) & (n < n_rows), 1, 0)) > 0
+            forced = select.may_force(j, seq_len - q, seq_len - 1, block_size=bs, **forcing)
+
+            def insert():
+                # The row goes through SMEM from its layout to one lane per query row (the lists'),
+                # the new k-th values back. No commit_smem: nothing asynchronous reads these rows,
+                # and the kernel keeps Pallas' automatic barriers, a warpgroup barrier before and
+                # after each SMEM store, which order every thread's earlier loads of a row before
+                # the store and the store before every later load.
+                slot, kth_slot = rows_smem.at[0], rows_smem.at[1]
+                if n_pad == SELECT_LANES:
+                    slot[...] = row
+                else:
+                    slot[pl.ds(0, n_pad)] = row  # lanes past n_pad belong to no query row
+                x = plgpu.load(slot, layout=lanes)
+                # Pages arrive in increasing block id and the insertion is strict: ties to the lower id.
+                vals, ids = select.insert(*lists, rank(x, own_block - j, j), j)
+
+                def refresh():
+                    kth_slot[...] = vals[-1]
+                    return plgpu.load(kth_slot.at[pl.ds(0, n_pad)], layout=cols)
+
+                # The split's first k - 1 pages cannot fill a list: its k-th values stay -inf.
+                return (vals, ids), lax.cond(i >= kc - 1, refresh, lambda: kth), own_block
+
+            return lax.cond(beats | forced, insert, lambda: (lists, kth, own_block))
 
         empty = (tuple(jnp.full((SELECT_LANES,), -jnp.inf, jnp.float32) for _ in range(kc)),
                  tuple(jnp.full((SELECT_LANES,), -1, jnp.int32) for _ in range(kc)))
-        vals, ids = stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, (bs, hx),
-                                 page_transforms(k_parts, hx, transforms), stages,
-                                 init_carry=jax.tree.map(lambda x: plgpu.layout_cast(x, lanes), empty))
-        for r in range(kc):
-            vals_smem[r] = vals[r]
-            ids_smem[r] = ids[r]
-        plgpu.commit_smem()
-        si = lax.axis_index("s")
-        plgpu.copy_smem_to_gmem(vals_smem, vals_gmem.at[bi, si])
-        plgpu.copy_smem_to_gmem(ids_smem, ids_gmem.at[bi, si])
-        plgpu.wait_smem_to_gmem(0)
+        lane = plgpu.broadcasted_iota(jnp.int32, (SELECT_LANES,), 0, layout=lanes)
+        # each lane's (query row's) own block, computed once and carried (no vector closures in the loop)
+        own_block = jnp.floor_divide(seq_len - q + lax.rem(lane, q), bs)
+        init = (jax.tree.map(lambda x: plgpu.layout_cast(x, lanes), empty),
+                plgpu.layout_cast(jnp.full((n_pad,), -jnp.inf, jnp.float32), cols), own_block)
+        (vals, ids), _, _ = stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, (bs, hx),
+                                         page_transforms(k_parts, hx, transforms), stages, init_carry=init)
 
-    # the score tile: two staging rows of SELECT_LANES (the chunk's rows never all live in SMEM)
-    scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, 2, transforms, cols=SELECT_LANES)
-    scratch += [plgpu.SMEM((kc, SELECT_LANES), jnp.float32), plgpu.SMEM((kc, SELECT_LANES), jnp.int32)]
+        def store(vals_smem, ids_smem):  # scoped after the pipeline: the page buffers' SMEM, now free
+            for r in range(kc):
+                vals_smem[r] = vals[r]
+                ids_smem[r] = ids[r]
+            plgpu.commit_smem()
+            si = lax.axis_index("s")
+            plgpu.copy_smem_to_gmem(vals_smem, vals_gmem.at[bi, si])
+            plgpu.copy_smem_to_gmem(ids_smem, ids_gmem.at[bi, si])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((kc, SELECT_LANES), jnp.float32), plgpu.SMEM((kc, SELECT_LANES), jnp.int32))
+
+    # the score tile: two staging rows of SELECT_LANES (a block-max row, the k-th values; the chunk's
+    # rows never all live in SMEM)
+    scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, 2, transforms, cols=SELECT_LANES, registers=registers)
     if scaled:
         scratch += [plgpu.SMEM((SELECT_LANES,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
     kern = mosaic_kernel(

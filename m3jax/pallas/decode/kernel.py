@@ -19,8 +19,10 @@ position ``seq_lens[b] - Q + i``.
    fp8 e4m3 index pages (``index_cache_dtype="float8_e4m3fn"``) are TMA-loaded as fp8 (half the
    bytes) and converted in SMEM, 64 rows at a time through registers, into one page of the query's
    16-bit type that the MMA reads as its A operand (:func:`convert_page`; exact: every e4m3 value is
-   a bf16 and an f16). Register-A wgmma would skip that SMEM round trip, but tcgen05 takes A from
-   SMEM or TMEM only and the interpreter has no register-A wgmma, so both variants share this path.
+   a bf16 and an f16). ``DecodeScoreConfig.fp8_convert="registers"`` skips that SMEM round trip on
+   Hopper: the page is loaded into wgmma's register A layout, converted there and fed to the wgmma
+   from registers (:func:`page_registers`); tcgen05 takes A from SMEM or TMEM only and the
+   interpreter has no register-A wgmma, so those run the SMEM path (:func:`keys_in_registers`).
    ``DecodeScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
    instead of three, the bf16 query scaled into f16's range per row); ``benchmarks/decode_fp8_index.py``
    measures which is faster (benchmarks/RESULTS.md#decode-fp8-index). Under the fp8 indexer
@@ -41,14 +43,18 @@ position ``seq_lens[b] - Q + i``.
    tokens share pages) have token bits 0, load page 0 and change nothing -- but they cost a page
    load + MMAs each; for Q = 1 the union is full and nothing is wasted.
 3. :func:`.hopper.decode_select_blocks` (docs/KERNELS.md §2.2, "Fused selection"): item 1's grid and
-   page pipeline, and each CTA also selects. A page's ``[N]`` block-max row goes through a two-slot
-   SMEM stage (:data:`SELECT_LANES` lanes, one per query row) into the split's top-k lists, which the
-   pipeline carries (``topk.select``'s insertion and forced priorities), so the selection runs while
-   the next pages load; each CTA writes its lists and :func:`merge_candidates` takes the global top-k
-   of the ``splits * k`` candidates in XLA (the reference's order, ties included). One launch for
-   scores, block max and the splits' top-k: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that
-   interpret mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which
-   the interpreter cannot run), so the merge is not in the kernel. Hopper only: on tcgen05 targets
+   page pipeline, and each CTA also selects into the split's top-k lists, which the pipeline carries
+   (:data:`SELECT_LANES` lanes, one per query row; ``topk.select``'s insertion and forced
+   priorities), so the selection runs while the next pages load. Threshold insertion: a page's
+   ``[N]`` block-max row is compared, in its own layout (whole in every warp, so the vote needs no
+   SMEM and no barrier), with the lists' k-th values; only when some row beats its k-th value or
+   the page can carry a forced priority (``topk.select.may_force``) does the row go through an SMEM
+   stage into the lists' layout and get inserted, the new k-th values coming back the same way.
+   Each CTA writes its lists and :func:`merge_candidates` takes the global top-k of the
+   ``splits * k`` candidates with the top-k kernel (the reference's order, ties included). The
+   merge is a second launch: Mosaic GPU in jax 0.11.2 has no cross-CTA hand-off that interpret
+   mode runs (GMEM atomics return nothing; global semaphores need ``pl.get_global``, which the
+   interpreter cannot run). Hopper only: on tcgen05 targets
    :func:`m3jax.pallas.decode.decode_select_blocks` runs item 1's Blackwell kernel and the top-k kernel.
 
 fp32 inputs: Hopper wgmma would run fp32 as TF32 (10-bit mantissa, ~1e-3 error). To keep fp32 at
@@ -85,7 +91,8 @@ from jax import lax
 
 from m3jax.msa.reference import lse_merge, quantize_e4m3
 from m3jax.pallas._common import LOG2E, split_parts, split_products, swizzle_transforms
-from m3jax.pallas._backend import Target, current_target, mosaic_kernel, pl, plgpu
+from m3jax.pallas._backend import Target, current_target, interprets, mosaic_kernel, pl, plgpu
+from m3jax.pallas import topk as topk_kernels
 
 FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
 FP8_SCORES = "float8_e4m3fn"  # the fp8 indexer's score_dtype (index_score_dtype)
@@ -108,12 +115,24 @@ class DecodeScoreConfig:
       power of two into f16's range (max |q| in [2^14, 2^15)), the scores scaled back after; only
       elements below 2^-31 of their row's max can round (far below the fp32 accumulation's own
       error). fp32 queries always meet bf16 keys (their three bf16 pieces); f16 queries f16 keys.
+    fp8_convert: where fp8 pages become those 16-bit keys. ``"smem"``: into an SMEM page the wgmma
+      reads as its A operand (:func:`convert_page`). ``"registers"``: loaded from the TMA'd page
+      straight into wgmma's register A layout, converted there and fed to the wgmma from registers
+      (:func:`page_registers`): no SMEM write, no fence, and no SMEM page for the converted keys
+      (room for more page loads in flight where SMEM limits ``stages``). Hopper on the GPU only
+      (:func:`keys_in_registers`); interpret mode (no register-A wgmma) and tcgen05 (A from SMEM or
+      TMEM only) run ``"smem"``.
     """
 
     num_splits: int | None = None
     stages: int = 4
     waves: int = 2
     fp8_mma: str = "bfloat16"
+    fp8_convert: str = "smem"
+
+    def __post_init__(self):
+        if self.fp8_convert not in ("smem", "registers"):
+            raise ValueError(f"fp8_convert={self.fp8_convert!r} must be 'smem' or 'registers'")
 
     def splits(self, batch: int, max_pages: int, target: Target) -> int:
         if self.num_splits is not None:
@@ -223,37 +242,43 @@ def score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
     return split_products(n_q) if n_k == n_q else tuple((0, c) for c in range(n_q))
 
 
-def _converts(q_parts, k_parts) -> bool:
-    """Whether fp8 pages are converted to the query's 16-bit type (:func:`convert_page`): not when the
-    query is e4m3 too (the fp8 indexer's e4m3 x e4m3 MMA reads the page as loaded)."""
-    return k_parts[0].dtype == FP8 and q_parts[0].dtype != FP8
-
-
 def page_transforms(k_parts, hx: int, transforms):
     """SMEM layout of the TMA-loaded key pages: the MMA operand's for 16-bit pages; fp8 pages (read
     by :func:`convert_page` only) the widest swizzle their 1-byte rows allow."""
     return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
 
 
+def _converts(q_parts, k_parts) -> bool:
+    """Whether fp8 pages are converted to the query's 16-bit type (in SMEM or in registers): not when
+    the query is e4m3 too (the fp8 indexer's e4m3 x e4m3 MMA reads the page as loaded)."""
+    return k_parts[0].dtype == FP8 and q_parts[0].dtype != FP8
+
+
+def _smem_page(q_parts, k_parts, registers: bool) -> bool:
+    """Whether a scoring kernel converts its pages into an SMEM page (:func:`convert_page`): fp8 pages
+    met by a 16-bit query (:func:`_converts`) not taken to the MMA from ``registers``."""
+    return _converts(q_parts, k_parts) and not registers
+
+
 def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int,
-                 tile: tuple[int, int] | None = None, extra: int = 0) -> int:
+                 tile: tuple[int, int] | None = None, extra: int = 0, registers: bool = False) -> int:
     """Page buffers that fit next to the query tile, the fp32 score tile (``tile`` rows x columns,
-    default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages) the converted page
-    (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
+    default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages converted in SMEM, not
+    in ``registers``) the converted page (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
     page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
-    convert = bs * hx * 2 if _converts(q_parts, k_parts) else 0
+    convert = bs * hx * 2 if _smem_page(q_parts, k_parts, registers) else 0
     rows, cols = tile or (chunk, n_pad)
     fixed = len(q_parts) * n_pad * hx * 2 + rows * cols * 4 + convert + extra + 4096
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
 
 
 def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms,
-                  cols: int | None = None) -> list:
+                  cols: int | None = None, registers: bool = False) -> list:
     """The scratch every variant starts with: query tile, score tile (``chunk`` rows of ``cols``,
-    default n_pad), the query tile's barrier and, for fp8 pages, the page converted to the query's
-    type (the MMA's key operand)."""
+    default n_pad), the query tile's barrier and, for fp8 pages converted in SMEM (not in
+    ``registers``), the page converted to the query's type (the MMA's key operand)."""
     dtype = q_parts[0].dtype
-    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if _converts(q_parts, k_parts) else []
+    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if _smem_page(q_parts, k_parts, registers) else []
     return [
         plgpu.SMEM((len(q_parts), n_pad, hx), dtype, transforms=transforms),
         plgpu.SMEM((chunk, cols or n_pad), jnp.float32),
@@ -273,24 +298,48 @@ def convert_page(src, dst) -> None:
     plgpu.commit_smem()
 
 
-def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1):
+def keys_in_registers(config: DecodeScoreConfig, q_parts, k_parts, interpret: bool | None) -> bool:
+    """Whether fp8 pages reach the MMA from registers (``config.fp8_convert == "registers"``,
+    :func:`page_registers`) rather than converted in SMEM (:func:`convert_page`): only pages that are
+    converted at all (:func:`_converts`; the fp8 indexer's e4m3 x e4m3 MMA reads the page as loaded),
+    only for wgmma (tcgen05 takes A from SMEM or TMEM) compiled for the GPU (the interpreter has no
+    register-A wgmma). The one place the scoring kernels choose."""
+    return (_converts(q_parts, k_parts) and config.fp8_convert == "registers" and current_target().mma == "wgmma"
+            and not interprets(interpret))
+
+
+def page_registers(src, dtype):
+    """fp8 e4m3 key page (SMEM, [bs, Hx]) -> ``dtype`` registers in the wgmma A operand's layout
+    (``Layout.WGMMA``: each 64-row group is one wgmma's M; the warpgroup holds the whole page, bs x
+    Hx / 128 elements a thread). Through f16 and exact, as :func:`convert_page`; nothing is written
+    back to SMEM."""
+    # 2-byte loads straight into the A layout: a 4-byte load (Layout.WGMMA_UPCAST_2X) plus Mosaic's
+    # relayout to WGMMA compiles to more SASS instructions per page (shuffles and permutes, ptxas 13.0)
+    x = plgpu.load(src, layout=plgpu.Layout.WGMMA)
+    return x.astype(jnp.float16).astype(dtype)
+
+
+def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1, registers: bool = False):
     """Unpack a scoring kernel's refs, copy the query tile in and find this CTA's pages.
 
     refs: q parts, k parts, page table, seq lens, ``n_io`` more (the scores kernel: its output; the
     fused selection: its inputs and outputs), then :func:`score_scratch` and the variant's own scratch.
     Returns (q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, [variant scratch], bi, seq_len,
     first page, live steps), ``out_gmem`` the one extra ref or the tuple of ``n_io``;
-    ``mma_keys(page refs)`` gives the MMA's key operands of a loaded page (fp8: the page converted;
-    the caller's MMAs must be done with the previous one)."""
+    ``mma_keys(page refs)`` gives the MMA's key operands of a loaded page (fp8: the page converted,
+    in SMEM -- the caller's MMAs must be done with the previous one -- or with ``registers`` a
+    register array, :func:`keys_in_registers`)."""
     q_gmem = refs[:n_q]
     k_gmem = refs[n_q : n_q + n_k]
     pt_gmem, len_gmem = refs[n_q + n_k : n_q + n_k + 2]
     io = refs[n_q + n_k + 2 : n_q + n_k + 2 + n_io]
     out_gmem = io[0] if n_io == 1 else tuple(io)
     q_smem, score_smem, q_bar, *own = refs[n_q + n_k + 2 + n_io :]
-    converted = own.pop(0) if _converts(q_gmem, k_gmem) else None
+    converted = own.pop(0) if _smem_page(q_gmem, k_gmem, registers) else None
 
     def mma_keys(k_smems):
+        if registers:
+            return (page_registers(k_smems[0], q_smem.dtype),)
         if converted is None:
             return k_smems
         convert_page(k_smems[0], converted)
@@ -355,20 +404,26 @@ def merge_candidates(vals: jax.Array, ids: jax.Array, bhq: tuple[int, int, int],
     n and their block ids, descending, ties to the lower id, ``(-inf, -1)`` when empty. Every block
     of the global top-k is in its split's top-k, so the union of the lists holds it. Laid out split
     after split, equal values sit in increasing block id (a split's ids are below the next split's),
-    and ``lax.top_k`` takes equal values in increasing position: the reference's tie order. Returns
-    int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
+    so the top-k of the ``splits * kc`` candidates by value with ties to the lower position is the
+    reference's selection in the reference's order. That top-k runs in the top-k kernel
+    (:func:`m3jax.pallas.topk.select_blocks`; the row-split kernel at decode's row counts, one CTA per
+    row): its positions are the candidates' "block ids", and ``local_blocks=0``, no sinks and no
+    interventions force none of them (the values already carry the forced priorities; ranking them
+    again changes nothing); XLA's ``lax.top_k`` on a few long rows takes several times the
+    kernel's time (benchmarks/RESULTS.md, the decode table's ``topk(select_blocks)`` rows).
+    Returns int32 [B, Hi, Q, topk], ``-1`` past the visible blocks."""
     b, hi, q = bhq
     splits, kc = vals.shape[1], vals.shape[2]
-    rows = hi * q
+    n = splits * kc
 
-    def by_row(x):  # [B, splits, kc, lanes] -> [B, rows, splits * kc]
-        return jnp.transpose(x[..., :rows].reshape(b, splits * kc, rows), (0, 2, 1))
+    def by_row(x):  # [B, splits, kc, lanes] -> [B, Hi, Q, splits * kc]
+        return jnp.transpose(x[..., : hi * q].reshape(b, n, hi * q), (0, 2, 1)).reshape(b, hi, q, n)
 
-    k = min(topk, splits * kc)
-    best, pos = lax.top_k(by_row(vals), k)
-    sel = jnp.where(best == -jnp.inf, -1, jnp.take_along_axis(by_row(ids), pos, axis=-1))
-    sel = jnp.pad(sel, [(0, 0), (0, 0), (0, topk - k)], constant_values=-1)
-    return sel.astype(jnp.int32).reshape(b, hi, q, topk)
+    # block_size 1 and every row at the last position: all candidates visible, none forced
+    pos = topk_kernels.select_blocks(by_row(vals), jnp.full((b, q), n - 1, jnp.int32), block_size=1, topk=topk,
+                                     local_blocks=0)
+    sel = jnp.take_along_axis(by_row(ids), jnp.maximum(pos, 0), axis=-1)
+    return jnp.where(pos < 0, -1, sel).astype(jnp.int32)
 
 
 def union_pages(block_idx: jax.Array, page_table: jax.Array):

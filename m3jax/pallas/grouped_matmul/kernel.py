@@ -118,17 +118,18 @@ class GroupedMatmulConfig:
 
 
 # The MoE layer's schedule per regime (decode: at most 64 rows per expert on average): at prefill
-# sizes the warp-specialised schedule (bm128 bn256, consumers split N) is the faster in bf16 and
-# MXFP8; at decode the pipeline is as fast or faster, so decode keeps it. DECODE_SPLIT_K: the split for
-# decode on the warp-specialised schedule (benchmarks/RESULTS.md#gmm-schedules).
+# sizes the warp-specialised schedule (tiles below) is the faster in bf16 and MXFP8; at decode the
+# pipeline is as fast or faster, so decode keeps it. DECODE_SPLIT_K: the split for decode on the
+# warp-specialised schedule (benchmarks/RESULTS.md#gmm-schedules).
 LAYER_SCHEDULE = {"prefill": "warp_specialized", "decode": "pipeline"}
 DECODE_SPLIT_K = 4
 # The 256-row tiles (consumers of 128 rows in 64-row chunks, block_n 128): one weight tile per K step
 # serves all of a ~256-row expert's rows, a group's few remaining rows go in a short 128-row visit, and
-# the MMAs skip 64-row chunks without rows, where the 128 x 256 tile multiplies whole 128-row tiles. An
-# opt-in config (``config=PREFILL_ROWS256``) until a GPU measurement of its speed
-# (benchmarks/moe_grouped_matmul.py) decides whether the layer picks it.
+# the MMAs skip 64-row chunks without rows, where the 128 x 256 tile multiplies whole 128-row tiles.
+# The layer's bf16 prefill tile: faster than 128 x 256 at 128 and 256 rows per expert; MXFP8 keeps
+# 128 x 256, on which its fp8 -> bf16 conversion is the faster (benchmarks/RESULTS.md#gmm-rows256).
 PREFILL_ROWS256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
+PREFILL_128X256 = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
 # MXFP8 decode where the pipeline's CTAs (one per 128 columns of each expert with rows, each converting
 # its whole K of fp8 tiles) are fewer than the SMs, past the gemv schedule's rows (below; a dense weight's
 # 9-64 rows, one group). There the warp-specialised schedule splits K until there are MXFP8_DECODE_ITEMS_PER_SM work
@@ -167,8 +168,9 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None, we
         if decode:
             split = next(s for s in (DECODE_SPLIT_K, 2, 1) if k % (s * 64) == 0)
             candidates = [GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)]
-        else:  # 128 x 256: the consumers split N (faster than split rows in bf16, RESULTS.md#gmm-schedules)
-            candidates = [GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")]
+        else:  # bf16 on the 256-row tiles; MXFP8 (and bf16 where those cannot run) on 128 x 256, the consumers
+            # splitting N (RESULTS.md#gmm-rows256, #gmm-schedules)
+            candidates = [*([] if k_groups else [PREFILL_ROWS256]), PREFILL_128X256]
         for cfg in candidates:
             reason = (mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) if k_groups
                       else unsupported_reason(m, k, n, g, cfg))

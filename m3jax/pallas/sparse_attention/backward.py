@@ -393,7 +393,8 @@ def kv_major_backward_kernel(q_parts, do_parts, k_parts, v_parts, work: csr.KVMa
         swizzled_smem(parts_shape(n_parts, (kb, h)), dtype),
         swizzled_smem(parts_shape(n_parts, (kb, h)), dtype),
         swizzled_smem(parts_shape(n_parts, per_wg(2 * wgs) + (KEY_BLOCK, m)), dtype),  # dS^T
-        plgpu.SMEM(per_wg(wgs) + (m, cols), jnp.float32) if n_parts == 2 else swizzled_smem(per_wg(wgs) + (m, cols), dtype),
+        (plgpu.SMEM(per_wg(wgs) + (m, cols), jnp.float32) if n_parts == 2
+         else swizzled_smem(per_wg(wgs) + (m, cols), dtype)),
         *([swizzled_smem(parts_shape(n_parts, per_wg(wgs) + (KEY_BLOCK, m)), dtype)] if plan.stage_p else []),
         *([plgpu.SMEM(per_wg(wgs) + (KEY_BLOCK, cols), jnp.float32)] if n_parts == 1 else []),
         plgpu.SMEM((stages, m), jnp.float32),

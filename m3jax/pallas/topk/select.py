@@ -33,8 +33,36 @@ def forced_candidate(score, rowpos, j, *, block_size: int, local_blocks: int, in
     reference's own ranking (:func:`m3jax.msa.reference.rank_scores` after the ``force_out`` and with
     the ``force_in`` interventions, static block ids) on the row's register vector."""
     dist = jnp.floor_divide(rowpos, block_size) - j  # >= 0 for blocks at or before the own block
+    return ranked_candidate(score, dist, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in,
+                            force_out=force_out)
+
+
+def ranked_candidate(score, dist, j, *, local_blocks: int, init_blocks: int, force_in: tuple[int, ...] = (),
+                     force_out: tuple[int, ...] = ()):
+    """:func:`forced_candidate` given each row's distance ``dist = own block - j`` instead of its
+    position (a kernel that visits many blocks per row computes the own block once: the integer
+    division is several instructions on the GPU)."""
     prio = forced_priority(dist, j, local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in)
     return rank_scores(forced_out(score, dist, j, force_out), prio)
+
+
+def may_force(j, pos_lo, pos_hi, *, block_size: int, local_blocks: int, init_blocks: int,
+              force_in: tuple[int, ...] = ()):
+    """Whether block ``j`` (a traced int32 scalar) can get a forced priority (:func:`forced_candidate`
+    above its score) in some row whose position lies in ``[pos_lo, pos_hi]`` (scalars): a scalar, so
+    a kernel can branch on it uniformly. The forced blocks are the own block and the
+    ``local_blocks - 1`` before it of some row, or a sink / ``force_in`` block at or before the last
+    row's own block; exact for ``local_blocks >= 1`` (with 0 it also says yes for the blocks after
+    the first row's own block up to the last row's: a caller needs only that it never says no for
+    a forced block). ``force_out`` only lowers a value, so it needs no branch."""
+    own_lo, own_hi = jnp.floor_divide(pos_lo, block_size), jnp.floor_divide(pos_hi, block_size)
+    # some row's own block o in [own_lo, own_hi] has 0 <= o - j < local_blocks (given j <= own_hi)
+    forced = j > own_lo - local_blocks
+    if init_blocks:
+        forced = forced | (j < init_blocks)
+    for b in force_in:
+        forced = forced | (j == b)
+    return forced & (j <= own_hi)
 
 
 def insert(vals, ids, x, j):
