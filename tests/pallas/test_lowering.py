@@ -350,17 +350,20 @@ def test_fp8_indexer_scores_lower(target, hx, bs, fused, tile, mosaic_modules):
     assert not _unaligned_slots(mosaic_modules[0])
 
 
-@pytest.mark.parametrize("hx,bs,q", [(128, 128, 1), (64, 64, 2), (128, 256, 4)])
-def test_fp8_indexer_decode_scores_lower(hx, bs, q, mosaic_modules):
+@pytest.mark.parametrize("hx,bs,q,fp8_convert", [(128, 128, 1, "smem"), (64, 64, 2, "smem"), (128, 256, 4, "smem"),
+                                                  (128, 128, 1, "registers")])
+def test_fp8_indexer_decode_scores_lower(hx, bs, q, fp8_convert, mosaic_modules):
     # The decode scoring kernel under the fp8 indexer over fp8 pages: the page as loaded is the wgmma's
-    # A operand (e4m3 x e4m3, no conversion), the query tile swizzled as the page.
+    # A operand (e4m3 x e4m3, no conversion), the query tile swizzled as the page. fp8_convert="registers"
+    # converts nothing here either: the A operand stays the SMEM page, not registers.
     # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
-    from m3jax.pallas.decode import decode_index_scores
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores
 
     nb = CTX // bs
     args = (S((2, q, HI, hx), BF16), S((2 * nb, bs, hx), jnp.float8_e4m3fn), S((2, nb), I32), S((2,), I32))
+    kw = dict(block_size=bs, score_dtype="float8_e4m3fn", config=DecodeScoreConfig(fp8_convert=fp8_convert))
     with _backend.lowering_for(_backend.HOPPER):
-        jax.jit(lambda *a: decode_index_scores(*a, block_size=bs, score_dtype="float8_e4m3fn")).trace(*args).lower(
-            lowering_platforms=("cuda",))
+        jax.jit(lambda *a: decode_index_scores(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
     module = mosaic_modules[-1]
     assert ".f32.e4m3.e4m3" in module and "e4m3x2" not in module
+    assert not _WGMMA_REGISTER_A.search(module)
