@@ -121,7 +121,7 @@ class DecodeScoreConfig:
       (:func:`page_registers`): no SMEM write, no fence, and no SMEM page for the converted keys
       (room for more page loads in flight where SMEM limits ``stages``). Hopper on the GPU only
       (:func:`keys_in_registers`); interpret mode (no register-A wgmma) and tcgen05 (A from SMEM or
-      TMEM only) run ``"smem"``.
+      TMEM only) run ``"smem"``. The fp8 indexer's e4m3 x e4m3 MMA converts nothing, so neither applies.
     """
 
     num_splits: int | None = None
@@ -244,7 +244,8 @@ def score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
 
 def page_transforms(k_parts, hx: int, transforms):
     """SMEM layout of the TMA-loaded key pages: the MMA operand's for 16-bit pages; fp8 pages (read
-    by :func:`convert_page` only) the widest swizzle their 1-byte rows allow."""
+    by :func:`convert_page`, :func:`page_registers` or, under the fp8 indexer, the MMA itself) the
+    widest swizzle their 1-byte rows allow."""
     return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
 
 
