@@ -302,7 +302,8 @@ def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, fp8_convert, m
         assert bool(_WGMMA_REGISTER_A.search(mods[0])) == (fp8_convert == "registers")
 
 
-_SMEM_VIEW = re.compile(r"memref\.view [^\n]*? to memref<((?:\d+x)+)(f32|i32|f8E4M3FN|bf16), #gpu\.address_space<workgroup>>")
+_SMEM_VIEW = re.compile(r"memref\.view [^\n]*? to memref<((?:\d+x)+)(f32|i32|f8E4M3FN|bf16), "
+                        r"#gpu\.address_space<workgroup>>")
 _BYTES = {"f32": 4, "i32": 4, "bf16": 2, "f8E4M3FN": 1}
 
 
