@@ -28,7 +28,7 @@ layers 1-2 MSA + MoE, no vision tower), random bf16 weights. One command:
 6. the extrapolation to 60 layers (3 full attention + 57 MSA/MoE) from the device times, one GPU and 8
    GPUs pipeline-parallel.
 
-It prints the tables and writes ``$OUT/generate_m3_width_<ctx>.md`` and ``.json`` (``$OUT`` default
+It prints the tables and writes ``$OUT/generate_m3_width_<ctx>[_<field>-<value>].md`` and ``.json`` (``$OUT`` default
 benchmarks/out). On one H200 each of these takes under 6 minutes (the 1M one without the CLI part,
 which alone takes a few minutes there):
 
@@ -37,6 +37,8 @@ which alone takes a few minutes there):
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 131072 --skip-generate
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 1000000 --skip-generate
     PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 1000000 --only-generate
+    PYTHONPATH=. python benchmarks/generate_m3_width.py --ctx 1000000 --only-layers --layers 1 \
+        [--config-override index_score_dtype=float8_e4m3fn]   # one MSA + MoE layer (the fp8 indexer)
     PYTHONPATH=. python benchmarks/generate_m3_width.py --dry      # CPU: tiny widths end to end (no CUPTI:
                                                                   # device times n/a) + CUDA lowering at M3 shapes
 
@@ -64,6 +66,7 @@ import jax
 import jax.numpy as jnp
 
 import m3jax
+from m3jax import cli
 from m3jax.cache import LayerCache, cache_bytes
 from m3jax.config import M3Config, preset
 from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams, key_window_pages
@@ -89,9 +92,12 @@ def tiny_config() -> M3Config:
     )
 
 
-def generate_argv(model_args: list[str], ctx: int, chunk: int, new_tokens: int, impl: str) -> list[str]:
+def generate_argv(model_args: list[str], ctx: int, chunk: int, new_tokens: int, impl: str,
+                  overrides: dict | None = None) -> list[str]:
+    override = ",".join(f"{k}={v}" for k, v in (overrides or {}).items())
     return [*model_args, "--ctx", str(ctx), "--fill", "--max-new-tokens", str(new_tokens), "--temperature", "0",
-            "--dtype", "bfloat16", "--attention-impl", impl, "--prefill-chunk", str(chunk)]
+            "--dtype", "bfloat16", "--attention-impl", impl, "--prefill-chunk", str(chunk),
+            *(["--config-override", override] if override else [])]
 
 
 def _random_layer_cache(cfg: M3Config, layer: int, ctx: int, dtype) -> tuple[LayerCache, jax.Array]:
@@ -428,6 +434,8 @@ def markdown(res: dict) -> str:
     ctx, gb = res["ctx"], 1e9
     lines = [f"## Generation at {res['widths']}, {ctx:,} context — {res['date']}, {res['device']}, jax {res['jax']}", "",
              f"Command: `{res['command']}`", ""]
+    if res.get("config_override"):
+        lines += [f"Text-config overrides: `{res['config_override']}`.", ""]
     if res["generate"]:
         lines += [f"`python -m m3jax.generate {' '.join(res['generate_argv'])}`:", "",
                   ("| run (new process) | to first token s | compile s (programs + first decode call) | cache hits "
@@ -456,6 +464,8 @@ def markdown(res: dict) -> str:
                      f"{r['prefill_s']:.1f} | {_ms(r['decode'])} | {r['decode_floor_ms']:.3f} "
                      f"({nb['weights'] / gb:.2f} + {nb['cache'] / gb:.2f}) | {ratio} |")
     lines += _kernel_lines(res["layers"])
+    if "attention" not in res:  # --only-layers
+        return "\n".join(lines + [""])
     a = res["attention"]
     lines += ["", (f"Full-attention chunk attention, queries {a['start']:,}..{a['start'] + res['prefill_chunk'] - 1:,} "
                    f"over {a['window']:,} keys: ours {_ms(a['ours'])} ms; cuDNN unmasked on the same q, k, v "
@@ -479,7 +489,7 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def check_cuda_lowering(ctx: int, chunk: int) -> dict[str, int]:
+def check_cuda_lowering(ctx: int, chunk: int, overrides: dict | None = None) -> dict[str, int]:
     """Lower every layer's prefill chunk (last chunk, full key window) and decode step at M3 widths for
     CUDA on this machine; returns the Mosaic GPU custom calls per function. Nothing is allocated.
     The kernels' launcher is told it is on a GPU (off-GPU it would lower GPU interpret mode instead).
@@ -492,7 +502,7 @@ def check_cuda_lowering(ctx: int, chunk: int) -> dict[str, int]:
     from m3jax.pallas import _backend
     from m3jax.params import param_specs
 
-    cfg = preset("m3_width").replace(attention_impl="pallas")
+    cfg = cli.apply_overrides(preset("m3_width"), overrides or {}).replace(attention_impl="pallas")
     t = cfg.text
     specs = param_specs(cfg)["text"]["layers"]
     bf16 = jnp.bfloat16
@@ -543,6 +553,10 @@ def main(argv=None):
     part.add_argument("--only-generate", action="store_true", help="the generate CLI run only")
     part.add_argument("--only-decode", action="store_true",
                       help="the engine decode-loop table only (wall / device per batch and steps per call)")
+    part.add_argument("--only-layers", action="store_true",
+                      help="the per-layer table only (prefill chunks and the decode step of --layers)")
+    ap.add_argument("--config-override", type=cli.parse_overrides, default={}, metavar="K=V,...",
+                    help=cli.CONFIG_OVERRIDE_HELP + "; applied to every part, and named in the output files")
     ap.add_argument("--repeat-generate", action="store_true",
                     help="run the CLI twice, each in a new process, on one compile cache (empty for the first)")
     args = ap.parse_args(argv)
@@ -551,22 +565,23 @@ def main(argv=None):
     impl = args.attention_impl or ("reference" if args.dry else "pallas")
     out = Path(os.environ.get("OUT", "benchmarks/out"))
     out.mkdir(parents=True, exist_ok=True)
-    res = {"ctx": ctx, "prefill_chunk": chunk, "attention_impl": impl,
+    res = {"ctx": ctx, "prefill_chunk": chunk, "attention_impl": impl, "config_override": args.config_override,
            "widths": "tiny widths (--dry)" if args.dry else "M3 widths, 3 layers", "date": str(datetime.date.today()),
            "jax": jax.__version__, "generate": [],
            "command": " ".join(["python benchmarks/generate_m3_width.py", *(sys.argv[1:] if argv is None else argv)])}
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.dry:
-            cfg = tiny_config()
+            cfg = cli.apply_overrides(tiny_config(), args.config_override)
             m3jax.save_pretrained(m3jax.init_random(cfg, seed=0, dtype="bfloat16"), Path(tmp) / "ckpt")
             model_args = ["--checkpoint", str(Path(tmp) / "ckpt")]
         else:
-            cfg = preset("m3_width")
+            cfg = cli.apply_overrides(preset("m3_width"), args.config_override)
             model_args = ["--config", "m3_width"]
-        res["generate_argv"] = generate_argv(model_args, ctx, chunk, args.max_new_tokens, impl)
+        res["generate_argv"] = generate_argv(model_args, ctx, chunk, args.max_new_tokens, impl, args.config_override)
         env = dict(os.environ, M3JAX_CACHE_DIR=str(Path(tmp) / "cache"))  # empty for the first run
-        for n in range(0 if args.skip_generate or args.only_decode else 2 if args.repeat_generate else 1):
+        skip = args.skip_generate or args.only_decode or args.only_layers
+        for n in range(0 if skip else 2 if args.repeat_generate else 1):
             res["generate"].append(generate_run(res["generate_argv"], env, Path(tmp) / f"run{n}.json"))
             print(f"generate run {n + 1}: " + json.dumps(res["generate"][-1]), flush=True)
     # Only now does this process take the GPU (JAX preallocates most of its memory): the CLI runs had it.
@@ -581,10 +596,11 @@ def main(argv=None):
             print(f"copy bandwidth {res['copy_bandwidth'] / 1e9:,.0f} GB/s", flush=True)
             layers = [int(x) for x in args.layers.split(",")]
             res["layers"] = layer_times(cfg, params, ctx, chunk, args.iters, layers, res["copy_bandwidth"])
+        if not (args.only_decode or args.only_layers):
             res["attention"] = full_attention_vs_cudnn(cfg, ctx, chunk, args.iters)
             res["dense_decode"] = dense_decode_vs_gather(cfg, ctx, args.iters)
         res["decode"] = []
-        for b in args.decode_batches.split(","):
+        for b in ([] if args.only_layers else args.decode_batches.split(",")):
             for n in (int(x) for x in args.decode_steps_per_call.split(",")):
                 try:
                     res["decode"].append(engine_decode(cfg, params, ctx, chunk, int(b), args.decode_tokens, n))
@@ -595,16 +611,17 @@ def main(argv=None):
                     print(f"decode B={b}: out of device memory", flush=True)
                 gc.collect()  # the engine's cache
         del params
-        if not args.only_decode:
+        if not (args.only_decode or args.only_layers):
             res["extrapolation"] = extrapolate(res["generate"], res["layers"], res["decode"], ctx, chunk)
     section = markdown(res)
     print(section)
-    stem = out / f"generate_m3_width_{ctx}{'_dry' if args.dry else ''}"
+    override = "".join(f"_{k}-{v}" for k, v in args.config_override.items())
+    stem = out / f"generate_m3_width_{ctx}{override}{'_dry' if args.dry else ''}"
     stem.with_suffix(".md").write_text(section)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
     print(f"wrote {stem}.md and .json")
     if args.dry:
-        counts = check_cuda_lowering(1_000_000, 4096)
+        counts = check_cuda_lowering(1_000_000, 4096, args.config_override)
         print("CUDA lowering at M3 widths, 1M context, chunk 4096 (Mosaic GPU custom calls):", counts)
         missing = [k for k, n in counts.items() if k != "layer 0 prefill" and n == 0]
         if missing:

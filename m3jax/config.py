@@ -117,7 +117,9 @@ class TextConfig:
     # forward pass and a cached decode select from the same rounded keys.
     index_cache_dtype: str = "bfloat16"
     # Research knob (not in any checkpoint): the index product, one of INDEX_SCORE_DTYPES. The jnp
-    # reference computes it on every backend; the MSA kernels take "bfloat16" only.
+    # reference computes it on every backend; the prefill index-score kernel takes both (fp8: an e4m3
+    # MMA), the paged decode scoring kernel fp8 over an fp8 index cache on Hopper (m3jax.msa.kernels
+    # says where not, per config).
     index_score_dtype: str = "bfloat16"
     # Kernel switch (not in any checkpoint; the selections are the same either way): how the paged MSA
     # decode kernels select blocks, one of DECODE_SELECTS. "separate": the scoring kernel writes every
@@ -298,11 +300,6 @@ class M3Config:
             raise UnsupportedConfigError(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
         if self.moe_impl not in MOE_IMPLS:
             raise UnsupportedConfigError(f"moe_impl={self.moe_impl!r}; choose one of {MOE_IMPLS}")
-        if self.attention_impl == "pallas" and self.text.index_score_dtype != "bfloat16":
-            # the MSA kernels multiply bf16 index operands: never a bf16 product under an fp8 setting
-            raise UnsupportedConfigError(
-                f"attention_impl='pallas' with index_score_dtype={self.text.index_score_dtype!r}: the fp8 indexer "
-                "has no kernel; use attention_impl='reference' or 'auto' (which runs the jnp reference)")
 
     def replace(self, **changes) -> "M3Config":
         return dataclasses.replace(self, **changes)

@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json there")
 
     t0 = time.time()
-    # the attention path is resolved once, for the overridden config (the fp8 indexer has no kernel)
+    # the attention path is resolved once, for the overridden config (the kernels may refuse it)
     cfg = cli.apply_overrides(load_config(args.checkpoint), args.config_override)
     cfg = cfg.replace(attention_impl=m3jax.api.resolve_attention_impl(args.attention_impl, cfg, args.dtype))
     if args.dense:

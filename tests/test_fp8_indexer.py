@@ -41,6 +41,11 @@ def _numpy_fp8_block_scores(iq, ik, q_pos, block_size, keys_fp8=False):
     return s.reshape(*s.shape[:3], nb, block_size).max(-1)
 
 
+# shapes the MSA kernels take (G = 8, head dims 64, block 64), small enough for interpret mode
+KERNEL_CFG = tiny_config(hidden_size=64, num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_n_heads=2,
+                         index_head_dim=64, index_block_size=64, index_topk_blocks=2)
+
+
 def _inputs(rng, b=2, t=200, hi=4, hx=128):
     iq = rng.normal(0, 1, (b, t, hi, hx)).astype(np.float32)
     ik = rng.normal(0, 1.5, (b, t, hx)).astype(np.float32)
@@ -122,15 +127,22 @@ def test_config_validation_and_kernel_refusal():
     cfg = tiny_config()
     with pytest.raises(UnsupportedConfigError, match=r"index_score_dtype='float16'.*choose one of"):
         cfg.replace_text(index_score_dtype="float16")
-    fp8 = cfg.replace_text(index_score_dtype=FP8_NAME)
-    with pytest.raises(UnsupportedConfigError, match="attention_impl='pallas' with index_score_dtype"):
-        fp8.replace(attention_impl="pallas")
     from m3jax.msa import kernels
 
-    assert "index_score_dtype" in kernels.unsupported_reason(fp8.text)  # "auto" runs the reference
-    assert "index_score_dtype" in kernels.decode_unsupported_reason(fp8.text)
+    # the prefill kernels take the fp8 indexer (an e4m3 MMA); the paged decode scoring kernels do not,
+    # so a decode step runs the prefill kernels over the gathered cache
+    fp8 = KERNEL_CFG.replace_text(index_score_dtype=FP8_NAME)
+    assert kernels.unsupported_reason(fp8.text) is None
+    assert "reads fp8 index pages" in kernels.decode_unsupported_reason(fp8.text)  # a bf16 index cache
+    with pytest.raises(UnsupportedConfigError, match="MSA decode kernels: index_score_dtype"):
+        kernels.decode(None, None, None, None, None, fp8.text)
+    # an fp8 index cache: read in place by the decode scoring kernel (Hopper; the CPU's target)
+    assert kernels.decode_unsupported_reason(fp8.replace_text(index_cache_dtype=FP8_NAME).text) is None
+    # an index head dim the fp8 MMA cannot take: "auto" runs the reference, "pallas" is refused
+    small = cfg.replace_text(index_score_dtype=FP8_NAME, index_head_dim=16)
+    assert "index_score_dtype='float8_e4m3fn': index_head_dim 16" in kernels.unsupported_reason(small.text)
     with pytest.raises(UnsupportedConfigError, match="index_score_dtype"):
-        m3jax.api.resolve_attention_impl("pallas", fp8)
+        m3jax.api.resolve_attention_impl("pallas", small)
     with pytest.raises(ValueError, match="score_dtype"):
         reference.block_scores(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 4)), jnp.arange(2)[None], 2, score_dtype="fp8")
 
@@ -148,3 +160,81 @@ def test_override_parses():
         cli.apply_overrides(tiny_config(), {"index_score_dtyp": FP8_NAME})
     with pytest.raises(cli.UsageError, match="index_score_dtype='int8'; choose one of"):
         cli.apply_overrides(tiny_config(), {"index_score_dtype": "int8"})
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", FP8_NAME])
+def test_kernels_path_runs_the_fp8_indexer(cache):
+    # attention_impl="pallas" under the fp8 indexer: the prefill index-score kernel's e4m3 MMA, whose
+    # selections are the reference path's except counted near-ties (the kernel's fp8 accumulation
+    # bound, m3jax.pallas.tolerances), and the same attention where they agree.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    from m3jax.msa import kernels
+    from m3jax.pallas import _backend
+    from m3jax.pallas.tolerances import TOL
+
+    cfg = KERNEL_CFG.replace_text(index_score_dtype=FP8_NAME, index_cache_dtype=cache)
+    t = cfg.text
+    b, s, hx, kh = 1, 256, t.index_head_dim, t.num_key_value_heads
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.normal(0, 1, (b, s, n, t.head_dim)), jnp.bfloat16)
+               for n in (t.num_attention_heads, kh, kh))
+    iq = jnp.asarray(rng.normal(0, 1, (b, s, kh, hx)), jnp.bfloat16)
+    ik = jnp.asarray(rng.normal(0, 1.5, (b, s, hx)), jnp.bfloat16)
+    pos = jnp.arange(s, dtype=jnp.int32)[None]
+    calls = []
+    real = kernels.index_select_blocks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "index_select_blocks", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        o, sel = msa_layer.attention(q, k, v, iq, ik, pos, cfg.replace(attention_impl="pallas"), 1)
+    assert not _backend.interpret_races_found()
+    assert calls and calls[0]["score_dtype"] == FP8_NAME and calls[0]["keys_fp8"] == (cache == FP8_NAME)
+    o_ref, sel_ref = msa_layer.attention(q, k, v, iq, ik, pos, cfg.replace(attention_impl="reference"), 1)
+    scores = msa_layer.scores(iq, ik, pos, t)
+    scale = reference.block_scores(jnp.abs(iq), jnp.abs(ik), pos, t.index_block_size)
+    scale = jnp.max(jnp.where(jnp.isfinite(scale), scale, 0.0), -1)
+    bound = 2 * hx * TOL[("index_scores", FP8_NAME)]
+    diff = compare.compare_selections(sel, sel_ref, scores, pos, t.index_block_size, scale, bound)
+    assert diff.unexplained == 0, diff
+    as_sets = lambda x: np.sort(np.where(np.asarray(x) >= 0, np.asarray(x), s), -1)  # noqa: E731
+    same = (as_sets(sel) == as_sets(sel_ref)).all(-1).all(1)  # [B, T]: every group selects alike
+    assert same.mean() >= 0.9, (same.mean(), diff)  # most rows: near-ties are rare at random inputs
+    np.testing.assert_allclose(np.asarray(o, np.float32)[same], np.asarray(o_ref, np.float32)[same],
+                               **TOL[("attention", "bfloat16")])
+
+
+def test_decode_kernels_run_the_fp8_indexer_in_place():
+    # A decode step under the fp8 indexer over an fp8 index cache: the paged scoring kernel's e4m3 x
+    # e4m3 path (msa_decode_select="fused" has none: the scoring and top-k kernels run), selections the
+    # reference's except counted near-ties.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    from m3jax.cache import LayerCache
+    from m3jax.msa import kernels
+    from m3jax.pallas import _backend
+    from m3jax.pallas import decode as D
+    from m3jax.pallas.tolerances import TOL
+
+    t = KERNEL_CFG.replace_text(index_score_dtype=FP8_NAME, index_cache_dtype=FP8_NAME,
+                                msa_decode_select="fused").text
+    bs, hx, kh, b, pages = t.index_block_size, t.index_head_dim, t.num_key_value_heads, 2, 8
+    rng = np.random.default_rng(6)
+    k, v = (jnp.asarray(rng.normal(0, 1, (pages, bs, kh, t.head_dim)), jnp.bfloat16) for _ in range(2))
+    ik = jnp.asarray(rng.normal(0, 1.5, (pages, bs, hx))).astype(jnp.float8_e4m3fn)
+    table = jnp.asarray(rng.permutation(pages).reshape(b, pages // b), jnp.int32)
+    q_pos = jnp.asarray([[150], [255]], jnp.int32)
+    q = jnp.asarray(rng.normal(0, 1, (b, 1, t.num_attention_heads, t.head_dim)), jnp.bfloat16)
+    iq = jnp.asarray(rng.normal(0, 1, (b, 1, kh, hx)), jnp.bfloat16)
+    calls = []
+    real = kernels.decode_index_scores
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "decode_index_scores", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        _, sel = kernels.decode(q, iq, LayerCache(k, v, ik), table, q_pos, t)
+    assert not _backend.interpret_races_found()
+    assert calls and calls[0]["score_dtype"] == FP8_NAME
+    scores = D.decode_index_scores(iq, ik, table, q_pos[:, 0] + 1, block_size=bs, score_dtype=FP8_NAME,
+                                   implementation="reference")
+    ref = reference.select_blocks(scores, q_pos, block_size=bs, topk=t.index_topk_blocks)
+    gathered = D.reference.gather_pages(ik, table).astype(jnp.float32)
+    scale = reference.block_scores(jnp.abs(iq), jnp.abs(gathered), q_pos, bs)
+    scale = jnp.max(jnp.where(jnp.isfinite(scale), scale, 0.0), -1)
+    diff = compare.compare_selections(sel, ref, scores, q_pos, bs, scale, 2 * hx * TOL[("index_scores", FP8_NAME)])
+    assert diff.unexplained == 0, diff

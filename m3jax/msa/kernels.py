@@ -12,14 +12,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from m3jax.cache import LayerCache
+from m3jax.cache import FP8_NAME, LayerCache
 from m3jax.config import TextConfig, UnsupportedConfigError
 from m3jax.msa.parallel import Local, local_window
 from m3jax.pallas import canaries, verdicts
 from m3jax.pallas.block_mass import block_mass
 from m3jax.pallas.block_mass import unsupported_reason as mass_reason
-from m3jax.pallas.decode import decode_index_scores, decode_select_blocks, query_positions, sparse_decode_attention
-from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
+from m3jax.pallas.decode import (
+    decode_index_scores,
+    decode_select_blocks,
+    fp8_scores_unsupported_reason,
+    query_positions,
+    sparse_decode_attention,
+)
+from m3jax.pallas.index_scores import IndexScoreConfig, fp8_unsupported_reason, index_block_scores, index_select_blocks
 from m3jax.pallas.sparse_attention import sparse_attention
 from m3jax.pallas.sparse_attention.kernel import unsupported_reason as attention_reason
 from m3jax.pallas.topk import select_blocks
@@ -30,17 +36,32 @@ MAX_TOPK = 64
 
 
 def _score_dtype_reason(cfg: TextConfig) -> str | None:
-    """The index-score kernels multiply bf16 (or fp32 split into bf16) operands: the fp8 indexer is the
-    jnp reference's only, so a kernel never computes it in bf16 instead."""
-    if cfg.index_score_dtype != "bfloat16":
-        return (f"index_score_dtype={cfg.index_score_dtype!r} has no index-score kernel; the fp8 indexer "
-                "runs on the jnp reference path")
+    """The prefill index-score kernel multiplies bf16 operands (fp32 as bf16 pieces) or, for the fp8
+    indexer, the reference's e4m3 operands (:func:`m3jax.pallas.index_scores.fp8_unsupported_reason`
+    says where it cannot): never the fp8 indexer's scores as a bf16 product."""
+    if cfg.index_score_dtype == "bfloat16":
+        return None
+    if reason := fp8_unsupported_reason(cfg.index_head_dim):
+        return f"index_score_dtype={cfg.index_score_dtype!r}: {reason}"
     return None
 
 
-def _refuse_score_dtype(cfg: TextConfig) -> None:
-    if reason := _score_dtype_reason(cfg):
-        raise UnsupportedConfigError(f"MSA kernels: {reason}")
+def _decode_score_dtype_reason(cfg: TextConfig) -> str | None:
+    """The fp8 indexer's paged decode scoring reads an fp8 index cache in place (e4m3 x e4m3, Hopper);
+    where it cannot (:func:`m3jax.pallas.decode.fp8_scores_unsupported_reason`) a decode step gathers
+    the cache and runs the prefill kernels."""
+    if cfg.index_score_dtype == "bfloat16":
+        return None
+    pages = jnp.float8_e4m3fn if cfg.index_cache_dtype == FP8_NAME else jnp.bfloat16
+    if reason := fp8_scores_unsupported_reason(pages):
+        return f"index_score_dtype={cfg.index_score_dtype!r}: {reason}"
+    return None
+
+
+def _score_args(cfg: TextConfig) -> dict:
+    """The index-score kernels' score arguments: the product (``index_score_dtype``) and whether the
+    keys are an fp8 index cache's, taken as stored (as :func:`m3jax.cache.cached_block_scores` does)."""
+    return dict(score_dtype=cfg.index_score_dtype, keys_fp8=cfg.index_cache_dtype == FP8_NAME)
 
 
 def _selection_reason(cfg: TextConfig) -> str | None:
@@ -72,14 +93,15 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
     if reason:
         return reason
     # a kernel whose canary fails here at the path this block takes is not used
-    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS, block_size=cfg.index_block_size)
+    fp8 = canaries.FP8_INDEXER_PREFILL_KERNELS if cfg.index_score_dtype != "bfloat16" else ()
+    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS, *fp8, block_size=cfg.index_block_size)
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:
     """Why the paged decode kernels cannot read this config's cache in place, or one failed its
     self-check on this GPU (None when they can): the index-score kernel puts a page's keys on the wgmma
     M side (64 rows), and the attention kernel's key tiles are multiples of 64."""
-    if reason := _score_dtype_reason(cfg):
+    if reason := _decode_score_dtype_reason(cfg):
         return reason
     if cfg.index_block_size % 64:
         return f"index_block_size {cfg.index_block_size} is not a multiple of 64 (a page is the decode kernels' wgmma M tile)"
@@ -98,13 +120,14 @@ def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] =
     ``force_out``: the layer's intervention block ids (:func:`m3jax.msa.layer.forced_blocks`). The
     kernels tile the query range themselves. Returns (o [B, T, N, H], block ids int32 [B, K, T, topk]).
     """
-    _refuse_score_dtype(cfg)
+    if reason := _score_dtype_reason(cfg):
+        raise UnsupportedConfigError(f"MSA kernels: {reason}")
     bs = cfg.index_block_size
     # Fused scores + top-k: the kernel's block-major scores go straight into the top-k kernel, never
     # transposed to [B, Hi, T, nb] (1 GiB per 8K-token chunk at 1M context).
     sel = index_select_blocks(iq, ik, q_pos, block_size=bs, topk=cfg.index_topk_blocks,
                               local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
-                              force_in=force_in, force_out=force_out)
+                              force_in=force_in, force_out=force_out, **_score_args(cfg))
     return sparse_attention(q, k, v, sel, q_pos, block_size=bs, implementation="kv_major"), sel
 
 
@@ -142,21 +165,25 @@ def indexer_target_mass(q, k, q_pos, *, block_size: int, num_blocks: int):
 
 def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,
                  local_blocks: int = 1, init_blocks: int = 0, force_in: tuple[int, ...] = (),
-                 force_out: tuple[int, ...] = (), fused_select: bool = False):
+                 force_out: tuple[int, ...] = (), fused_select: bool = False, score_dtype: str = "bfloat16"):
     """One MSA decode step over paged caches, read in place: paged index scores -> top-k -> sparse
     paged attention. q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), pages as the decode kernels take them
     (:mod:`m3jax.pallas.decode`), seq_lens [B]. ``fused_select``: the selection from one scan of the
     pages (:func:`m3jax.pallas.decode.decode_select_blocks`; ``TextConfig.msa_decode_select="fused"``)
     instead of the scoring kernel then the top-k kernel; the same block ids either way.
-    Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
+    ``score_dtype="float8_e4m3fn"``: the fp8 indexer over fp8 index pages (the scoring kernel's e4m3 x
+    e4m3 path; the fused selection has none). Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
     # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts each page in SMEM
-    # (exact), so the scan reads one byte per key element.
+    # (exact), or multiplies it as it is under the fp8 indexer, so the scan reads one byte per key element.
     kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
               force_in=force_in, force_out=force_out)
+    if fused_select and score_dtype != "bfloat16":
+        raise ValueError(f"decode_pages: the fused selection has no score_dtype={score_dtype!r} path")
     if fused_select:
         sel = decode_select_blocks(iq, ik_pages, page_table, seq_lens, **kw)
     else:
-        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
+        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
+                                     score_dtype=score_dtype)
         sel = select_blocks(scores, query_positions(seq_lens, q.shape[1]), implementation="pallas", **kw)
     return sparse_decode_attention(q, k_pages, v_pages, page_table, sel, seq_lens, block_size=block_size), sel
 
@@ -167,14 +194,16 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
     keys and the selected K/V pages are read in place, the cache is never gathered. ``force_in`` /
     ``force_out`` as in :func:`prefill`. ``msa_decode_select="fused"`` takes the fused selection unless
     its canary failed on this GPU at this block size (then the scoring and top-k kernels, with a
-    warning). Returns (o, block ids)."""
-    _refuse_score_dtype(cfg)
-    fused = cfg.msa_decode_select == "fused" and not verdicts.kernel_failure(
+    warning) or under the fp8 indexer (no e4m3 product there; the scoring and top-k kernels select the
+    same ids). Returns (o, block ids)."""
+    if reason := _decode_score_dtype_reason(cfg):
+        raise UnsupportedConfigError(f"MSA decode kernels: {reason}")
+    fused = cfg.msa_decode_select == "fused" and cfg.index_score_dtype == "bfloat16" and not verdicts.kernel_failure(
         "decode_select_fused", block_size=cfg.index_block_size)
     return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
                         topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                         init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,
-                        fused_select=fused)
+                        fused_select=fused, score_dtype=cfg.index_score_dtype)
 
 
 def dense_decode(q, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
@@ -196,7 +225,7 @@ def local_prefill(cfg: TextConfig) -> Local:
 
     def scores(iq, keys, local_len):
         # fp8 index pages (index_cache_dtype) are upcast (exact), as the single-device path does
-        return index_block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, block_size=bs)
+        return index_block_scores(iq, keys[2].astype(iq.dtype), local_len - 1, block_size=bs, **_score_args(cfg))
 
     def attend(q, keys, local_sel, local_len):
         return sparse_attention(q, keys[0], keys[1], local_sel, jnp.maximum(local_len - 1, 0), block_size=bs,
@@ -225,7 +254,8 @@ def local_decode(cfg: TextConfig) -> Local:
     bs = cfg.index_block_size
 
     def scores(iq, keys, local_len):
-        return decode_index_scores(iq, keys[2], keys[3], local_len[:, -1], block_size=bs)
+        return decode_index_scores(iq, keys[2], keys[3], local_len[:, -1], block_size=bs,
+                                   score_dtype=cfg.index_score_dtype)
 
     return Local(keys=_paged_keys, scores=scores, attend=_paged_attend(bs))
 

@@ -86,19 +86,31 @@ def quantize_e4m3(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
     return to_e4m3(x / scale), scale
 
 
-def fp8_dot_scores(iq: jax.Array, ik: jax.Array, keys_fp8: bool = False) -> jax.Array:
-    """Index dot products as an fp8 x fp8 product (the fp8 indexer): fp32 [B, Hi, C, S].
+def fp8_index_operands(iq: jax.Array, ik: jax.Array, keys_fp8: bool = False):
+    """The fp8 indexer's operands: ``(qv, qs, kv, ks)``, what :func:`fp8_dot_scores` multiplies and
+    what the index-score kernels load (the one place the quantisation is written).
 
     Each index query row (token, index head) is quantised to e4m3 with its own fp32 scale
     (:func:`quantize_e4m3`), each index key per token likewise, or with ``keys_fp8`` (an fp8 index
-    cache, whose keys are e4m3 as stored) taken as stored with scale 1. The e4m3 products are exact in
-    fp32, summed in fp32 and rescaled by the two scales. iq [B, C, Hi, Hx], ik [B, S, Hx].
+    cache, whose keys are e4m3 as stored) taken as stored with scale 1. iq [B, C, Hi, Hx], ik [B, S, Hx]
+    -> qv float8_e4m3fn [B, C, Hi, Hx], qs fp32 [B, C, Hi, 1], kv float8_e4m3fn [B, S, Hx], ks fp32 [B, S, 1].
     """
-    qv, qs = quantize_e4m3(iq)  # [B, C, Hi, Hx], [B, C, Hi, 1]
+    qv, qs = quantize_e4m3(iq)
     if keys_fp8:
         kv, ks = to_e4m3(ik), jnp.ones((*ik.shape[:2], 1), jnp.float32)
     else:
-        kv, ks = quantize_e4m3(ik)  # [B, S, Hx], [B, S, 1]
+        kv, ks = quantize_e4m3(ik)
+    return qv, qs, kv, ks
+
+
+def fp8_dot_scores(iq: jax.Array, ik: jax.Array, keys_fp8: bool = False) -> jax.Array:
+    """Index dot products as an fp8 x fp8 product (the fp8 indexer): fp32 [B, Hi, C, S].
+
+    The operands of :func:`fp8_index_operands`: the e4m3 products are exact in fp32, summed in fp32,
+    then scaled by the query row's scale and then by the key's (the kernels apply them in this order).
+    iq [B, C, Hi, Hx], ik [B, S, Hx].
+    """
+    qv, qs, kv, ks = fp8_index_operands(iq, ik, keys_fp8)
     s = jnp.einsum("bchx,bsx->bhcs", qv.astype(jnp.float32), kv.astype(jnp.float32), precision=HIGHEST)
     return s * jnp.moveaxis(qs, 2, 1) * ks[:, None, None, :, 0]
 

@@ -39,6 +39,7 @@ SHARED_SOURCES = (_PALLAS / "_backend.py", _PALLAS / "_common.py", _PALLAS / "to
 # different (valid) rounding of the output.
 TOLERANCES: dict[str, float | None] = {
     "index_scores": TOL[("index_scores", "bfloat16")]["atol"],
+    "index_scores_fp8": TOL[("index_scores", "bfloat16")]["atol"],  # exact sums (see _index_scores_fp8)
     "index_topk_fused": None,
     "topk_blockmajor": None,
     "topk_rowsplit": None,
@@ -97,6 +98,23 @@ def _index_scores(**tile):
     iq, ik, q_pos, bs = _index_inputs(np.random.default_rng(0), **tile)
     return (I.index_block_scores(iq, ik, q_pos, block_size=bs),
             I.index_block_scores(iq, ik, q_pos, block_size=bs, implementation="reference"))
+
+
+def _index_scores_fp8(hi=2, hx=64, bs=16, t=24, prefix=64, tail=0):
+    """The fp8 indexer (``score_dtype="float8_e4m3fn"``): entries in {-1, 0, 1} with a 1 in every row, so
+    every row's scale is 1/448 and its e4m3 values 0 or +-448. A score's sum is then k 448^2 with |k| <= Hx,
+    exact in fp32 and in an MMA that sums with fewer bits (k 49 < 2^13), and both sides apply the scales by
+    the same fp32 multiplies: the kernel must match the reference to rounding."""
+    from m3jax.pallas import index_scores as I
+
+    rng = np.random.default_rng(7)
+    s = prefix + t + tail
+    iq = _ints(rng, (1, t, hi, hx), -1, 1).at[..., 0].set(1)
+    ik = _ints(rng, (1, s, hx), -1, 1).at[..., 0].set(1)
+    q_pos = (prefix + jnp.arange(t, dtype=jnp.int32))[None]
+    kw = dict(block_size=bs, score_dtype="float8_e4m3fn")
+    return (I.index_block_scores(iq, ik, q_pos, **kw),
+            I.index_block_scores(iq, ik, q_pos, implementation="reference", **kw))
 
 
 def _index_topk_fused():
@@ -258,6 +276,11 @@ CANARIES: dict[str, Canary] = {
         Canary("index_scores", "b128-hx128", lambda: _index_scores(hi=4, hx=128, bs=128, t=8, prefix=256, tail=9),
                _IDX, m3=True, at_block=_LARGE),
         Canary("index_topk_fused", "b16-hx64", _index_topk_fused, _IDX),
+        # the fp8 indexer's e4m3 x e4m3 path (TextConfig.index_score_dtype="float8_e4m3fn"), the same two tiles
+        Canary("index_scores_fp8", "b16-hx64", _index_scores_fp8, _IDX, at_block=_SMALL),
+        Canary("index_scores_fp8", "b128-hx128",
+               lambda: _index_scores_fp8(hi=4, hx=128, bs=128, t=8, prefix=256, tail=9), _IDX, m3=True,
+               at_block=_LARGE),
         Canary("topk_blockmajor", "rows40", _topk_blockmajor, _TOPK),
         Canary("topk_rowsplit", "rows1", _topk_rowsplit, _TOPK, m3=True),
         Canary("sparse_attention_kv_major", "b64-h64-g8", lambda: _sparse_attention("kv_major"), _ATT, at_block=_SMALL),
@@ -285,6 +308,7 @@ KERNELS = tuple(dict.fromkeys(c.kernel for c in CANARIES.values()))
 # What the model runs (m3jax.msa.kernels): prefill = index scores + block-major top-k + KV-major
 # attention; in-place decode = decode index scores + either top-k kernel + sparse decode attention.
 MSA_PREFILL_KERNELS = ("index_scores", "topk_blockmajor", "sparse_attention_kv_major")
+FP8_INDEXER_PREFILL_KERNELS = ("index_scores_fp8",)  # and, under the fp8 indexer, its score kernel
 MSA_DECODE_KERNELS = ("decode_index_scores", "topk_rowsplit", "topk_blockmajor", "sparse_decode_attention")
 
 

@@ -14,6 +14,13 @@ precision on the same (possibly bf16) inputs. Why these values:
   ~24 mantissa bits, pallas/_common.bf16_split) because the scores decide selections: 2e-5, the
   fp32 accumulation-order noise of two summations (unit normals at Hx = 128, against float64: fp32
   max |err| 1.0e-5, three pieces 5e-7, two pieces "bf16x3" 3.0e-4).
+- index block scores of the fp8 indexer (``score_dtype="float8_e4m3fn"``; kernel and reference on the
+  same e4m3 operands and scales, :func:`m3jax.msa.reference.fp8_index_operands`): a bound relative
+  to the block's score scale S (the largest sum_i |qv_i kv_i| qs ks over its keys), not to |ref|:
+  ``|got - ref| <= Hx * TOL * S``. The e4m3 products are exact, but Hopper's fp8 MMA sums them with
+  fewer bits than fp32 (the DeepSeek-V3 technical report, §3.3.2: "around 14 bits"), so each of the
+  Hx additions may lose up to 2^-13 of a partial sum bounded by S. Interpret mode sums in fp32
+  (~Hx 2^-24 S); the GPU's error under this bound is unmeasured.
 - decode attention: as attention (fp32 bf16x3, 2e-5: the decode kernel's split-K LSE merge adds a
   rounding; bf16 3e-2: P and the output in bf16, partial outputs merged in fp32).
 - attention gradients (dQ, dK, dV of the sparse-attention backward; relative L2 error per gradient):
@@ -42,6 +49,7 @@ TOL = {
     ("lse", "bfloat16"): dict(atol=1e-3, rtol=1e-3),
     ("index_scores", "float32"): dict(atol=2e-5, rtol=2e-5),
     ("index_scores", "bfloat16"): dict(atol=2e-4, rtol=2e-4),
+    ("index_scores", "float8_e4m3fn"): 2.0**-13,  # per product of Hx, times the score scale S (above)
     ("decode_attention", "float32"): dict(atol=2e-5, rtol=2e-5),
     ("decode_attention", "bfloat16"): dict(atol=3e-2, rtol=3e-2),
     ("block_mass", "float32"): dict(atol=1e-5, rtol=1e-5),

@@ -407,12 +407,14 @@ def check_prefill_kernels():
     """Context-parallel MSA prefill (parallel.context_parallel) over a page-striped, page-split cache,
     the kernels (interpret mode) and the jnp maths, equals the single-device path on the gathered window:
     identical selections, fp32 outputs within 1e-5. Two sequences whose chunks end in blocks held by
-    different devices; the first queries of one see no key on most devices."""
+    different devices; the first queries of one see no key on most devices. The fp8 indexer too: each
+    device's kernel quantises its own keys per key, so the selections are the single device's."""
     import jax.numpy as jnp
 
     from m3jax.cache import LayerCache
 
-    t = _pallas_config(num_attention_heads=8, num_key_value_heads=2, index_n_heads=2, index_topk_blocks=3).text
+    cfg = _pallas_config(num_attention_heads=8, num_key_value_heads=2, index_n_heads=2, index_topk_blocks=3)
+    t, t8 = cfg.text, cfg.replace_text(index_score_dtype="float8_e4m3fn").text
     bs, b, max_pages, c = t.index_block_size, 2, 8, 16
     rng = np.random.default_rng(11)
     f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
@@ -446,6 +448,13 @@ def check_prefill_kernels():
                      "seconds": round(time.perf_counter() - t0, 1)}
                 out[f"{impl}_n{n}"] = r
                 ok &= r["rel_l2"] <= TOL and r["selection_equal"]
+            if n == 8:
+                o8, s8 = kernels.prefill(q, kg, vg, iq, ikg, q_pos, t8)
+                with jax.set_mesh(mesh):
+                    o, s = jax.jit(lambda *a: parallel.context_parallel(kernels.local_prefill(t8), *a, t8))(
+                        q, iq, kv, table, q_pos)
+                out["fp8_indexer_pallas_n8"] = {"rel_l2": rel_l2(o, o8), "selection_equal": bool(np.array_equal(s, s8))}
+                ok &= out["fp8_indexer_pallas_n8"]["rel_l2"] <= TOL and out["fp8_indexer_pallas_n8"]["selection_equal"]
         # interventions: block 1 forced in, block 4 forced out, ranked by global id on every device
         forced = dict(force_in=(1,), force_out=(4,))
         s_f = msa.select_blocks(msa.block_scores(iq, ikg, q_pos, bs), q_pos, block_size=bs, topk=t.index_topk_blocks,

@@ -145,6 +145,8 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
 # the GPU and this compile check run (interpret mode converts in SMEM)
 CASES.update({f"m3 {kernel} fp8 {convert}": (kernel, lambda k=kernel, c=convert: _m3_decode_fp8(k, c))
               for kernel in ("decode_index_scores", "decode_select_fused") for convert in ("smem", "registers")})
+# the fp8 indexer's decode scoring over those pages (e4m3 x e4m3, the page as loaded the wgmma's A; Hopper only)
+CASES["m3 decode_index_scores fp8 indexer"] = ("decode_index_scores", lambda: _m3_decode_fp8_indexer())
 # the 256-row tiles (bf16's prefill tile, MXFP8's opt-in), alone and on two-CTA clusters (GroupedMatmulConfig.cluster;
 # opt-in; Hopper only), 8192 tokens
 _ROWS256 = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
@@ -154,6 +156,21 @@ CASES.update({f"m3 grouped_matmul prefill 256-row tiles{' mxfp8' * mx}": (
 CASES.update({f"m3 grouped_matmul prefill cluster{' mxfp8' * mx}": (
     "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_CLUSTER))) for mx in (False, True)})
 CASES.update({f"canary {c.name}": (c.kernel, lambda c=c: (c.run, ())) for c in canaries.CANARIES.values()})
+# tests/pallas/test_index_scores_fp8.py's kernel calls at its shapes and tiles (block 16, Hx 64, 64 rows)
+CASES.update({f"test index_scores_fp8{' fused' * fused}": ("index_scores_fp8", lambda fused=fused: _fp8_test(fused))
+              for fused in (False, True)})
+
+
+def _fp8_test(fused: bool):
+    from m3jax.pallas.index_scores import index_block_scores, index_select_blocks
+    from tests.pallas import test_index_scores_fp8 as t
+
+    kw = dict(block_size=t.BS, score_dtype=t.FP8)
+    args = jax.eval_shape(lambda: t._case(False, 0))  # (iq, ik, q_pos) of the test's shapes
+    if fused:  # the fused top-k kernel (its test's selection arguments)
+        return (lambda iq, ik, p: index_select_blocks(iq, ik, p, config=t.CFG_FUSED, topk=4, local_blocks=2,
+                                                      init_blocks=1, force_in=(1,), force_out=(2,), **kw), args)
+    return (lambda iq, ik, p: index_block_scores(iq, ik, p, config=t.CFG, **kw), args)
 
 
 def _m3_decode_fp8(kernel: str, convert: str):
@@ -167,6 +184,18 @@ def _m3_decode_fp8(kernel: str, convert: str):
     if kernel == "decode_index_scores":
         return lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, config=config), args
     return (lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK, config=config),
+            args)
+
+
+def _m3_decode_fp8_indexer():
+    """The decode index scoring under the fp8 indexer (``score_dtype="float8_e4m3fn"``) at
+    :func:`_m3_decode_fp8`'s shapes; None where the target has no e4m3 x e4m3 decode scoring (tcgen05)."""
+    from m3jax.pallas.decode import decode_index_scores, fp8_scores_unsupported_reason
+
+    if fp8_scores_unsupported_reason(jnp.float8_e4m3fn):
+        return None
+    args = (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), jnp.float8_e4m3fn), S((2, NB), I32), S((2,), I32))
+    return (lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, score_dtype="float8_e4m3fn"),
             args)
 
 

@@ -18,6 +18,7 @@ interpret mode does not).
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -36,6 +37,13 @@ def _index_scores():
     from m3jax.pallas.index_scores import index_block_scores
 
     return (lambda iq, ik, p: index_block_scores(iq, ik, p, block_size=BS),
+            (S((1, T, HI, H), BF16), S((1, CTX, H), BF16), S((1, T), I32)))
+
+
+def _index_scores_fp8():
+    from m3jax.pallas.index_scores import index_block_scores
+
+    return (lambda iq, ik, p: index_block_scores(iq, ik, p, block_size=BS, score_dtype="float8_e4m3fn"),
             (S((1, T, HI, H), BF16), S((1, CTX, H), BF16), S((1, T), I32)))
 
 
@@ -93,6 +101,7 @@ def _grouped_matmul():
 # kernel -> (function and abstract arguments, whether it multiplies on the tensor cores)
 KERNELS = {
     "index_scores": (_index_scores, True),
+    "index_scores_fp8": (_index_scores_fp8, True),
     "index_topk_fused": (_index_topk_fused, True),
     "topk_blockmajor": (lambda: _topk("pallas_blockmajor", T), False),
     "topk_rowsplit": (lambda: _topk("pallas_rowsplit", 1), False),
@@ -107,8 +116,8 @@ KERNELS = {
 
 # kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma (the fused
 # decode selection's is the fallback: the Blackwell decode scoring kernel, then the top-k kernel)
-BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_major", "decode_index_scores",
-                      "decode_select_fused", "sparse_decode_attention", "grouped_matmul"}
+BLACKWELL_VARIANTS = {"index_scores", "index_scores_fp8", "index_topk_fused", "sparse_attention_kv_major",
+                      "decode_index_scores", "decode_select_fused", "sparse_decode_attention", "grouped_matmul"}
 
 
 # tcgen05.fence::before_thread_sync per kernel at M3's shapes: one per hand-off of TMEM from the
@@ -117,8 +126,8 @@ BLACKWELL_VARIANTS = {"index_scores", "index_topk_fused", "sparse_attention_kv_m
 # fully visible blocks and the causally masked one), the KV-major attention S and O once per tile (also
 # emitted twice: tiles with and without a query's own block), the decode attention O's zeros, S and O's rescale once per page; the grouped GEMM reads its accumulator
 # once, after the last MMA, and frees it.
-FENCES = {"index_scores": 2, "index_topk_fused": 2, "sparse_attention_kv_major": 4, "decode_index_scores": 1,
-          "sparse_decode_attention": 3, "grouped_matmul": 0}
+FENCES = {"index_scores": 2, "index_scores_fp8": 2, "index_topk_fused": 2, "sparse_attention_kv_major": 4,
+          "decode_index_scores": 1, "sparse_decode_attention": 3, "grouped_matmul": 0}
 
 
 def _mma_instruction(name: str, mma: bool, target) -> str | None:
@@ -291,3 +300,71 @@ def test_fused_decode_select_lowers(target, b, ik_dtype, fp8_mma, fp8_convert, m
     else:
         assert len(mods) == 2 and "wgmma.mma_async" in mods[0] and "wgmma" not in mods[1]
         assert bool(_WGMMA_REGISTER_A.search(mods[0])) == (fp8_convert == "registers")
+
+
+_SMEM_VIEW = re.compile(r"memref\.view [^\n]*? to memref<((?:\d+x)+)(f32|i32|f8E4M3FN|bf16), "
+                        r"#gpu\.address_space<workgroup>>")
+_BYTES = {"f32": 4, "i32": 4, "bf16": 2, "f8E4M3FN": 1}
+
+
+def _unaligned_slots(module: str) -> set[str]:
+    """The module's SMEM buffers stacked along their leading dim (two slots or more) whose slots (one
+    leading index) are not whole multiples of 128 bytes. Mosaic places each buffer at a 1 KiB boundary but a slot at the
+    buffer's start plus the slot index times its bytes, and a TMA copy to or from SMEM faults
+    (CUDA_ERROR_MISALIGNED_ADDRESS) at an address off 128 bytes."""
+    bad = set()
+    for dims, dtype in _SMEM_VIEW.findall(module):
+        shape = [int(d) for d in dims.rstrip("x").split("x")]
+        if len(shape) >= 2 and shape[0] > 1 and math.prod(shape[1:]) * _BYTES[dtype] % 128:
+            bad.add(f"{dims}{dtype}")
+    return bad
+
+
+# tests/pallas/test_index_scores_fp8.py's tiles (its block 16 at Hx 64, 64 rows, 2 key buffers, groups of 2)
+_TEST_TILE = dict(rows=64, group=2, max_concurrent_steps=2)
+
+
+@pytest.mark.parametrize("hx,bs,fused,tile", [(128, 128, False, {}), (64, 256, True, {}), (32, 64, False, {}),
+                                              (64, 16, False, _TEST_TILE), (64, 16, True, _TEST_TILE)])
+@pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
+def test_fp8_indexer_scores_lower(target, hx, bs, fused, tile, mosaic_modules):
+    # The fp8 indexer (score_dtype="float8_e4m3fn"): e4m3 Q tiles and key blocks straight into an e4m3 x
+    # e4m3 MMA (wgmma, K steps of 32; tcgen05 kind::f8f6f4), the key scales pipelined beside the keys;
+    # head dims 32..128 (32- to 128-byte swizzles), block 16..256, the fused top-k epilogue. Every
+    # pipeline slot and output buffer slot, which TMA fills or reads, at a 128-byte boundary: the key
+    # scales' slots too (a block of 16 keys' fp32 scales is 64 bytes, padded to 128).
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
+    from m3jax.pallas.index_scores import IndexScoreConfig, index_block_scores, index_select_blocks
+
+    target = getattr(_backend, target)
+    args = (S((1, T, HI, hx), BF16), S((1, CTX, hx), BF16), S((1, T), I32))
+    kw = dict(block_size=bs, score_dtype="float8_e4m3fn")
+    config = IndexScoreConfig(fused_topk=fused, **tile)
+    if fused:
+        f = lambda iq, ik, p: index_select_blocks(iq, ik, p, topk=TOPK, config=config, **kw)
+    else:
+        f = lambda iq, ik, p: index_block_scores(iq, ik, p, config=config, **kw)
+    with _backend.lowering_for(target):
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    mma = "tcgen05.mma.cta_group::1.kind::f8f6f4" if target.mma == "tcgen05" else ".f32.e4m3.e4m3"
+    assert mma in mosaic_modules[0]
+    assert not _unaligned_slots(mosaic_modules[0])
+
+
+@pytest.mark.parametrize("hx,bs,q,fp8_convert", [(128, 128, 1, "smem"), (64, 64, 2, "smem"), (128, 256, 4, "smem"),
+                                                  (128, 128, 1, "registers")])
+def test_fp8_indexer_decode_scores_lower(hx, bs, q, fp8_convert, mosaic_modules):
+    # The decode scoring kernel under the fp8 indexer over fp8 pages: the page as loaded is the wgmma's
+    # A operand (e4m3 x e4m3, no conversion), the query tile swizzled as the page. fp8_convert="registers"
+    # converts nothing here either: the A operand stays the SMEM page, not registers.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores
+
+    nb = CTX // bs
+    args = (S((2, q, HI, hx), BF16), S((2 * nb, bs, hx), jnp.float8_e4m3fn), S((2, nb), I32), S((2,), I32))
+    kw = dict(block_size=bs, score_dtype="float8_e4m3fn", config=DecodeScoreConfig(fp8_convert=fp8_convert))
+    with _backend.lowering_for(_backend.HOPPER):
+        jax.jit(lambda *a: decode_index_scores(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
+    module = mosaic_modules[-1]
+    assert ".f32.e4m3.e4m3" in module and "e4m3x2" not in module
+    assert not _WGMMA_REGISTER_A.search(module)

@@ -3,6 +3,10 @@ kernel of :mod:`m3jax.pallas.topk` in :func:`m3jax.msa.kernels.decode_pages`), a
 selection (:func:`decode_select_blocks`: scores, block max and per-split top-k in one launch; Hopper
 only, on tcgen05 targets it runs the scoring kernel and the top-k kernel instead).
 
+The fp8 indexer (``score_dtype="float8_e4m3fn"``) reads fp8 index pages in place on Hopper (an
+e4m3 x e4m3 wgmma per page, :func:`.hopper.decode_index_scores`); :func:`fp8_scores_unsupported_reason`
+says where it cannot.
+
 ``implementation="pallas"`` runs the Mosaic GPU kernels of the target's :mod:`.hopper` or :mod:`.blackwell`
 (over :mod:`.kernel`'s shared plan and launch) and the top-k kernel
 (GPU interpret mode off-GPU); ``"reference"`` the pure-jnp versions of :mod:`.reference` (gather
@@ -12,6 +16,7 @@ pages + :mod:`m3jax.msa`).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from m3jax.pallas import topk as _topk
 from m3jax.pallas._backend import arch_module
@@ -19,7 +24,7 @@ from m3jax.pallas._common import check_dims
 from m3jax.pallas.decode import blackwell as _blackwell
 from m3jax.pallas.decode import hopper as _hopper
 from m3jax.pallas.decode import reference as _reference
-from m3jax.pallas.decode.kernel import DecodeScoreConfig, SparseDecodeConfig
+from m3jax.pallas.decode.kernel import FP8, FP8_SCORES, DecodeScoreConfig, SparseDecodeConfig
 from m3jax.pallas.decode.reference import query_positions
 
 __all__ = [
@@ -29,6 +34,7 @@ __all__ = [
     "decode_select_blocks",
     "sparse_decode_attention",
     "query_positions",
+    "fp8_scores_unsupported_reason",
 ]
 
 
@@ -38,18 +44,39 @@ def _check_block_size(where: str, name: str, pages, block_size: int) -> None:
                          f"but block_size={block_size}")
 
 
+def fp8_scores_unsupported_reason(ik_dtype) -> str | None:
+    """Why the decode scoring kernel cannot run the fp8 indexer over ``ik_dtype`` pages on this target
+    (None when it can)."""
+    if jnp.dtype(ik_dtype) != FP8:
+        return (f"the fp8 indexer's decode scoring reads fp8 index pages as stored (index_cache_dtype="
+                f"'float8_e4m3fn'), not {jnp.dtype(ik_dtype).name} pages (whose keys it would quantise every step)")
+    if arch_module(_hopper, _blackwell) is _blackwell:
+        return "the tcgen05 decode scoring kernel has no e4m3 x e4m3 path (Hopper's wgmma one only)"
+    return None
+
+
 def decode_index_scores(
     iq, ik_pages, page_table, seq_lens, *, block_size: int, implementation: str = "pallas",
-    config: DecodeScoreConfig = DecodeScoreConfig(), interpret: bool | None = None,
+    config: DecodeScoreConfig = DecodeScoreConfig(), score_dtype: str = "bfloat16", interpret: bool | None = None,
 ) -> jax.Array:
-    """fp32 [B, Hi, Q, max_pages] block-max index scores (see :func:`.hopper.decode_index_scores`)."""
+    """fp32 [B, Hi, Q, max_pages] block-max index scores (see :func:`.hopper.decode_index_scores`);
+    ``score_dtype="float8_e4m3fn"``: the fp8 indexer over fp8 pages (keys as stored, as
+    ``m3jax.msa.reference.block_scores(..., keys_fp8=True)``)."""
     check_dims("decode_index_scores", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
                page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"))
     _check_block_size("decode_index_scores", "ik_pages", ik_pages, block_size)
+    if score_dtype not in ("bfloat16", FP8_SCORES):
+        raise ValueError(f"decode_index_scores: score_dtype={score_dtype!r}; choose 'bfloat16' or {FP8_SCORES!r}")
     if implementation == "reference":
-        return _reference.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size)
+        return _reference.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
+                                              score_dtype=score_dtype)
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
+    if score_dtype == FP8_SCORES:
+        if reason := fp8_scores_unsupported_reason(ik_pages.dtype):
+            raise ValueError(f"decode_index_scores: {reason}")
+        return _hopper.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config,
+                                           score_dtype=score_dtype, interpret=interpret)
     kernel = arch_module(_hopper, _blackwell).decode_index_scores
     return kernel(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
 

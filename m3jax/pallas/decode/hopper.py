@@ -15,6 +15,7 @@ from jax import lax
 from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms
 from m3jax.pallas.decode.kernel import (
+    FP8,
     SELECT_LANES,
     DecodeScoreConfig,
     SparseDecodeConfig,
@@ -65,7 +66,7 @@ def _block_max(q_smem, k_smems, prods, q: int, bs: int, n_pad: int, seq_len, j):
     return jnp.where(row + j * bs <= q_pos, s, -jnp.inf).max(axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "score_dtype", "interpret"))
 def decode_index_scores(
     iq: jax.Array,
     ik_pages: jax.Array,
@@ -74,6 +75,7 @@ def decode_index_scores(
     *,
     block_size: int,
     config: DecodeScoreConfig = DecodeScoreConfig(),
+    score_dtype: str = "bfloat16",
     interpret: bool | None = None,
 ) -> jax.Array:
     """Block-max index scores of the Q new tokens over a paged index-key cache.
@@ -81,7 +83,9 @@ def decode_index_scores(
     Args:
       iq: [B, Q, Hi, Hx] index queries; ik_pages: [num_pages, block_size, Hx] index keys (bf16,
       fp16, fp32 or fp8 e4m3); page_table: int32 [B, max_pages]; seq_lens: int32 [B] (including
-      the Q new tokens).
+      the Q new tokens); score_dtype: ``"float8_e4m3fn"`` is the fp8 indexer over fp8 pages (the
+      query rows quantised to e4m3, one e4m3 x e4m3 wgmma per page straight from the TMA-loaded
+      page, the row scales applied after the block max: :func:`.kernel.score_operands`).
     Returns:
       fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
       blocks with no visible key (future or unused pages).
@@ -92,11 +96,13 @@ def decode_index_scores(
     if n_pad > 256:
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
     chunk, splits = score_chunks(config, b, max_pages, n_pad)
-    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config, score_dtype)
     prods = score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-    registers = keys_in_registers(config, k_parts, interpret)
+    if dtype == FP8:  # e4m3 x e4m3: the query tile swizzled as the pages (a wgmma's operands share one swizzle)
+        transforms = page_transforms(k_parts, hx, transforms)
+    registers = keys_in_registers(config, q_parts, k_parts, interpret)
     stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, registers=registers)
 
     def body(*refs):
@@ -163,7 +169,7 @@ def decode_select_blocks(
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
     scaled = unscale is not None
-    registers = keys_in_registers(config, k_parts, interpret)
+    registers = keys_in_registers(config, q_parts, k_parts, interpret)
     # (the lists' SMEM for the output is taken after the pipeline, from the page buffers' space)
     stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, tile=(2, SELECT_LANES),
                           extra=SELECT_LANES * 4 if scaled else 0, registers=registers)

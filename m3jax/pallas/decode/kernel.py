@@ -25,7 +25,9 @@ position ``seq_lens[b] - Q + i``.
    interpreter has no register-A wgmma, so those run the SMEM path (:func:`keys_in_registers`).
    ``DecodeScoreConfig.fp8_mma="float16"`` meets the keys in f16 instead (one conversion per key pair
    instead of three, the bf16 query scaled into f16's range per row); ``benchmarks/decode_fp8_index.py``
-   measures which is faster (benchmarks/RESULTS.md#decode-fp8-index).
+   measures which is faster (benchmarks/RESULTS.md#decode-fp8-index). Under the fp8 indexer
+   (``score_dtype="float8_e4m3fn"``, :func:`score_operands`) nothing is converted: the query rows are
+   e4m3 too and the page as loaded is the wgmma's A operand (Hopper only).
 2. :func:`.hopper.sparse_decode_attention` (docs/KERNELS.md §2.6): one CTA per (request, KV head, split of the
    selected pages). The group's ``G`` query heads times the ``Q`` tokens are packed as wgmma rows
    (padded to 64). The Q tokens' selections are merged into a **union** of distinct pages with a
@@ -87,12 +89,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from m3jax.msa.reference import lse_merge
+from m3jax.msa.reference import lse_merge, quantize_e4m3
 from m3jax.pallas._common import LOG2E, split_parts, split_products, swizzle_transforms
 from m3jax.pallas._backend import Target, current_target, interprets, mosaic_kernel, pl, plgpu
 from m3jax.pallas import topk as topk_kernels
 
 FP8 = jnp.float8_e4m3fn  # index-key pages of an fp8 index cache (index_cache_dtype)
+FP8_SCORES = "float8_e4m3fn"  # the fp8 indexer's score_dtype (index_score_dtype)
 # The fused selection's register lists: one lane per query row (h * Q + t) in a warpgroup-wide vector.
 SELECT_LANES = 128
 
@@ -118,7 +121,7 @@ class DecodeScoreConfig:
       (:func:`page_registers`): no SMEM write, no fence, and no SMEM page for the converted keys
       (room for more page loads in flight where SMEM limits ``stages``). Hopper on the GPU only
       (:func:`keys_in_registers`); interpret mode (no register-A wgmma) and tcgen05 (A from SMEM or
-      TMEM only) run ``"smem"``.
+      TMEM only) run ``"smem"``. The fp8 indexer's e4m3 x e4m3 MMA converts nothing, so neither applies.
     """
 
     num_splits: int | None = None
@@ -195,16 +198,25 @@ def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | 
     return -(-max_pages // splits), splits
 
 
-def score_operands(iq, ik_pages, n_pad: int, config: DecodeScoreConfig):
+def score_operands(iq, ik_pages, n_pad: int, config: DecodeScoreConfig, score_dtype: str = "bfloat16"):
     """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded to n_pad, and
     the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
     the selection, see _common.bf16_split). fp8 e4m3 pages stay fp8, one piece: the kernel converts
     each page to the query's 16-bit type in SMEM (:func:`convert_page`, exact), so only an fp32 query
-    is split; a bf16 query becomes f16 under ``config.fp8_mma == "float16"``. Returns (query parts,
-    key parts, per-row factors fp32 [B, n_pad] that undo the query's scaling, or None)."""
+    is split; a bf16 query becomes f16 under ``config.fp8_mma == "float16"``. The fp8 indexer
+    (``score_dtype="float8_e4m3fn"``, fp8 pages taken as stored): each query row quantised to e4m3
+    with its scale (``msa.reference.quantize_e4m3``, as the reference does), met by the pages as they
+    are (e4m3 x e4m3, no conversion), its scales the per-row factors. Returns (query parts, key parts,
+    per-row factors fp32 [B, n_pad] that undo the query's scaling, or None)."""
     b, q, hi, hx = iq.shape
     rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, hi * q, hx)
     rows = jnp.pad(rows, [(0, 0), (0, n_pad - hi * q), (0, 0)])
+    if score_dtype == FP8_SCORES:
+        if ik_pages.dtype != FP8:
+            raise ValueError(f"the fp8 indexer's decode scoring reads fp8 index pages (index_cache_dtype="
+                             f"'float8_e4m3fn'), got {ik_pages.dtype} pages")
+        qv, qs = quantize_e4m3(rows)  # zero padding rows: scale 1
+        return (qv,), (ik_pages.reshape(-1, hx),), qs[..., 0]
     if ik_pages.dtype != FP8:
         q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
         k_parts = split_parts(ik_pages.astype(q_parts[0].dtype if len(q_parts) == 1 else jnp.float32), 3)
@@ -232,14 +244,21 @@ def score_products(n_q: int, n_k: int) -> tuple[tuple[int, int], ...]:
 
 def page_transforms(k_parts, hx: int, transforms):
     """SMEM layout of the TMA-loaded key pages: the MMA operand's for 16-bit pages; fp8 pages (read
-    by :func:`convert_page` only) the widest swizzle their 1-byte rows allow."""
+    by :func:`convert_page`, :func:`page_registers` or, under the fp8 indexer, the MMA itself) the
+    widest swizzle their 1-byte rows allow."""
     return swizzle_transforms(min(hx, 128), 1) if k_parts[0].dtype == FP8 else transforms
 
 
-def _smem_page(page_dtype, registers: bool) -> bool:
+def _converts(q_parts, k_parts) -> bool:
+    """Whether fp8 pages are converted to the query's 16-bit type (in SMEM or in registers): not when
+    the query is e4m3 too (the fp8 indexer's e4m3 x e4m3 MMA reads the page as loaded)."""
+    return k_parts[0].dtype == FP8 and q_parts[0].dtype != FP8
+
+
+def _smem_page(q_parts, k_parts, registers: bool) -> bool:
     """Whether a scoring kernel converts its pages into an SMEM page (:func:`convert_page`): fp8 pages
-    not taken to the MMA from ``registers``."""
-    return page_dtype == FP8 and not registers
+    met by a 16-bit query (:func:`_converts`) not taken to the MMA from ``registers``."""
+    return _converts(q_parts, k_parts) and not registers
 
 
 def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad: int, hx: int, bs: int,
@@ -248,7 +267,7 @@ def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad:
     default chunk x n_pad), ``extra`` bytes of the variant's own and (fp8 pages converted in SMEM, not
     in ``registers``) the converted page (fp32: 3 bf16 parts per page; fp8: 1 byte per key element)."""
     page_bytes = sum(jnp.dtype(kp.dtype).itemsize for kp in k_parts) * bs * hx
-    convert = bs * hx * 2 if _smem_page(k_parts[0].dtype, registers) else 0
+    convert = bs * hx * 2 if _smem_page(q_parts, k_parts, registers) else 0
     rows, cols = tile or (chunk, n_pad)
     fixed = len(q_parts) * n_pad * hx * 2 + rows * cols * 4 + convert + extra + 4096
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
@@ -260,7 +279,7 @@ def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, tr
     default n_pad), the query tile's barrier and, for fp8 pages converted in SMEM (not in
     ``registers``), the page converted to the query's type (the MMA's key operand)."""
     dtype = q_parts[0].dtype
-    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if _smem_page(k_parts[0].dtype, registers) else []
+    convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if _smem_page(q_parts, k_parts, registers) else []
     return [
         plgpu.SMEM((len(q_parts), n_pad, hx), dtype, transforms=transforms),
         plgpu.SMEM((chunk, cols or n_pad), jnp.float32),
@@ -280,12 +299,13 @@ def convert_page(src, dst) -> None:
     plgpu.commit_smem()
 
 
-def keys_in_registers(config: DecodeScoreConfig, k_parts, interpret: bool | None) -> bool:
+def keys_in_registers(config: DecodeScoreConfig, q_parts, k_parts, interpret: bool | None) -> bool:
     """Whether fp8 pages reach the MMA from registers (``config.fp8_convert == "registers"``,
-    :func:`page_registers`) rather than converted in SMEM (:func:`convert_page`): only for wgmma
-    (tcgen05 takes A from SMEM or TMEM) compiled for the GPU (the interpreter has no register-A
-    wgmma). The one place the scoring kernels choose."""
-    return (k_parts[0].dtype == FP8 and config.fp8_convert == "registers" and current_target().mma == "wgmma"
+    :func:`page_registers`) rather than converted in SMEM (:func:`convert_page`): only pages that are
+    converted at all (:func:`_converts`; the fp8 indexer's e4m3 x e4m3 MMA reads the page as loaded),
+    only for wgmma (tcgen05 takes A from SMEM or TMEM) compiled for the GPU (the interpreter has no
+    register-A wgmma). The one place the scoring kernels choose."""
+    return (_converts(q_parts, k_parts) and config.fp8_convert == "registers" and current_target().mma == "wgmma"
             and not interprets(interpret))
 
 
@@ -316,7 +336,7 @@ def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1,
     io = refs[n_q + n_k + 2 : n_q + n_k + 2 + n_io]
     out_gmem = io[0] if n_io == 1 else tuple(io)
     q_smem, score_smem, q_bar, *own = refs[n_q + n_k + 2 + n_io :]
-    converted = own.pop(0) if _smem_page(k_gmem[0].dtype, registers) else None
+    converted = own.pop(0) if _smem_page(q_gmem, k_gmem, registers) else None
 
     def mma_keys(k_smems):
         if registers:
@@ -366,9 +386,10 @@ def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, 
 
 
 def score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int, unscale=None):
-    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, n_pad] (powers
-    of two, exact; they commute with the block max) when the query was scaled. Rows of pages a CTA
-    did not visit (no tokens) were never written: -inf them here."""
+    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, n_pad] when the
+    query was scaled (positive, so they commute with the block max, rounding included: powers of two
+    exactly, the fp8 indexer's row scales as the reference's product of each score and its row's
+    scale). Rows of pages a CTA did not visit (no tokens) were never written: -inf them here."""
     b, hi, q = bhq
     if unscale is not None:
         out = out * unscale[:, None, :]

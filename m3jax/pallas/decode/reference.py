@@ -19,10 +19,13 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
 
 
-def decode_index_scores(iq, ik_pages, page_table, seq_lens, *, block_size: int, **_unused) -> jax.Array:
-    """fp32 [B, Hi, Q, max_pages]; iq [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx]."""
+def decode_index_scores(iq, ik_pages, page_table, seq_lens, *, block_size: int, score_dtype: str = "bfloat16",
+                        **_unused) -> jax.Array:
+    """fp32 [B, Hi, Q, max_pages]; iq [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx]; the fp8
+    indexer (``score_dtype``) takes fp8 pages' keys as stored (``keys_fp8``), as the model's reference does."""
     ik = gather_pages(ik_pages, page_table)
-    return msa.block_scores(iq, ik, query_positions(seq_lens, iq.shape[1]), block_size)
+    return msa.block_scores(iq, ik, query_positions(seq_lens, iq.shape[1]), block_size, score_dtype=score_dtype,
+                            keys_fp8=ik_pages.dtype == msa.FP8)
 
 
 def sparse_decode_attention(

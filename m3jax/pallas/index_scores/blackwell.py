@@ -17,13 +17,15 @@ how a key block becomes its rows' maxima differs (:class:`.tile.RowMax`; Hopper'
   overlap.
 - fp32 inputs are the three bf16 pieces of ``pallas._common.bf16_split`` as on Hopper (six MMAs per
   block; tcgen05 would run fp32 as TF32, too coarse for selections).
+- The fp8 indexer's e4m3 Q tile and key block go into one ``kind::f8f6f4`` MMA; the kernel's epilogue
+  scales each 64-column piece by its rows' and keys' scales before the mask.
 
 Chosen by :func:`m3jax.pallas._backend.arch_module` when the target's MMA is ``"tcgen05"``. Verified: interpret
 mode (tests/pallas/test_index_scores.py runs its cases also under ``_backend.interpret_as(BLACKWELL)``)
 and lowering for sm_100a on a CPU (tests/pallas/test_lowering.py); not run on a B200 (the
-``index_scores`` / ``index_topk_fused`` self-check canaries are what will say so on one). Not done:
-a warp-specialised MMA warp running a block ahead into a second TMEM accumulator while the
-warpgroup reduces the previous one, 2-CTA tiles of 256 rows, ``async_load_tmem(reduce="max")``.
+``index_scores`` / ``index_scores_fp8`` / ``index_topk_fused`` self-check canaries are what will say so on
+one). Not done: a warp-specialised MMA warp running a block ahead into a second TMEM accumulator while
+the warpgroup reduces the previous one, 2-CTA tiles of 256 rows, ``async_load_tmem(reduce="max")``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def row_max(n_parts: int, rows: int, bs: int) -> RowMax:
     if rows != ROWS:
         raise ValueError(f"the tcgen05 index-score kernel takes {ROWS}-row tiles, not {rows}")
 
-    def block_max(q_smems, k_smems, scratch_refs, mask):
+    def block_max(q_smems, k_smems, scratch_refs, epilogue):
         bar, acc = scratch_refs
         for n, (i, jp) in enumerate(reversed(split_products(n_parts))):  # smallest products first
             plgpu.tcgen05_mma(acc, q_smems[i], k_smems[jp].transpose((1, 0)), accumulate=n > 0)
@@ -59,8 +61,8 @@ def row_max(n_parts: int, rows: int, bs: int) -> RowMax:
         best = None
         for col0 in range(0, bs, PIECE):
             s = plgpu.async_load_tmem(acc.at[:, pl.ds(col0, min(PIECE, bs - col0))], layout=LAYOUT)
-            if mask is not None:
-                s = mask(s, col0, LAYOUT)
+            if epilogue is not None:
+                s = epilogue(s, col0, LAYOUT)
             s = s.max(axis=1)
             best = s if best is None else jnp.maximum(best, s)
         tmem_handoff("ld")  # the next block's MMAs overwrite the accumulator

@@ -22,7 +22,7 @@ def tile_rows(rows: int, block_size: int, fused: bool) -> int:
 def row_max(n_parts: int, rows: int, bs: int) -> RowMax:
     """wgmma into a register accumulator [rows, bs], masked and reduced in registers."""
 
-    def block_max(q_smems, k_smems, _, mask):
+    def block_max(q_smems, k_smems, _, epilogue):
         def mma(acc_ref):
             # Smallest products first: they are summed before the large ones round the accumulator.
             for i, jp in reversed(split_products(n_parts)):
@@ -31,8 +31,8 @@ def row_max(n_parts: int, rows: int, bs: int) -> RowMax:
             return acc_ref[...]
 
         acc = pl.run_scoped(mma, plgpu.ACC((rows, bs), jnp.float32))
-        if mask is not None:
-            acc = mask(acc, 0, plgpu.Layout.WGMMA)
+        if epilogue is not None:
+            acc = epilogue(acc, 0, plgpu.Layout.WGMMA)
         return acc.max(axis=1)
 
     return RowMax(plgpu.Layout.WGMMA.reduce(1), (), block_max)

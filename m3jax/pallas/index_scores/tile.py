@@ -12,10 +12,11 @@ from collections.abc import Callable
 class RowMax:
     """How a CTA turns one key block into its rows' maxima (the part that differs per MMA).
 
-    ``row_max(q_smems, k_smems, scratch_refs, mask)`` -> fp32 [rows] in ``row_layout``: the products
+    ``row_max(q_smems, k_smems, scratch_refs, epilogue)`` -> fp32 [rows] in ``row_layout``: the products
     of the split pieces (``split_products``) of the Q tile [rows, Hx] and the key block [bs, Hx]
-    summed, ``mask(acc, col0, layout)`` applied (when not None) to each accumulator piece it reads
-    (columns from ``col0``, registers in ``layout``), then max-reduced over the key columns.
+    (bf16, or e4m3 under the fp8 indexer) summed, ``epilogue(acc, col0, layout)`` (the fp8 scales and
+    the causal mask) applied (when not None) to each accumulator piece it reads (columns from ``col0``,
+    registers in ``layout``), then max-reduced over the key columns.
     ``scratch``: the scratch it needs after the kernel's own (``scratch_refs``, in that order).
     """
 
