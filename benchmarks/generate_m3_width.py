@@ -67,7 +67,7 @@ import jax.numpy as jnp
 
 import m3jax
 from m3jax import cli
-from m3jax.cache import LayerCache, cache_bytes
+from m3jax.cache import LayerCache, cache_bytes, cached_index_keys, index_page_dtype
 from m3jax.config import M3Config, preset
 from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams, key_window_pages
 from m3jax.layers import rope_angles
@@ -107,7 +107,9 @@ def _random_layer_cache(cfg: M3Config, layer: int, ctx: int, dtype) -> tuple[Lay
     ks = jax.random.split(jax.random.key(layer), 3)
     shape = (pages, t.index_block_size, t.num_key_value_heads, t.head_dim)
     draw = jax.jit(lambda key, shape: jax.random.normal(key, shape, dtype), static_argnums=1)
-    ik = draw(ks[2], shape[:2] + (t.index_head_dim,)) if t.is_sparse_attention(layer) else None
+    ik = None
+    if t.is_sparse_attention(layer):  # stored as the cache stores them (fp8 under index_cache_dtype)
+        ik = cached_index_keys(draw(ks[2], shape[:2] + (t.index_head_dim,)), t, index_page_dtype(t, dtype))
     return LayerCache(draw(ks[0], shape), draw(ks[1], shape), ik), jnp.arange(pages, dtype=jnp.int32)[None]
 
 
@@ -539,6 +541,8 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default 4096 (--dry: 256)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="generate CLI run")
     ap.add_argument("--iters", type=int, default=3, help="timed calls per layer measurement")
+    ap.add_argument("--copy-gib", type=float, default=4.0,
+                    help="GiB copied to measure the bandwidth (beside the weights: 1 fits an 80 GB card at 1M)")
     ap.add_argument("--layers", default="0,1", help="layers timed one by one (m3_width: 0 full attention, 1-2 MSA)")
     ap.add_argument("--decode-batches", default="1,8", help="batches of the engine decode-loop measurement")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per engine decode-loop measurement")
@@ -592,7 +596,7 @@ def main(argv=None):
         cfg = cfg.replace(attention_impl=impl)
         params = init_random_on_device(cfg, seed=0, dtype=jnp.bfloat16)
         if not args.only_decode:
-            res["copy_bandwidth"] = copy_bandwidth(0.25 if args.dry else 4.0)
+            res["copy_bandwidth"] = copy_bandwidth(0.25 if args.dry else args.copy_gib)
             print(f"copy bandwidth {res['copy_bandwidth'] / 1e9:,.0f} GB/s", flush=True)
             layers = [int(x) for x in args.layers.split(",")]
             res["layers"] = layer_times(cfg, params, ctx, chunk, args.iters, layers, res["copy_bandwidth"])

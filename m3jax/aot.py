@@ -58,6 +58,7 @@ import os
 import signal
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -477,6 +478,11 @@ def _fork_export(st: _Staged, out: Path) -> int:
         os.dup2(devnull, 2)
         atomic_write(out, _exported(st))
         code = 0
+    except BaseException as e:  # noqa: BLE001  (told to the parent, which stages the program itself)
+        with contextlib.suppress(OSError):
+            frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+            where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+            out.with_suffix(".err").write_text(_brief(e) + where)
     finally:
         os._exit(code)  # no atexit handlers, no runtime teardown: they are the parent's
 
@@ -499,7 +505,7 @@ def _own_mlir_threads() -> None:
 
 def _forked(children: dict[int, tuple[_Staged, Path]]):
     """Yield (staged, export bytes or None) as each staging child ends; None where it failed or passed
-    :data:`STAGE_DEADLINE_S` (killed)."""
+    :data:`STAGE_DEADLINE_S` (killed), with one warning saying why (the program is staged here)."""
     t0 = time.monotonic()
     while children:
         ended = False
@@ -508,14 +514,19 @@ def _forked(children: dict[int, tuple[_Staged, Path]]):
             if not done and time.monotonic() - t0 < STAGE_DEADLINE_S:
                 continue
             st, out = children.pop(pid)
+            ended = True
             if not done:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                _warn(f"staging {st.program.name} in a child process took over {STAGE_DEADLINE_S:.0f} s; "
-                      "it is staged in this process")
-            ok = done and os.waitstatus_to_exitcode(status) == 0
-            ended = True
-            yield st, out.read_bytes() if ok else None
+                why = f"took over {STAGE_DEADLINE_S:.0f} s"
+            elif os.waitstatus_to_exitcode(status) == 0:
+                yield st, out.read_bytes()
+                continue
+            else:
+                err = out.with_suffix(".err")
+                why = f"failed ({err.read_text() if err.exists() else f'exit status {os.waitstatus_to_exitcode(status)}'})"
+            _warn(f"staging {st.program.name} in a child process {why}; it is staged in this process")
+            yield st, None
         if not ended:
             time.sleep(0.02)
 
@@ -535,7 +546,7 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
     calls in the order given; a program listed twice is compiled once. ``timing`` (a dict) gets the
     seconds of the three phases: ``stage_s`` (staging every program, XLA compiling beside it),
     ``xla_s`` (the compiles still running after that) and ``finish_s`` (written to disk; programs that
-    cannot be exported are compiled here)."""
+    cannot be exported are compiled here), and ``forked``, the programs a child process exported."""
     t0 = time.perf_counter()
     staged: dict[str, _Staged] = {}
     order = []
@@ -572,7 +583,9 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
         for st in staged.values():
             if id(st) not in in_children:
                 submit(st if forks > 0 and st is to_export[0] else _stage(st))
+        forked = 0
         for st, data in _forked(children):
+            forked += data is not None
             submit(_stage(st, read=False, data=data))
         t1 = time.perf_counter()
         for f in compiling:
@@ -580,7 +593,7 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
     t2 = time.perf_counter()
     runs = {key: _finish(st) for key, st in staged.items()}
     if timing is not None:
-        timing.update(stage_s=t1 - t0, xla_s=t2 - t1, finish_s=time.perf_counter() - t2)
+        timing.update(stage_s=t1 - t0, xla_s=t2 - t1, finish_s=time.perf_counter() - t2, forked=forked)
     return [runs[key] for key in order]
 
 

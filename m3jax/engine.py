@@ -398,7 +398,8 @@ class Engine:
         dummy call writes positions 0..N-1 of each row, which the real prefill or decode rewrites
         before anything reads them. Returns the seconds spent; their split is in ``warmup_split``
         (programs compiled or read back, and that time by phase of :func:`m3jax.aot.compile_all`:
-        ``programs_stage_s``, ``programs_xla_s``, ``programs_finish_s``; the decode call)."""
+        ``programs_stage_s``, ``programs_xla_s``, ``programs_finish_s``, and ``programs_forked``, the programs
+        staged in a child process; the decode call)."""
         t0 = time.perf_counter()
         if prompt_lens is None:
             wanted = self._programs_up_to(min(max_prompt_len or self.capacity, self.capacity))
