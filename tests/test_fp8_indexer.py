@@ -238,3 +238,18 @@ def test_decode_kernels_run_the_fp8_indexer_in_place():
     scale = jnp.max(jnp.where(jnp.isfinite(scale), scale, 0.0), -1)
     diff = compare.compare_selections(sel, ref, scores, q_pos, bs, scale, 2 * hx * TOL[("index_scores", FP8_NAME)])
     assert diff.unexplained == 0, diff
+
+
+def test_decode_says_when_it_gathers_the_cache():
+    """The fp8 indexer over a bf16 index cache has no in-place decode scoring: an MSA layer's decode
+    step gathers the key window (an order of magnitude slower at 1M), with one warning naming why; a
+    full-attention layer scores no index keys and still reads its pages in place."""
+    fp8 = KERNEL_CFG.replace_text(index_score_dtype=FP8_NAME)
+    q = jnp.zeros((1, 1, fp8.text.num_attention_heads, fp8.text.head_dim), jnp.bfloat16)
+    pallas = msa_layer.VARIANTS["pallas"]
+    msa_layer._FALLBACK_WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="MSA decode gathers the paged cache every step.*reads fp8 index pages"):
+        assert not msa_layer._in_place(pallas, fp8, q, sparse=True)
+    assert msa_layer._in_place(pallas, fp8, q, sparse=False)
+    both = fp8.replace_text(index_cache_dtype=FP8_NAME)
+    assert msa_layer._in_place(pallas, both, q, sparse=True) and msa_layer._in_place(pallas, both, q, sparse=False)

@@ -318,7 +318,16 @@ def _in_place(v: Variant, cfg: M3Config, q, sparse: bool) -> bool:
     cache: e.g. block sizes the decode kernels cannot take)."""
     if q.shape[1] != 1 or (v.decode if sparse else v.dense_decode) is None:
         return False
-    return v.decode_unsupported_reason is None or v.decode_unsupported_reason(cfg.text) is None
+    # A full-attention layer scores no index keys: the index product cannot keep its decode from the pages.
+    text = cfg.text if sparse else dataclasses.replace(cfg.text, index_score_dtype="bfloat16")
+    reason = None if v.decode_unsupported_reason is None else v.decode_unsupported_reason(text)
+    if reason is not None and reason not in _FALLBACK_WARNED:
+        # A gathered decode step reads the whole key window, not the index pages and 16 blocks: at 1M it
+        # is an order of magnitude slower, which a research setting must not hide.
+        _FALLBACK_WARNED.add(reason)
+        warnings.warn(f"MSA decode gathers the paged cache every step and runs the prefill path over it, instead of "
+                      f"reading the pages in place: {reason}", RuntimeWarning, stacklevel=3)
+    return reason is None
 
 
 def _paged_decode(single: Callable, local: Callable, what: str, q, iq, kv, page_table, q_pos, cfg: M3Config,
