@@ -524,7 +524,8 @@ def _forked(children: dict[int, tuple[_Staged, Path]]):
                 continue
             else:
                 err = out.with_suffix(".err")
-                why = f"failed ({err.read_text() if err.exists() else f'exit status {os.waitstatus_to_exitcode(status)}'})"
+                code = os.waitstatus_to_exitcode(status)
+                why = f"failed ({err.read_text() if err.exists() else f'exit status {code}'})"
             _warn(f"staging {st.program.name} in a child process {why}; it is staged in this process")
             yield st, None
         if not ended:
@@ -538,9 +539,9 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
     lowering of the kernels, in Python: so the programs to export are exported in up to ``processes``
     processes (default :func:`stage_processes`; only with a disk cache, in a one-process job): this one
     and forked children, each child handing its export back through a file while this process stages
-    the others (programs read back from the disk, or past the count). The first program to export is staged here
-    before any fork, so that what a trace computes once per process (the kernels' self-check verdicts)
-    is computed once and inherited. Each lowered program goes as soon as it is ready to one of up to
+    the others (programs read back from the disk, or past the count). The first program to export is
+    staged here before any fork, so that what a trace computes once per process (the kernels'
+    self-check verdicts) is computed once and inherited. Each lowered program goes as soon as it is ready to one of up to
     ``threads`` worker threads (default :func:`compile_threads`) for XLA's compile, which releases the
     GIL. Then each is written to the disk cache and kept in memory, in order. Returns the programs'
     calls in the order given; a program listed twice is compiled once. ``timing`` (a dict) gets the
