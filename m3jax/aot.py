@@ -54,8 +54,10 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -473,9 +475,14 @@ def _fork_export(st: _Staged, out: Path) -> int:
     code = 1
     try:
         _own_mlir_threads()
+        # Nothing the child says reaches the parent's outputs: the parent repeats a failed export, with its
+        # warnings, in its own. Python's streams and logging go too, since in a notebook they are the
+        # kernel's message channel, not file descriptors 1 and 2.
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)  # the parent repeats a failed export, with its warnings, in its own output
+        os.dup2(devnull, 1)
         os.dup2(devnull, 2)
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (the child ends by os._exit)
+        logging.disable(logging.CRITICAL)
         atomic_write(out, _exported(st))
         code = 0
     except BaseException as e:  # noqa: BLE001  (told to the parent, which stages the program itself)
