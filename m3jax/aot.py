@@ -511,8 +511,8 @@ def _own_mlir_threads() -> None:
 
 
 def _forked(children: dict[int, tuple[_Staged, Path]]):
-    """Yield (staged, export bytes or None) as each staging child ends; None where it failed or passed
-    :data:`STAGE_DEADLINE_S` (killed), with one warning saying why (the program is staged here)."""
+    """Yield (staged, export bytes, None) as each staging child ends, or (staged, None, why) where it
+    failed or passed :data:`STAGE_DEADLINE_S` (killed)."""
     t0 = time.monotonic()
     while children:
         ended = False
@@ -527,14 +527,13 @@ def _forked(children: dict[int, tuple[_Staged, Path]]):
                 os.waitpid(pid, 0)
                 why = f"took over {STAGE_DEADLINE_S:.0f} s"
             elif os.waitstatus_to_exitcode(status) == 0:
-                yield st, out.read_bytes()
+                yield st, out.read_bytes(), None
                 continue
             else:
                 err = out.with_suffix(".err")
                 code = os.waitstatus_to_exitcode(status)
                 why = f"failed ({err.read_text() if err.exists() else f'exit status {code}'})"
-            _warn(f"staging {st.program.name} in a child process {why}; it is staged in this process")
-            yield st, None
+            yield st, None, why
         if not ended:
             time.sleep(0.02)
 
@@ -592,9 +591,14 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
             if id(st) not in in_children:
                 submit(st if forks > 0 and st is to_export[0] else _stage(st))
         forked = 0
-        for st, data in _forked(children):
+        for st, data, why in _forked(children):
             forked += data is not None
-            submit(_stage(st, read=False, data=data))
+            _stage(st, read=False, data=data)
+            if why and st.source == "miss":
+                # Exported here but not in the child: the fork is what failed (export refusals, which fail
+                # here as well, have their own warning), and the staging lost its parallelism.
+                _warn(f"staging {st.program.name} in a child process {why}; it was staged in this process")
+            submit(st)
         t1 = time.perf_counter()
         for f in compiling:
             f.result()

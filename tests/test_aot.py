@@ -224,7 +224,8 @@ def test_compile_all_compiles_a_repeated_program_once(tmp_path, monkeypatch):
 def test_compile_all_stages_in_child_processes(tmp_path, monkeypatch):
     """compile_all exports programs in forked children as well as here (the first one here, before any
     fork): the programs give what they give staged here, their entries are the ones a later run reads
-    back, and a child that fails or hangs (killed at the deadline) has its program staged here."""
+    back, and a child that fails or hangs (killed at the deadline) has its program staged here, with a
+    warning saying why; a program no process can export (effects) has only its own warning."""
     import os
     import time
 
@@ -238,32 +239,35 @@ def test_compile_all_stages_in_child_processes(tmp_path, monkeypatch):
             raise RuntimeError("fails in a child only")
         if os.getpid() != parent and mode == "hang":
             time.sleep(120)
+        if mode == "effect":  # not exportable anywhere: compiled without the cache, one warning saying so
+            jax.debug.callback(lambda: None)
         return x * k + 1.0
 
     x = jnp.arange(4.0) - 1.5
-    modes = {1: "ok", 2: "ok", 3: "fail", 4: "hang", 5: "ok"}
+    modes = {1: "ok", 2: "ok", 3: "fail", 4: "hang", 5: "ok", 6: "effect"}
     progs = [aot.Program(f"scaled{k}", scaled, (x,), jax.tree.structure(0), {"k": k, "mode": m})
              for k, m in modes.items()]
     monkeypatch.setattr(aot, "STAGE_DEADLINE_S", 10.0)
     aot.clear()
     with warnings.catch_warnings(record=True) as caught, aot.disk_cache(tmp_path / "cache") as stats:
         warnings.simplefilter("always")
-        calls = aot.compile_all(progs, processes=5)
+        calls = aot.compile_all(progs, processes=6)
     said = [str(w.message) for w in caught]
     assert any("staging scaled3 in a child process failed (RuntimeError: fails in a child only at test_aot.py:" in m
                for m in said), said
     assert any("staging scaled4 in a child process took over 10 s" in m for m in said), said
+    assert any("scaled6 cannot be exported" in m for m in said) and not any("staging scaled6" in m for m in said)
     for k, call in zip(modes, calls, strict=True):
         np.testing.assert_array_equal(call(x), np.asarray(x) * k + 1.0)
-    assert stats["misses"] == 5 and len(list((tmp_path / "cache").glob("*.m3aot"))) == 5
+    assert stats["misses"] == 5 and stats["uncached"] == 1 and len(list((tmp_path / "cache").glob("*.m3aot"))) == 5
     by = {k: {int(f.name.split("-")[1]) for f in seen.glob(f"{k}-*")} for k in modes}
     assert by[1] == {parent}
     assert all(len(by[k]) == 1 and parent not in by[k] for k in (2, 5)) and by[2] != by[5]
     assert all(len(by[k]) == 2 and parent in by[k] for k in (3, 4))  # a child, then here
     aot.clear()
     with aot.disk_cache(tmp_path / "cache") as stats:
-        again = aot.compile_all(progs, processes=5)
-    assert stats["hits"] == 5
+        again = aot.compile_all(progs, processes=6)
+    assert stats["hits"] == 5 and stats["uncached"] == 1
     for call, old in zip(again, calls, strict=True):
         np.testing.assert_array_equal(call(x), old(x))
     monkeypatch.setenv("M3JAX_STAGE_PROCESSES", "0")
