@@ -14,8 +14,9 @@ they are skipped with the reason, or run at small shapes with ``--gpu-checks sma
 an oracle fixture through the kernels path against the oracle's (``--fixture``, a directory of
 tests/fixtures), an 8-token greedy generate on the built-in model (m3jax/assets/m3-small), and the
 device, versions and all these results written to one JSON file to attach to a bug report. Off the
-GPU the canaries run in interpret mode. Exit status 1 when a canary fails or hangs, a GPU check or
-the generate fails or the parity misses its bound (2: a bad argument).
+GPU the canaries run in interpret mode. Exit status 1 when a canary fails or hangs (not when it is
+"n/a": a path the target does not have), a GPU check or the generate fails or the parity misses its
+bound (2: a bad argument).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _table(verdicts: list[Verdict]) -> str:
         err = "-" if v.max_error is None else f"{v.max_error:.3g}"
         t = f"{v.seconds:.1f} s" + (" (cached)" if v.cached else "")
         rows.append((v.canary, "m3" if CANARIES[v.canary].m3 else "", v.target,
-                     v.status if v.passed else v.status.upper(), err, t))
+                     v.status if v.sound else v.status.upper(), err, t))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
         print(f"the kernels are not used here: {target.refused}")
     verdicts = check(canaries, force=args.force or args.full, dev=dev)
     print(_table(verdicts), flush=True)
-    ok = all(v.passed for v in verdicts)
+    ok = all(v.sound for v in verdicts)
     rows = [dict(dataclasses.asdict(v), kernel=v.kernel, m3=CANARIES[v.canary].m3) for v in verdicts]
     if args.json:
         atomic_write(args.json, json.dumps({"device": dev["device"], "jax": jax.__version__, "verdicts": rows}, indent=1))

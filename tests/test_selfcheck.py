@@ -165,6 +165,52 @@ def test_a_failing_path_bans_only_that_path(gpu, monkeypatch):
     assert verdicts.kernel_failure("decode_index_scores", block_size=64) is None
 
 
+def test_the_fp8_indexer_decode_asks_its_own_canary(gpu, monkeypatch):
+    # As above on an H100 stand-in, the canaries' runs replaced by stand-ins: every path agrees but the
+    # fp8 indexer's decode scoring at M3's path. The bf16 indexer keeps its decode kernels at block 128;
+    # the fp8 indexer over an fp8 index cache does not take them there (and does at block 64).
+    import dataclasses
+
+    from m3jax.cache import FP8_NAME
+    from m3jax.msa import kernels
+    from tests.conftest import tiny_text
+
+    gpu.update(device="NVIDIA H100 (sm_90)", target="sm_90a")
+    monkeypatch.setattr(_backend, "_target_override", _backend.HOPPER)
+    monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [verdicts.run_canary(c, dev) for c in cs])
+    broken = "decode_index_scores_fp8@b128-m128-n8"
+    for name, c in list(canaries.CANARIES.items()):
+        run = (lambda: (jnp.zeros(3), jnp.ones(3))) if name == broken else (lambda: (jnp.ones(3), jnp.ones(3)))
+        monkeypatch.setitem(canaries.CANARIES, name, dataclasses.replace(c, run=run))
+
+    def cfg(bs, **kw):
+        return tiny_text(num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_head_dim=64,
+                         index_block_size=bs, **kw)
+
+    fp8 = dict(index_score_dtype=FP8_NAME, index_cache_dtype=FP8_NAME)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.decode_unsupported_reason(cfg(128)) is None
+        assert kernels.decode_unsupported_reason(cfg(64, **fp8)) is None
+    with pytest.warns(RuntimeWarning, match=f"decode_index_scores_fp8 kernel failed its self-check at {broken}"):
+        assert broken in kernels.decode_unsupported_reason(cfg(128, **fp8))
+
+
+def test_a_path_the_target_lacks_is_na(gpu, monkeypatch, tmp_path, capsys):
+    # The fp8 indexer's decode scoring has no tcgen05 path: on the (fake) B200 its canaries do not run
+    # and their verdicts are "n/a", which the command line does not count as a failure but which keeps
+    # the kernel unused (the model refuses that config there before it asks).
+    monkeypatch.setattr(verdicts, "run_isolated", lambda cs, dev: [verdicts.run_canary(c, dev) for c in cs])
+    out = tmp_path / "v.json"
+    assert selfcheck.main(["--kernels", "decode_index_scores_fp8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["verdicts"]
+    assert [(r["status"], r["max_error"]) for r in rows] == [("n/a", None), ("n/a", None)]
+    assert all("no e4m3 x e4m3 path" in r["error"] for r in rows)
+    assert "n/a" in capsys.readouterr().out
+    with pytest.warns(RuntimeWarning, match="decode_index_scores_fp8 kernel has no path at .* on NVIDIA B200"):
+        assert "no e4m3 x e4m3 path" in verdicts.kernel_failure("decode_index_scores_fp8", block_size=128)
+
+
 def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monkeypatch):
     # The real worker process: its first canary passes, the second one sleeps past a 3 s deadline (the
     # worker is killed), the third, in a new worker, ends its process. The model asks while tracing
@@ -237,7 +283,8 @@ def test_every_tcgen05_kernel_has_a_canary_at_m3s_tile_path():
     m3 = {c.kernel for c in canaries.CANARIES.values() if c.m3}
     assert {"index_scores", "sparse_attention_kv_major", "decode_index_scores", "sparse_decode_attention",
             "grouped_matmul"} <= m3
-    assert set(canaries.MSA_PREFILL_KERNELS + canaries.MSA_DECODE_KERNELS) <= set(canaries.KERNELS)
+    assert set(canaries.MSA_PREFILL_KERNELS + canaries.MSA_DECODE_KERNELS + canaries.FP8_INDEXER_PREFILL_KERNELS
+               + canaries.FP8_INDEXER_DECODE_KERNELS) <= set(canaries.KERNELS)
 
 
 def test_cli_runs_a_real_canary(tmp_path, monkeypatch, capsys):

@@ -109,8 +109,10 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
         return f"index_head_dim {cfg.index_head_dim} must be a multiple of 64 (128-byte swizzled index-key pages)"
     if cfg.head_dim % 64 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
-    # failing decode kernels: decode runs the prefill kernels over the gathered cache
-    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS, block_size=cfg.index_block_size)
+    # failing decode kernels (the e4m3 scoring's too under the fp8 indexer): decode runs the prefill
+    # kernels over the gathered cache
+    fp8 = canaries.FP8_INDEXER_DECODE_KERNELS if cfg.index_score_dtype != "bfloat16" else ()
+    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS, *fp8, block_size=cfg.index_block_size)
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):

@@ -46,7 +46,10 @@ TOLERANCES: dict[str, float | None] = {
     "sparse_attention_kv_major": TOL[("attention", "bfloat16")]["atol"],
     "sparse_attention_query_major": TOL[("attention", "bfloat16")]["atol"],
     "decode_index_scores": TOL[("index_scores", "bfloat16")]["atol"],
+    "decode_index_scores_fp8": TOL[("index_scores", "bfloat16")]["atol"],  # exact sums (see _decode_index_scores_fp8)
+    "decode_index_scores_registers": TOL[("index_scores", "bfloat16")]["atol"],
     "decode_select_fused": None,
+    "decode_select_registers": None,
     "sparse_decode_attention": TOL[("decode_attention", "bfloat16")]["atol"],
     "grouped_matmul": 1e-2,
 }
@@ -63,6 +66,8 @@ class Canary:
     m3: bool = False  # M3's own tile path
     # the block sizes (index_block_size) at which the model takes this path; None: every block size
     at_block: Callable[[int], bool] | None = None
+    # why this target has no such path (the model never takes it here: its verdict is "n/a"); None: it has
+    unsupported: Callable[[], str | None] | None = None
 
     @property
     def name(self) -> str:
@@ -192,7 +197,44 @@ def _decode_index_scores(seq_lens=(100, 200), **tile):
     return jnp.stack(runs[0]), jnp.stack(runs[1])
 
 
-def _decode_select_fused(seq_lens=(100, 900), **tile):
+def _decode_index_scores_fp8(seq_lens=(100, 200), **tile):
+    """The fp8 indexer's decode scoring (``score_dtype="float8_e4m3fn"``) over fp8 index pages taken as
+    stored (scale 1): as :func:`_index_scores_fp8`, entries in {-1, 0, 1} with a 1 in every query row,
+    so every query scale is 1/448 and a score's sum k 448 (|k| <= Hx) is exact in the e4m3 MMA and in
+    fp32; both sides apply the scales by the same fp32 multiplies."""
+    from m3jax.pallas import decode as D
+
+    c = _decode_case(np.random.default_rng(9), seq_lens, **tile)
+    rng = np.random.default_rng(10)
+    iq = _ints(rng, c["iq"].shape, -1, 1).at[..., 0].set(1)
+    ik = _ints(rng, c["ik"].shape, -1, 1).astype(jnp.float8_e4m3fn)
+    kw = dict(block_size=c["bs"], score_dtype="float8_e4m3fn")
+    return (D.decode_index_scores(iq, ik, c["pt"], c["sl"], **kw),
+            D.decode_index_scores(iq, ik, c["pt"], c["sl"], implementation="reference", **kw))
+
+
+def _no_fp8_decode_scores() -> str | None:
+    """Why this target has no e4m3 x e4m3 decode scoring (tcgen05: Hopper's wgmma path only), or None."""
+    from m3jax.pallas.decode import fp8_scores_unsupported_reason
+
+    return fp8_scores_unsupported_reason(jnp.float8_e4m3fn)
+
+
+def _decode_index_scores_registers(seq_lens=(100, 200), **tile):
+    """:func:`_decode_index_scores`'s fp8 pages with ``DecodeScoreConfig(fp8_convert="registers")`` (the
+    keys converted in wgmma's register A layout: Hopper on the GPU; interpret mode and tcgen05 convert
+    in SMEM), against the same reference."""
+    from m3jax.pallas import decode as D
+
+    c = _decode_case(np.random.default_rng(4), seq_lens, **tile)
+    ik, config = c["ik"].astype(jnp.float8_e4m3fn), D.DecodeScoreConfig(fp8_convert="registers")
+    return (D.decode_index_scores(c["iq"], ik, c["pt"], c["sl"], block_size=c["bs"], config=config),
+            D.decode_index_scores(c["iq"], ik, c["pt"], c["sl"], block_size=c["bs"], implementation="reference"))
+
+
+def _decode_select(seq_lens, fp8_convert: str, tile: dict):
+    """The fused decode selection over bf16 and fp8 e4m3 index-key pages (or, ``fp8_convert="registers"``,
+    the fp8 pages only: bf16 pages convert nothing), two context splits, against the reference."""
     from m3jax.pallas import decode as D
 
     c = _decode_case(np.random.default_rng(7), seq_lens, **tile)
@@ -200,11 +242,19 @@ def _decode_select_fused(seq_lens=(100, 900), **tile):
     # small-integer index queries and keys: exact scores with ties, so the ids (and their order) must match
     iq, ik = _ints(rng, c["iq"].shape, -1, 1), _ints(rng, c["ik"].shape, -1, 1)
     kw = {"block_size": c["bs"], "topk": 6, "local_blocks": 1, "init_blocks": 1, "force_in": (2,), "force_out": (1,)}
-    # bf16 and fp8 e4m3 index-key pages, two context splits
-    runs = [[D.decode_select_blocks(iq, pages, c["pt"], c["sl"], implementation=impl,
-                                    config=D.DecodeScoreConfig(num_splits=2), **kw)
-             for pages in (ik, ik.astype(jnp.float8_e4m3fn))] for impl in ("pallas", "reference")]
+    pages = [ik.astype(jnp.float8_e4m3fn)] if fp8_convert == "registers" else [ik, ik.astype(jnp.float8_e4m3fn)]
+    config = D.DecodeScoreConfig(num_splits=2, fp8_convert=fp8_convert)
+    runs = [[D.decode_select_blocks(iq, p, c["pt"], c["sl"], implementation=impl, config=config, **kw) for p in pages]
+            for impl in ("pallas", "reference")]
     return jnp.stack(runs[0]), jnp.stack(runs[1])
+
+
+def _decode_select_fused(seq_lens=(100, 900), **tile):
+    return _decode_select(seq_lens, "smem", tile)
+
+
+def _decode_select_registers(seq_lens=(100, 900), **tile):
+    return _decode_select(seq_lens, "registers", tile)
 
 
 def _sparse_decode_attention(seq_lens=(100, 200), **tile):
@@ -293,10 +343,28 @@ CANARIES: dict[str, Canary] = {
         Canary("decode_index_scores", "b128-m128-n8",
                lambda: _decode_index_scores((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
                at_block=lambda bs: bs % 128 == 0),
+        # the fp8 indexer's e4m3 x e4m3 decode scoring (TextConfig.index_score_dtype="float8_e4m3fn" over
+        # an fp8 index cache; Hopper only, "n/a" on tcgen05), the same two tiles
+        Canary("decode_index_scores_fp8", "b64-m64", _decode_index_scores_fp8, _DEC, at_block=lambda bs: bs % 128 != 0,
+               unsupported=_no_fp8_decode_scores),
+        Canary("decode_index_scores_fp8", "b128-m128-n8",
+               lambda: _decode_index_scores_fp8((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
+               at_block=lambda bs: bs % 128 == 0, unsupported=_no_fp8_decode_scores),
+        # fp8 pages converted in registers (opt-in: DecodeScoreConfig(fp8_convert="registers"); the model
+        # does not take it, so these verdicts keep nothing off the default SMEM conversion), both tiles
+        Canary("decode_index_scores_registers", "b64-m64", _decode_index_scores_registers, _DEC,
+               at_block=lambda bs: bs % 128 != 0),
+        Canary("decode_index_scores_registers", "b128-m128-n8",
+               lambda: _decode_index_scores_registers((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
+               at_block=lambda bs: bs % 128 == 0),
         # the fused decode selection (opt-in: TextConfig.msa_decode_select="fused"), the same two tiles
         Canary("decode_select_fused", "b64-m64", _decode_select_fused, _DEC, at_block=lambda bs: bs % 128 != 0),
         Canary("decode_select_fused", "b128-m128-n8", lambda: _decode_select_fused((100, 1500), bs=128, kh=4, hx=128),
                _DEC, m3=True, at_block=lambda bs: bs % 128 == 0),
+        Canary("decode_select_registers", "b64-m64", _decode_select_registers, _DEC, at_block=lambda bs: bs % 128 != 0),
+        Canary("decode_select_registers", "b128-m128-n8",
+               lambda: _decode_select_registers((100, 1500), bs=128, kh=4, hx=128), _DEC, m3=True,
+               at_block=lambda bs: bs % 128 == 0),
         Canary("sparse_decode_attention", "b64-h64-g8", _sparse_decode_attention, _DEC, at_block=_SMALL),
         Canary("sparse_decode_attention", "b128-h128-g16", lambda: _sparse_decode_attention((100, 300), **_M3_DECODE),
                _DEC, m3=True, at_block=_LARGE),
@@ -310,6 +378,7 @@ KERNELS = tuple(dict.fromkeys(c.kernel for c in CANARIES.values()))
 MSA_PREFILL_KERNELS = ("index_scores", "topk_blockmajor", "sparse_attention_kv_major")
 FP8_INDEXER_PREFILL_KERNELS = ("index_scores_fp8",)  # and, under the fp8 indexer, its score kernel
 MSA_DECODE_KERNELS = ("decode_index_scores", "topk_rowsplit", "topk_blockmajor", "sparse_decode_attention")
+FP8_INDEXER_DECODE_KERNELS = ("decode_index_scores_fp8",)  # and, under the fp8 indexer, its e4m3 scoring
 
 
 def of_kernel(kernel: str) -> list[Canary]:

@@ -7,9 +7,11 @@ first time the model asks for a kernel on a key with no verdict (:func:`kernel_f
 the model chooses kernels: ``m3jax.msa.kernels`` and ``m3jax.moe``), its canaries run in a worker
 process with a deadline (``$M3JAX_SELFCHECK_DEADLINE`` seconds each, default 180): a wrong barrier
 count never returns, and it must not become the model's hang. A canary past its deadline is killed
-and its verdict is "hung". A kernel is not used at a path whose canary fails or hangs, with one
-warning naming it and why; the model runs the reference path instead where it would take that path
-(the kernel's other paths stay in use: :func:`m3jax.pallas.canaries.paths_for`).
+and its verdict is "hung". A canary of a path the target does not have (``Canary.unsupported``: the
+fp8 indexer's decode scoring on tcgen05) is not run: its verdict is "n/a", no fault of the GPU's. A
+kernel is not used at a path whose canary fails, hangs or is "n/a", with one warning naming it and
+why; the model runs the reference path instead where it would take that path (the kernel's other
+paths stay in use: :func:`m3jax.pallas.canaries.paths_for`).
 
 Verdicts are kept as JSON in ``$M3JAX_CACHE_DIR/selfcheck.json`` (default
 ``~/.cache/m3jax/selfcheck.json``), so a new JAX, GPU, driver or an edited kernel runs its canaries
@@ -53,7 +55,7 @@ class Verdict:
     canary: str  # kernel@path
     target: str  # sm_90a / sm_100a / interpret
     device: str
-    status: str  # "pass" | "fail" | "hung"
+    status: str  # "pass" | "fail" | "hung" | "n/a" (the target has no such path: Canary.unsupported)
     max_error: float | None  # max |got - ref| (floats) or the number of differing entries (ids)
     seconds: float  # canary wall time, compilation included
     error: str | None = None
@@ -62,6 +64,12 @@ class Verdict:
     @property
     def passed(self) -> bool:
         return self.status == "pass"
+
+    @property
+    def sound(self) -> bool:
+        """Nothing wrong with the kernel here: it passed, or the target has no such path (the model never
+        takes it there, and a kernel_failure for it still says why)."""
+        return self.status in ("pass", "n/a")
 
     @property
     def kernel(self) -> str:
@@ -152,6 +160,8 @@ def _first_line(e: BaseException) -> str:
 
 def run_canary(canary: Canary, dev: dict) -> Verdict:
     """Run one canary in this process (the worker's job; tests call it directly)."""
+    if canary.unsupported is not None and (why := canary.unsupported()):
+        return Verdict(canary.name, dev["target"], dev["device"], "n/a", None, 0.0, why)
     interpret = dev["target"] == "interpret"
     t0 = time.perf_counter()
     status, err, why = "fail", None, None
@@ -300,6 +310,8 @@ _WARNED: set[str] = set()
 
 
 def _why(kernel: str, v: Verdict) -> str:
+    if v.status == "n/a":
+        return f"the {kernel} kernel has no path at {v.canary} on {v.device} ({v.error})"
     what = "hung in" if v.status == "hung" else "failed"
     return f"the {kernel} kernel {what} its self-check at {v.canary} on {v.device} ({v.error})"
 
