@@ -28,7 +28,7 @@ import pytest
 from m3jax.pallas import _backend
 
 S = jax.ShapeDtypeStruct
-BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+BF16, F32, I32, FP8 = jnp.bfloat16, jnp.float32, jnp.int32, jnp.float8_e4m3fn
 T, CTX, BS, TOPK, HI, G, H = 256, 8192, 128, 16, 4, 16, 128
 NB = CTX // BS
 
@@ -77,6 +77,24 @@ def _decode_index_scores():
             (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), BF16), S((2, NB), I32), S((2,), I32)))
 
 
+def _decode_index_scores_fp8():  # the fp8 indexer: e4m3 queries against the e4m3 pages as stored
+    from m3jax.pallas.decode import decode_index_scores
+
+    return (lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, score_dtype="float8_e4m3fn"),
+            (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), FP8), S((2, NB), I32), S((2,), I32)))
+
+
+def _decode_registers(select: bool):  # bf16 queries, fp8 pages converted in registers (opt-in)
+    from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores, decode_select_blocks
+
+    cfg = DecodeScoreConfig(fp8_convert="registers")
+    if select:
+        f = lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK, config=cfg)
+    else:
+        f = lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, config=cfg)
+    return f, (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), FP8), S((2, NB), I32), S((2,), I32))
+
+
 def _sparse_decode_attention():
     from m3jax.pallas.decode import sparse_decode_attention
 
@@ -109,6 +127,9 @@ KERNELS = {
     "sparse_attention_query_major": (lambda: _sparse_attention("query_major"), True),
     "decode_index_scores": (_decode_index_scores, True),
     "decode_select_fused": (_decode_select_fused, True),
+    "decode_index_scores_fp8": (_decode_index_scores_fp8, True),
+    "decode_index_scores_registers": (lambda: _decode_registers(select=False), True),
+    "decode_select_registers": (lambda: _decode_registers(select=True), True),
     "sparse_decode_attention": (_sparse_decode_attention, True),
     "grouped_matmul": (_grouped_matmul, True),
 }
@@ -117,7 +138,10 @@ KERNELS = {
 # kernels with a Blackwell variant (tcgen05 into TMEM), chosen through current_target().mma (the fused
 # decode selection's is the fallback: the Blackwell decode scoring kernel, then the top-k kernel)
 BLACKWELL_VARIANTS = {"index_scores", "index_scores_fp8", "index_topk_fused", "sparse_attention_kv_major",
-                      "decode_index_scores", "decode_select_fused", "sparse_decode_attention", "grouped_matmul"}
+                      "decode_index_scores", "decode_select_fused", "sparse_decode_attention", "grouped_matmul",
+                      "decode_index_scores_registers", "decode_select_registers"}
+# kernels with no Blackwell path at all (their canaries' verdict there is "n/a")
+NO_BLACKWELL_PATH = {"decode_index_scores_fp8"}
 
 
 # tcgen05.fence::before_thread_sync per kernel at M3's shapes: one per hand-off of TMEM from the
@@ -168,6 +192,8 @@ def test_lowers_for_sm100a(mosaic_modules):
     with _backend.lowering_for(target):
         assert _backend.current_target() is target
         for name, (make, mma) in KERNELS.items():
+            if name in NO_BLACKWELL_PATH:
+                continue
             start = len(mosaic_modules)
             f, args = make()
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
