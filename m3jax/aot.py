@@ -549,11 +549,12 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
     staged here before any fork, so that what a trace computes once per process (the kernels'
     self-check verdicts) is computed once and inherited. Each lowered program goes as soon as it is
     ready to one of up to ``threads`` worker threads (default :func:`compile_threads`) for XLA's
-    compile, which releases the GIL. Then each is written to the disk cache and kept in memory, in order. Returns the programs'
-    calls in the order given; a program listed twice is compiled once. ``timing`` (a dict) gets the
-    seconds of the three phases: ``stage_s`` (staging every program, XLA compiling beside it),
-    ``xla_s`` (the compiles still running after that) and ``finish_s`` (written to disk; programs that
-    cannot be exported are compiled here), and ``forked``, the programs a child process exported."""
+    compile, which releases the GIL. Then each is written to the disk cache and kept in memory, in
+    order. Returns the programs' calls in the order given; a program listed twice is compiled once.
+    ``timing`` (a dict) gets the seconds of the three phases: ``stage_s`` (staging every program, XLA
+    compiling beside it), ``xla_s`` (the compiles still running after that) and ``finish_s`` (written
+    to disk; programs that cannot be exported are compiled here), and ``forked``, the programs a child
+    process exported."""
     t0 = time.perf_counter()
     staged: dict[str, _Staged] = {}
     order = []
