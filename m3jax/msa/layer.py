@@ -325,8 +325,9 @@ def _in_place(v: Variant, cfg: M3Config, q, sparse: bool) -> bool:
         # A gathered decode step reads the whole key window, not the index pages and 16 blocks: at 1M it
         # is an order of magnitude slower, which a research setting must not hide.
         _FALLBACK_WARNED.add(reason)
-        warnings.warn(f"MSA decode gathers the paged cache every step and runs the prefill path over it, instead of "
-                      f"reading the pages in place: {reason}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"{'MSA' if sparse else 'full-attention'} decode gathers the paged cache every step and runs "
+                      f"the prefill path over it, instead of reading the pages in place: {reason}", RuntimeWarning,
+                      stacklevel=3)
     return reason is None
 
 
