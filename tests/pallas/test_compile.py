@@ -140,13 +140,10 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32))})
-# fp8 e4m3 index pages (index_cache_dtype) at M3's decode shapes: the keys converted into an SMEM page or
-# (DecodeScoreConfig.fp8_convert="registers", Hopper) in registers as the wgmma A operand, which only
-# the GPU and this compile check run (interpret mode converts in SMEM)
-CASES.update({f"m3 {kernel} fp8 {convert}": (kernel, lambda k=kernel, c=convert: _m3_decode_fp8(k, c))
-              for kernel in ("decode_index_scores", "decode_select_fused") for convert in ("smem", "registers")})
-# the fp8 indexer's decode scoring over those pages (e4m3 x e4m3, the page as loaded the wgmma's A; Hopper only)
-CASES["m3 decode_index_scores fp8 indexer"] = ("decode_index_scores", lambda: _m3_decode_fp8_indexer())
+# fp8 e4m3 index pages (index_cache_dtype) at M3's decode shapes, converted into an SMEM page (the
+# default; KERNELS has the register-A conversion and the fp8 indexer's e4m3 x e4m3 scoring)
+CASES.update({f"m3 {kernel} fp8 smem": (kernel, lambda k=kernel: _m3_decode_fp8(k))
+              for kernel in ("decode_index_scores", "decode_select_fused")})
 # the 256-row tiles (bf16's prefill tile, MXFP8's opt-in), alone and on two-CTA clusters (GroupedMatmulConfig.cluster;
 # opt-in; Hopper only), 8192 tokens
 _ROWS256 = dict(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
@@ -175,30 +172,16 @@ def _fp8_test(fused: bool):
     return (lambda iq, ik, p: index_block_scores(iq, ik, p, config=t.CFG, **kw), args)
 
 
-def _m3_decode_fp8(kernel: str, convert: str):
+def _m3_decode_fp8(kernel: str):
     """The decode index scoring or the fused selection (``kernel``) over fp8 e4m3 index pages, at
     test_lowering.py's decode shapes (two requests of 8192 tokens, bf16 queries), the keys converted
-    as ``convert`` says."""
-    from m3jax.pallas.decode import DecodeScoreConfig, decode_index_scores, decode_select_blocks
+    in SMEM."""
+    from m3jax.pallas.decode import decode_index_scores, decode_select_blocks
 
-    config = DecodeScoreConfig(fp8_convert=convert)
     args = (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), jnp.float8_e4m3fn), S((2, NB), I32), S((2,), I32))
     if kernel == "decode_index_scores":
-        return lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, config=config), args
-    return (lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK, config=config),
-            args)
-
-
-def _m3_decode_fp8_indexer():
-    """The decode index scoring under the fp8 indexer (``score_dtype="float8_e4m3fn"``) at
-    :func:`_m3_decode_fp8`'s shapes; None where the target has no e4m3 x e4m3 decode scoring (tcgen05)."""
-    from m3jax.pallas.decode import decode_index_scores, fp8_scores_unsupported_reason
-
-    if fp8_scores_unsupported_reason(jnp.float8_e4m3fn):
-        return None
-    args = (S((2, 1, HI, H), BF16), S((2 * NB, BS, H), jnp.float8_e4m3fn), S((2, NB), I32), S((2,), I32))
-    return (lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS, score_dtype="float8_e4m3fn"),
-            args)
+        return lambda iq, ik, pt, sl: decode_index_scores(iq, ik, pt, sl, block_size=BS), args
+    return lambda iq, ik, pt, sl: decode_select_blocks(iq, ik, pt, sl, block_size=BS, topk=TOPK), args
 
 
 def _gmm_config(**kw):
