@@ -317,6 +317,8 @@ def _dirs(*ops: str) -> tuple[Path, ...]:
 # M3's tiles: block 128, head dim and index head dim 128, G 16 query heads per KV head, 4 index heads.
 _M3_DECODE = {"bs": 128, "kh": 1, "n": 16, "h": 128, "hx": 128}
 _SMALL, _LARGE = (lambda bs: bs < 128), (lambda bs: bs >= 128)  # a kernel's block-64 and block-128 paths
+# the decode scoring's paths: 64-row page tiles unless the block is a multiple of 128 (block 192: three)
+_DEC_M64, _DEC_M128 = (lambda bs: bs % 128 != 0), (lambda bs: bs % 128 == 0)
 _IDX, _TOPK, _ATT, _DEC, _GMM = (_dirs("index_scores", "topk"), _dirs("topk"), _dirs("sparse_attention"),
                                  _dirs("decode"), _dirs("grouped_matmul"))
 
@@ -339,32 +341,32 @@ CANARIES: dict[str, Canary] = {
                at_block=_LARGE),
         Canary("sparse_attention_query_major", "b64-h64-g8", lambda: _sparse_attention("query_major"), _ATT),
         # M = 64 with half-lane TMEM reads and 32-byte swizzles (block 64), M = 128 with N = 8 (M3)
-        Canary("decode_index_scores", "b64-m64", _decode_index_scores, _DEC, at_block=lambda bs: bs % 128 != 0),
+        Canary("decode_index_scores", "b64-m64", _decode_index_scores, _DEC, at_block=_DEC_M64),
         Canary("decode_index_scores", "b128-m128-n8",
                lambda: _decode_index_scores((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
-               at_block=lambda bs: bs % 128 == 0),
+               at_block=_DEC_M128),
         # the fp8 indexer's e4m3 x e4m3 decode scoring (TextConfig.index_score_dtype="float8_e4m3fn" over
         # an fp8 index cache; Hopper only, "n/a" on tcgen05), the same two tiles
-        Canary("decode_index_scores_fp8", "b64-m64", _decode_index_scores_fp8, _DEC, at_block=lambda bs: bs % 128 != 0,
+        Canary("decode_index_scores_fp8", "b64-m64", _decode_index_scores_fp8, _DEC, at_block=_DEC_M64,
                unsupported=_no_fp8_decode_scores),
         Canary("decode_index_scores_fp8", "b128-m128-n8",
                lambda: _decode_index_scores_fp8((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
-               at_block=lambda bs: bs % 128 == 0, unsupported=_no_fp8_decode_scores),
+               at_block=_DEC_M128, unsupported=_no_fp8_decode_scores),
         # fp8 pages converted in registers (opt-in: DecodeScoreConfig(fp8_convert="registers"); the model
         # does not take it, so these verdicts keep nothing off the default SMEM conversion), both tiles
         Canary("decode_index_scores_registers", "b64-m64", _decode_index_scores_registers, _DEC,
-               at_block=lambda bs: bs % 128 != 0),
+               at_block=_DEC_M64),
         Canary("decode_index_scores_registers", "b128-m128-n8",
                lambda: _decode_index_scores_registers((100, 300), bs=128, kh=4, hx=128), _DEC, m3=True,
-               at_block=lambda bs: bs % 128 == 0),
+               at_block=_DEC_M128),
         # the fused decode selection (opt-in: TextConfig.msa_decode_select="fused"), the same two tiles
-        Canary("decode_select_fused", "b64-m64", _decode_select_fused, _DEC, at_block=lambda bs: bs % 128 != 0),
+        Canary("decode_select_fused", "b64-m64", _decode_select_fused, _DEC, at_block=_DEC_M64),
         Canary("decode_select_fused", "b128-m128-n8", lambda: _decode_select_fused((100, 1500), bs=128, kh=4, hx=128),
-               _DEC, m3=True, at_block=lambda bs: bs % 128 == 0),
-        Canary("decode_select_registers", "b64-m64", _decode_select_registers, _DEC, at_block=lambda bs: bs % 128 != 0),
+               _DEC, m3=True, at_block=_DEC_M128),
+        Canary("decode_select_registers", "b64-m64", _decode_select_registers, _DEC, at_block=_DEC_M64),
         Canary("decode_select_registers", "b128-m128-n8",
                lambda: _decode_select_registers((100, 1500), bs=128, kh=4, hx=128), _DEC, m3=True,
-               at_block=lambda bs: bs % 128 == 0),
+               at_block=_DEC_M128),
         Canary("sparse_decode_attention", "b64-h64-g8", _sparse_decode_attention, _DEC, at_block=_SMALL),
         Canary("sparse_decode_attention", "b128-h128-g16", lambda: _sparse_decode_attention((100, 300), **_M3_DECODE),
                _DEC, m3=True, at_block=_LARGE),
