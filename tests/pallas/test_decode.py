@@ -159,3 +159,13 @@ def test_union_pages():
     np.testing.assert_array_equal(np.asarray(physical[0, 0, :3]), [105, 102, 107])
     np.testing.assert_array_equal(np.asarray(bits[0, 0, :3]), [3, 3, 2])
     assert (np.asarray(logical[0, 0, 3:]) == -1).all()
+    # one token: its list as it stands, empty slots included, no sort
+    logical, physical, bits, count = jax.jit(union_pages)(bidx[:, :, 1:], pt)
+    np.testing.assert_array_equal(np.asarray(logical[0, 0]), [2, 7, 5])
+    np.testing.assert_array_equal(np.asarray(physical[0, 0]), [102, 107, 105])
+    np.testing.assert_array_equal(np.asarray(bits[0, 0]), [1, 1, 1])
+    logical, physical, bits, count = jax.jit(union_pages)(bidx[:, :, :1], pt)
+    np.testing.assert_array_equal(np.asarray(logical[0, 0]), [5, 2, -1])
+    np.testing.assert_array_equal(np.asarray(physical[0, 0]), [105, 102, 0])
+    np.testing.assert_array_equal(np.asarray(bits[0, 0]), [1, 1, 0])
+    assert int(count[0, 0]) == 2

@@ -35,8 +35,9 @@ position ``seq_lens[b] - Q + i``.
    several draft tokens is read once (the verify-as-decode fix, docs/KERNELS.md §2.6 item 2). Pages are loaded
    by TMA through the page table (``emit_pipeline``), online softmax in fp32 (exp2, log2 e folded in
    the scale), masked by token bitmask and ``key pos <= query pos`` (which implies ``< seq_len``).
-   Each split writes a normalised fp32 partial output and its natural-log LSE; the LSE merge of
-   docs/MSA.md §1.5 runs in XLA (tiny: ``splits x rows x H``). Rows without any visible key give 0.
+   Each split writes a normalised fp32 partial output (its real query rows only) and its natural-log
+   LSE; the LSE merge of docs/MSA.md §1.5 runs in XLA (tiny: ``splits x rows x H``). Rows without any
+   visible key give 0.
    The pipeline length is static (``ceil(Q * topk / splits)`` union entries per split): with a
    dynamic step count ``emit_pipeline`` puts the (acc, m, l) register carries in a while loop, which
    Mosaic GPU (jax 0.11.2) cannot lower. Padding entries (the union is shorter than ``Q * topk`` when
@@ -435,12 +436,19 @@ def union_pages(block_idx: jax.Array, page_table: jax.Array):
     Returns:
       (logical [B, K, U], physical [B, K, U], token_bits [B, K, U], count [B, K]) with U = Q * topk;
       the first ``count`` entries are the distinct valid blocks (in first-selection order), the rest
-      are padding (logical -1, physical page 0, bits 0).
+      are padding (logical -1, physical page 0, bits 0). For Q = 1 the token's list is taken as it
+      is, its empty slots where they stand: a selection never lists a block twice, and the O(U^2)
+      comparison and the sort below would cost more than the attention itself at a full-attention
+      layer's U (every visible block, 8,192 at 1M).
     """
     b, kh, q, topk = block_idx.shape
     u = q * topk
     flat = block_idx.reshape(b, kh, u).astype(jnp.int32)
     valid = flat >= 0
+    if q == 1:
+        physical = jnp.take_along_axis(page_table[:, None, :].astype(jnp.int32), jnp.maximum(flat, 0), axis=-1)
+        return (jnp.where(valid, flat, -1), jnp.where(valid, physical, 0), valid.astype(jnp.int32),
+                jnp.sum(valid, axis=-1).astype(jnp.int32))
     eq = (flat[..., :, None] == flat[..., None, :]) & valid[..., :, None] & valid[..., None, :]
     e = jnp.arange(u)
     first = valid & ~jnp.any(eq & (e[None, :] < e[:, None]), axis=-1)
@@ -598,13 +606,14 @@ def step_operands(plan: AttentionPlan, kv_and_carry):
 
 def store_split(plan: AttentionPlan, fill_o, lse, o_gmem, lse_gmem, bi, hk, si) -> None:
     """This split's normalised output and LSE to GMEM by TMA; ``fill_o(o_smem)`` writes the output
-    into the fp32 [M_pad, H] staging tile."""
+    into the fp32 [M_pad, H] staging tile, of which only the ``rows`` real query rows are stored (a
+    quarter of the tile for M3's 16 heads per group: the merge reads what is written)."""
 
     def store(o_smem, lse_smem):
         fill_o(o_smem)
         lse_smem[...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[bi, hk, si])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, plan.rows)], o_gmem.at[bi, hk, si])
         plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[bi, hk, si])
         plgpu.wait_smem_to_gmem(0)
 
@@ -649,7 +658,7 @@ def attention_call(plan: AttentionPlan, body, scratch: list, seq_lens, interpret
         body,
         interpret=interpret,
         out_type=(
-            jax.ShapeDtypeStruct((b, kh, plan.splits, plan.m_pad, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, rows, h), jnp.float32),
             jax.ShapeDtypeStruct((b, kh, plan.splits, plan.m_pad), jnp.float32),
         ),
         scratch_types=scratch,
@@ -658,12 +667,11 @@ def attention_call(plan: AttentionPlan, body, scratch: list, seq_lens, interpret
     )
     o_part, lse_part = kern(*plan.q_parts, *plan.k_parts, *plan.v_parts, plan.logical, plan.physical, plan.bits,
                             seq_lens.astype(jnp.int32))
-    out, lse = combine_splits(o_part, lse_part)  # [B, K, M_pad, H], [B, K, M_pad]
-    out = out[:, :, :rows].reshape(b, kh, nq, g, h)
-    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, nq, plan.n, h).astype(out_dtype)
+    out, lse = combine_splits(o_part, lse_part[..., :rows])  # [B, K, rows, H], [B, K, rows]
+    out = jnp.transpose(out.reshape(b, kh, nq, g, h), (0, 2, 1, 3, 4)).reshape(b, nq, plan.n, h).astype(out_dtype)
     if not return_lse:
         return out
-    lse = jnp.transpose(lse[:, :, :rows].reshape(b, kh, nq, g), (0, 2, 1, 3)).reshape(b, nq, plan.n)
+    lse = jnp.transpose(lse.reshape(b, kh, nq, g), (0, 2, 1, 3)).reshape(b, nq, plan.n)
     return out, lse
 
 
