@@ -293,13 +293,44 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     k, e = cfg.num_experts_per_tok, cfg.num_local_experts
     ids, w = route(x, p, cfg)
     flat_ids = ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
+    order, group_sizes = expert_order(flat_ids, e)
     token = order // k
-    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
     ys, shared = expert_mlps(x[token], group_sizes, x, p, cfg, impl)
     ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-    routed = jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(ys)
+    routed = sum_rows(ys, token, t)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
+
+
+# Up to this many (token, slot) pairs (a decode step: batch x experts per token) the pairs are ordered by
+# comparing all of them with all (elementwise, fused by XLA) instead of a sort, a bincount and a
+# scatter-add (three small launches each, on the GPU, about as long as a launch of the gemv itself).
+FEW_PAIRS = 64
+
+
+def expert_order(flat_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order int32 [P]: the pairs sorted by expert id, stable; group_sizes int32 [E]: pairs per expert)
+    of the expert ids ``flat_ids`` int32 [P]. Up to :data:`FEW_PAIRS` pairs by pairwise comparison: the
+    rank of pair i is the number of pairs before it in (expert, position) order, the same permutation
+    as the stable sort."""
+    n = flat_ids.shape[0]
+    if n > FEW_PAIRS:
+        return (jnp.argsort(flat_ids, stable=True).astype(jnp.int32),
+                jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32))
+    pos = jnp.arange(n, dtype=jnp.int32)
+    a, b = flat_ids[:, None], flat_ids[None, :]  # [i, j]
+    rank = jnp.sum((b < a) | ((b == a) & (pos[None, :] < pos[:, None])), axis=1, dtype=jnp.int32)
+    order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1, dtype=jnp.int32)
+    sizes = jnp.sum(flat_ids[None, :] == jnp.arange(num_experts, dtype=flat_ids.dtype)[:, None], axis=1,
+                    dtype=jnp.int32)
+    return order, sizes
+
+
+def sum_rows(ys: jax.Array, token: jax.Array, t: int) -> jax.Array:
+    """fp32 [t, D]: row r of ``ys`` [P, D] added into row ``token[r]``. Up to :data:`FEW_PAIRS` rows as one
+    masked reduction, not a scatter launch."""
+    if ys.shape[0] > FEW_PAIRS:
+        return jnp.zeros((t, ys.shape[1]), jnp.float32).at[token].add(ys)
+    return jnp.sum(jnp.where((token[None, :] == jnp.arange(t)[:, None])[..., None], ys[None], 0.0), axis=1)
 
 
 def moe_dense_reference(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
@@ -383,7 +414,7 @@ def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = MODE
         t = xl.shape[0]
         ids, w = route(xl, {"router": router, "router_bias": bias}, cfg)
         flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
+        order, _ = expert_order(flat, cfg.num_local_experts)
         token = order // k
         sorted_ids = flat[order]
         dest = sorted_ids // e_loc
@@ -400,13 +431,12 @@ def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = MODE
         xs = _exchange(xl[token], jnp.zeros((cap, d), xl.dtype), in_off, send, out_off, recv, axis_name=axis)
         lid = _exchange((sorted_ids - dest * e_loc).astype(jnp.int32), jnp.full((cap,), e_loc, jnp.int32),
                         in_off, send, out_off, recv, axis_name=axis)
-        o2 = jnp.argsort(lid, stable=True)
-        sizes = jnp.bincount(lid, length=e_loc).astype(jnp.int32)
+        o2, sizes = expert_order(lid, e_loc)  # the empty slots (id e_loc) last, in no group
         ys = grouped_expert_mlp(xs[o2], sizes, {"gate": gate, "up": up, "down": down}, cfg, impl)
         ys = jnp.zeros_like(ys).at[o2].set(ys)
         ys = _exchange(ys, jnp.zeros((t * k, d), ys.dtype), recv_off, recv, back_off, send, axis_name=axis)
         ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-        return jnp.zeros((t, d), jnp.float32).at[token].add(ys)
+        return sum_rows(ys, token, t)
 
     tok = P(token_axes, None)
     routed = jax.shard_map(

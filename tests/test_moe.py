@@ -6,7 +6,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from m3jax.moe import moe_dense_reference, moe_sorted, route
+from m3jax.moe import FEW_PAIRS, expert_order, moe_dense_reference, moe_sorted, route, sum_rows
 from m3jax.params import init_random
 from tests.conftest import assert_close, tiny_config
 
@@ -15,11 +15,31 @@ def _moe_params(cfg, dtype=jnp.float32):
     return init_random(cfg, seed=5, dtype=dtype, scale=0.3)["text"]["layers"][1]["moe"]
 
 
+@pytest.mark.parametrize("pairs", [1, 8, FEW_PAIRS, FEW_PAIRS + 1, 300])
+def test_expert_order_is_the_stable_sort(pairs):
+    # Machine: any. Few pairs are ranked by comparison, many sorted: both give numpy's stable argsort and
+    # bincount, ties (repeated experts) and ids past the last expert (the expert-parallel empty slots,
+    # in no group) included.
+    rng = np.random.default_rng(pairs)
+    e = 6
+    ids = rng.integers(0, e + 1, size=pairs).astype(np.int32)
+    order, sizes = expert_order(jnp.asarray(ids), e)
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(ids, kind="stable"))
+    np.testing.assert_array_equal(np.asarray(sizes), np.bincount(ids, minlength=e + 1)[:e])
+    ys = rng.normal(size=(pairs, 5)).astype(np.float32)
+    token = rng.integers(0, 3, size=pairs).astype(np.int32)
+    want = np.zeros((3, 5), np.float32)
+    np.add.at(want, token, ys)
+    np.testing.assert_allclose(np.asarray(sum_rows(jnp.asarray(ys), jnp.asarray(token), 3)), want, rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 53])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sorted_equals_dense_reference(dtype):
+def test_sorted_equals_dense_reference(dtype, tokens):
     cfg = tiny_config()
     p = _moe_params(cfg, jnp.dtype(dtype))
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(53, cfg.text.hidden_size)), dtype)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(tokens, cfg.text.hidden_size)), dtype)
     got = moe_sorted(x, p, cfg.text)
     ref = moe_dense_reference(x, p, cfg.text)
     assert got.dtype == x.dtype
