@@ -17,8 +17,9 @@ always times its cuDNN baseline first, so its ratios are never missing.
 ``MSA_BENCH_CTX=131072,1048576`` / ``MSA_BENCH_BATCH=1,8``: the contexts / batches to run (default both).
 
 ``model_decode_step`` rows time the model's own decode path (``m3jax.msa.kernels.decode``) with the
-index-key pages in bf16 and in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, same keys rounded);
-``ratio`` there = bf16 ms / fp8 ms (> 1: fp8 index keys make the step faster).
+index-key pages in bf16, in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, same keys rounded), and in
+fp8 under the fp8 indexer (``index_score_dtype="float8_e4m3fn"`` too: e4m3 x e4m3 scoring); ``ratio``
+there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in the notes.
 
 The fused paged selection (``m3jax.pallas.decode.decode_select_blocks``: one launch for scores, block
 max and each context split's top-k, then the merge of the splits' lists; the model's
@@ -31,8 +32,8 @@ and the fused row's notes give separate ms / fused ms. ``MSA_BENCH_FUSED_ONLY=1`
 and cuDNN (a shorter run). ``MSA_BENCH_FUSED_WAVES=1,2`` / ``MSA_BENCH_FUSED_STAGES=2,4``: time the
 fused selection with each of those waves of context splits and page loads in flight
 (``DecodeScoreConfig.waves`` / ``.stages``; rows ``fused[waves=w,stages=s]``, naming what differs from
-the default config, whose row is ``fused``). The selection rows' notes list each launch's median time
-(Mosaic kernels and XLA fusions by CUPTI name): the fused selection is its kernel, the merge of the
+the default config, whose row is ``fused``). The selection and step rows' notes list each launch's median
+time (Mosaic kernels and XLA fusions by CUPTI name): the fused selection is its kernel, the merge of the
 splits' lists in the top-k kernel and the XLA reshapes around it.
 """
 
@@ -181,7 +182,7 @@ def bench(report) -> None:
                           parts=True)
                 for mode, f in steps.items():
                     timed(f"decode_step[{name}]", mode, nbytes + kv_bytes, lambda *a, f=f: f(*a)[0],
-                          q, iq, kp, vp, pages, pt, sl)
+                          q, iq, kp, vp, pages, pt, sl, parts=True)
                 del pages
 
             model_ms = {}
@@ -195,17 +196,20 @@ def bench(report) -> None:
                       want=bidx)
                 timed("sparse_attention", "pallas", kv_bytes, attn, q, kp, vp, pt, bidx, sl)
                 timed("decode_step", "pallas", idx_bytes + kv_bytes, jax.jit(functools.partial(step, "pallas")),
-                      q, iq, kp, vp, ikp, pt, sl)
+                      q, iq, kp, vp, ikp, pt, sl, parts=True)
                 timed("decode_step", "xla_reference", idx_bytes + kv_bytes,
                       jax.jit(functools.partial(step, "reference")), q, iq, kp, vp, ikp, pt, sl)
-                for name, pages, nbytes in (("bfloat16", ikp, idx_bytes),
-                                            ("float8_e4m3fn", ikp.astype(jnp.float8_e4m3fn), idx_bytes // 2)):
-                    cfg = dataclasses.replace(M3_TEXT, index_cache_dtype=name)
+                fp8_pages = ikp.astype(jnp.float8_e4m3fn)
+                for name, score, pages, nbytes in (("bfloat16", "bfloat16", ikp, idx_bytes),
+                                                   ("float8_e4m3fn", "bfloat16", fp8_pages, idx_bytes // 2),
+                                                   ("float8_e4m3fn", "float8_e4m3fn", fp8_pages, idx_bytes // 2)):
+                    cfg = dataclasses.replace(M3_TEXT, index_cache_dtype=name, index_score_dtype=score)
                     model = jax.jit(lambda q, iq, kp, vp, ik, pt, cfg=cfg: kernels.decode(
                         q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg)[0])
-                    timed(f"model_decode_step[index {name}]", "pallas", nbytes + kv_bytes, model,
-                          q, iq, kp, vp, pages, pt)
-                    model_ms[name] = rows[-1][2]
+                    label = f"index {name}" + (", fp8 indexer" if score != "bfloat16" else "")
+                    timed(f"model_decode_step[{label}]", "pallas", nbytes + kv_bytes, model,
+                          q, iq, kp, vp, pages, pt, parts=True)
+                    model_ms[label] = rows[-1][2]
             ms_of = {(op, impl): t for op, impl, t, _, _ in rows}
 
             for op, impl, t, nbytes, note in rows:
@@ -225,7 +229,8 @@ def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: 
             note += f"separate_ms / fused_ms = {sep / t:.3g}; "
         return t_dense / t, cudnn, note
     if op.startswith("model_decode_step"):
-        return model_ms["bfloat16"] / t, cudnn, "ratio = bf16-index ms / ms; "
+        return (model_ms["index bfloat16"] / t, cudnn,
+                f"ratio = bf16-index ms / ms; cudnn_ms / ms = {t_dense / t:.3g}; ")
     if op.startswith("selection[") and impl.startswith("fused"):
         pair = ms_of.get((op, "scores+topk"), float("nan"))
         return (pair / t, f"scores+topk kernels {pair:.4f} ms",
