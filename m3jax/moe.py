@@ -284,7 +284,8 @@ def _shared_leads(configs: tuple, t: int, ps: dict) -> tuple[tuple, bool]:
 
 
 def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> jax.Array:
-    """MoE over x [T, D] -> [T, D]: sort (token, slot) pairs by expert, grouped matmul, weighted scatter-add.
+    """MoE over x [T, D] -> [T, D]: (token, slot) pairs sorted by expert, grouped matmul, weighted sum per
+    token.
 
     ``impl``: the grouped matmul (``M3Config.moe_impl``)."""
     if expert_parallel_axis(cfg) is not None:  # a mesh with an expert axis is active (m3jax.sharding)
@@ -303,7 +304,7 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
 
 # Up to this many (token, slot) pairs (a decode step: batch x experts per token) the pairs are ordered by
 # comparing all of them with all (elementwise, fused by XLA) instead of a sort, a bincount and a
-# scatter-add (three small launches each, on the GPU, about as long as a launch of the gemv itself).
+# scatter-add, GPU launches of a few microseconds each (benchmarks/RESULTS.md#m3-width-1m-2026-12-06d).
 FEW_PAIRS = 64
 
 
@@ -396,7 +397,7 @@ def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = MODE
     by expert (= by destination device), sends each device its rows with one ragged all-to-all (counts
     exchanged first, receive buffer sized for the worst case n * t * min(k, E/n) rows, so no token is
     ever dropped), runs its local experts as one grouped matmul, and sends the rows back along the
-    reverse offsets; the weighted scatter-add and the shared expert are as in :func:`moe_sorted`.
+    reverse offsets; the weighted sum per token and the shared expert are as in :func:`moe_sorted`.
     """
     mesh = jax.sharding.get_abstract_mesh()
     n = mesh.shape[axis]
