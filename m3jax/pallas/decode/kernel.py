@@ -437,9 +437,9 @@ def union_pages(block_idx: jax.Array, page_table: jax.Array):
       (logical [B, K, U], physical [B, K, U], token_bits [B, K, U], count [B, K]) with U = Q * topk;
       the first ``count`` entries are the distinct valid blocks (in first-selection order), the rest
       are padding (logical -1, physical page 0, bits 0). For Q = 1 the token's list is taken as it
-      is, its empty slots where they stand: a selection never lists a block twice, and the O(U^2)
-      comparison and the sort below would cost more than the attention itself at a full-attention
-      layer's U (every visible block, 8,192 at 1M).
+      is, its empty slots where they stand: a selection never lists a block twice, and at a
+      full-attention layer's U (every visible block, 8,192 at 1M) the O(U^2) comparison and the
+      sort below took 18 % of the decode step (benchmarks/RESULTS.md#m3-width-1m-2026-12-06d).
     """
     b, kh, q, topk = block_idx.shape
     u = q * topk
@@ -668,7 +668,8 @@ def attention_call(plan: AttentionPlan, body, scratch: list, seq_lens, interpret
     o_part, lse_part = kern(*plan.q_parts, *plan.k_parts, *plan.v_parts, plan.logical, plan.physical, plan.bits,
                             seq_lens.astype(jnp.int32))
     out, lse = combine_splits(o_part, lse_part[..., :rows])  # [B, K, rows, H], [B, K, rows]
-    out = jnp.transpose(out.reshape(b, kh, nq, g, h), (0, 2, 1, 3, 4)).reshape(b, nq, plan.n, h).astype(out_dtype)
+    out = jnp.transpose(out.reshape(b, kh, nq, g, h), (0, 2, 1, 3, 4)).reshape(b, nq, plan.n, h)
+    out = out.astype(out_dtype)
     if not return_lse:
         return out
     lse = jnp.transpose(lse.reshape(b, kh, nq, g), (0, 2, 1, 3)).reshape(b, nq, plan.n)
