@@ -537,9 +537,12 @@ def attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, 
     logical = jnp.pad(logical, pad, constant_values=-1)
     physical = jnp.pad(physical, pad)
     bits = jnp.pad(bits, pad)
-    # rows r = t * G + g_head, padded with zeros: [B, K, M_pad, H]
+    # rows r = t * G + g_head, [B, K, q_tile_rows, H]: zero-padded only up to whole 8-row SMEM tiles (the
+    # TMA copy fills that many rows of the M_pad-row tile; the rows below are never written, and the
+    # scores of every row past ``rows`` are masked). For one token of M3 (16 rows) nothing is padded,
+    # so no XLA launch precedes the kernel.
     q_rows = jnp.transpose(q.reshape(b, nq, kh, g, h), (0, 2, 1, 3, 4)).reshape(b, kh, rows, h)
-    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, m_pad - rows), (0, 0)])
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, round_up(rows, 8) - rows), (0, 0)])
     cdt = jnp.promote_types(jnp.promote_types(q.dtype, k_pages.dtype), v_pages.dtype)
     q_parts = split_parts(q_rows.astype(cdt))
     k_parts = split_parts(k_pages.astype(cdt))
@@ -580,13 +583,15 @@ def attention_refs(plan: AttentionPlan, refs):
 
 def cta_start(plan: AttentionPlan, q_gmem, q_smem, q_bar, len_gmem):
     """This CTA's (batch, KV head, split) ids, its sequence length and first union entry; its Q rows
-    loaded into SMEM."""
+    loaded into the first rows of the M_pad-row SMEM tile (the rest keep whatever they held: their
+    scores are masked, so their P rows are 0)."""
     bi = lax.axis_index("b")
     hk = lax.axis_index("k")
     si = lax.axis_index("s")
     seq_len = len_gmem[bi]
+    q_tile_rows = plan.q_parts[0].shape[2]
     for p in range(plan.n_parts):
-        plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, hk], q_smem.at[p], q_bar)
+        plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, hk], q_smem.at[p, pl.ds(0, q_tile_rows)], q_bar)
     plgpu.barrier_wait(q_bar)
     return bi, hk, si, seq_len, si * plan.chunk
 
