@@ -20,6 +20,7 @@ always times its cuDNN baseline first, so its ratios are never missing.
 index-key pages in bf16, in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, same keys rounded), and in
 fp8 under the fp8 indexer (``index_score_dtype="float8_e4m3fn"`` too: e4m3 x e4m3 scoring); ``ratio``
 there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in the notes.
+``MSA_BENCH_MODEL_ONLY=1``: only these rows and cuDNN (the decode table in a short run).
 
 The fused paged selection (``m3jax.pallas.decode.decode_select_blocks``: one launch for scores, block
 max and each context split's top-k, then the merge of the splits' lists; the model's
@@ -95,6 +96,7 @@ def bench(report) -> None:
     deadline = time.time() + float(os.environ.get("MSA_BENCH_BUDGET_S", "inf"))
     ctxs = [int(x) for x in os.environ.get("MSA_BENCH_CTX", f"{128 * 1024},{1024 * 1024}").split(",")]
     batches = [int(x) for x in os.environ.get("MSA_BENCH_BATCH", "1,8").split(",")]
+    model_only = os.environ.get("MSA_BENCH_MODEL_ONLY") == "1"
 
     for ctx in ctxs:
         for b in batches:
@@ -155,50 +157,52 @@ def bench(report) -> None:
                 except Exception as e:  # noqa: BLE001  (a failing piece must not hide the others)
                     rows.append((op, impl, float("nan"), nbytes, f"failed: {type(e).__name__}: {str(e)[:200]}"))
 
-            # The fused selection against the scoring + top-k kernel pair, and the MSA step with each.
-            pair = jax.jit(lambda iq, ik, pt, sl: T.select_blocks(
-                D.decode_index_scores(iq, ik, pt, sl, block_size=BS), D.query_positions(sl, 1), block_size=BS,
-                topk=TOPK, implementation="pallas"))
-            default = D.DecodeScoreConfig()
-            waves = [int(w) for w in os.environ.get("MSA_BENCH_FUSED_WAVES", str(default.waves)).split(",")]
-            stages = [int(x) for x in os.environ.get("MSA_BENCH_FUSED_STAGES", str(default.stages)).split(",")]
+            if not model_only:
+                # The fused selection against the scoring + top-k kernel pair, and the MSA step with each.
+                pair = jax.jit(lambda iq, ik, pt, sl: T.select_blocks(
+                    D.decode_index_scores(iq, ik, pt, sl, block_size=BS), D.query_positions(sl, 1), block_size=BS,
+                    topk=TOPK, implementation="pallas"))
+                default = D.DecodeScoreConfig()
+                waves = [int(w) for w in os.environ.get("MSA_BENCH_FUSED_WAVES", str(default.waves)).split(",")]
+                stages = [int(x) for x in os.environ.get("MSA_BENCH_FUSED_STAGES", str(default.stages)).split(",")]
 
-            def fused_name(w, st):
-                cfg = [f"waves={w}"] * (w != default.waves) + [f"stages={st}"] * (st != default.stages)
-                return "fused" + (f"[{','.join(cfg)}]" if cfg else "")
+                def fused_name(w, st):
+                    cfg = [f"waves={w}"] * (w != default.waves) + [f"stages={st}"] * (st != default.stages)
+                    return "fused" + (f"[{','.join(cfg)}]" if cfg else "")
 
-            fused = {fused_name(w, st): jax.jit(functools.partial(D.decode_select_blocks, block_size=BS, topk=TOPK,
-                                                                  config=D.DecodeScoreConfig(waves=w, stages=st)))
-                     for w in waves for st in stages}
-            steps = {mode: jax.jit(functools.partial(kernels.decode_pages, block_size=BS, topk=TOPK,
-                                                     fused_select=mode == "fused"))
-                     for mode in ("separate", "fused")}
-            for name, nbytes in (("bf16", idx_bytes), ("fp8", idx_bytes // 2)):
-                pages = ikp if name == "bf16" else ikp.astype(jnp.float8_e4m3fn)
-                timed(f"selection[{name}]", "scores+topk", nbytes, pair, iq, pages, pt, sl, parts=True)
-                want = pair(iq, pages, pt, sl)
-                for impl, f in fused.items():
-                    timed(f"selection[{name}]", impl, nbytes, f, iq, pages, pt, sl, want=want, want_name="scores+topk",
-                          parts=True)
-                for mode, f in steps.items():
-                    timed(f"decode_step[{name}]", mode, nbytes + kv_bytes, lambda *a, f=f: f(*a)[0],
-                          q, iq, kp, vp, pages, pt, sl, parts=True)
-                del pages
+                fused = {fused_name(w, st): jax.jit(functools.partial(D.decode_select_blocks, block_size=BS, topk=TOPK,
+                                                                      config=D.DecodeScoreConfig(waves=w, stages=st)))
+                         for w in waves for st in stages}
+                steps = {mode: jax.jit(functools.partial(kernels.decode_pages, block_size=BS, topk=TOPK,
+                                                         fused_select=mode == "fused"))
+                         for mode in ("separate", "fused")}
+                for name, nbytes in (("bf16", idx_bytes), ("fp8", idx_bytes // 2)):
+                    pages = ikp if name == "bf16" else ikp.astype(jnp.float8_e4m3fn)
+                    timed(f"selection[{name}]", "scores+topk", nbytes, pair, iq, pages, pt, sl, parts=True)
+                    want = pair(iq, pages, pt, sl)
+                    for impl, f in fused.items():
+                        timed(f"selection[{name}]", impl, nbytes, f, iq, pages, pt, sl, want=want,
+                              want_name="scores+topk", parts=True)
+                    for mode, f in steps.items():
+                        timed(f"decode_step[{name}]", mode, nbytes + kv_bytes, lambda *a, f=f: f(*a)[0],
+                              q, iq, kp, vp, pages, pt, sl, parts=True)
+                    del pages
 
             model_ms = {}
             if os.environ.get("MSA_BENCH_FUSED_ONLY") != "1":
-                timed("index_scores", "pallas", idx_bytes, scores, iq, ikp, pt, sl)
-                timed("index_scores", "xla_reference", idx_bytes,
-                      jax.jit(functools.partial(D.decode_index_scores, block_size=BS, implementation="reference")),
-                      iq, ikp, pt, sl)
-                timed("topk(select_blocks)", "xla", b * HI * (ctx // BS) * 4, select, s_val)
-                timed("topk(select_blocks)", "pallas_rowsplit", b * HI * (ctx // BS) * 4, select_rowsplit, s_val,
-                      want=bidx)
-                timed("sparse_attention", "pallas", kv_bytes, attn, q, kp, vp, pt, bidx, sl)
-                timed("decode_step", "pallas", idx_bytes + kv_bytes, jax.jit(functools.partial(step, "pallas")),
-                      q, iq, kp, vp, ikp, pt, sl, parts=True)
-                timed("decode_step", "xla_reference", idx_bytes + kv_bytes,
-                      jax.jit(functools.partial(step, "reference")), q, iq, kp, vp, ikp, pt, sl)
+                if not model_only:
+                    timed("index_scores", "pallas", idx_bytes, scores, iq, ikp, pt, sl)
+                    timed("index_scores", "xla_reference", idx_bytes,
+                          jax.jit(functools.partial(D.decode_index_scores, block_size=BS, implementation="reference")),
+                          iq, ikp, pt, sl)
+                    timed("topk(select_blocks)", "xla", b * HI * (ctx // BS) * 4, select, s_val)
+                    timed("topk(select_blocks)", "pallas_rowsplit", b * HI * (ctx // BS) * 4, select_rowsplit, s_val,
+                          want=bidx)
+                    timed("sparse_attention", "pallas", kv_bytes, attn, q, kp, vp, pt, bidx, sl)
+                    timed("decode_step", "pallas", idx_bytes + kv_bytes, jax.jit(functools.partial(step, "pallas")),
+                          q, iq, kp, vp, ikp, pt, sl, parts=True)
+                    timed("decode_step", "xla_reference", idx_bytes + kv_bytes,
+                          jax.jit(functools.partial(step, "reference")), q, iq, kp, vp, ikp, pt, sl)
                 fp8_pages = ikp.astype(jnp.float8_e4m3fn)
                 for name, score, pages, nbytes in (("bfloat16", "bfloat16", ikp, idx_bytes),
                                                    ("float8_e4m3fn", "bfloat16", fp8_pages, idx_bytes // 2),
