@@ -445,25 +445,24 @@ def union_pages(block_idx: jax.Array, page_table: jax.Array):
     u = q * topk
     flat = block_idx.reshape(b, kh, u).astype(jnp.int32)
     valid = flat >= 0
-    if q == 1:
-        physical = jnp.take_along_axis(page_table[:, None, :].astype(jnp.int32), jnp.maximum(flat, 0), axis=-1)
-        return (jnp.where(valid, flat, -1), jnp.where(valid, physical, 0), valid.astype(jnp.int32),
-                jnp.sum(valid, axis=-1).astype(jnp.int32))
-    eq = (flat[..., :, None] == flat[..., None, :]) & valid[..., :, None] & valid[..., None, :]
-    e = jnp.arange(u)
-    first = valid & ~jnp.any(eq & (e[None, :] < e[:, None]), axis=-1)
-    token = e // topk
-    tok_hit = jnp.zeros((b, kh, u), jnp.int32)
-    for t in range(q):  # bit t: token t selected this block
-        hit_t = jnp.any(eq & (token == t)[None, None, None, :], axis=-1)
-        tok_hit = tok_hit | (hit_t.astype(jnp.int32) << t)
-    order = jnp.argsort(jnp.where(first, e, u + e), axis=-1)
-    logical = jnp.take_along_axis(jnp.where(first, flat, -1), order, axis=-1)
-    bits = jnp.take_along_axis(jnp.where(first, tok_hit, 0), order, axis=-1)
-    count = jnp.sum(first, axis=-1).astype(jnp.int32)
+    if q == 1:  # the token's own list: no comparison, no sort
+        logical, bits, count = jnp.where(valid, flat, -1), valid.astype(jnp.int32), jnp.sum(valid, axis=-1)
+    else:
+        eq = (flat[..., :, None] == flat[..., None, :]) & valid[..., :, None] & valid[..., None, :]
+        e = jnp.arange(u)
+        first = valid & ~jnp.any(eq & (e[None, :] < e[:, None]), axis=-1)
+        token = e // topk
+        tok_hit = jnp.zeros((b, kh, u), jnp.int32)
+        for t in range(q):  # bit t: token t selected this block
+            hit_t = jnp.any(eq & (token == t)[None, None, None, :], axis=-1)
+            tok_hit = tok_hit | (hit_t.astype(jnp.int32) << t)
+        order = jnp.argsort(jnp.where(first, e, u + e), axis=-1)
+        logical = jnp.take_along_axis(jnp.where(first, flat, -1), order, axis=-1)
+        bits = jnp.take_along_axis(jnp.where(first, tok_hit, 0), order, axis=-1)
+        count = jnp.sum(first, axis=-1)
     physical = jnp.take_along_axis(page_table[:, None, :].astype(jnp.int32), jnp.maximum(logical, 0), axis=-1)
     physical = jnp.where(logical >= 0, physical, 0)
-    return logical, physical, bits, count
+    return logical, physical, bits, count.astype(jnp.int32)
 
 
 @dataclasses.dataclass
