@@ -18,6 +18,7 @@ descending score, ``-1`` right padding.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -201,15 +202,32 @@ def rank_scores(scores, prio):
     return jnp.where(ranked == 0, 0.0, ranked)
 
 
-def lse_merge(o_parts, lse_parts, *, axis: int | None = None, axis_name: str | None = None):
+def lse_merge(o_parts, lse_parts, *, axis: int | None = None, axis_name: str | None = None, unroll: bool = False):
     """Merge softmax-normalised partial attention outputs by their log-sum-exps.
 
     The parts lie along array axis ``axis`` of ``lse_parts`` [..., P, ...] and ``o_parts``
     [..., P, ..., H] (same leading shape plus the head dim), or, with ``axis_name``, one part per
     device of that ``shard_map`` axis (reduced by pmax / psum). A part with no key has LSE -inf.
+    ``unroll`` (with ``axis``): the max and the sums over P as elementwise ops on the P slices, in
+    part order, instead of reductions; for a few parts (a decode step's splits) XLA then fuses the
+    whole merge into one loop over the output, where the reductions took three launches.
     Returns fp32 (o [..., H], lse) without the P axis; a row whose parts are all empty gives o = 0
     and lse = -inf.
     """
+    if unroll:
+        if axis is None:
+            raise ValueError("lse_merge: unroll needs the parts' axis")
+        ax = axis % lse_parts.ndim
+        lses = [jax.lax.index_in_dim(lse_parts, i, ax, keepdims=False) for i in range(lse_parts.shape[ax])]
+        os_ = [jax.lax.index_in_dim(o_parts, i, ax, keepdims=False).astype(jnp.float32) for i in range(len(lses))]
+        m = functools.reduce(jnp.maximum, lses)
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+        ws = [jnp.exp(x - m_safe) for x in lses]  # an empty part weighs 0
+        z = functools.reduce(jnp.add, ws)
+        num = functools.reduce(jnp.add, [w[..., None] * jnp.where((w > 0)[..., None], o, 0.0)  # empty: unwritten
+                                         for w, o in zip(ws, os_)])
+        zs = jnp.where(z > 0, z, 1.0)
+        return num / zs[..., None], jnp.where(z > 0, m_safe + jnp.log(zs), NEG_INF)
     if axis_name is not None:
         vmax, vsum = (lambda x: jax.lax.pmax(x, axis_name)), (lambda x: jax.lax.psum(x, axis_name))
     else:
