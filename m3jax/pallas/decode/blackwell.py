@@ -205,7 +205,7 @@ def sparse_decode_attention(
     pieces = [(c, min(PIECE, h - c)) for c in range(0, h, PIECE)]
 
     def body(*refs):
-        q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
+        q_gmem, k_gmem, v_gmem, log_gmem, pt_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
             attention_refs(plan, refs))
         q_smem, p_smem, q_bar, s_bar, o_bar, s_tmem, o_tmem = scratch
         bi, hk, si, seq_len, first = cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
@@ -241,7 +241,7 @@ def sparse_decode_attention(
             plgpu.barrier_wait(o_bar)
             return m_new, l_i
 
-        m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (m0, l0))
+        m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, log_gmem, pt_gmem, bi, hk, first, (m0, l0))
         inv, lse = softmax_normalisers(m_i, l_i)
 
         def fill_o(o_smem):

@@ -297,7 +297,7 @@ def sparse_decode_attention(
     m_pad, h, kv_tile, n_parts = plan.m_pad, plan.h, plan.kv_tile, plan.n_parts
 
     def body(*refs):
-        q_gmem, k_gmem, v_gmem, log_gmem, phys_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
+        q_gmem, k_gmem, v_gmem, log_gmem, pt_gmem, bits_gmem, len_gmem, o_gmem, lse_gmem, scratch = (
             attention_refs(plan, refs))
         q_smem, p_smem, q_bar = scratch
         bi, hk, si, seq_len, first = cta_start(plan, q_gmem, q_smem, q_bar, len_gmem)
@@ -334,7 +334,7 @@ def sparse_decode_attention(
             acc = acc + pl.run_scoped(pv, plgpu.ACC((m_pad, h), jnp.float32))
             return acc, m_new, l_i
 
-        acc, m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, (acc0, m0, l0))
+        acc, m_i, l_i = kv_pipeline(plan, page_step, k_gmem, v_gmem, log_gmem, pt_gmem, bi, hk, first, (acc0, m0, l0))
         inv, lse = softmax_normalisers(m_i, l_i)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 

@@ -428,41 +428,33 @@ def merge_candidates(vals: jax.Array, ids: jax.Array, bhq: tuple[int, int, int],
     return jnp.where(pos < 0, -1, sel).astype(jnp.int32)
 
 
-def union_pages(block_idx: jax.Array, page_table: jax.Array):
-    """Distinct selected pages per (request, KV head) with the bitmask of tokens that selected them.
+def union_pages(block_idx: jax.Array):
+    """Distinct selected blocks per (request, KV head) with the bitmask of the tokens that selected
+    them, for Q > 1 tokens a request (one token's list is used as it stands: :func:`attention_plan`).
 
     Args:
-      block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty); page_table: int32 [B, max_pages].
+      block_idx: int32 [B, K, Q, topk] logical block ids (-1 empty).
     Returns:
-      (logical [B, K, U], physical [B, K, U], token_bits [B, K, U], count [B, K]) with U = Q * topk;
-      the first ``count`` entries are the distinct valid blocks (in first-selection order), the rest
-      are padding (logical -1, physical page 0, bits 0). For Q = 1 the token's list is taken as it
-      is, its empty slots where they stand: a selection never lists a block twice, and at a
-      full-attention layer's U (every visible block, 8,192 at 1M) the O(U^2) comparison and the
-      sort below took 18 % of the decode step (benchmarks/RESULTS.md#m3-width-1m-2026-12-06d).
+      (logical [B, K, U], token_bits [B, K, U], count [B, K]) with U = Q * topk; the first ``count``
+      entries are the distinct valid blocks (in first-selection order), the rest are padding
+      (logical -1, bits 0). The physical pages are looked up in the kernel (:func:`kv_pipeline`).
     """
     b, kh, q, topk = block_idx.shape
     u = q * topk
     flat = block_idx.reshape(b, kh, u).astype(jnp.int32)
     valid = flat >= 0
-    if q == 1:  # the token's own list: no comparison, no sort
-        logical, bits, count = jnp.where(valid, flat, -1), valid.astype(jnp.int32), jnp.sum(valid, axis=-1)
-    else:
-        eq = (flat[..., :, None] == flat[..., None, :]) & valid[..., :, None] & valid[..., None, :]
-        e = jnp.arange(u)
-        first = valid & ~jnp.any(eq & (e[None, :] < e[:, None]), axis=-1)
-        token = e // topk
-        tok_hit = jnp.zeros((b, kh, u), jnp.int32)
-        for t in range(q):  # bit t: token t selected this block
-            hit_t = jnp.any(eq & (token == t)[None, None, None, :], axis=-1)
-            tok_hit = tok_hit | (hit_t.astype(jnp.int32) << t)
-        order = jnp.argsort(jnp.where(first, e, u + e), axis=-1)
-        logical = jnp.take_along_axis(jnp.where(first, flat, -1), order, axis=-1)
-        bits = jnp.take_along_axis(jnp.where(first, tok_hit, 0), order, axis=-1)
-        count = jnp.sum(first, axis=-1)
-    physical = jnp.take_along_axis(page_table[:, None, :].astype(jnp.int32), jnp.maximum(logical, 0), axis=-1)
-    physical = jnp.where(logical >= 0, physical, 0)
-    return logical, physical, bits, count.astype(jnp.int32)
+    eq = (flat[..., :, None] == flat[..., None, :]) & valid[..., :, None] & valid[..., None, :]
+    e = jnp.arange(u)
+    first = valid & ~jnp.any(eq & (e[None, :] < e[:, None]), axis=-1)
+    token = e // topk
+    tok_hit = jnp.zeros((b, kh, u), jnp.int32)
+    for t in range(q):  # bit t: token t selected this block
+        hit_t = jnp.any(eq & (token == t)[None, None, None, :], axis=-1)
+        tok_hit = tok_hit | (hit_t.astype(jnp.int32) << t)
+    order = jnp.argsort(jnp.where(first, e, u + e), axis=-1)
+    logical = jnp.take_along_axis(jnp.where(first, flat, -1), order, axis=-1)
+    bits = jnp.take_along_axis(jnp.where(first, tok_hit, 0), order, axis=-1)
+    return logical, bits, jnp.sum(first, axis=-1).astype(jnp.int32)
 
 
 @dataclasses.dataclass
@@ -492,9 +484,9 @@ class AttentionPlan:
     q_parts: tuple
     k_parts: tuple
     v_parts: tuple
-    logical: jax.Array
-    physical: jax.Array
-    bits: jax.Array
+    logical: jax.Array  # [B, K, splits * chunk] union entries' block ids, -1 padding
+    page_table: jax.Array  # int32 [B, max_pages]: the kernels look the physical pages up themselves
+    bits: jax.Array  # [B, K, splits * chunk] token bitmasks; for Q = 1 ``logical`` again (the bit is id >= 0)
 
     @property
     def n_parts(self) -> int:
@@ -527,15 +519,22 @@ def attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, 
     chunk = -(-u // splits)
     splits = -(-u // chunk)  # no split made only of padding entries
 
-    logical, physical, bits, _ = union_pages(block_idx, page_table)
     # Static pipeline length: every split walks exactly ``chunk`` entries (a dynamic step count puts
     # the (acc, m, l) vector carries in a while loop, which Mosaic GPU cannot lower). Padding
-    # entries (beyond ``count`` or beyond U) have token bits 0: every score is masked, they load
-    # page 0 and change nothing.
+    # entries (beyond ``count`` or beyond U) have block id -1 and token bits 0: every score is
+    # masked, they load the request's first page and change nothing.
     pad = [(0, 0), (0, 0), (0, splits * chunk - u)]
-    logical = jnp.pad(logical, pad, constant_values=-1)
-    physical = jnp.pad(physical, pad)
-    bits = jnp.pad(bits, pad)
+    if nq == 1:
+        # One token's list as it stands, empty slots (-1) where they are: a selection never lists a
+        # block twice. Its token bit is "id >= 0" (visible_keys) and the kernel looks the pages up
+        # (kv_pipeline), so no XLA op runs between the top-k and this kernel at M3's splits. At a
+        # full-attention layer's U (every visible block, 8,192 at 1M) union_pages' O(U^2) comparison
+        # and sort took 18 % of the decode step (benchmarks/RESULTS.md#m3-width-1m-2026-12-06d).
+        logical = block_idx.reshape(b, kh, u).astype(jnp.int32)
+        logical = bits = jnp.pad(logical, pad, constant_values=-1) if splits * chunk > u else logical
+    else:
+        logical, bits, _ = union_pages(block_idx)
+        logical, bits = jnp.pad(logical, pad, constant_values=-1), jnp.pad(bits, pad)
     # rows r = t * G + g_head, [B, K, q_tile_rows, H]: zero-padded only up to whole 8-row SMEM tiles (the
     # TMA copy fills that many rows of the M_pad-row tile; the rows below are never written, and the
     # scores of every row past ``rows`` are masked). For one token of M3 (16 rows) nothing is padded,
@@ -570,11 +569,12 @@ def attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, 
     steps = chunk * sub
     stages = max(1, min(config.stages, steps, fitting_stages(kv_tile)))
     return AttentionPlan(b, nq, n, h, kh, g, bs, rows, m_pad, splits, chunk, kv_tile, sub, steps, stages,
-                          (h**-0.5) * LOG2E, dtype, transforms, q_parts, k_parts, v_parts, logical, physical, bits)
+                          (h**-0.5) * LOG2E, dtype, transforms, q_parts, k_parts, v_parts, logical,
+                          page_table.astype(jnp.int32), bits)
 
 
 def attention_refs(plan: AttentionPlan, refs):
-    """The kernel's refs by name: (q, k, v part lists, logical, physical, bits, seq_lens, o, lse, scratch)."""
+    """The kernel's refs by name: (q, k, v part lists, logical, page table, bits, seq_lens, o, lse, scratch)."""
     n = plan.n_parts
     q_gmem, k_gmem, v_gmem = refs[:n], refs[n : 2 * n], refs[2 * n : 3 * n]
     return (q_gmem, k_gmem, v_gmem, *refs[3 * n : 3 * n + 6], refs[3 * n + 6 :])
@@ -635,15 +635,17 @@ def visible_keys(plan: AttentionPlan, layout, i, first, seq_len, log_gmem, bits_
     tok = lax.div(row, plan.g)
     q_pos = seq_len - plan.nq + tok
     blk = log_gmem[bi, hk, e]
-    sel = bits_gmem[bi, hk, e]
-    return ((jnp.right_shift(sel, tok) & 1) == 1) & (col + blk * plan.bs <= q_pos) & (row < plan.rows)
+    picked = blk >= 0 if plan.nq == 1 else (jnp.right_shift(bits_gmem[bi, hk, e], tok) & 1) == 1
+    return picked & (col + blk * plan.bs <= q_pos) & (row < plan.rows)
 
 
-def kv_pipeline(plan: AttentionPlan, page_step, k_gmem, v_gmem, phys_gmem, bi, hk, first, init_carry):
-    """The K/V tiles of this split's union entries through SMEM (TMA via the physical page ids)."""
+def kv_pipeline(plan: AttentionPlan, page_step, k_gmem, v_gmem, log_gmem, pt_gmem, bi, hk, first, init_carry):
+    """The K/V tiles of this split's union entries through SMEM (TMA via the page table: an empty
+    entry, id -1, loads the request's first page, whose scores are all masked)."""
 
     def kv_page(i):  # block index in units of kv_tile rows of the [num_pages * bs, H] view
-        return (phys_gmem[bi, hk, first + lax.div(i, plan.sub)] * plan.sub + lax.rem(i, plan.sub), 0)
+        page = pt_gmem[bi, jnp.maximum(log_gmem[bi, hk, first + lax.div(i, plan.sub)], 0)]
+        return (page * plan.sub + lax.rem(i, plan.sub), 0)
 
     spec = plgpu.BlockSpec((plan.kv_tile, plan.h), kv_page, transforms=plan.transforms)
     return plgpu.emit_pipeline(
@@ -669,7 +671,7 @@ def attention_call(plan: AttentionPlan, body, scratch: list, seq_lens, interpret
         grid=(b, kh, plan.splits),
         grid_names=("b", "k", "s"),
     )
-    o_part, lse_part = kern(*plan.q_parts, *plan.k_parts, *plan.v_parts, plan.logical, plan.physical, plan.bits,
+    o_part, lse_part = kern(*plan.q_parts, *plan.k_parts, *plan.v_parts, plan.logical, plan.page_table, plan.bits,
                             seq_lens.astype(jnp.int32))
     out, lse = combine_splits(o_part, lse_part[..., :rows])  # [B, K, rows, H], [B, K, rows]
     out = jnp.transpose(out.reshape(b, kh, nq, g, h), (0, 2, 1, 3, 4)).reshape(b, nq, plan.n, h)
@@ -682,4 +684,4 @@ def attention_call(plan: AttentionPlan, body, scratch: list, seq_lens, interpret
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array):
     """LSE merge over axis 2 (the key-range splits) of normalised partials; all -inf rows give 0 / -inf."""
-    return lse_merge(o_part, lse_part, axis=2)
+    return lse_merge(o_part, lse_part, axis=2, unroll=True)
