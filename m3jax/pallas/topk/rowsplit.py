@@ -79,11 +79,28 @@ def unsupported_reason(nb: int, topk: int) -> str | None:
     n_rows = -(-nb // LANES)
     if n_rows > MAX_SMEM_ROWS:
         return f"nb {nb} > {MAX_SMEM_ROWS * LANES} blocks: one TMA box per row cannot hold it"
-    kp = 1 << (topk - 1).bit_length()
-    smem = n_rows * LANES * 4 + 2 * 2 * kp * MERGE_COLS * 4 + LANES * 4  # scores, merge lists, output
+    smem = _smem_bytes(n_rows, topk, 1)
     if smem > current_target().smem_bytes - SMEM_RESERVED:
         return f"nb {nb} and topk {topk} need {smem} bytes of SMEM per CTA"
     return None
+
+
+def _smem_bytes(n_rows: int, topk: int, wgs: int) -> int:
+    """Scores, the lane tree's double-buffered lists, the output row and (``wgs`` > 1) every
+    warpgroup's lists for the hand-off."""
+    kp = 1 << (topk - 1).bit_length()
+    return n_rows * LANES * 4 + 2 * 2 * kp * MERGE_COLS * 4 + LANES * 4 + (wgs * kp * LANES * 8 if wgs > 1 else 0)
+
+
+def warpgroups_for(n_rows: int, topk: int) -> int:
+    """Warpgroups per CTA for a row of ``n_rows`` SMEM rows (128 blocks each): more where the
+    insertions dominate (4 from 4,096 blocks, 2 from 2,048), as many as SMEM holds. Each extra
+    warpgroup costs warpgroup 0 one merge of two lists, about what 5 SMEM rows of insertions cost,
+    and the 7-round lane tree stays, so short rows keep one."""
+    wgs = 4 if n_rows >= 32 else 2 if n_rows >= 16 else 1
+    while wgs > 1 and _smem_bytes(n_rows, topk, wgs) > current_target().smem_bytes - SMEM_RESERVED:
+        wgs //= 2
+    return wgs
 
 
 def _layout():
@@ -115,29 +132,43 @@ def _merge(a_vals, a_ids, b_vals, b_ids):
     return tuple(vals), tuple(ids)
 
 
-def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks, force_in, force_out, interpret=None):
-    """int32 [R, topk rounded up to 4] (first ``topk`` columns valid) from fp32 scores [R, nb_pad / 128, 128]
-    and rowpos [R]."""
+def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, init_blocks, force_in, force_out,
+                 warpgroups: int, interpret=None):
+    """int32 [R, topk rounded up to 4] (first ``topk`` columns valid) from fp32 scores [R, nb_pad / 128, 128],
+    row R = (b * heads + h) * Q + t, and the positions q_pos [B, Q] (read per row in the kernel: no
+    XLA broadcast launch before it)."""
     r, n_rows, _ = scores.shape
+    q = q_pos.shape[1]
     kp = 1 << (topk - 1).bit_length()
     out_cols = -(-topk // 4) * 4  # a TMA row is a multiple of 16 bytes
+    wgs = warpgroups
 
-    def body(s_ref, rowpos_ref, out_ref, s_smem, v_buf, i_buf, o_smem, bar):
+    def body(s_ref, pos_ref, out_ref, s_smem, v_buf, i_buf, o_smem, bar, *cross):
         row = jax.lax.axis_index("row")
-        plgpu.copy_gmem_to_smem(s_ref.at[row], s_smem, bar.at[0])
-        pos = rowpos_ref[row]
+        wg = jax.lax.axis_index("wg") if wgs > 1 else 0
+
+        def load_row():
+            plgpu.copy_gmem_to_smem(s_ref.at[row], s_smem, bar.at[0])
+
+        if wgs > 1:
+            pl.when(wg == 0)(load_row)  # one TMA; every warpgroup waits on its barrier
+        else:
+            load_row()
+        pos = pos_ref[jax.lax.div(row, heads * q), jax.lax.rem(row, q)]
         nvis = jnp.clip(jnp.floor_divide(pos, block_size) + 1, 0, n_rows * LANES)
         lane = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=_layout())
         empty_v = plgpu.layout_cast(jnp.full((LANES,), NEG_INF, jnp.float32), _layout())
         empty_i = plgpu.layout_cast(jnp.full((LANES,), -1, jnp.int32), _layout())
         plgpu.barrier_wait(bar.at[0])
 
-        def one(c, carry):
+        def one(k, carry):  # this warpgroup's k-th SMEM row: c = wg + k * wgs, in increasing block id
+            c = wg + k * wgs
             return select.insert_smem_row(carry, s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
                                            block_size=block_size, local_blocks=local_blocks,
                                            init_blocks=init_blocks, force_in=force_in, force_out=force_out)
 
-        vals, ids = jax.lax.fori_loop(0, -(-nvis // LANES), one, ((empty_v,) * topk, (empty_i,) * topk))
+        n_mine = jnp.maximum(jnp.floor_divide(-(-nvis // LANES) - wg + wgs - 1, wgs), 0)
+        vals, ids = jax.lax.fori_loop(0, n_mine, one, ((empty_v,) * topk, (empty_i,) * topk))
         vals, ids = vals + (empty_v,) * (kp - topk), ids + (empty_i,) * (kp - topk)
 
         def store(slot, vals, ids):
@@ -156,19 +187,46 @@ def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks,
                        [plgpu.load(i_buf.at[slot, t, pl.ds(stride, LANES)]) for t in range(kp)])
             return _merge(*carry, *partner)
 
-        # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
-        # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
-        # layouts follow from the merge instead of one search step each.
-        vals, ids = jax.lax.fori_loop(0, MERGE_ROUNDS, merge_round, (vals, ids))
-        store(MERGE_ROUNDS % 2, vals, ids)
-        out = empty_i
-        for t in range(topk):
-            out = jnp.where(lane == t, i_buf[MERGE_ROUNDS % 2, t, 0], out)  # thread 0's list
-        o_smem[...] = out
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_cols)], out_ref.at[row])
-        plgpu.wait_smem_to_gmem(0)
+        def finish(vals, ids):  # warpgroup 0: the lane tree over its 128 lists, then the row's ids out
+            # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
+            # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
+            # layouts follow from the merge instead of one search step each.
+            vals, ids = jax.lax.fori_loop(0, MERGE_ROUNDS, merge_round, (vals, ids))
+            store(MERGE_ROUNDS % 2, vals, ids)
+            out = empty_i
+            for t in range(topk):
+                out = jnp.where(lane == t, i_buf[MERGE_ROUNDS % 2, t, 0], out)  # thread 0's list
+            o_smem[...] = out
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_cols)], out_ref.at[row])
+            plgpu.wait_smem_to_gmem(0)
 
+        if wgs == 1:
+            finish(vals, ids)
+            return
+        # Several warpgroups: each hands its 128 lists to warpgroup 0 through SMEM (the CTA barrier
+        # orders every warpgroup's stores, committed first, before warpgroup 0's loads), which merges
+        # them lane by lane into its own before the lane tree. Nothing is written after the hand-off,
+        # so no slot is reused.
+        x_vals, x_ids, x_bar = cross
+        for t in range(kp):
+            x_vals[wg, t] = vals[t]
+            x_ids[wg, t] = ids[t]
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(x_bar)
+        plgpu.barrier_wait(x_bar)
+
+        @pl.when(wg == 0)
+        def _():
+            mine = (vals, ids)
+            for w in range(1, wgs):
+                other = ([plgpu.load(x_vals.at[w, t]) for t in range(kp)],
+                         [plgpu.load(x_ids.at[w, t]) for t in range(kp)])
+                mine = _merge(*mine, *other)
+            finish(*mine)
+
+    cross = ([plgpu.SMEM((wgs, kp, LANES), jnp.float32), plgpu.SMEM((wgs, kp, LANES), jnp.int32),
+              plgpu.Barrier(num_arrivals=wgs)] if wgs > 1 else [])
     kern = mosaic_kernel(
         body,
         interpret=interpret,
@@ -181,22 +239,24 @@ def _kernel_call(scores, rowpos, *, block_size, topk, local_blocks, init_blocks,
             plgpu.SMEM((2, kp, MERGE_COLS), jnp.int32),
             plgpu.SMEM((LANES,), jnp.int32),
             plgpu.Barrier(num_barriers=1),
+            *cross,
         ],
         # Pallas would wrap every vector SMEM store in two warpgroup barriers (64 per merge round at
         # top-16); the kernel orders its cross-thread SMEM traffic itself with commit_smem.
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        **({"num_threads": wgs, "thread_name": "wg"} if wgs > 1 else {}),
     )
-    return kern(scores, rowpos)
+    return kern(scores, q_pos)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
-                                             "force_out", "interpret"))
+                                             "force_out", "warpgroups", "interpret"))
 def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(), force_out=(),
-                  interpret=None):
+                  warpgroups=None, interpret=None):
     """int32 [B, Hi, Q, topk] from fp32 scores [B, Hi, Q, nb] and positions q_pos [B, Q].
 
     Scores of blocks past a row's causal limit must be ``-inf`` (``msa.block_scores``' contract):
-    the kernel does not visit them.
+    the kernel does not visit them. ``warpgroups``: per CTA (1, 2 or 4; None: :func:`warpgroups_for`).
     """
     b, hi, q, nb = scores.shape
     if reason := unsupported_reason(nb, topk):
@@ -206,8 +266,13 @@ def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_block
     # Padding blocks lie after every own block: -inf, never forced.
     s = jnp.pad(scores.astype(jnp.float32).reshape(rows, nb), [(0, 0), (0, n_rows * LANES - nb)],
                 constant_values=NEG_INF)
-    rowpos = jnp.broadcast_to(q_pos.astype(jnp.int32)[:, None, :], (b, hi, q)).reshape(rows)
-    ids = _kernel_call(s.reshape(rows, n_rows, LANES), rowpos, block_size=block_size, topk=topk,
+    wgs = warpgroups_for(n_rows, topk) if warpgroups is None else warpgroups
+    if wgs not in (1, 2, 4):
+        raise ValueError(f"warpgroups={warpgroups} must be 1, 2 or 4")
+    if _smem_bytes(n_rows, topk, wgs) > current_target().smem_bytes - SMEM_RESERVED:
+        raise ValueError(f"warpgroups={wgs}: nb {nb} and topk {topk} need {_smem_bytes(n_rows, topk, wgs)} bytes of "
+                         "SMEM per CTA")
+    ids = _kernel_call(s.reshape(rows, n_rows, LANES), q_pos.astype(jnp.int32), hi, block_size=block_size, topk=topk,
                        local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in, force_out=force_out,
-                       interpret=interpret)
+                       warpgroups=wgs, interpret=interpret)
     return ids[:, :topk].reshape(b, hi, q, topk)
