@@ -21,6 +21,9 @@ index-key pages in bf16, in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, sam
 fp8 under the fp8 indexer (``index_score_dtype="float8_e4m3fn"`` too: e4m3 x e4m3 scoring); ``ratio``
 there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in the notes.
 ``MSA_BENCH_MODEL_ONLY=1``: only these rows and cuDNN (the decode table in a short run).
+``MSA_BENCH_TUNE=1``: only cuDNN, the row-split top-k with 1, 2 and 4 warpgroups per CTA
+(``impl=pallas_rowsplit[warpgroups=w]``, ids checked against XLA's) and the scoring kernel per
+``DecodeScoreConfig`` waves and stages (``index_scores[pages]`` rows), bf16 and fp8 pages.
 
 The fused paged selection (``m3jax.pallas.decode.decode_select_blocks``: one launch for scores, block
 max and each context split's top-k, then the merge of the splits' lists; the model's
@@ -97,6 +100,7 @@ def bench(report) -> None:
     ctxs = [int(x) for x in os.environ.get("MSA_BENCH_CTX", f"{128 * 1024},{1024 * 1024}").split(",")]
     batches = [int(x) for x in os.environ.get("MSA_BENCH_BATCH", "1,8").split(",")]
     model_only = os.environ.get("MSA_BENCH_MODEL_ONLY") == "1"
+    tune = os.environ.get("MSA_BENCH_TUNE") == "1"
 
     for ctx in ctxs:
         for b in batches:
@@ -157,7 +161,21 @@ def bench(report) -> None:
                 except Exception as e:  # noqa: BLE001  (a failing piece must not hide the others)
                     rows.append((op, impl, float("nan"), nbytes, f"failed: {type(e).__name__}: {str(e)[:200]}"))
 
-            if not model_only:
+            if tune:  # the row-split top-k per warpgroups, the scoring kernel per (waves, stages)
+                for w in (1, 2, 4):
+                    f = jax.jit(lambda s, w=w: T.rowsplit.select_blocks(s, q_pos, block_size=BS, topk=TOPK,
+                                                                         warpgroups=w))
+                    timed("topk(select_blocks)", f"pallas_rowsplit[warpgroups={w}]", b * HI * (ctx // BS) * 4, f,
+                          s_val, want=bidx)
+                for name, pages, nbytes in (("bf16", ikp, idx_bytes), ("fp8", ikp.astype(jnp.float8_e4m3fn),
+                                                                       idx_bytes // 2)):
+                    for w in (1, 2, 3):
+                        for st in (2, 4, 6):
+                            cfg = D.DecodeScoreConfig(waves=w, stages=st)
+                            timed(f"index_scores[{name}]", f"pallas[waves={w},stages={st}]", nbytes,
+                                  jax.jit(functools.partial(D.decode_index_scores, block_size=BS, config=cfg)),
+                                  iq, pages, pt, sl)
+            if not model_only and not tune:
                 # The fused selection against the scoring + top-k kernel pair, and the MSA step with each.
                 pair = jax.jit(lambda iq, ik, pt, sl: T.select_blocks(
                     D.decode_index_scores(iq, ik, pt, sl, block_size=BS), D.query_positions(sl, 1), block_size=BS,
@@ -189,7 +207,7 @@ def bench(report) -> None:
                     del pages
 
             model_ms = {}
-            if os.environ.get("MSA_BENCH_FUSED_ONLY") != "1":
+            if os.environ.get("MSA_BENCH_FUSED_ONLY") != "1" and not tune:
                 if not model_only:
                     timed("index_scores", "pallas", idx_bytes, scores, iq, ikp, pt, sl)
                     timed("index_scores", "xla_reference", idx_bytes,
@@ -241,6 +259,15 @@ def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: 
                 f"ratio = scores+topk ms / fused ms; cudnn_ms / ms = {t_dense / t:.3g}; ")
     if op.startswith("selection["):
         return None, cudnn, f"cudnn_ms / ms = {t_dense / t:.3g}; "
+    if impl.startswith("pallas_rowsplit[warpgroups="):
+        one = ms_of.get((op, "pallas_rowsplit[warpgroups=1]"), float("nan"))
+        return one / t, f"one warpgroup {one:.4f} ms", "ratio = one-warpgroup ms / ms; "
+    if op.startswith("index_scores[") and impl.startswith("pallas[waves="):
+        from m3jax.pallas.decode import DecodeScoreConfig
+
+        default = DecodeScoreConfig()
+        dflt = ms_of.get((op, f"pallas[waves={default.waves},stages={default.stages}]"), float("nan"))
+        return dflt / t, f"default config {dflt:.4f} ms", "ratio = default-config ms / ms; "
     return None, cudnn, ""
 
 
