@@ -23,7 +23,8 @@ there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in 
 ``MSA_BENCH_MODEL_ONLY=1``: only these rows and cuDNN (the decode table in a short run).
 ``MSA_BENCH_TUNE=1``: only cuDNN, the row-split top-k with 1, 2 and 4 warpgroups per CTA
 (``impl=pallas_rowsplit[warpgroups=w]``, ids checked against XLA's) and the scoring kernel per
-``DecodeScoreConfig`` waves and stages (``index_scores[pages]`` rows), bf16 and fp8 pages.
+``DecodeScoreConfig`` waves and stages (``index_scores[pages]`` rows), bf16 and fp8 pages, and the
+sparse attention per ``SparseDecodeConfig`` splits and stages.
 
 The fused paged selection (``m3jax.pallas.decode.decode_select_blocks``: one launch for scores, block
 max and each context split's top-k, then the merge of the splits' lists; the model's
@@ -167,10 +168,16 @@ def bench(report) -> None:
                                                                          warpgroups=w))
                     timed("topk(select_blocks)", f"pallas_rowsplit[warpgroups={w}]", b * HI * (ctx // BS) * 4, f,
                           s_val, want=bidx)
+                for splits in (None, 8, 16):
+                    for st in (2, 3):
+                        cfg = D.SparseDecodeConfig(num_splits=splits, stages=st)
+                        timed("sparse_attention", f"pallas[splits={splits},stages={st}]", kv_bytes,
+                              jax.jit(functools.partial(D.sparse_decode_attention, block_size=BS, config=cfg)),
+                              q, kp, vp, pt, bidx, sl)
                 for name, pages, nbytes in (("bf16", ikp, idx_bytes), ("fp8", ikp.astype(jnp.float8_e4m3fn),
                                                                        idx_bytes // 2)):
-                    for w in (1, 2, 3):
-                        for st in (2, 4, 6):
+                    for w in (1, 2):
+                        for st in (4, 6):
                             cfg = D.DecodeScoreConfig(waves=w, stages=st)
                             timed(f"index_scores[{name}]", f"pallas[waves={w},stages={st}]", nbytes,
                                   jax.jit(functools.partial(D.decode_index_scores, block_size=BS, config=cfg)),
@@ -262,6 +269,9 @@ def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: 
     if impl.startswith("pallas_rowsplit[warpgroups="):
         one = ms_of.get((op, "pallas_rowsplit[warpgroups=1]"), float("nan"))
         return one / t, f"one warpgroup {one:.4f} ms", "ratio = one-warpgroup ms / ms; "
+    if op == "sparse_attention" and impl.startswith("pallas[splits="):
+        dflt = ms_of.get((op, "pallas[splits=None,stages=2]"), float("nan"))
+        return dflt / t, f"default config {dflt:.4f} ms", "ratio = default-config ms / ms; "
     if op.startswith("index_scores[") and impl.startswith("pallas[waves="):
         from m3jax.pallas.decode import DecodeScoreConfig
 

@@ -3,18 +3,24 @@
 Why a second kernel. The block-major kernel (:mod:`.kernel`) gives each row to one thread, which
 inserts all ``nb`` blocks one after the other: right for prefill (thousands of rows fill the GPU),
 but a decode step has ``B * Hi * Q`` rows (4 at batch 1), so one warpgroup of one SM would walk
-an 8,192-long chain. Here the work of one row is split across the 128 threads of a warpgroup.
+an 8,192-long chain. Here the work of one row is split across the 128 threads of a warpgroup,
+and a long row across up to 4 warpgroups of its CTA.
 
-Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index head, query)).
+Design (Hopper): grid = one CTA per row (row = one (batch, index head, query)), of ``W`` warpgroups
+(:func:`warpgroups_for`: 4 from 4,096 blocks, 2 from 2,048, else 1).
 
 * Load. The row's scores, padded with ``-inf`` to ``nb_pad`` (a multiple of 128) outside the
   kernel, are viewed as ``[nb_pad / 128, 128]`` and copied to SMEM by one TMA (32 KiB at 8,192
   blocks = 1M tokens; box dims are limited to 256, hence ``nb <= 32,768``).
-* Per-thread top-k. Thread ``i`` loads column ``i`` of each SMEM row (``WG_STRIDED`` layout), i.e.
-  it owns blocks ``{c * 128 + i}``, and inserts them in increasing id into a sorted list held in
-  registers (``topk`` values + ``topk`` ids; ``select.forced_candidate`` and ``select.insert``, so
-  ties go to the lower id and forced blocks get the reference priorities). SMEM rows wholly past
-  the row's causal limit (all ``-inf`` by the score contract) are not visited.
+* Per-thread top-k. Warpgroup ``w`` takes SMEM rows ``c = w, w + W, ...``; its thread ``i`` loads
+  column ``i`` of each (``WG_STRIDED`` layout), i.e. it owns blocks ``{c * 128 + i}``, and inserts
+  them in increasing id into a sorted list held in registers (``topk`` values + ``topk`` ids;
+  ``select.forced_candidate`` and ``select.insert``, so ties go to the lower id and forced blocks
+  get the reference priorities). SMEM rows wholly past the row's causal limit (all ``-inf`` by the
+  score contract) are not visited.
+* Hand-off (``W > 1``). Every warpgroup stores its 128 lists to its own SMEM slot, commits, and
+  arrives at a CTA barrier of ``W`` arrivals; after it, warpgroup 0 merges the other slots into its
+  lists lane by lane (the merge below, ``W - 1`` times) and goes on alone.
 * Tree merge, 7 rounds (``log2 128``). In the round of stride ``s`` every thread writes its list
   to SMEM (``[kp, 192]`` values and ids, double buffered so that a round's writes never overtake
   the previous round's reads), the warpgroup synchronises, and thread ``i`` reads the list of
@@ -30,8 +36,8 @@ Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index
   barrier (after a ``fence.proxy.async``, which the final TMA store needs anyway). The kernel runs
   with ``unsafe_no_auto_barriers``: Pallas would otherwise wrap every vector store in two more
   barriers. GPU interpret mode simulates a warpgroup as one thread, so its race detector cannot
-  see a missing barrier here (the kernel still passes with none); ``benchmarks/msa_decode.py``
-  checks the ids on the device.
+  see a missing warpgroup barrier here (the kernel still passes with none), only a missing CTA
+  barrier of the hand-off; ``benchmarks/msa_decode.py`` checks the ids on the device.
 * Output. Thread 0 ends with the row's answer; its ids go through SMEM (scalar reads of its
   column) to one int32 row of ``topk`` rounded up to 4 (a TMA row is a multiple of 16 bytes) per
   CTA.
@@ -42,15 +48,15 @@ lower block id (``-0.0`` ties ``+0.0``), ``-1`` right padding, i.e. exactly the 
 
 Cost per row, in instructions per warp (the 4 warps run on the 4 SM sub-partitions, ~1 issue per
 cycle each; the insertions and the compare-exchanges of one level are independent, so issue, not
-latency, bounds them): ``nb / 128`` insertions of ``~5 topk + 15`` ops, then 7 merge rounds of
-``4 kp`` SMEM accesses, ``7 kp + 9 (kp / 2) log2 kp`` ops and one barrier. At top-16: ~95 per
-insertion and ~470 per round, so nb = 1,024 (128K tokens) is ~0.8K + 3.3K and nb = 8,192 (1M)
-~6.1K + 3.3K, i.e. ~2.5 and ~5.5 us at 1.7 GHz, plus ~1 us for the TMA of the row (4 / 32 KiB)
-and the output store. Rows run on separate SMs: up to 132 rows cost the same as one.
+latency, bounds them): ``nb / (128 W)`` insertions of ``~5 topk + 15`` ops, ``W - 1`` hand-off
+merges, then 7 merge rounds of ``4 kp`` SMEM accesses, ``7 kp + 9 (kp / 2) log2 kp`` ops and one
+barrier. At top-16: ~95 per insertion and ~470 per merge, so nb = 1,024 (128K tokens, W = 1) is
+~0.8K + 3.3K and nb = 8,192 (1M) ~6.1K + 3.3K with one warpgroup, ~1.5K + 1.4K + 3.3K with four,
+plus ~1 us for the TMA of the row (4 / 32 KiB) and the output store. Rows run on separate SMs: up
+to 132 rows cost the same as one.
 
 Blackwell: nothing here uses the MMA, TMEM or clusters, so the kernel runs unchanged (148 SMs, the
-same SMEM budget). If it matters there, a 1M-token row can be split over the CTAs of a cluster
-(partial lists merged through distributed SMEM) to shorten the insertion chain.
+same SMEM budget).
 """
 
 from __future__ import annotations
