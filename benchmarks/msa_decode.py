@@ -21,10 +21,9 @@ index-key pages in bf16, in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, sam
 fp8 under the fp8 indexer (``index_score_dtype="float8_e4m3fn"`` too: e4m3 x e4m3 scoring); ``ratio``
 there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in the notes.
 ``MSA_BENCH_MODEL_ONLY=1``: only these rows and cuDNN (the decode table in a short run).
-``MSA_BENCH_TUNE=1``: only cuDNN, the row-split top-k with 1, 2 and 4 warpgroups per CTA
-(``impl=pallas_rowsplit[warpgroups=w]``, ids checked against XLA's) and the scoring kernel per
-``DecodeScoreConfig`` waves and stages (``index_scores[pages]`` rows), bf16 and fp8 pages, and the
-sparse attention per ``SparseDecodeConfig`` splits and stages.
+``MSA_BENCH_TUNE=1``: only cuDNN, the scoring kernel per ``DecodeScoreConfig`` waves and stages
+(``index_scores[pages]`` rows), bf16 and fp8 pages, and the sparse attention per
+``SparseDecodeConfig`` splits and stages.
 
 The fused paged selection (``m3jax.pallas.decode.decode_select_blocks``: one launch for scores, block
 max and each context split's top-k, then the merge of the splits' lists; the model's
@@ -162,12 +161,7 @@ def bench(report) -> None:
                 except Exception as e:  # noqa: BLE001  (a failing piece must not hide the others)
                     rows.append((op, impl, float("nan"), nbytes, f"failed: {type(e).__name__}: {str(e)[:200]}"))
 
-            if tune:  # the row-split top-k per warpgroups, the scoring kernel per (waves, stages)
-                for w in (1, 2, 4):
-                    f = jax.jit(lambda s, w=w: T.rowsplit.select_blocks(s, q_pos, block_size=BS, topk=TOPK,
-                                                                         warpgroups=w))
-                    timed("topk(select_blocks)", f"pallas_rowsplit[warpgroups={w}]", b * HI * (ctx // BS) * 4, f,
-                          s_val, want=bidx)
+            if tune:  # the attention per (splits, stages), the scoring kernel per (waves, stages)
                 for splits in (None, 8, 16):
                     for st in (2, 3):
                         cfg = D.SparseDecodeConfig(num_splits=splits, stages=st)
@@ -188,7 +182,8 @@ def bench(report) -> None:
                     D.decode_index_scores(iq, ik, pt, sl, block_size=BS), D.query_positions(sl, 1), block_size=BS,
                     topk=TOPK, implementation="pallas"))
                 default = D.DecodeScoreConfig()
-                waves = [int(w) for w in os.environ.get("MSA_BENCH_FUSED_WAVES", str(default.waves)).split(",")]
+                env_waves = os.environ.get("MSA_BENCH_FUSED_WAVES")
+                waves = [int(w) for w in env_waves.split(",")] if env_waves else [default.waves]
                 stages = [int(x) for x in os.environ.get("MSA_BENCH_FUSED_STAGES", str(default.stages)).split(",")]
 
                 def fused_name(w, st):
@@ -266,18 +261,12 @@ def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: 
                 f"ratio = scores+topk ms / fused ms; cudnn_ms / ms = {t_dense / t:.3g}; ")
     if op.startswith("selection["):
         return None, cudnn, f"cudnn_ms / ms = {t_dense / t:.3g}; "
-    if impl.startswith("pallas_rowsplit[warpgroups="):
-        one = ms_of.get((op, "pallas_rowsplit[warpgroups=1]"), float("nan"))
-        return one / t, f"one warpgroup {one:.4f} ms", "ratio = one-warpgroup ms / ms; "
     if op == "sparse_attention" and impl.startswith("pallas[splits="):
         dflt = ms_of.get((op, "pallas[splits=None,stages=2]"), float("nan"))
         return dflt / t, f"default config {dflt:.4f} ms", "ratio = default-config ms / ms; "
     if op.startswith("index_scores[") and impl.startswith("pallas[waves="):
-        from m3jax.pallas.decode import DecodeScoreConfig
-
-        default = DecodeScoreConfig()
-        dflt = ms_of.get((op, f"pallas[waves={default.waves},stages={default.stages}]"), float("nan"))
-        return dflt / t, f"default config {dflt:.4f} ms", "ratio = default-config ms / ms; "
+        two = ms_of.get((op, "pallas[waves=2,stages=4]"), float("nan"))
+        return two / t, f"2 waves, 4 stages {two:.4f} ms", "ratio = (2 waves, 4 stages) ms / ms; "
     return None, cudnn, ""
 
 

@@ -157,12 +157,6 @@ def _topk_rowsplit():
     return _topk("pallas_rowsplit", 2, 1, 300, 4, np.array([[1199], [9]], np.int32), 8)
 
 
-def _topk_rowsplit_wg4():
-    # 4,100 blocks (33 SMEM rows): a long decode row, split over 4 warpgroups of one CTA (a 1M-token
-    # row at block 128 takes this path); the second row ends inside warpgroup 1's fourth SMEM row.
-    return _topk("pallas_rowsplit", 2, 1, 4100, 4, np.array([[16399], [1799]], np.int32), 8)
-
-
 def _sparse_attention(implementation, n=16, k=2, h=64, bs=64, t=10, prefix=64, topk=3):
     """N query heads on K KV heads (G = N / K), head dim H; a prefix then ``t`` queries."""
     from m3jax.msa import reference as msa
@@ -341,7 +335,6 @@ CANARIES: dict[str, Canary] = {
                at_block=_LARGE),
         Canary("topk_blockmajor", "rows40", _topk_blockmajor, _TOPK),
         Canary("topk_rowsplit", "rows1", _topk_rowsplit, _TOPK, m3=True),
-        Canary("topk_rowsplit", "wg4", _topk_rowsplit_wg4, _TOPK, m3=True),
         Canary("sparse_attention_kv_major", "b64-h64-g8", lambda: _sparse_attention("kv_major"), _ATT, at_block=_SMALL),
         Canary("sparse_attention_kv_major", "b128-h128-g16",
                lambda: _sparse_attention("kv_major", n=16, k=1, h=128, bs=128, t=8, prefix=256, topk=2), _ATT, m3=True,

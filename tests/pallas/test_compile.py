@@ -152,22 +152,12 @@ CASES.update({f"m3 grouped_matmul prefill 256-row tiles{' mxfp8' * mx}": (
     "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_ROWS256))) for mx in (False, True)})
 CASES.update({f"m3 grouped_matmul prefill cluster{' mxfp8' * mx}": (
     "grouped_matmul", lambda mx=mx: _m3_moe(mx, 32768, _gmm_config(**_CLUSTER))) for mx in (False, True)})
-# the row-split top-k over a 1M-token decode row (8,192 blocks): 4 warpgroups per CTA (rowsplit.warpgroups_for)
-CASES["m3 topk_rowsplit 1M"] = ("topk_rowsplit", lambda: _topk_rows(8192))
 # (a canary of a path the target does not have, Canary.unsupported, is not traced for it: its verdict is "n/a")
 CASES.update({f"canary {c.name}": (c.kernel, lambda c=c: None if c.unsupported and c.unsupported() else (c.run, ()))
               for c in canaries.CANARIES.values()})
 # tests/pallas/test_index_scores_fp8.py's kernel calls at its shapes and tiles (block 16, Hx 64, 64 rows)
 CASES.update({f"test index_scores_fp8{' fused' * fused}": ("index_scores_fp8", lambda fused=fused: _fp8_test(fused))
               for fused in (False, True)})
-
-
-def _topk_rows(nb: int):
-    """The row-split top-k at decode: one token, M3's 4 index heads and top-16, ``nb`` blocks a row."""
-    from m3jax.pallas.topk import select_blocks
-
-    return (lambda s, p: select_blocks(s, p, block_size=BS, topk=TOPK, implementation="pallas_rowsplit"),
-            (S((1, HI, 1, nb), jnp.float32), S((1, 1), I32)))
 
 
 def _fp8_test(fused: bool):

@@ -117,32 +117,6 @@ def test_rowsplit_decode_rows(k, local, init, ties):
     _check(scores, q_pos, bs, k, implementation="pallas_rowsplit", local_blocks=local, init_blocks=init)
 
 
-@pytest.mark.parametrize("wgs", [2, 4])
-def test_rowsplit_warpgroups(wgs):
-    # A row split over several warpgroups of one CTA (SMEM rows dealt round-robin, the lists handed to
-    # warpgroup 0): the same ids as one warpgroup and the reference. nb=700 is 6 SMEM rows; q_pos 517
-    # ends in the second (at 4 warpgroups two have no row), 5 sees 2 blocks; ties in the first case.
-    # Machine: any: interpret mode on a CPU (the race detector sees each warpgroup as a thread),
-    # compiled for the device on a GPU (the same assertions on both)
-    bs, nb, k = 4, 700, 8
-    q_pos = jnp.array([[2799, 2798], [5, 517]], jnp.int32)
-    for ties, seed in ((True, wgs), (False, wgs + 1)):
-        scores = (_tie_scores(2, 2, 2, nb, bs, q_pos, seed=seed) if ties
-                  else _scores(2, 2, 2, nb * bs, bs, q_pos, seed=seed))
-        kw = dict(block_size=bs, topk=k, local_blocks=2, init_blocks=1, force_in=(9,), force_out=(3,))
-        got = np.asarray(rowsplit.select_blocks(scores, q_pos, warpgroups=wgs, **kw))
-        assert not _backend.interpret_races_found()
-        ref = np.asarray(select_blocks(scores, q_pos, implementation="reference", **kw))
-        np.testing.assert_array_equal(got, ref)
-        np.testing.assert_array_equal(got, np.asarray(rowsplit.select_blocks(scores, q_pos, warpgroups=1, **kw)))
-
-
-def test_rowsplit_warpgroups_by_row_length():
-    # Machine: any: the choice of warpgroups per CTA, a pure function of the row's SMEM rows and top-k
-    assert [rowsplit.warpgroups_for(n, 16) for n in (1, 8, 16, 31, 32, 64)] == [1, 1, 2, 2, 4, 4]
-    assert rowsplit.warpgroups_for(256, 16) < 4  # a 32,768-block row leaves no SMEM for 4 warpgroups' lists
-
-
 def test_pallas_picks_rowsplit_for_few_rows_that_fit(monkeypatch):
     # Machine: any: the choice between the top-k kernels, both stubbed
     calls = []

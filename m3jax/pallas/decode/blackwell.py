@@ -49,6 +49,7 @@ from m3jax.pallas._backend import mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import (online_softmax_step, p_mma_parts, softmax_normalisers, swizzle_transforms,
                                   tmem_handoff)
 from m3jax.pallas.decode.kernel import (
+    FP8,
     DecodeScoreConfig,
     SparseDecodeConfig,
     attention_call,
@@ -109,7 +110,7 @@ def decode_index_scores(
     cols = n_tiles * max(32, 1 << (n_pad - 1).bit_length())  # allocations are powers of two >= 32
     if cols > TMEM_COLUMNS:
         raise ValueError(f"{n_tiles} row tiles x {n_pad} query rows need {cols} > {TMEM_COLUMNS} TMEM columns")
-    chunk, splits = score_chunks(config, b, max_pages, n_pad)
+    chunk, splits = score_chunks(config, b, max_pages, n_pad, ik_pages.dtype == FP8)
     q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
     prods = score_products(len(q_parts), len(k_parts))
     transforms = swizzle_transforms(swizzle_elems)  # 16-bit operands: 2 bytes

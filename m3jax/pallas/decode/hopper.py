@@ -95,7 +95,7 @@ def decode_index_scores(
     n_pad = round_up(n_rows, 8)
     if n_pad > 256:
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
-    chunk, splits = score_chunks(config, b, max_pages, n_pad)
+    chunk, splits = score_chunks(config, b, max_pages, n_pad, ik_pages.dtype == FP8)
     q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config, score_dtype)
     prods = score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
@@ -162,7 +162,7 @@ def decode_select_blocks(
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the fused selection's {SELECT_LANES} lanes (one row each)")
     if topk < 1:
         raise ValueError(f"decode_select_blocks: topk must be >= 1, got {topk}")
-    chunk, splits = score_chunks(config, b, max_pages, None)
+    chunk, splits = score_chunks(config, b, max_pages, None, ik_pages.dtype == FP8)
     kc = min(topk, chunk)  # a split's list: its top-k, or all its pages when it has fewer
     q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
     prods = score_products(len(q_parts), len(k_parts))

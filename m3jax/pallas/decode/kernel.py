@@ -106,9 +106,14 @@ class DecodeScoreConfig:
     """Tiling of :func:`.hopper.decode_index_scores` and of the fused selection
     (:func:`.hopper.decode_select_blocks`, which also takes ``fp8_mma``).
 
-    num_splits: CTAs per request along the context (None: enough for ``waves`` waves over the SMs;
-      the scores kernel splits further to keep its SMEM score tile within 32 KiB). For the fused
-      selection fewer splits also mean fewer candidates to merge (``splits * topk`` per row).
+    num_splits: CTAs per request along the context (None: ``waves`` waves over the SMs, rounded down
+      to whole CTAs per request; the scores kernel splits further to keep its SMEM score tile within
+      32 KiB). For the fused selection fewer splits also mean fewer candidates to merge
+      (``splits * topk`` per row).
+    waves: None picks by the pages: 1 for 16-bit pages (their page buffers leave room for one CTA
+      per SM, so a second wave only adds a prologue and a tail: 23 % faster at 128K and batch 1),
+      2 for fp8 pages (two CTAs share an SM and the second hides the first's conversions: one wave
+      was 26 % slower at 1M), benchmarks/RESULTS.md#decode-2026-12-06e.
     stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
     fp8_mma: the 16-bit type fp8 pages meet a bf16 query in. ``"bfloat16"``: the query as is, the
       keys converted e4m3 -> f16 -> bf16 (three conversions per pair of keys; exact products).
@@ -127,7 +132,7 @@ class DecodeScoreConfig:
 
     num_splits: int | None = None
     stages: int = 4
-    waves: int = 2
+    waves: int | None = None
     fp8_mma: str = "bfloat16"
     fp8_convert: str = "smem"
 
@@ -135,10 +140,11 @@ class DecodeScoreConfig:
         if self.fp8_convert not in ("smem", "registers"):
             raise ValueError(f"fp8_convert={self.fp8_convert!r} must be 'smem' or 'registers'")
 
-    def splits(self, batch: int, max_pages: int, target: Target) -> int:
+    def splits(self, batch: int, max_pages: int, target: Target, fp8_pages: bool) -> int:
         if self.num_splits is not None:
             return max(1, min(self.num_splits, max_pages))
-        return max(1, min(max_pages, -(-self.waves * target.num_sms // batch)))
+        waves = self.waves if self.waves is not None else 2 if fp8_pages else 1
+        return max(1, min(max_pages, waves * target.num_sms // batch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +195,12 @@ def score_shapes(iq, ik_pages, page_table, block_size: int, tiles: str):
     return b, q, hi, hx, num_pages, bs, page_table.shape[1]
 
 
-def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | None) -> tuple[int, int]:
+def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | None,
+                 fp8_pages: bool) -> tuple[int, int]:
     """(pages per CTA, CTAs per request): the scores kernel's per-CTA SMEM score tile (chunk x cols
     fp32) is kept to 32 KiB, so large batches split the context further; ``cols=None`` (the fused
     selection, whose SMEM rows do not grow with the chunk): the config's splits."""
-    splits = config.splits(b, max_pages, current_target())
+    splits = config.splits(b, max_pages, current_target(), fp8_pages)
     if cols is not None:
         splits = max(splits, -(-max_pages // max(1, 32768 // (4 * cols))))
     return -(-max_pages // splits), splits

@@ -3,24 +3,18 @@
 Why a second kernel. The block-major kernel (:mod:`.kernel`) gives each row to one thread, which
 inserts all ``nb`` blocks one after the other: right for prefill (thousands of rows fill the GPU),
 but a decode step has ``B * Hi * Q`` rows (4 at batch 1), so one warpgroup of one SM would walk
-an 8,192-long chain. Here the work of one row is split across the 128 threads of a warpgroup,
-and a long row across up to 4 warpgroups of its CTA.
+an 8,192-long chain. Here the work of one row is split across the 128 threads of a warpgroup.
 
-Design (Hopper): grid = one CTA per row (row = one (batch, index head, query)), of ``W`` warpgroups
-(:func:`warpgroups_for`: 4 from 4,096 blocks, 2 from 2,048, else 1).
+Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index head, query)).
 
 * Load. The row's scores, padded with ``-inf`` to ``nb_pad`` (a multiple of 128) outside the
   kernel, are viewed as ``[nb_pad / 128, 128]`` and copied to SMEM by one TMA (32 KiB at 8,192
   blocks = 1M tokens; box dims are limited to 256, hence ``nb <= 32,768``).
-* Per-thread top-k. Warpgroup ``w`` takes SMEM rows ``c = w, w + W, ...``; its thread ``i`` loads
-  column ``i`` of each (``WG_STRIDED`` layout), i.e. it owns blocks ``{c * 128 + i}``, and inserts
-  them in increasing id into a sorted list held in registers (``topk`` values + ``topk`` ids;
-  ``select.forced_candidate`` and ``select.insert``, so ties go to the lower id and forced blocks
-  get the reference priorities). SMEM rows wholly past the row's causal limit (all ``-inf`` by the
-  score contract) are not visited.
-* Hand-off (``W > 1``). Every warpgroup stores its 128 lists to its own SMEM slot, commits, and
-  arrives at a CTA barrier of ``W`` arrivals; after it, warpgroup 0 merges the other slots into its
-  lists lane by lane (the merge below, ``W - 1`` times) and goes on alone.
+* Per-thread top-k. Thread ``i`` loads column ``i`` of each SMEM row (``WG_STRIDED`` layout), i.e.
+  it owns blocks ``{c * 128 + i}``, and inserts them in increasing id into a sorted list held in
+  registers (``topk`` values + ``topk`` ids; ``select.forced_candidate`` and ``select.insert``, so
+  ties go to the lower id and forced blocks get the reference priorities). SMEM rows wholly past
+  the row's causal limit (all ``-inf`` by the score contract) are not visited.
 * Tree merge, 7 rounds (``log2 128``). In the round of stride ``s`` every thread writes its list
   to SMEM (``[kp, 192]`` values and ids, double buffered so that a round's writes never overtake
   the previous round's reads), the warpgroup synchronises, and thread ``i`` reads the list of
@@ -36,8 +30,8 @@ Design (Hopper): grid = one CTA per row (row = one (batch, index head, query)), 
   barrier (after a ``fence.proxy.async``, which the final TMA store needs anyway). The kernel runs
   with ``unsafe_no_auto_barriers``: Pallas would otherwise wrap every vector store in two more
   barriers. GPU interpret mode simulates a warpgroup as one thread, so its race detector cannot
-  see a missing warpgroup barrier here (the kernel still passes with none), only a missing CTA
-  barrier of the hand-off; ``benchmarks/msa_decode.py`` checks the ids on the device.
+  see a missing barrier here (the kernel still passes with none); ``benchmarks/msa_decode.py``
+  checks the ids on the device.
 * Output. Thread 0 ends with the row's answer; its ids go through SMEM (scalar reads of its
   column) to one int32 row of ``topk`` rounded up to 4 (a TMA row is a multiple of 16 bytes) per
   CTA.
@@ -48,15 +42,17 @@ lower block id (``-0.0`` ties ``+0.0``), ``-1`` right padding, i.e. exactly the 
 
 Cost per row, in instructions per warp (the 4 warps run on the 4 SM sub-partitions, ~1 issue per
 cycle each; the insertions and the compare-exchanges of one level are independent, so issue, not
-latency, bounds them): ``nb / (128 W)`` insertions of ``~5 topk + 15`` ops, ``W - 1`` hand-off
-merges, then 7 merge rounds of ``4 kp`` SMEM accesses, ``7 kp + 9 (kp / 2) log2 kp`` ops and one
-barrier. At top-16: ~95 per insertion and ~470 per merge, so nb = 1,024 (128K tokens, W = 1) is
-~0.8K + 3.3K and nb = 8,192 (1M) ~6.1K + 3.3K with one warpgroup, ~1.5K + 1.4K + 3.3K with four,
-plus ~1 us for the TMA of the row (4 / 32 KiB) and the output store. Rows run on separate SMs: up
-to 132 rows cost the same as one.
+latency, bounds them): ``nb / 128`` insertions of ``~5 topk + 15`` ops, then 7 merge rounds of
+``4 kp`` SMEM accesses, ``7 kp + 9 (kp / 2) log2 kp`` ops and one barrier. At top-16: ~95 per
+insertion and ~470 per round, so nb = 1,024 (128K tokens) is ~0.8K + 3.3K and nb = 8,192 (1M)
+~6.1K + 3.3K, i.e. ~2.5 and ~5.5 us at 1.7 GHz, plus ~1 us for the TMA of the row (4 / 32 KiB)
+and the output store. Rows run on separate SMs: up to 132 rows cost the same as one.
 
 Blackwell: nothing here uses the MMA, TMEM or clusters, so the kernel runs unchanged (148 SMs, the
-same SMEM budget).
+same SMEM budget). More warpgroups per row do not make it faster: with 2 the 1M row took the time of
+one, with 4 it took 4 % longer, and 128K rows slowed down by 12 % and 30 %
+(benchmarks/RESULTS.md#decode-2026-12-06e), so the per-thread insertion chain is not what sets the
+1M row's time.
 """
 
 from __future__ import annotations
@@ -85,28 +81,11 @@ def unsupported_reason(nb: int, topk: int) -> str | None:
     n_rows = -(-nb // LANES)
     if n_rows > MAX_SMEM_ROWS:
         return f"nb {nb} > {MAX_SMEM_ROWS * LANES} blocks: one TMA box per row cannot hold it"
-    smem = _smem_bytes(n_rows, topk, 1)
+    kp = 1 << (topk - 1).bit_length()
+    smem = n_rows * LANES * 4 + 2 * 2 * kp * MERGE_COLS * 4 + LANES * 4  # scores, merge lists, output
     if smem > current_target().smem_bytes - SMEM_RESERVED:
         return f"nb {nb} and topk {topk} need {smem} bytes of SMEM per CTA"
     return None
-
-
-def _smem_bytes(n_rows: int, topk: int, wgs: int) -> int:
-    """Scores, the lane tree's double-buffered lists, the output row and (``wgs`` > 1) every
-    warpgroup's lists for the hand-off."""
-    kp = 1 << (topk - 1).bit_length()
-    return n_rows * LANES * 4 + 2 * 2 * kp * MERGE_COLS * 4 + LANES * 4 + (wgs * kp * LANES * 8 if wgs > 1 else 0)
-
-
-def warpgroups_for(n_rows: int, topk: int) -> int:
-    """Warpgroups per CTA for a row of ``n_rows`` SMEM rows (128 blocks each): more where the
-    insertions dominate (4 from 4,096 blocks, 2 from 2,048), as many as SMEM holds. Each extra
-    warpgroup costs warpgroup 0 one merge of two lists, about what 5 SMEM rows of insertions cost,
-    and the 7-round lane tree stays, so short rows keep one."""
-    wgs = 4 if n_rows >= 32 else 2 if n_rows >= 16 else 1
-    while wgs > 1 and _smem_bytes(n_rows, topk, wgs) > current_target().smem_bytes - SMEM_RESERVED:
-        wgs //= 2
-    return wgs
 
 
 def _layout():
@@ -139,7 +118,7 @@ def _merge(a_vals, a_ids, b_vals, b_ids):
 
 
 def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, init_blocks, force_in, force_out,
-                 warpgroups: int, interpret=None):
+                 interpret=None):
     """int32 [R, topk rounded up to 4] (first ``topk`` columns valid) from fp32 scores [R, nb_pad / 128, 128],
     row R = (b * heads + h) * Q + t, and the positions q_pos [B, Q] (read per row in the kernel: no
     XLA broadcast launch before it)."""
@@ -147,19 +126,10 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
     q = q_pos.shape[1]
     kp = 1 << (topk - 1).bit_length()
     out_cols = -(-topk // 4) * 4  # a TMA row is a multiple of 16 bytes
-    wgs = warpgroups
 
-    def body(s_ref, pos_ref, out_ref, s_smem, v_buf, i_buf, o_smem, bar, *cross):
+    def body(s_ref, pos_ref, out_ref, s_smem, v_buf, i_buf, o_smem, bar):
         row = jax.lax.axis_index("row")
-        wg = jax.lax.axis_index("wg") if wgs > 1 else 0
-
-        def load_row():
-            plgpu.copy_gmem_to_smem(s_ref.at[row], s_smem, bar.at[0])
-
-        if wgs > 1:
-            pl.when(wg == 0)(load_row)  # one TMA; every warpgroup waits on its barrier
-        else:
-            load_row()
+        plgpu.copy_gmem_to_smem(s_ref.at[row], s_smem, bar.at[0])
         pos = pos_ref[jax.lax.div(row, heads * q), jax.lax.rem(row, q)]
         nvis = jnp.clip(jnp.floor_divide(pos, block_size) + 1, 0, n_rows * LANES)
         lane = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=_layout())
@@ -167,14 +137,12 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
         empty_i = plgpu.layout_cast(jnp.full((LANES,), -1, jnp.int32), _layout())
         plgpu.barrier_wait(bar.at[0])
 
-        def one(k, carry):  # this warpgroup's k-th SMEM row: c = wg + k * wgs, in increasing block id
-            c = wg + k * wgs
+        def one(c, carry):
             return select.insert_smem_row(carry, s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
                                            block_size=block_size, local_blocks=local_blocks,
                                            init_blocks=init_blocks, force_in=force_in, force_out=force_out)
 
-        n_mine = jnp.maximum(jnp.floor_divide(-(-nvis // LANES) - wg + wgs - 1, wgs), 0)
-        vals, ids = jax.lax.fori_loop(0, n_mine, one, ((empty_v,) * topk, (empty_i,) * topk))
+        vals, ids = jax.lax.fori_loop(0, -(-nvis // LANES), one, ((empty_v,) * topk, (empty_i,) * topk))
         vals, ids = vals + (empty_v,) * (kp - topk), ids + (empty_i,) * (kp - topk)
 
         def store(slot, vals, ids):
@@ -193,46 +161,19 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
                        [plgpu.load(i_buf.at[slot, t, pl.ds(stride, LANES)]) for t in range(kp)])
             return _merge(*carry, *partner)
 
-        def finish(vals, ids):  # warpgroup 0: the lane tree over its 128 lists, then the row's ids out
-            # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
-            # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
-            # layouts follow from the merge instead of one search step each.
-            vals, ids = jax.lax.fori_loop(0, MERGE_ROUNDS, merge_round, (vals, ids))
-            store(MERGE_ROUNDS % 2, vals, ids)
-            out = empty_i
-            for t in range(topk):
-                out = jnp.where(lane == t, i_buf[MERGE_ROUNDS % 2, t, 0], out)  # thread 0's list
-            o_smem[...] = out
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_cols)], out_ref.at[row])
-            plgpu.wait_smem_to_gmem(0)
-
-        if wgs == 1:
-            finish(vals, ids)
-            return
-        # Several warpgroups: each hands its 128 lists to warpgroup 0 through SMEM (the CTA barrier
-        # orders every warpgroup's stores, committed first, before warpgroup 0's loads), which merges
-        # them lane by lane into its own before the lane tree. Nothing is written after the hand-off,
-        # so no slot is reused.
-        x_vals, x_ids, x_bar = cross
-        for t in range(kp):
-            x_vals[wg, t] = vals[t]
-            x_ids[wg, t] = ids[t]
+        # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
+        # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
+        # layouts follow from the merge instead of one search step each.
+        vals, ids = jax.lax.fori_loop(0, MERGE_ROUNDS, merge_round, (vals, ids))
+        store(MERGE_ROUNDS % 2, vals, ids)
+        out = empty_i
+        for t in range(topk):
+            out = jnp.where(lane == t, i_buf[MERGE_ROUNDS % 2, t, 0], out)  # thread 0's list
+        o_smem[...] = out
         plgpu.commit_smem()
-        plgpu.barrier_arrive(x_bar)
-        plgpu.barrier_wait(x_bar)
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_cols)], out_ref.at[row])
+        plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _():
-            mine = (vals, ids)
-            for w in range(1, wgs):
-                other = ([plgpu.load(x_vals.at[w, t]) for t in range(kp)],
-                         [plgpu.load(x_ids.at[w, t]) for t in range(kp)])
-                mine = _merge(*mine, *other)
-            finish(*mine)
-
-    cross = ([plgpu.SMEM((wgs, kp, LANES), jnp.float32), plgpu.SMEM((wgs, kp, LANES), jnp.int32),
-              plgpu.Barrier(num_arrivals=wgs)] if wgs > 1 else [])
     kern = mosaic_kernel(
         body,
         interpret=interpret,
@@ -245,24 +186,22 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
             plgpu.SMEM((2, kp, MERGE_COLS), jnp.int32),
             plgpu.SMEM((LANES,), jnp.int32),
             plgpu.Barrier(num_barriers=1),
-            *cross,
         ],
         # Pallas would wrap every vector SMEM store in two warpgroup barriers (64 per merge round at
         # top-16); the kernel orders its cross-thread SMEM traffic itself with commit_smem.
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
-        **({"num_threads": wgs, "thread_name": "wg"} if wgs > 1 else {}),
     )
     return kern(scores, q_pos)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
-                                             "force_out", "warpgroups", "interpret"))
+                                             "force_out", "interpret"))
 def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(), force_out=(),
-                  warpgroups=None, interpret=None):
+                  interpret=None):
     """int32 [B, Hi, Q, topk] from fp32 scores [B, Hi, Q, nb] and positions q_pos [B, Q].
 
     Scores of blocks past a row's causal limit must be ``-inf`` (``msa.block_scores``' contract):
-    the kernel does not visit them. ``warpgroups``: per CTA (1, 2 or 4; None: :func:`warpgroups_for`).
+    the kernel does not visit them.
     """
     b, hi, q, nb = scores.shape
     if reason := unsupported_reason(nb, topk):
@@ -272,13 +211,7 @@ def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_block
     # Padding blocks lie after every own block: -inf, never forced.
     s = jnp.pad(scores.astype(jnp.float32).reshape(rows, nb), [(0, 0), (0, n_rows * LANES - nb)],
                 constant_values=NEG_INF)
-    wgs = warpgroups_for(n_rows, topk) if warpgroups is None else warpgroups
-    if wgs not in (1, 2, 4):
-        raise ValueError(f"warpgroups={warpgroups} must be 1, 2 or 4")
-    if _smem_bytes(n_rows, topk, wgs) > current_target().smem_bytes - SMEM_RESERVED:
-        raise ValueError(f"warpgroups={wgs}: nb {nb} and topk {topk} need {_smem_bytes(n_rows, topk, wgs)} bytes of "
-                         "SMEM per CTA")
     ids = _kernel_call(s.reshape(rows, n_rows, LANES), q_pos.astype(jnp.int32), hi, block_size=block_size, topk=topk,
                        local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in, force_out=force_out,
-                       warpgroups=wgs, interpret=interpret)
+                       interpret=interpret)
     return ids[:, :topk].reshape(b, hi, q, topk)
