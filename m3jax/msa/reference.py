@@ -209,8 +209,9 @@ def lse_merge(o_parts, lse_parts, *, axis: int | None = None, axis_name: str | N
     [..., P, ..., H] (same leading shape plus the head dim), or, with ``axis_name``, one part per
     device of that ``shard_map`` axis (reduced by pmax / psum). A part with no key has LSE -inf.
     ``unroll`` (with ``axis``): the max and the sums over P as elementwise ops on the P slices, in
-    part order, instead of reductions; for a few parts (a decode step's splits) XLA then fuses the
-    whole merge into one loop over the output, where the reductions took three launches.
+    part order, instead of reductions; for a few parts (a decode step's splits) XLA then runs the
+    merge with the output's transpose and cast in two launches, where the reductions took three
+    (benchmarks/RESULTS.md#decode-2026-12-06e).
     Returns fp32 (o [..., H], lse) without the P axis; a row whose parts are all empty gives o = 0
     and lse = -inf.
     """
