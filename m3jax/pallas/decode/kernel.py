@@ -41,8 +41,9 @@ position ``seq_lens[b] - Q + i``.
    The pipeline length is static (``ceil(Q * topk / splits)`` union entries per split): with a
    dynamic step count ``emit_pipeline`` puts the (acc, m, l) register carries in a while loop, which
    Mosaic GPU (jax 0.11.2) cannot lower. Padding entries (the union is shorter than ``Q * topk`` when
-   tokens share pages) have token bits 0, load page 0 and change nothing -- but they cost a page
-   load + MMAs each; for Q = 1 the union is full and nothing is wasted.
+   tokens share pages) have id -1 and token bits 0, load the request's first page and change
+   nothing -- but they cost a page load + MMAs each; for Q = 1 the union is full and nothing is
+   wasted.
 3. :func:`.hopper.decode_select_blocks` (docs/KERNELS.md §2.2, "Fused selection"): item 1's grid and
    page pipeline, and each CTA also selects into the split's top-k lists, which the pipeline carries
    (:data:`SELECT_LANES` lanes, one per query row; ``topk.select``'s insertion and forced
