@@ -48,11 +48,15 @@ insertion and ~470 per round, so nb = 1,024 (128K tokens) is ~0.8K + 3.3K and nb
 ~6.1K + 3.3K, i.e. ~2.5 and ~5.5 us at 1.7 GHz, plus ~1 us for the TMA of the row (4 / 32 KiB)
 and the output store. Rows run on separate SMs: up to 132 rows cost the same as one.
 
+Measured, the counts above are not the whole story: the 1M row takes 11 us and the 128K row 5 us.
+Dealing a row's SMEM rows to 2 or 4 warpgroups of the CTA (each inserting a half or a quarter, the
+lists handed to the first through SMEM) left the 1M row at the time of one warpgroup with 2 and made
+it 4 % slower with 4, and made 128K rows 12 % and 30 % slower
+(benchmarks/RESULTS.md#decode-2026-12-06e): the per-thread insertion chain is not what sets the 1M
+row's time, so the kernel keeps one warpgroup.
+
 Blackwell: nothing here uses the MMA, TMEM or clusters, so the kernel runs unchanged (148 SMs, the
-same SMEM budget). More warpgroups per row do not make it faster: with 2 the 1M row took the time of
-one, with 4 it took 4 % longer, and 128K rows slowed down by 12 % and 30 %
-(benchmarks/RESULTS.md#decode-2026-12-06e), so the per-thread insertion chain is not what sets the
-1M row's time.
+same SMEM budget).
 """
 
 from __future__ import annotations
