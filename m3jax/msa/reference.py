@@ -215,38 +215,31 @@ def lse_merge(o_parts, lse_parts, *, axis: int | None = None, axis_name: str | N
     Returns fp32 (o [..., H], lse) without the P axis; a row whose parts are all empty gives o = 0
     and lse = -inf.
     """
-    if unroll:
+    if axis_name is not None:
+        vmax, vsum = (lambda x, ax: jax.lax.pmax(x, axis_name)), (lambda x, ax: jax.lax.psum(x, axis_name))
+    elif unroll:
         if axis is None:
             raise ValueError("lse_merge: unroll needs the parts' axis")
-        ax = axis % lse_parts.ndim
-        lses = [jax.lax.index_in_dim(lse_parts, i, ax, keepdims=False) for i in range(lse_parts.shape[ax])]
-        os_ = [jax.lax.index_in_dim(o_parts, i, ax, keepdims=False).astype(jnp.float32) for i in range(len(lses))]
-        m = functools.reduce(jnp.maximum, lses)
-        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-        ws = [jnp.exp(x - m_safe) for x in lses]  # an empty part weighs 0
-        z = functools.reduce(jnp.add, ws)
-        num = functools.reduce(jnp.add, [w[..., None] * jnp.where((w > 0)[..., None], o, 0.0)  # empty: unwritten
-                                         for w, o in zip(ws, os_)])
-        zs = jnp.where(z > 0, z, 1.0)
-        return num / zs[..., None], jnp.where(z > 0, m_safe + jnp.log(zs), NEG_INF)
-    if axis_name is not None:
-        vmax, vsum = (lambda x: jax.lax.pmax(x, axis_name)), (lambda x: jax.lax.psum(x, axis_name))
+
+        def parts(x, ax):
+            return [jax.lax.slice_in_dim(x, i, i + 1, axis=ax % x.ndim) for i in range(x.shape[ax])]
+
+        vmax = lambda x, ax: functools.reduce(jnp.maximum, parts(x, ax))  # noqa: E731
+        vsum = lambda x, ax: functools.reduce(jnp.add, parts(x, ax))  # noqa: E731
     else:
-        vmax = lambda x: jnp.max(x, axis=axis, keepdims=True)  # noqa: E731
-        vsum = lambda x: jnp.sum(x, axis=axis, keepdims=True)  # noqa: E731
-    m = vmax(lse_parts)
+        vmax = lambda x, ax: jnp.max(x, axis=ax, keepdims=True)  # noqa: E731
+        vsum = lambda x, ax: jnp.sum(x, axis=ax, keepdims=True)  # noqa: E731
+    o_axis = axis if axis is None or axis >= 0 else axis - 1  # o_parts has the head dim after the parts
+    m = vmax(lse_parts, axis)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_parts - m_safe)  # an empty part weighs 0
-    z = vsum(w)
+    z = vsum(w, axis)
     o_parts = jnp.where((w > 0)[..., None], o_parts.astype(jnp.float32), 0.0)  # empty parts may be unwritten
-    if axis_name is not None:
-        num = vsum(w[..., None] * o_parts)
-    else:
-        num = jnp.sum(w[..., None] * o_parts, axis=axis if axis >= 0 else axis - 1, keepdims=True)
+    num = vsum(w[..., None] * o_parts, o_axis)
     o = num / jnp.where(z > 0, z, 1.0)[..., None]
     lse = jnp.where(z > 0, m_safe + jnp.log(jnp.where(z > 0, z, 1.0)), NEG_INF)
     if axis_name is None:
-        o, lse = jnp.squeeze(o, axis if axis >= 0 else axis - 1), jnp.squeeze(lse, axis)
+        o, lse = jnp.squeeze(o, o_axis), jnp.squeeze(lse, axis)
     return o, lse
 
 

@@ -539,8 +539,7 @@ def attention_plan(q, k_pages, v_pages, page_table, block_idx, block_size: int, 
         # (kv_pipeline), so no XLA op runs between the top-k and this kernel at M3's splits. At a
         # full-attention layer's U (every visible block, 8,192 at 1M) union_pages' O(U^2) comparison
         # and sort took 18 % of the decode step (benchmarks/RESULTS.md#m3-width-1m-2026-12-06d).
-        logical = block_idx.reshape(b, kh, u).astype(jnp.int32)
-        logical = bits = jnp.pad(logical, pad, constant_values=-1) if splits * chunk > u else logical
+        logical = bits = jnp.pad(block_idx.reshape(b, kh, u).astype(jnp.int32), pad, constant_values=-1)
     else:
         logical, bits, _ = union_pages(block_idx)
         logical, bits = jnp.pad(logical, pad, constant_values=-1), jnp.pad(bits, pad)
