@@ -117,6 +117,21 @@ def test_rowsplit_decode_rows(k, local, init, ties):
     _check(scores, q_pos, bs, k, implementation="pallas_rowsplit", local_blocks=local, init_blocks=init)
 
 
+@pytest.mark.parametrize("rows_per_step", [2, 3])
+def test_rowsplit_rows_per_step(rows_per_step):
+    # The main loop's several SMEM rows per step, then the rows left one at a time: nb=300 (3 SMEM rows);
+    # q_pos 1199 sees all 3 rows, 517 sees 2 and 5 sees 1, so both loops run full, partial and empty.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    bs, nb, k = 4, 300, 16
+    q_pos = jnp.array([[1198, 1199], [5, 517]], jnp.int32)
+    scores = _tie_scores(2, 2, 2, nb, bs, q_pos, seed=rows_per_step)
+    got = rowsplit.select_blocks(scores, q_pos, block_size=bs, topk=k, local_blocks=2, init_blocks=1,
+                                 rows_per_step=rows_per_step)
+    assert not _backend.interpret_races_found()
+    ref = select_blocks(scores, q_pos, block_size=bs, topk=k, implementation="reference", local_blocks=2, init_blocks=1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 def test_pallas_picks_rowsplit_for_few_rows_that_fit(monkeypatch):
     # Machine: any: the choice between the top-k kernels, both stubbed
     calls = []

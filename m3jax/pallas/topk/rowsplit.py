@@ -76,6 +76,9 @@ MERGE_ROUNDS = 7  # log2(LANES)
 MERGE_COLS = LANES + LANES // 2
 MAX_SMEM_ROWS = 256  # TMA box dims are <= 256: nb <= 256 * 128 blocks
 SMEM_RESERVED = 8 * 1024  # Pallas' own SMEM (reduction scratch, barriers, alignment)
+# SMEM rows inserted per loop step (select_blocks' rows_per_step): the measured best of 1, 2, 4 and 8
+# (benchmarks/RESULTS.md#topk-rows-per-step).
+ROWS_PER_STEP = 8
 
 
 def unsupported_reason(nb: int, topk: int) -> str | None:
@@ -122,11 +125,13 @@ def _merge(a_vals, a_ids, b_vals, b_ids):
 
 
 def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, init_blocks, force_in, force_out,
-                 interpret=None):
+                 rows_per_step, interpret=None):
     """int32 [R, topk rounded up to 4] (first ``topk`` columns valid) from fp32 scores [R, nb_pad / 128, 128],
     row R = (b * heads + h) * Q + t, and the positions q_pos [B, Q] (read per row in the kernel: no
-    XLA broadcast launch before it)."""
+    XLA broadcast launch before it). ``rows_per_step`` SMEM rows are inserted per step of the main loop,
+    then the visible rows left one per step."""
     r, n_rows, _ = scores.shape
+    u = rows_per_step
     q = q_pos.shape[1]
     kp = 1 << (topk - 1).bit_length()
     out_cols = -(-topk // 4) * 4  # a TMA row is a multiple of 16 bytes
@@ -146,7 +151,16 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
                                            block_size=block_size, local_blocks=local_blocks,
                                            init_blocks=init_blocks, force_in=force_in, force_out=force_out)
 
-        vals, ids = jax.lax.fori_loop(0, -(-nvis // LANES), one, ((empty_v,) * topk, (empty_i,) * topk))
+        def several(c, carry):
+            # u rows per step: their loads and forced ranks do not depend on the lists, so they can be
+            # issued ahead of the previous rows' insertions (one row per step leaves that latency exposed).
+            for t in range(u):
+                carry = one(c * u + t, carry)
+            return carry
+
+        rows_vis = -(-nvis // LANES)
+        carry = jax.lax.fori_loop(0, rows_vis // u, several, ((empty_v,) * topk, (empty_i,) * topk))
+        vals, ids = jax.lax.fori_loop(rows_vis // u * u, rows_vis, one, carry)
         vals, ids = vals + (empty_v,) * (kp - topk), ids + (empty_i,) * (kp - topk)
 
         def store(slot, vals, ids):
@@ -199,9 +213,9 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
-                                             "force_out", "interpret"))
+                                             "force_out", "rows_per_step", "interpret"))
 def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(), force_out=(),
-                  interpret=None):
+                  rows_per_step=ROWS_PER_STEP, interpret=None):
     """int32 [B, Hi, Q, topk] from fp32 scores [B, Hi, Q, nb] and positions q_pos [B, Q].
 
     Scores of blocks past a row's causal limit must be ``-inf`` (``msa.block_scores``' contract):
@@ -217,5 +231,5 @@ def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_block
                 constant_values=NEG_INF)
     ids = _kernel_call(s.reshape(rows, n_rows, LANES), q_pos.astype(jnp.int32), hi, block_size=block_size, topk=topk,
                        local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in, force_out=force_out,
-                       interpret=interpret)
+                       rows_per_step=rows_per_step, interpret=interpret)
     return ids[:, :topk].reshape(b, hi, q, topk)
