@@ -167,14 +167,18 @@ def indexer_target_mass(q, k, q_pos, *, block_size: int, num_blocks: int):
 
 def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, block_size: int, topk: int,
                  local_blocks: int = 1, init_blocks: int = 0, force_in: tuple[int, ...] = (),
-                 force_out: tuple[int, ...] = (), fused_select: bool = False, score_dtype: str = "bfloat16"):
+                 force_out: tuple[int, ...] = (), fused_select: bool = False, score_dtype: str = "bfloat16",
+                 q_pos: jax.Array | None = None):
     """One MSA decode step over paged caches, read in place: paged index scores -> top-k -> sparse
     paged attention. q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), pages as the decode kernels take them
     (:mod:`m3jax.pallas.decode`), seq_lens [B]. ``fused_select``: the selection from one scan of the
     pages (:func:`m3jax.pallas.decode.decode_select_blocks`; ``TextConfig.msa_decode_select="fused"``)
     instead of the scoring kernel then the top-k kernel; the same block ids either way.
     ``score_dtype="float8_e4m3fn"``: the fp8 indexer over fp8 index pages (the scoring kernel's e4m3 x
-    e4m3 path; the fused selection has none). Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
+    e4m3 path; the fused selection has none). ``q_pos`` int32 [B, Q]: the new tokens' positions, which must
+    be ``seq_lens - Q + t`` (the kernels' causal limits), when the caller has them: deriving them from
+    ``seq_lens`` again is one more XLA launch per step.
+    Returns (o [B, Q, N, H], block ids int32 [B, K, Q, topk])."""
     # fp8 index pages (index_cache_dtype) go in as stored: the kernel converts each page in SMEM
     # (exact), or multiplies it as it is under the fp8 indexer, so the scan reads one byte per key element.
     kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
@@ -186,7 +190,8 @@ def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, blo
     else:
         scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
                                      score_dtype=score_dtype)
-        sel = select_blocks(scores, query_positions(seq_lens, q.shape[1]), implementation="pallas", **kw)
+        pos = query_positions(seq_lens, q.shape[1]) if q_pos is None else q_pos
+        sel = select_blocks(scores, pos, implementation="pallas", **kw)
     return sparse_decode_attention(q, k_pages, v_pages, page_table, sel, seq_lens, block_size=block_size), sel
 
 
@@ -205,7 +210,7 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
     return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
                         topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                         init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,
-                        fused_select=fused, score_dtype=cfg.index_score_dtype)
+                        fused_select=fused, score_dtype=cfg.index_score_dtype, q_pos=q_pos)
 
 
 def dense_decode(q, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: TextConfig) -> jax.Array:
