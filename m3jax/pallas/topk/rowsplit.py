@@ -14,7 +14,9 @@ Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index
   it owns blocks ``{c * 128 + i}``, and inserts them in increasing id into a sorted list held in
   registers (``topk`` values + ``topk`` ids; ``select.forced_candidate`` and ``select.insert``, so
   ties go to the lower id and forced blocks get the reference priorities). SMEM rows wholly past
-  the row's causal limit (all ``-inf`` by the score contract) are not visited.
+  the row's causal limit (all ``-inf`` by the score contract) are not visited. The loop takes
+  ``ROWS_PER_STEP`` SMEM rows per step (then the rest one by one), so the loads and forced ranks of a
+  step's rows, which do not depend on the lists, issue ahead of the insertions.
 * Tree merge, 7 rounds (``log2 128``). In the round of stride ``s`` every thread writes its list
   to SMEM (``[kp, 192]`` values and ids, double buffered so that a round's writes never overtake
   the previous round's reads), the warpgroup synchronises, and thread ``i`` reads the list of
@@ -48,12 +50,15 @@ insertion and ~470 per round, so nb = 1,024 (128K tokens) is ~0.8K + 3.3K and nb
 ~6.1K + 3.3K, i.e. ~2.5 and ~5.5 us at 1.7 GHz, plus ~1 us for the TMA of the row (4 / 32 KiB)
 and the output store. Rows run on separate SMs: up to 132 rows cost the same as one.
 
-Measured, the counts above are not the whole story: the 1M row takes 11 us and the 128K row 5 us.
-Dealing a row's SMEM rows to 2 or 4 warpgroups of the CTA (each inserting a half or a quarter, the
-lists handed to the first through SMEM) left the 1M row at the time of one warpgroup with 2 and made
-it 4 % slower with 4, and made 128K rows 12 % and 30 % slower
-(benchmarks/RESULTS.md#decode-2026-12-06e): the per-thread insertion chain is not what sets the 1M
-row's time, so the kernel keeps one warpgroup.
+Measured, the counts above are not the whole story: with one SMEM row per step the 1M row took 11 us
+and the 128K row 5 us. Dealing a row's SMEM rows to 2 or 4 warpgroups of the CTA (each inserting a
+half or a quarter, the lists handed to the first through SMEM) left the 1M row at the time of one
+warpgroup with 2 and made it 4 % slower with 4, and made 128K rows 12 % and 30 % slower
+(benchmarks/RESULTS.md#decode-2026-12-06e). More warpgroups share the same four schedulers of the SM,
+so they add no issue slots. Eight rows per step (loads and forced ranks that need not wait for the
+previous insertions) take the 1M row from 11.2 to 10.1 us and the 128K row from 5.4 to 5.3
+(benchmarks/RESULTS.md#topk-rows-per-step). How the 1M row's remaining time splits between the
+insertions, the merge and the row's load is not measured.
 
 Blackwell: nothing here uses the MMA, TMEM or clusters, so the kernel runs unchanged (148 SMs, the
 same SMEM budget).
