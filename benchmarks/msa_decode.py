@@ -21,7 +21,8 @@ index-key pages in bf16, in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, sam
 fp8 under the fp8 indexer (``index_score_dtype="float8_e4m3fn"`` too: e4m3 x e4m3 scoring); ``ratio``
 there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in the notes.
 ``MSA_BENCH_MODEL_ONLY=1``: only these rows and cuDNN (the decode table in a short run).
-``MSA_BENCH_TUNE=1``: only cuDNN, the scoring kernel per ``DecodeScoreConfig`` waves and stages
+``MSA_BENCH_TUNE=1``: only cuDNN, the row-split top-k per ``rows_per_step`` (1, 2, 4, 8; ids checked
+against XLA's), the scoring kernel per ``DecodeScoreConfig`` waves and stages
 (``index_scores[pages]`` rows), bf16 and fp8 pages, and the sparse attention per
 ``SparseDecodeConfig`` splits and stages.
 
@@ -92,6 +93,7 @@ def bench(report) -> None:
     from m3jax.msa import kernels
     from m3jax.pallas import decode as D
     from m3jax.pallas import topk as T
+    from m3jax.pallas.topk import rowsplit as R
 
     M3_TEXT = dataclasses.replace(m3jax.preset("minimax_m3").text, num_attention_heads=N, num_key_value_heads=K,
                                   head_dim=H, index_n_heads=HI, index_head_dim=HX, index_block_size=BS,
@@ -161,7 +163,11 @@ def bench(report) -> None:
                 except Exception as e:  # noqa: BLE001  (a failing piece must not hide the others)
                     rows.append((op, impl, float("nan"), nbytes, f"failed: {type(e).__name__}: {str(e)[:200]}"))
 
-            if tune:  # the attention per (splits, stages), the scoring kernel per (waves, stages)
+            if tune:  # the top-k per rows per step, the attention per (splits, stages), the scoring per (waves, stages)
+                for u in (1, 2, 4, 8):
+                    timed("topk(select_blocks)", f"pallas_rowsplit[rows_per_step={u}]", b * HI * (ctx // BS) * 4,
+                          jax.jit(lambda s, u=u: R.select_blocks(s, q_pos, block_size=BS, topk=TOPK, rows_per_step=u)),
+                          s_val, want=bidx)
                 for splits in (None, 8, 16):
                     for st in (2, 3):
                         cfg = D.SparseDecodeConfig(num_splits=splits, stages=st)
