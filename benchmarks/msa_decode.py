@@ -267,6 +267,9 @@ def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: 
                 f"ratio = scores+topk ms / fused ms; cudnn_ms / ms = {t_dense / t:.3g}; ")
     if op.startswith("selection["):
         return None, cudnn, f"cudnn_ms / ms = {t_dense / t:.3g}; "
+    if impl.startswith("pallas_rowsplit[rows_per_step="):
+        one = ms_of.get((op, "pallas_rowsplit[rows_per_step=1]"), float("nan"))
+        return one / t, f"one row per step {one:.4f} ms", "ratio = one-row-per-step ms / ms; "
     if op == "sparse_attention" and impl.startswith("pallas[splits="):
         dflt = ms_of.get((op, "pallas[splits=None,stages=2]"), float("nan"))
         return dflt / t, f"default config {dflt:.4f} ms", "ratio = default-config ms / ms; "
