@@ -265,7 +265,7 @@ def decode_select_blocks(
         grid=(b, splits),
         grid_names=("b", "s"),
     )
-    extra = (jnp.pad(unscale, [(0, 0), (0, SELECT_LANES - n_pad)], constant_values=1.0),) if scaled else ()
+    extra = (jnp.pad(unscale, [(0, 0), (0, SELECT_LANES - n_rows)], constant_values=1.0),) if scaled else ()
     vals, ids = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), *extra)
     return merge_candidates(vals, ids, (b, hi, q), topk)
 

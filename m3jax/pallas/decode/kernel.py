@@ -209,23 +209,27 @@ def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | 
 
 
 def score_operands(iq, ik_pages, n_pad: int, config: DecodeScoreConfig, score_dtype: str = "bfloat16"):
-    """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), zero-padded to n_pad, and
+    """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), not padded (the kernel's
+    TMA copy fills the query tile's rows past Hi * Q with zeros, :func:`score_prologue`), and
     the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
     the selection, see _common.bf16_split). fp8 e4m3 pages stay fp8, one piece: the kernel converts
     each page to the query's 16-bit type in SMEM (:func:`convert_page`, exact), so only an fp32 query
     is split; a bf16 query becomes f16 under ``config.fp8_mma == "float16"``. The fp8 indexer
     (``score_dtype="float8_e4m3fn"``, fp8 pages taken as stored): each query row quantised to e4m3
     with its scale (``msa.reference.quantize_e4m3``, as the reference does), met by the pages as they
-    are (e4m3 x e4m3, no conversion), its scales the per-row factors. Returns (query parts, key parts,
-    per-row factors fp32 [B, n_pad] that undo the query's scaling, or None)."""
+    are (e4m3 x e4m3, no conversion), its scales the per-row factors. Returns (query parts [B, Hi * Q,
+    Hx] each, key parts, per-row factors fp32 [B, Hi * Q] that undo the query's scaling, or None)."""
     b, q, hi, hx = iq.shape
+    if hi * q > n_pad:
+        raise ValueError(f"Hi*Q = {hi * q} query rows exceed the {n_pad}-row query tile")
+    # [B, Q, Hi, Hx] -> [B, Hi * Q, Hx]: a bitcast at Q = 1. A pad to n_pad rows here would be one
+    # more XLA launch before every decode step's scoring kernel.
     rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, hi * q, hx)
-    rows = jnp.pad(rows, [(0, 0), (0, n_pad - hi * q), (0, 0)])
     if score_dtype == FP8_SCORES:
         if ik_pages.dtype != FP8:
             raise ValueError(f"the fp8 indexer's decode scoring reads fp8 index pages (index_cache_dtype="
                              f"'float8_e4m3fn'), got {ik_pages.dtype} pages")
-        qv, qs = quantize_e4m3(rows)  # zero padding rows: scale 1
+        qv, qs = quantize_e4m3(rows)
         return (qv,), (ik_pages.reshape(-1, hx),), qs[..., 0]
     if ik_pages.dtype != FP8:
         q_parts = split_parts(rows.astype(jnp.promote_types(iq.dtype, ik_pages.dtype)), 3)
@@ -361,8 +365,15 @@ def score_prologue(refs, n_q: int, n_k: int, chunk: int, bs: int, n_io: int = 1,
     first = lax.axis_index("s") * chunk
     live_pages = (seq_len + bs - 1) // bs
     steps = jnp.clip(jnp.minimum(live_pages, first + chunk) - first, 0, chunk)
+    n_pad, n_rows = q_smem.shape[1], q_gmem[0].shape[1]
     for p in range(n_q):
-        plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
+        # The tile's rows past the Hi * Q query rows are out of the source's bounds: TMA fills them
+        # with zeros (score columns no one reads, never NaN), so no padded copy of the query is made.
+        if n_rows == n_pad:
+            plgpu.copy_gmem_to_smem(q_gmem[p].at[bi], q_smem.at[p], q_bar)
+        else:
+            plgpu.copy_gmem_to_smem(q_gmem[p].at[bi, pl.ds(0, n_pad)], q_smem.at[p], q_bar,
+                                    oob_mode=plgpu.OOBFillMode.ZEROS)
     plgpu.barrier_wait(q_bar)
     return q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, own, bi, seq_len, first, steps
 
@@ -396,15 +407,16 @@ def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, 
 
 
 def score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int, unscale=None):
-    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, n_pad] when the
+    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, Hi * Q] when the
     query was scaled (positive, so they commute with the block max, rounding included: powers of two
     exactly, the fp8 indexer's row scales as the reference's product of each score and its row's
     scale). Rows of pages a CTA did not visit (no tokens) were never written: -inf them here."""
     b, hi, q = bhq
+    out = out[:, :max_pages, : hi * q]
     if unscale is not None:
         out = out * unscale[:, None, :]
     live = (seq_lens.astype(jnp.int32)[:, None] + bs - 1) // bs
-    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out[:, :max_pages, : hi * q], -jnp.inf)
+    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out, -jnp.inf)
     return jnp.transpose(out.reshape(b, max_pages, hi, q), (0, 2, 3, 1))
 
 
