@@ -168,7 +168,7 @@ def bench(report) -> None:
                     timed("topk(select_blocks)", f"pallas_rowsplit[rows_per_step={u}]", b * HI * (ctx // BS) * 4,
                           jax.jit(lambda s, u=u: R.select_blocks(s, q_pos, block_size=BS, topk=TOPK, rows_per_step=u)),
                           s_val, want=bidx)
-                for splits in (None, 8, 16):
+                for splits in (None, 4, 8, 16):
                     for st in (2, 3):
                         cfg = D.SparseDecodeConfig(num_splits=splits, stages=st)
                         timed("sparse_attention", f"pallas[splits={splits},stages={st}]", kv_bytes,
