@@ -111,11 +111,12 @@ class DecodeScoreConfig:
       to whole CTAs per request; the scores kernel splits further to keep its SMEM score tile within
       32 KiB). For the fused selection fewer splits also mean fewer candidates to merge
       (``splits * topk`` per row).
-    waves: None picks by the pages: 1 for 16-bit pages when the batch divides the SMs (their page
-      buffers leave room for one CTA per SM, so a second wave only adds a prologue and a tail: 23 %
-      faster at 128K and batch 1), else 2 (a floored single wave leaves SMs idle; not measured);
-      2 for fp8 pages (two CTAs share an SM and the second hides the first's conversions: one wave
-      was 26 % slower at 1M), benchmarks/RESULTS.md#decode-2026-12-06e.
+    waves: None picks by the pages: 1 for 16-bit pages (their page buffers leave room for one CTA
+      per SM, so a second wave only adds a prologue and a tail: 23 % faster at 128K and batch 1; at
+      batch 8 the floored single wave, 128 CTAs on 132 SMs, is 2 % faster at 128K and 0.4 % at 1M
+      on the H200); 2 for fp8 pages (two CTAs share an SM and the second hides the first's
+      conversions: one wave was 26 % slower at 1M), benchmarks/RESULTS.md#decode-2026-12-06e and
+      #decode-2026-12-06-h200.
     stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
     fp8_mma: the 16-bit type fp8 pages meet a bf16 query in. ``"bfloat16"``: the query as is, the
       keys converted e4m3 -> f16 -> bf16 (three conversions per pair of keys; exact products).
@@ -145,7 +146,7 @@ class DecodeScoreConfig:
     def splits(self, batch: int, max_pages: int, target: Target, fp8_pages: bool) -> int:
         if self.num_splits is not None:
             return max(1, min(self.num_splits, max_pages))
-        waves = self.waves if self.waves is not None else 2 if fp8_pages or target.num_sms % batch else 1
+        waves = self.waves if self.waves is not None else 2 if fp8_pages else 1
         return max(1, min(max_pages, waves * target.num_sms // batch))
 
 
