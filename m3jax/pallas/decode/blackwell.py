@@ -111,7 +111,7 @@ def decode_index_scores(
     if cols > TMEM_COLUMNS:
         raise ValueError(f"{n_tiles} row tiles x {n_pad} query rows need {cols} > {TMEM_COLUMNS} TMEM columns")
     chunk, splits = score_chunks(config, b, max_pages, n_pad, ik_pages.dtype == FP8)
-    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, config)
     prods = score_products(len(q_parts), len(k_parts))
     transforms = swizzle_transforms(swizzle_elems)  # 16-bit operands: 2 bytes
     stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)

@@ -96,7 +96,7 @@ def decode_index_scores(
     if n_pad > 256:
         raise ValueError(f"Hi*Q = {n_rows} rows exceed the wgmma N limit of 256")
     chunk, splits = score_chunks(config, b, max_pages, n_pad, ik_pages.dtype == FP8)
-    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config, score_dtype)
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, config, score_dtype)
     prods = score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
@@ -164,7 +164,7 @@ def decode_select_blocks(
         raise ValueError(f"decode_select_blocks: topk must be >= 1, got {topk}")
     chunk, splits = score_chunks(config, b, max_pages, None, ik_pages.dtype == FP8)
     kc = min(topk, chunk)  # a split's list: its top-k, or all its pages when it has fewer
-    q_parts, k_parts, unscale = score_operands(iq, ik_pages, n_pad, config)
+    q_parts, k_parts, unscale = score_operands(iq, ik_pages, config)
     prods = score_products(len(q_parts), len(k_parts))
     dtype = q_parts[0].dtype
     transforms = swizzle_transforms(128 // jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)

@@ -209,7 +209,7 @@ def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | 
     return -(-max_pages // splits), splits
 
 
-def score_operands(iq, ik_pages, n_pad: int, config: DecodeScoreConfig, score_dtype: str = "bfloat16"):
+def score_operands(iq, ik_pages, config: DecodeScoreConfig, score_dtype: str = "bfloat16"):
     """Query rows n = h * Q + q (the output reshapes to [Hi, Q] for free), not padded (the kernel's
     TMA copy fills the query tile's rows past Hi * Q with zeros, :func:`score_prologue`), and
     the key pages flattened to rows; fp32 in three bf16 pieces (fp32 accuracy: these scores decide
@@ -221,9 +221,7 @@ def score_operands(iq, ik_pages, n_pad: int, config: DecodeScoreConfig, score_dt
     are (e4m3 x e4m3, no conversion), its scales the per-row factors. Returns (query parts [B, Hi * Q,
     Hx] each, key parts, per-row factors fp32 [B, Hi * Q] that undo the query's scaling, or None)."""
     b, q, hi, hx = iq.shape
-    if hi * q > n_pad:
-        raise ValueError(f"Hi*Q = {hi * q} query rows exceed the {n_pad}-row query tile")
-    # [B, Q, Hi, Hx] -> [B, Hi * Q, Hx]: a bitcast at Q = 1. A pad to n_pad rows here would be one
+    # [B, Q, Hi, Hx] -> [B, Hi * Q, Hx]: a bitcast at Q = 1. A pad to the MMA tile here would be one
     # more XLA launch before every decode step's scoring kernel.
     rows = jnp.transpose(iq, (0, 2, 1, 3)).reshape(b, hi * q, hx)
     if score_dtype == FP8_SCORES:
