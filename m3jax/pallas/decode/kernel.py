@@ -111,12 +111,11 @@ class DecodeScoreConfig:
       to whole CTAs per request; the scores kernel splits further to keep its SMEM score tile within
       32 KiB). For the fused selection fewer splits also mean fewer candidates to merge
       (``splits * topk`` per row).
-    waves: None picks by the pages: 1 for 16-bit pages (their page buffers leave room for one CTA
-      per SM, so a second wave only adds a prologue and a tail: 23 % faster at 128K and batch 1; at
-      batch 8 the floored single wave, 128 CTAs on 132 SMs, is 2 % faster at 128K and 0.4 % at 1M
-      on the H200); 2 for fp8 pages (two CTAs share an SM and the second hides the first's
-      conversions: one wave was 26 % slower at 1M), benchmarks/RESULTS.md#decode-2026-12-06e and
-      #decode-2026-12-06-h200.
+    waves: None picks by the pages: 1 for 16-bit pages at every batch (their page buffers leave room
+      for one CTA per SM, so a second wave only adds a prologue and a tail; at batch 8 the floored
+      single wave leaves 4 of 132 SMs idle and is still the faster); 2 for fp8 pages (two CTAs share
+      an SM and the second hides the first's conversions). Measured in
+      benchmarks/RESULTS.md#decode-2026-12-06e and #decode-2026-12-06-h200.
     stages: page loads in flight per CTA (``emit_pipeline`` max_concurrent_steps).
     fp8_mma: the 16-bit type fp8 pages meet a bf16 query in. ``"bfloat16"``: the query as is, the
       keys converted e4m3 -> f16 -> bf16 (three conversions per pair of keys; exact products).

@@ -56,11 +56,10 @@ half or a quarter, the lists handed to the first through SMEM) left the 1M row a
 warpgroup with 2 and made it 4 % slower with 4, and made 128K rows 12 % and 30 % slower
 (benchmarks/RESULTS.md#decode-2026-12-06e). More warpgroups share the same four schedulers of the SM,
 so they add no issue slots. Eight rows per step (loads and forced ranks that need not wait for the
-previous insertions) took the 1M row from 11.2 to 10.1 us and the 128K row from 5.4 to 5.3 on the
-H100, measured with the rows padded to whole steps (benchmarks/RESULTS.md#topk-rows-per-step); the loop
-here, whole steps then single rows, took them from 11.0 to 9.9 us and from 5.2 to 4.6 us on the H200
-(benchmarks/RESULTS.md#decode-2026-12-06-h200). How the 1M row's remaining time splits between the
-insertions, the merge and the row's load is not measured.
+previous insertions) is faster than one, at 1M and at 128K: benchmarks/RESULTS.md#topk-rows-per-step
+(rows padded to whole steps) and #decode-2026-12-06-h200 (this loop: whole steps, then single rows).
+How the 1M row's remaining time splits between the insertions, the merge and the row's load is not
+measured.
 
 Blackwell: nothing here uses the MMA, TMEM or clusters, so the kernel runs unchanged (148 SMs, the
 same SMEM budget).
@@ -160,7 +159,7 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
 
         def several(c, carry):
             # u rows per step: their loads and forced ranks do not depend on the lists, so they can be
-            # issued ahead of the previous rows' insertions (one row per step measured 10 % slower at 1M).
+            # issued ahead of the previous rows' insertions (benchmarks/RESULTS.md#topk-rows-per-step).
             for t in range(u):
                 carry = one(c * u + t, carry)
             return carry
