@@ -234,11 +234,13 @@ def bench(report) -> None:
                                                    ("float8_e4m3fn", "bfloat16", fp8_pages, idx_bytes // 2),
                                                    ("float8_e4m3fn", "float8_e4m3fn", fp8_pages, idx_bytes // 2)):
                     cfg = dataclasses.replace(M3_TEXT, index_cache_dtype=name, index_score_dtype=score)
-                    model = jax.jit(lambda q, iq, kp, vp, ik, pt, cfg=cfg: kernels.decode(
-                        q, iq, LayerCache(kp, vp, ik), pt, q_pos, cfg)[0])
+                    # the positions are an argument, as in the model's step (a constant closed over
+                    # would be materialised by a launch of its own)
+                    model = jax.jit(lambda q, iq, kp, vp, ik, pt, pos, cfg=cfg: kernels.decode(
+                        q, iq, LayerCache(kp, vp, ik), pt, pos, cfg)[0])
                     label = f"index {name}" + (", fp8 indexer" if score != "bfloat16" else "")
                     timed(f"model_decode_step[{label}]", "pallas", nbytes + kv_bytes, model,
-                          q, iq, kp, vp, pages, pt, parts=True)
+                          q, iq, kp, vp, pages, pt, q_pos, parts=True)
                     model_ms[label] = rows[-1][2]
             ms_of = {(op, impl): t for op, impl, t, _, _ in rows}
 

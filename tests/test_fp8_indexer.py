@@ -224,9 +224,9 @@ def test_decode_kernels_run_the_fp8_indexer_in_place():
     q = jnp.asarray(rng.normal(0, 1, (b, 1, t.num_attention_heads, t.head_dim)), jnp.bfloat16)
     iq = jnp.asarray(rng.normal(0, 1, (b, 1, kh, hx)), jnp.bfloat16)
     calls = []
-    real = kernels.decode_index_scores
+    real = kernels.decode_score_select
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "decode_index_scores", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        mp.setattr(kernels, "decode_score_select", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
         _, sel = kernels.decode(q, iq, LayerCache(k, v, ik), table, q_pos, t)
     assert not _backend.interpret_races_found()
     assert calls and calls[0]["score_dtype"] == FP8_NAME

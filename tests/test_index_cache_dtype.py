@@ -89,13 +89,13 @@ def test_decode_kernels_read_fp8_pages(monkeypatch):
     t = m3jax.preset("m3_width").replace_text(
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, index_n_heads=2, index_head_dim=64,
         index_block_size=64, index_topk_blocks=2, index_cache_dtype=FP8_NAME).text
-    seen, scores = [], kernels.decode_index_scores
+    seen, select = [], kernels.decode_score_select
 
     def spy(iq, ik, *a, **kw):
         seen.append(ik.dtype)
-        return scores(iq, ik, *a, **kw)
+        return select(iq, ik, *a, **kw)
 
-    monkeypatch.setattr(kernels, "decode_index_scores", spy)  # the name msa.kernels composes
+    monkeypatch.setattr(kernels, "decode_score_select", spy)  # the name msa.kernels composes
     rng = np.random.default_rng(0)
 
     def normal(*shape):

@@ -20,15 +20,14 @@ from m3jax.pallas.block_mass import block_mass
 from m3jax.pallas.block_mass import unsupported_reason as mass_reason
 from m3jax.pallas.decode import (
     decode_index_scores,
+    decode_score_select,
     decode_select_blocks,
     fp8_scores_unsupported_reason,
-    query_positions,
     sparse_decode_attention,
 )
 from m3jax.pallas.index_scores import IndexScoreConfig, fp8_unsupported_reason, index_block_scores, index_select_blocks
 from m3jax.pallas.sparse_attention import sparse_attention
 from m3jax.pallas.sparse_attention.kernel import unsupported_reason as attention_reason
-from m3jax.pallas.topk import select_blocks
 
 # The top-k kernels keep a row's list in registers (topk values + topk ids per thread): 64, the largest
 # top-k of the research grid (experiments/2026-11-29_block_topk), is the largest we test.
@@ -173,7 +172,8 @@ def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, blo
     paged attention. q [B, Q, N, H], iq [B, Q, Hi, Hx] (Hi == K), pages as the decode kernels take them
     (:mod:`m3jax.pallas.decode`), seq_lens [B]. ``fused_select``: the selection from one scan of the
     pages (:func:`m3jax.pallas.decode.decode_select_blocks`; ``TextConfig.msa_decode_select="fused"``)
-    instead of the scoring kernel then the top-k kernel; the same block ids either way.
+    instead of the scoring kernel then the top-k kernel reading its rows in place
+    (:func:`m3jax.pallas.decode.decode_score_select`); the same block ids either way.
     ``score_dtype="float8_e4m3fn"``: the fp8 indexer over fp8 index pages (the scoring kernel's e4m3 x
     e4m3 path; the fused selection has none). ``q_pos`` int32 [B, Q]: the new tokens' positions, which must
     be ``seq_lens - Q + t`` (the kernels' causal limits), when the caller has them: deriving them from
@@ -188,10 +188,7 @@ def decode_pages(q, iq, k_pages, v_pages, ik_pages, page_table, seq_lens, *, blo
     if fused_select:
         sel = decode_select_blocks(iq, ik_pages, page_table, seq_lens, **kw)
     else:
-        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
-                                     score_dtype=score_dtype)
-        pos = query_positions(seq_lens, q.shape[1]) if q_pos is None else q_pos
-        sel = select_blocks(scores, pos, implementation="pallas", **kw)
+        sel = decode_score_select(iq, ik_pages, page_table, seq_lens, q_pos, score_dtype=score_dtype, **kw)
     return sparse_decode_attention(q, k_pages, v_pages, page_table, sel, seq_lens, block_size=block_size), sel
 
 

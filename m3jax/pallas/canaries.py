@@ -157,6 +157,28 @@ def _topk_rowsplit():
     return _topk("pallas_rowsplit", 2, 1, 300, 4, np.array([[1199], [9]], np.int32), 8)
 
 
+def _topk_rowsplit_in_place():
+    # The decode scoring kernel's rows as the top-k reads them in place (select_blocks_rows): spare rows,
+    # NaN and huge values after each row's own block (never written there), per-row factors.
+    from m3jax.pallas.topk import rowsplit as R
+
+    rng, bs, nb, q_pos = np.random.default_rng(4), 4, 300, np.array([[1199], [9]], np.int32)
+    scores = _topk_scores(rng, 2, 2, 1, nb, bs, q_pos)
+    unscale = jnp.asarray(rng.choice([0.5, 1.0, 4.0], (2, 2)).astype(np.float32))
+    junk = np.where(rng.random((2, 8, 384)) < 0.5, np.float32(1e30), np.float32(np.nan))
+    s = np.asarray(scores).reshape(2, 2, nb)
+    junk[:, :2, :nb] = np.where(np.isneginf(s), junk[:, :2, :nb], s)
+    kw = {"block_size": bs, "topk": 8, "local_blocks": 2, "init_blocks": 1}
+    return (R.select_blocks_rows(jnp.asarray(junk), jnp.asarray(q_pos), unscale, heads=2, num_blocks=nb, **kw),
+            _topk_select_reference(scores * unscale[:, :, None, None], q_pos, **kw))
+
+
+def _topk_select_reference(scores, q_pos, **kw):
+    from m3jax.pallas import topk as K
+
+    return K.select_blocks(scores, jnp.asarray(q_pos), implementation="reference", **kw)
+
+
 def _sparse_attention(implementation, n=16, k=2, h=64, bs=64, t=10, prefix=64, topk=3):
     """N query heads on K KV heads (G = N / K), head dim H; a prefix then ``t`` queries."""
     from m3jax.msa import reference as msa
@@ -335,6 +357,7 @@ CANARIES: dict[str, Canary] = {
                at_block=_LARGE),
         Canary("topk_blockmajor", "rows40", _topk_blockmajor, _TOPK),
         Canary("topk_rowsplit", "rows1", _topk_rowsplit, _TOPK, m3=True),
+        Canary("topk_rowsplit", "in-place", _topk_rowsplit_in_place, _TOPK, m3=True),
         Canary("sparse_attention_kv_major", "b64-h64-g8", lambda: _sparse_attention("kv_major"), _ATT, at_block=_SMALL),
         Canary("sparse_attention_kv_major", "b128-h128-g16",
                lambda: _sparse_attention("kv_major", n=16, k=1, h=128, bs=128, t=8, prefix=256, topk=2), _ATT, m3=True,

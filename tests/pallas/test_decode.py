@@ -161,3 +161,29 @@ def test_union_pages():
     np.testing.assert_array_equal(np.asarray(logical[0, 0]), [4, -1, -1, -1])
     np.testing.assert_array_equal(np.asarray(bits[0, 0]), [3, 0, 0, 0])
     assert int(count[0, 0]) == 1
+
+
+@pytest.mark.parametrize(
+    "q_len,dtype,ik_dtype,score_dtype,fp8_mma,splits",
+    [(1, jnp.bfloat16, None, "bfloat16", "bfloat16", None), (4, jnp.float32, None, "bfloat16", "bfloat16", 2),
+     (4, jnp.bfloat16, FP8, "bfloat16", "float16", 3), (2, jnp.bfloat16, FP8, "float8_e4m3fn", "bfloat16", None)],
+)
+def test_score_select_reads_the_kernel_rows(q_len, dtype, ik_dtype, score_dtype, fp8_mma, splits):
+    # decode_score_select: the row-split top-k reads the scoring kernel's rows in place (blocks past a
+    # request's live pages never written, the rows' factors of the f16 MMA and of the fp8 indexer applied
+    # as the rows load). Its ids must be the reference selection's on the kernel's own scores, in order,
+    # with the forced blocks (two local blocks, a sink, an intervention in and one out) and Q tokens a
+    # request; request 0 has 2 of the 5 pages live, so 3 pages of its rows are never written.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    lens = [100, 150, 300] if q_len == 1 else [q_len + 97, 150, 300]
+    _, iq, _, _, ikp, pt, sl = make_case(lens, q_len, dtype, seed=11 + q_len, ik_dtype=ik_dtype)
+    config = D.DecodeScoreConfig(num_splits=splits, fp8_mma=fp8_mma)
+    kw = dict(block_size=BS, topk=TOPK + 1, local_blocks=2, init_blocks=1, force_in=(3,), force_out=(1,))
+    scores = D.decode_index_scores(iq, ikp, pt, sl, block_size=BS, config=config, score_dtype=score_dtype)
+    q_pos = D.query_positions(sl, q_len)
+    want = np.asarray(msa.select_blocks(scores, q_pos, **kw))
+    got = D.decode_score_select(iq, ikp, pt, sl, q_pos, config=config, score_dtype=score_dtype, **kw)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # and with the positions derived from the lengths
+    np.testing.assert_array_equal(np.asarray(D.decode_score_select(iq, ikp, pt, sl, config=config,
+                                                                    score_dtype=score_dtype, **kw)), want)

@@ -26,7 +26,7 @@ from tests.pallas.test_decode import check_scores, make_case
 @pytest.fixture(autouse=True)
 def _blackwell(monkeypatch):
     calls = []
-    for name in ("decode_index_scores", "sparse_decode_attention"):
+    for name in ("decode_index_scores", "decode_index_score_rows", "sparse_decode_attention"):
         kernel = getattr(D._blackwell, name)
         monkeypatch.setattr(D._blackwell, name, lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
         # the Hopper ones must not run

@@ -132,6 +132,50 @@ def test_rowsplit_rows_per_step(rows_per_step):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+@pytest.mark.parametrize("lane_list", [2, 4, 16])
+def test_rowsplit_short_lists_fall_back_exactly(lane_list):
+    # Each thread i of the row-split kernel first keeps only lane_list entries of its blocks {c * 128 + i};
+    # the full lists run when a short list lost a value not below the k-th kept one. Row 0: thread 5's
+    # blocks hold 10 of the top 16 (its short list loses some of them); row 1: random scores (the short
+    # lists are exact); row 2: a tie with the k-th value lost by a short list; lane_list 16 = topk: the
+    # full lists only. The ids equal the reference's in every case.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    bs, nb, k = 4, 1536, 16
+    q_pos = jnp.array([[nb * bs - 1, nb * bs - 1, nb * bs - 1]], jnp.int32)
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal((1, 1, 3, nb)).astype(np.float32)
+    s[0, 0, 0, 5 + 128 * np.arange(10)] = 10.0 + np.arange(10)
+    s[0, 0, 2, 7 + 128 * np.arange(3)] = 50.0  # three equal values in one thread ...
+    s[0, 0, 2, 9 + 100 * np.arange(13)] = 60.0 + np.arange(13)  # ... below 13 larger ones elsewhere
+    s = jnp.asarray(s).transpose(0, 2, 1, 3).reshape(1, 3, 1, nb)  # rows as heads, one token
+    got = rowsplit.select_blocks(s, q_pos[:, :1], block_size=bs, topk=k, local_blocks=1, lane_list=lane_list)
+    assert not _backend.interpret_races_found()
+    ref = select_blocks(s, q_pos[:, :1], block_size=bs, topk=k, implementation="reference", local_blocks=1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+def test_rowsplit_reads_scoring_rows_in_place():
+    # select_blocks_rows: rows of a [B, n_rows, nb] buffer (row h * Q + t, spare rows past heads * Q), the
+    # blocks after each row's own block holding garbage (huge values, NaN) that must count as -inf, the
+    # rows scaled by their factors as they load, only the first num_blocks blocks loaded (nb 384 > 300).
+    # The ids equal the reference's on the masked, scaled [B, heads, Q, num_blocks] scores.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    bs, nb, num_blocks, k, heads, q = 4, 384, 300, 16, 2, 2
+    q_pos = jnp.array([[1198, 1199], [5, 517]], jnp.int32)
+    scores = _tie_scores(2, heads, q, num_blocks, bs, q_pos, seed=5)  # -inf after each row's own block
+    unscale = jnp.array([[0.5, 2.0, 1.0, 0.25], [4.0, 1.0, 0.5, 8.0]], jnp.float32)  # [B, heads * Q]
+    rng = np.random.default_rng(0)
+    junk = np.where(rng.random((2, 8, nb)) < 0.5, np.float32(1e30), np.float32(np.nan))
+    rows = np.asarray(junk)
+    rows[:, : heads * q, :num_blocks] = np.where(np.isneginf(np.asarray(scores).reshape(2, heads * q, num_blocks)),
+                                                 junk[:, : heads * q, :num_blocks],
+                                                 np.asarray(scores).reshape(2, heads * q, num_blocks))
+    got = rowsplit.select_blocks_rows(jnp.asarray(rows), q_pos, unscale, heads=heads, num_blocks=num_blocks,
+                                      block_size=bs, topk=k, local_blocks=2, init_blocks=1, force_out=(2,))
+    assert not _backend.interpret_races_found()
+    want = select_blocks(scores * unscale.reshape(2, heads, q)[..., None], q_pos, block_size=bs, topk=k,
+                         implementation="reference", local_blocks=2, init_blocks=1, force_out=(2,))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
 def test_pallas_picks_rowsplit_for_few_rows_that_fit(monkeypatch):
     # Machine: any: the choice between the top-k kernels, both stubbed
     calls = []

@@ -26,11 +26,13 @@ from m3jax.pallas.decode import hopper as _hopper
 from m3jax.pallas.decode import reference as _reference
 from m3jax.pallas.decode.kernel import FP8, FP8_SCORES, DecodeScoreConfig, SparseDecodeConfig
 from m3jax.pallas.decode.reference import query_positions
+from m3jax.pallas.topk import rowsplit as _rowsplit
 
 __all__ = [
     "DecodeScoreConfig",
     "SparseDecodeConfig",
     "decode_index_scores",
+    "decode_score_select",
     "decode_select_blocks",
     "sparse_decode_attention",
     "query_positions",
@@ -81,6 +83,53 @@ def decode_index_scores(
     return kernel(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
 
 
+def decode_score_select(
+    iq, ik_pages, page_table, seq_lens, q_pos=None, *, block_size: int, topk: int, local_blocks: int = 1,
+    init_blocks: int = 0, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (),
+    implementation: str = "pallas", config: DecodeScoreConfig = DecodeScoreConfig(), score_dtype: str = "bfloat16",
+    interpret: bool | None = None,
+) -> jax.Array:
+    """int32 [B, Hi, Q, topk] block ids of the Q new tokens: :func:`decode_index_scores` then
+    :func:`m3jax.pallas.topk.select_blocks`, with the row-split top-k kernel reading the scoring
+    kernel's rows in place (:func:`m3jax.pallas.topk.rowsplit.select_blocks_rows`: its mask of the
+    unwritten blocks and the rows' factors applied as it loads them), so the two kernels launch
+    back to back with no XLA transpose between them. Where the row-split kernel cannot take the rows
+    (more than ``topk.ROWSPLIT_MAX_ROWS``, or too many blocks for one CTA), the scores are laid out
+    as :func:`decode_index_scores` gives them for the block-major top-k. ``q_pos`` int32 [B, Q]: the
+    tokens' positions, ``seq_lens - Q + t`` (derived from ``seq_lens`` when None)."""
+    kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+              force_in=tuple(force_in), force_out=tuple(force_out))
+    pos = query_positions(seq_lens, iq.shape[1]) if q_pos is None else q_pos
+    score_kw = dict(block_size=block_size, config=config, score_dtype=score_dtype, interpret=interpret)
+    b, q, hi, _ = iq.shape
+    rows = b * hi * q
+    if (implementation != "pallas" or rows > _topk.ROWSPLIT_MAX_ROWS
+            or _rowsplit.unsupported_reason(page_table.shape[1], topk) is not None):
+        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, implementation=implementation, **score_kw)
+        return _topk.select_blocks(scores, pos, implementation="pallas" if implementation == "pallas" else
+                                   "reference", **kw)
+    check_dims("decode_score_select", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
+               page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"), q_pos=(pos, "B Q"))
+    _check_block_size("decode_score_select", "ik_pages", ik_pages, block_size)
+    kernel = _score_rows_kernel(ik_pages.dtype, score_dtype)
+    score_rows, unscale = kernel(iq, ik_pages, page_table, seq_lens, **score_kw)
+    return _rowsplit.select_blocks_rows(score_rows, pos, unscale, heads=hi, num_blocks=page_table.shape[1],
+                                        interpret=interpret, **kw)
+
+
+def _score_rows_kernel(ik_dtype, score_dtype: str):
+    """The target's scoring kernel returning its rows (the fp8 indexer: Hopper's, checked)."""
+    if score_dtype not in ("bfloat16", FP8_SCORES):
+        raise ValueError(f"score_dtype={score_dtype!r}; choose 'bfloat16' or {FP8_SCORES!r}")
+    if score_dtype == FP8_SCORES:
+        if reason := fp8_scores_unsupported_reason(ik_dtype):
+            raise ValueError(f"decode scoring: {reason}")
+        return _hopper.decode_index_score_rows
+    if arch_module(_hopper, _blackwell) is _blackwell:
+        return lambda *a, score_dtype, **kw: _blackwell.decode_index_score_rows(*a, **kw)
+    return _hopper.decode_index_score_rows
+
+
 def decode_select_blocks(
     iq, ik_pages, page_table, seq_lens, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
     force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (), implementation: str = "pallas",
@@ -100,10 +149,7 @@ def decode_select_blocks(
         raise ValueError(f"unknown implementation {implementation!r}")
     if arch_module(_hopper, _blackwell) is _blackwell:
         # No tcgen05 port of the fused selection yet: the scoring kernel, then the top-k kernel.
-        scores = _blackwell.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
-                                                config=config, interpret=interpret)
-        q_pos = query_positions(seq_lens, iq.shape[1])
-        return _topk.select_blocks(scores, q_pos, implementation="pallas", **kw)
+        return decode_score_select(iq, ik_pages, page_table, seq_lens, config=config, interpret=interpret, **kw)
     return _hopper.decode_select_blocks(iq, ik_pages, page_table, seq_lens, config=config, interpret=interpret, **kw)
 
 

@@ -61,6 +61,7 @@ from m3jax.pallas.decode.kernel import (
     round_up,
     score_chunks,
     score_operands,
+    score_out_shape,
     score_pipeline,
     score_products,
     score_prologue,
@@ -68,8 +69,10 @@ from m3jax.pallas.decode.kernel import (
     score_scratch,
     score_shapes,
     score_stages,
+    score_tile_cols,
     softmax_start,
     step_operands,
+    store_page_scores,
     store_split,
     visible_keys,
 )
@@ -94,6 +97,17 @@ def decode_index_scores(
     [B, Q, Hi, Hx], ik_pages [num_pages, block_size, Hx], page_table int32 [B, max_pages], seq_lens
     int32 [B] -> fp32 [B, Hi, Q, max_pages], -inf for blocks with no visible key.
     """
+    rows, unscale = decode_index_score_rows(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config,
+                                            interpret=interpret)
+    b, q, hi, _ = iq.shape
+    return score_result(rows, seq_lens, block_size, (b, hi, q), page_table.shape[1], unscale)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
+def decode_index_score_rows(iq, ik_pages, page_table, seq_lens, *, block_size: int,
+                            config: DecodeScoreConfig = DecodeScoreConfig(), interpret: bool | None = None):
+    """The scoring kernel's rows [B, n_pad, pages] and per-row factors (or None), as
+    :func:`m3jax.pallas.decode.hopper.decode_index_score_rows`."""
     b, q, hi, hx, _, bs, max_pages = score_shapes(iq, ik_pages, page_table, block_size,
                                                            "tcgen05 M tiles of 64/128")
     n_rows = hi * q
@@ -114,7 +128,8 @@ def decode_index_scores(
     q_parts, k_parts, unscale = score_operands(iq, ik_pages, config)
     prods = score_products(len(q_parts), len(k_parts))
     transforms = swizzle_transforms(swizzle_elems)  # 16-bit operands: 2 bytes
-    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs)
+    tile = (chunk, score_tile_cols(n_pad, chunk))
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, tile=tile)
     # the register layout of a TMEM load: tcgen05's for 128-row tiles, wgmma's for 64-row ones
     layout = plgpu.Layout.TCGEN05 if m_tile == 128 else plgpu.Layout.WGMMA
 
@@ -144,7 +159,7 @@ def decode_index_scores(
                 s = jnp.where(row + (j * bs + t * m_tile) <= q_pos, s, -jnp.inf).max(axis=0)
                 best = s if best is None else jnp.maximum(best, s)
             tmem_handoff("ld")  # the next page's MMAs overwrite the accumulator
-            score_smem[i] = best
+            store_page_scores(score_smem, i, best)
 
         score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
                         (bs, hx), page_transforms(k_parts, hx, transforms), stages)
@@ -152,17 +167,16 @@ def decode_index_scores(
     kern = mosaic_kernel(
         body,
         interpret=interpret,
-        out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
+        out_type=score_out_shape(b, n_pad, splits, chunk),
         scratch_types=[
-            *score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms),
+            *score_scratch(q_parts, k_parts, n_pad, hx, bs, tile, transforms),
             plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
             *[plgpu.TMEM((m_tile, n_pad), jnp.float32) for _ in range(n_tiles)],
         ],
         grid=(b, splits),
         grid_names=("b", "s"),
     )
-    out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
+    return kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32)), unscale
 
 
 ATTENTION_ROWS = 128  # tcgen05's M per CTA: the Q * G query rows of a KV head, padded

@@ -30,6 +30,7 @@ from m3jax.pallas.decode.kernel import (
     round_up,
     score_chunks,
     score_operands,
+    score_out_shape,
     score_pipeline,
     score_products,
     score_prologue,
@@ -37,9 +38,11 @@ from m3jax.pallas.decode.kernel import (
     score_scratch,
     score_shapes,
     score_stages,
+    score_tile_cols,
     softmax_start,
     step_operands,
     store_split,
+    store_page_scores,
     stream_pages,
     visible_keys,
 )
@@ -90,6 +93,20 @@ def decode_index_scores(
       fp32 [B, Hi, Q, max_pages]: ``max_{t in block j, t <= pos(q)} iq[q, h] . ik[t]``, -inf for
       blocks with no visible key (future or unused pages).
     """
+    rows, unscale = decode_index_score_rows(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config,
+                                            score_dtype=score_dtype, interpret=interpret)
+    b, q, hi, _ = iq.shape
+    return score_result(rows, seq_lens, block_size, (b, hi, q), page_table.shape[1], unscale)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "score_dtype", "interpret"))
+def decode_index_score_rows(iq, ik_pages, page_table, seq_lens, *, block_size: int,
+                            config: DecodeScoreConfig = DecodeScoreConfig(), score_dtype: str = "bfloat16",
+                            interpret: bool | None = None):
+    """The scoring kernel's own output, what the row-split top-k reads in place: fp32 rows
+    [B, n_pad, pages] (:func:`.kernel.score_out_shape`; row ``h * Q + t``, blocks past the live pages
+    unwritten) and the per-row factors fp32 [B, Hi * Q] still to be applied (or None). Args as
+    :func:`decode_index_scores`."""
     b, q, hi, hx, _, bs, max_pages = score_shapes(iq, ik_pages, page_table, block_size, "wgmma M tiles")
     n_rows = hi * q
     n_pad = round_up(n_rows, 8)
@@ -103,7 +120,8 @@ def decode_index_scores(
     if dtype == FP8:  # e4m3 x e4m3: the query tile swizzled as the pages (a wgmma's operands share one swizzle)
         transforms = page_transforms(k_parts, hx, transforms)
     registers = keys_in_registers(config, q_parts, k_parts, interpret)
-    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, registers=registers)
+    tile = (chunk, score_tile_cols(n_pad, chunk))
+    stages = score_stages(config, chunk, q_parts, k_parts, n_pad, hx, bs, tile=tile, registers=registers)
 
     def body(*refs):
         q_smem, k_gmem, pt_gmem, out_gmem, score_smem, mma_keys, _, bi, seq_len, first, steps = score_prologue(
@@ -111,7 +129,8 @@ def decode_index_scores(
 
         def page_step(idx, *k_smems):
             (i,) = idx
-            score_smem[i] = _block_max(q_smem, mma_keys(k_smems), prods, q, bs, n_pad, seq_len, first + i)
+            row = _block_max(q_smem, mma_keys(k_smems), prods, q, bs, n_pad, seq_len, first + i)
+            store_page_scores(score_smem, i, row)
 
         score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk,
                         (bs, hx), page_transforms(k_parts, hx, transforms), stages)
@@ -119,13 +138,12 @@ def decode_index_scores(
     kern = mosaic_kernel(
         body,
         interpret=interpret,
-        out_type=jax.ShapeDtypeStruct((b, splits * chunk, n_pad), jnp.float32),
-        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, chunk, transforms, registers=registers),
+        out_type=score_out_shape(b, n_pad, splits, chunk),
+        scratch_types=score_scratch(q_parts, k_parts, n_pad, hx, bs, tile, transforms, registers=registers),
         grid=(b, splits),
         grid_names=("b", "s"),
     )
-    out = kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return score_result(out, seq_lens, bs, (b, hi, q), max_pages, unscale)
+    return kern(*q_parts, *k_parts, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32)), unscale
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
@@ -253,7 +271,7 @@ def decode_select_blocks(
 
     # the score tile: two staging rows of SELECT_LANES (a block-max row, the k-th values; the chunk's
     # rows never all live in SMEM)
-    scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, 2, transforms, cols=SELECT_LANES, registers=registers)
+    scratch = score_scratch(q_parts, k_parts, n_pad, hx, bs, (2, SELECT_LANES), transforms, registers=registers)
     if scaled:
         scratch += [plgpu.SMEM((SELECT_LANES,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
     kern = mosaic_kernel(

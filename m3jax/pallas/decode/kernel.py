@@ -86,6 +86,7 @@ Remaining work: docs/KERNELS.md §2.6.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -203,9 +204,16 @@ def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | 
     fp32) is kept to 32 KiB, so large batches split the context further; ``cols=None`` (the fused
     selection, whose SMEM rows do not grow with the chunk): the config's splits."""
     splits = config.splits(b, max_pages, current_target(), fp8_pages)
-    if cols is not None:
-        splits = max(splits, -(-max_pages // max(1, 32768 // (4 * cols))))
-    return -(-max_pages // splits), splits
+    if cols is None:
+        return -(-max_pages // splits), splits
+    splits = max(splits, -(-max_pages // max(4, 32768 // (4 * cols) // 4 * 4)))
+    # The tile goes out transposed (:func:`score_pipeline`): its rows are ``chunk`` fp32 pages long, and a
+    # TMA row is a multiple of 16 bytes. Where that would widen the tile past 32 KiB
+    # (:func:`score_tile_cols`), whole 16-page rows keep it at the query rows' width.
+    chunk = round_up(-(-max_pages // splits), 4)
+    if chunk * score_tile_cols(cols, chunk) * 4 > 32768:
+        chunk = round_up(chunk, 16)
+    return chunk, -(-max_pages // chunk)
 
 
 def score_operands(iq, ik_pages, config: DecodeScoreConfig, score_dtype: str = "bfloat16"):
@@ -285,16 +293,17 @@ def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad:
     return max(1, min(config.stages, chunk, (current_target().smem_bytes - fixed) // page_bytes))
 
 
-def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, chunk: int, transforms,
-                  cols: int | None = None, registers: bool = False) -> list:
-    """The scratch every variant starts with: query tile, score tile (``chunk`` rows of ``cols``,
-    default n_pad), the query tile's barrier and, for fp8 pages converted in SMEM (not in
-    ``registers``), the page converted to the query's type (the MMA's key operand)."""
+def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, tile: tuple[int, int], transforms,
+                  registers: bool = False) -> list:
+    """The scratch every variant starts with: query tile, fp32 score tile (``tile``: the scores
+    kernels' ``(n_pad, chunk)``, :func:`score_pipeline`), the query tile's barrier and, for fp8 pages
+    converted in SMEM (not in ``registers``), the page converted to the query's type (the MMA's key
+    operand)."""
     dtype = q_parts[0].dtype
     convert = [plgpu.SMEM((bs, hx), dtype, transforms=transforms)] if _smem_page(q_parts, k_parts, registers) else []
     return [
         plgpu.SMEM((len(q_parts), n_pad, hx), dtype, transforms=transforms),
-        plgpu.SMEM((chunk, cols or n_pad), jnp.float32),
+        plgpu.SMEM(tile, jnp.float32),
         plgpu.Barrier(num_arrivals=len(q_parts)),
         *convert,
     ]
@@ -397,25 +406,62 @@ def stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, page_shape: tuple
 
 def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, steps, chunk: int,
                     page_shape: tuple[int, int], transforms, stages: int):
-    """Stream this CTA's live pages through ``page_step`` (:func:`stream_pages`), then store its
-    score rows."""
+    """Stream this CTA's live pages through ``page_step`` (:func:`stream_pages`; page ``i``'s block-max
+    row goes to row ``i`` of the ``[chunk, cols]`` score tile, :func:`store_page_scores`), then store the
+    tile transposed, at its pages of the query rows: the output is row-major per query row
+    (:func:`score_out_shape`), the layout the row-split top-k kernel reads, so no XLA transpose runs
+    between the two. The transposition is one load of the tile's transposed view (one element per
+    thread and step, ``cols * chunk`` a multiple of the warpgroup's 128 threads:
+    :func:`score_tile_cols`) into a row-major tile in the page buffers' SMEM, free after the pipeline;
+    a column of the tile (one query row) cannot be stored on its own, as Mosaic GPU vectorises only a
+    unit-stride dimension."""
     stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, page_shape, transforms, stages)
-    plgpu.copy_smem_to_gmem(score_smem, out_gmem.at[bi, pl.ds(first, chunk)])
-    plgpu.wait_smem_to_gmem(0)
+    cols, n_out = score_smem.shape[1], out_gmem.shape[1]
+
+    def transpose(rows_smem):
+        layout = plgpu.Layout.WG_STRIDED((cols, chunk), 1)
+        rows_smem[...] = plgpu.load(score_smem.transpose((1, 0)), layout=layout)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(0, n_out)], out_gmem.at[bi, :, pl.ds(first, chunk)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(transpose, plgpu.SMEM((cols, chunk), jnp.float32))
+
+
+def score_tile_cols(n_pad: int, chunk: int) -> int:
+    """Columns of the scores kernels' SMEM tile: the ``n_pad`` query rows, rounded up so that the tile
+    is whole elements per thread of a warpgroup (:func:`score_pipeline`'s transposition)."""
+    return round_up(n_pad, 128 // math.gcd(chunk, 128))
+
+
+def store_page_scores(score_smem, i, row) -> None:
+    """Page ``i``'s block-max row ``[n_pad]`` into row ``i`` of the score tile (columns past n_pad: no query row)."""
+    if row.shape[0] == score_smem.shape[1]:
+        score_smem[i] = row
+    else:
+        score_smem[i, pl.ds(0, row.shape[0])] = row
+
+
+def score_out_shape(b: int, n_pad: int, splits: int, chunk: int) -> jax.ShapeDtypeStruct:
+    """The scores kernels' output, fp32 ``[B, n_pad, pages]``: row ``h * Q + t`` of request ``b`` holds
+    its block maxima in block order. The pages are rounded up to whole 128-block rows of the top-k
+    kernel (:func:`m3jax.pallas.topk.rowsplit.select_blocks_rows`); blocks no CTA visited (past the
+    request's live pages) are never written and hold anything."""
+    return jax.ShapeDtypeStruct((b, n_pad, round_up(splits * chunk, 128)), jnp.float32)
 
 
 def score_result(out, seq_lens, bs: int, bhq: tuple[int, int, int], max_pages: int, unscale=None):
-    """Kernel rows [B, pages, n_pad] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, Hi * Q] when the
+    """Kernel rows [B, n_pad, pages] -> fp32 [B, Hi, Q, max_pages], times ``unscale`` [B, Hi * Q] when the
     query was scaled (positive, so they commute with the block max, rounding included: powers of two
     exactly, the fp8 indexer's row scales as the reference's product of each score and its row's
-    scale). Rows of pages a CTA did not visit (no tokens) were never written: -inf them here."""
+    scale). Pages no CTA visited (no tokens) were never written: -inf them here."""
     b, hi, q = bhq
-    out = out[:, :max_pages, : hi * q]
+    out = out[:, : hi * q, :max_pages]
     if unscale is not None:
-        out = out * unscale[:, None, :]
+        out = out * unscale[:, :, None]
     live = (seq_lens.astype(jnp.int32)[:, None] + bs - 1) // bs
-    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, :, None], out, -jnp.inf)
-    return jnp.transpose(out.reshape(b, max_pages, hi, q), (0, 2, 3, 1))
+    out = jnp.where((jnp.arange(max_pages)[None, :] < live)[:, None, :], out, -jnp.inf)
+    return out.reshape(b, hi, q, max_pages)
 
 
 def merge_candidates(vals: jax.Array, ids: jax.Array, bhq: tuple[int, int, int], topk: int) -> jax.Array:

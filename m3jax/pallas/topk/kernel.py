@@ -78,9 +78,10 @@ def _kernel_call(scores_bm, rowpos, tile_max, *, block_size, topk, local_blocks,
             c = idx[0]
 
             def one(cc, carry):
-                return select.insert_smem_row(carry, s_smem.at[cc], rowpos, c * chunk + cc, layout=_layout(),
-                                               block_size=block_size, local_blocks=local_blocks,
-                                               init_blocks=init_blocks, force_in=force_in, force_out=force_out)
+                x = select.smem_candidate(s_smem.at[cc], rowpos, c * chunk + cc, layout=_layout(),
+                                          block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks,
+                                          force_in=force_in, force_out=force_out)
+                return select.insert(*carry, x, c * chunk + cc)
 
             carry = jax.lax.fori_loop(0, chunk, one, carry)
             # Generic SMEM reads must be ordered before the pipeline's next TMA into this slot.

@@ -9,7 +9,10 @@ Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index
 
 * Load. The row's scores, padded with ``-inf`` to ``nb_pad`` (a multiple of 128) outside the
   kernel, are viewed as ``[nb_pad / 128, 128]`` and copied to SMEM by one TMA (32 KiB at 8,192
-  blocks = 1M tokens; box dims are limited to 256, hence ``nb <= 32,768``).
+  blocks = 1M tokens; box dims are limited to 256, hence ``nb <= 32,768``). :func:`select_blocks_rows`
+  loads the decode scoring kernel's rows as that kernel wrote them instead (no pad, no transpose in
+  XLA): whatever lies after the row's own block counts as ``-inf``, and the row's factor multiplies
+  each score as it is loaded.
 * Per-thread top-k. Thread ``i`` loads column ``i`` of each SMEM row (``WG_STRIDED`` layout), i.e.
   it owns blocks ``{c * 128 + i}``, and inserts them in increasing id into a sorted list held in
   registers (``topk`` values + ``topk`` ids; ``select.forced_candidate`` and ``select.insert``, so
@@ -17,6 +20,15 @@ Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index
   the row's causal limit (all ``-inf`` by the score contract) are not visited. The loop takes
   ``ROWS_PER_STEP`` SMEM rows per step (then the rest one by one), so the loads and forced ranks of a
   step's rows, which do not depend on the lists, issue ahead of the insertions.
+* Short lists first (``lane_list``, default :data:`LANE_LIST` = 4 entries, when below ``topk``). The
+  insertion costs ``5 k`` operations per block for a list of ``k``, so each thread first keeps only
+  ``lane_list`` entries and the largest value its list lost (the evicted last entry or the rejected
+  block: ``min(x, last)``, two more operations). The lists (padded to ``kp``) and the lost values go
+  through the merge below; the answer is exact when the largest lost value is below the k-th kept
+  one, strictly, or ``-inf`` (such blocks never enter). Otherwise -- some thread's blocks
+  ``{c * 128 + i}`` hold more than ``lane_list`` of the top-k, or a lost value ties the k-th -- the
+  whole selection runs again with full lists (a warpgroup-uniform branch on two SMEM scalars). The
+  top-k of a row spread over 128 threads rarely puts 5 of its blocks in one thread.
 * Tree merge, 7 rounds (``log2 128``). In the round of stride ``s`` every thread writes its list
   to SMEM (``[kp, 192]`` values and ids, double buffered so that a round's writes never overtake
   the previous round's reads), the warpgroup synchronises, and thread ``i`` reads the list of
@@ -85,6 +97,10 @@ SMEM_RESERVED = 8 * 1024  # Pallas' own SMEM (reduction scratch, barriers, align
 # SMEM rows inserted per loop step (select_blocks' rows_per_step): the measured best of 1, 2, 4 and 8
 # (benchmarks/RESULTS.md#topk-rows-per-step).
 ROWS_PER_STEP = 8
+# Entries of each thread's first lists (select_blocks' lane_list; the top-k's own length when it is not
+# larger): a thread then inserts at a fraction of the cost, and the full lists run only when the short
+# ones may have lost a block of the top-k.
+LANE_LIST = 4
 
 
 def unsupported_reason(nb: int, topk: int) -> str | None:
@@ -95,7 +111,7 @@ def unsupported_reason(nb: int, topk: int) -> str | None:
     if n_rows > MAX_SMEM_ROWS:
         return f"nb {nb} > {MAX_SMEM_ROWS * LANES} blocks: one TMA box per row cannot hold it"
     kp = 1 << (topk - 1).bit_length()
-    smem = n_rows * LANES * 4 + 2 * 2 * kp * MERGE_COLS * 4 + LANES * 4  # scores, merge lists, output
+    smem = n_rows * LANES * 4 + 2 * (2 * kp + 1) * MERGE_COLS * 4 + LANES * 4  # scores, merge lists, output
     if smem > current_target().smem_bytes - SMEM_RESERVED:
         return f"nb {nb} and topk {topk} need {smem} bytes of SMEM per CTA"
     return None
@@ -131,31 +147,53 @@ def _merge(a_vals, a_ids, b_vals, b_ids):
 
 
 def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, init_blocks, force_in, force_out,
-                 rows_per_step, interpret=None):
-    """int32 [R, topk rounded up to 4] (first ``topk`` columns valid) from fp32 scores [R, nb_pad / 128, 128],
-    row R = (b * heads + h) * Q + t, and the positions q_pos [B, Q] (read per row in the kernel: no
-    XLA broadcast launch before it). ``rows_per_step`` SMEM rows are inserted per step of the main loop,
-    then the visible rows left one per step."""
-    r, n_rows, _ = scores.shape
+                 rows_per_step, row_stride=None, unscale=None, num_blocks=None, lane_list=None, interpret=None):
+    """int32 [R, topk rounded up to 4] (first ``topk`` columns valid), R = B * heads * Q rows
+    (b * heads + h) * Q + t, from fp32 scores [B * row_stride, nb_pad / 128, 128], row (b, h, t) at
+    ``b * row_stride + h * Q + t`` (``row_stride=None``: heads * Q, the rows packed), and the positions
+    q_pos [B, Q] (read per row in the kernel: no XLA broadcast launch before it). With ``row_stride``
+    (the scoring kernel's rows read in place) the blocks after a row's own block are taken as -inf
+    whatever they hold, and ``unscale`` fp32 [B, heads * Q] (or None) multiplies each row's scores
+    first; ``num_blocks``: only the first ``ceil(num_blocks / 128)`` rows of 128 are loaded. ``rows_per_step``
+    SMEM rows are inserted per step of the main loop, then the visible rows left one per step."""
+    n_rows = scores.shape[1] if num_blocks is None else -(-num_blocks // LANES)
     u = rows_per_step
-    q = q_pos.shape[1]
+    b, q = q_pos.shape
+    hq = heads * q
+    r = b * hq
+    in_place = row_stride is not None
     kp = 1 << (topk - 1).bit_length()
+    lane_list = LANE_LIST if lane_list is None else lane_list
     out_cols = -(-topk // 4) * 4  # a TMA row is a multiple of 16 bytes
 
-    def body(s_ref, pos_ref, out_ref, s_smem, v_buf, i_buf, o_smem, bar):
+    def body(s_ref, pos_ref, *refs):
+        scale_ref = refs[0] if unscale is not None else None
+        out_ref, s_smem, v_buf, i_buf, o_smem, bar = refs[unscale is not None:]
         row = jax.lax.axis_index("row")
-        plgpu.copy_gmem_to_smem(s_ref.at[row], s_smem, bar.at[0])
-        pos = pos_ref[jax.lax.div(row, heads * q), jax.lax.rem(row, q)]
-        nvis = jnp.clip(jnp.floor_divide(pos, block_size) + 1, 0, n_rows * LANES)
+        bi, c = jax.lax.div(row, hq), jax.lax.rem(row, hq)
+        src = s_ref.at[bi * row_stride + c if in_place else row]
+        plgpu.copy_gmem_to_smem(src if n_rows == scores.shape[1] else src.at[pl.ds(0, n_rows)], s_smem, bar.at[0])
+        pos = pos_ref[bi, jax.lax.rem(row, q)]
+        own = jnp.floor_divide(pos, block_size)
+        nvis = jnp.clip(own + 1, 0, n_rows * LANES)
+        scale = scale_ref[bi, c] if scale_ref is not None else None
         lane = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=_layout())
         empty_v = plgpu.layout_cast(jnp.full((LANES,), NEG_INF, jnp.float32), _layout())
         empty_i = plgpu.layout_cast(jnp.full((LANES,), -1, jnp.int32), _layout())
         plgpu.barrier_wait(bar.at[0])
 
+        def candidate(c):
+            return select.smem_candidate(s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
+                                         block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks,
+                                         force_in=force_in, force_out=force_out, scale=scale,
+                                         own=own if in_place else None)
+
         def one(c, carry):
-            return select.insert_smem_row(carry, s_smem.at[c], pos, c * LANES + lane, layout=_layout(),
-                                           block_size=block_size, local_blocks=local_blocks,
-                                           init_blocks=init_blocks, force_in=force_in, force_out=force_out)
+            vals, ids, drop = carry
+            x = candidate(c)
+            if drop is not None:  # the value this insertion loses: the list's last, or x itself
+                drop = jnp.maximum(drop, jnp.minimum(x, vals[-1]))
+            return (*select.insert(vals, ids, x, c * LANES + lane), drop)
 
         def several(c, carry):
             # u rows per step: their loads and forced ranks do not depend on the lists, so they can be
@@ -165,14 +203,13 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
             return carry
 
         rows_vis = -(-nvis // LANES)
-        carry = jax.lax.fori_loop(0, rows_vis // u, several, ((empty_v,) * topk, (empty_i,) * topk))
-        vals, ids = jax.lax.fori_loop(rows_vis // u * u, rows_vis, one, carry)
-        vals, ids = vals + (empty_v,) * (kp - topk), ids + (empty_i,) * (kp - topk)
 
-        def store(slot, vals, ids):
+        def store(slot, vals, ids, drop):
             for t in range(kp):
                 v_buf[slot, t, pl.ds(0, LANES)] = vals[t]
                 i_buf[slot, t, pl.ds(0, LANES)] = ids[t]
+            if drop is not None:
+                v_buf[slot, kp, pl.ds(0, LANES)] = drop
             # fence + warpgroup bar.sync: the stores are visible to the other threads' loads after it.
             plgpu.commit_smem()
 
@@ -183,13 +220,36 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
             store(slot, *carry)
             partner = ([plgpu.load(v_buf.at[slot, t, pl.ds(stride, LANES)]) for t in range(kp)],
                        [plgpu.load(i_buf.at[slot, t, pl.ds(stride, LANES)]) for t in range(kp)])
-            return _merge(*carry, *partner)
+            drop = carry[2]
+            if drop is not None:
+                drop = jnp.maximum(drop, plgpu.load(v_buf.at[slot, kp, pl.ds(stride, LANES)]))
+            return (*_merge(*carry[:2], *partner), drop)
 
-        # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
-        # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
-        # layouts follow from the merge instead of one search step each.
-        vals, ids = jax.lax.fori_loop(0, MERGE_ROUNDS, merge_round, (vals, ids))
-        store(MERGE_ROUNDS % 2, vals, ids)
+        def select_row(length: int, track: bool):
+            """Lists of ``length`` per thread, merged into thread 0's top ``kp``, left in the final slot
+            (with ``track``, each list also keeps the largest value it lost, and row kp the largest
+            any list lost)."""
+            drop = empty_v if track else None
+            carry = ((empty_v,) * length, (empty_i,) * length, drop)
+            carry = jax.lax.fori_loop(0, rows_vis // u, several, carry)
+            vals, ids, drop = jax.lax.fori_loop(rows_vis // u * u, rows_vis, one, carry)
+            vals, ids = vals + (empty_v,) * (kp - length), ids + (empty_i,) * (kp - length)
+            # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
+            # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
+            # layouts follow from the merge instead of one search step each.
+            carry = jax.lax.fori_loop(0, MERGE_ROUNDS, merge_round, (vals, ids, drop))
+            store(MERGE_ROUNDS % 2, *carry)
+
+        if lane_list < topk:
+            # Short lists first: a block of the top-k that a thread's list lost is larger than every
+            # value the k-th kept is not below, so the short lists' answer is exact when the largest lost
+            # value is below the k-th kept one (or -inf: such blocks never enter). Else (several of
+            # the top-k in one thread's blocks {c * 128 + i}, or ties with the k-th) the full lists run.
+            select_row(lane_list, True)
+            kth, lost = v_buf[MERGE_ROUNDS % 2, topk - 1, 0], v_buf[MERGE_ROUNDS % 2, kp, 0]
+            jax.lax.cond((lost < kth) | (lost == NEG_INF), lambda: None, lambda: select_row(topk, False))
+        else:
+            select_row(topk, False)
         out = empty_i
         for t in range(topk):
             out = jnp.where(lane == t, i_buf[MERGE_ROUNDS % 2, t, 0], out)  # thread 0's list
@@ -206,7 +266,7 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
         grid_names=("row",),
         scratch_types=[
             plgpu.SMEM((n_rows, LANES), jnp.float32),
-            plgpu.SMEM((2, kp, MERGE_COLS), jnp.float32),
+            plgpu.SMEM((2, kp + 1, MERGE_COLS), jnp.float32),  # row kp: the lists' largest lost value
             plgpu.SMEM((2, kp, MERGE_COLS), jnp.int32),
             plgpu.SMEM((LANES,), jnp.int32),
             plgpu.Barrier(num_barriers=1),
@@ -215,13 +275,13 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
         # top-16); the kernel orders its cross-thread SMEM traffic itself with commit_smem.
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
     )
-    return kern(scores, q_pos)
+    return kern(scores, q_pos, *(() if unscale is None else (unscale,)))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "topk", "local_blocks", "init_blocks", "force_in",
-                                             "force_out", "rows_per_step", "interpret"))
+                                             "force_out", "rows_per_step", "lane_list", "interpret"))
 def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_blocks=0, force_in=(), force_out=(),
-                  rows_per_step=ROWS_PER_STEP, interpret=None):
+                  rows_per_step=ROWS_PER_STEP, lane_list=LANE_LIST, interpret=None):
     """int32 [B, Hi, Q, topk] from fp32 scores [B, Hi, Q, nb] and positions q_pos [B, Q].
 
     Scores of blocks past a row's causal limit must be ``-inf`` (``msa.block_scores``' contract):
@@ -237,5 +297,32 @@ def select_blocks(scores, q_pos, *, block_size, topk, local_blocks=1, init_block
                 constant_values=NEG_INF)
     ids = _kernel_call(s.reshape(rows, n_rows, LANES), q_pos.astype(jnp.int32), hi, block_size=block_size, topk=topk,
                        local_blocks=local_blocks, init_blocks=init_blocks, force_in=force_in, force_out=force_out,
-                       rows_per_step=rows_per_step, interpret=interpret)
+                       rows_per_step=rows_per_step, lane_list=lane_list, interpret=interpret)
     return ids[:, :topk].reshape(b, hi, q, topk)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "num_blocks", "block_size", "topk", "local_blocks",
+                                             "init_blocks", "force_in", "force_out", "rows_per_step", "lane_list",
+                                             "interpret"))
+def select_blocks_rows(score_rows, q_pos, unscale=None, *, heads, num_blocks, block_size, topk, local_blocks=1,
+                       init_blocks=0, force_in=(), force_out=(), rows_per_step=ROWS_PER_STEP, lane_list=LANE_LIST,
+                       interpret=None):
+    """int32 [B, heads, Q, topk] from a scoring kernel's rows read in place: fp32 score_rows
+    [B, n_rows, nb] (nb >= num_blocks, a multiple of 128; row ``h * Q + t`` of request b holds its
+    block scores, rows past ``heads * Q`` unused), positions q_pos [B, Q] and ``unscale`` fp32
+    [B, heads * Q] (each row's factor, or None). Blocks after a row's own block are -inf whatever the
+    rows hold there (:func:`m3jax.pallas.decode.kernel.score_out_shape`: never written), so neither a
+    transpose nor a mask of the scores runs in XLA before the kernel. The same ids as
+    :func:`select_blocks` on the masked, scaled scores' first ``num_blocks`` blocks."""
+    b, n_rows, nb = score_rows.shape
+    q = q_pos.shape[1]
+    if nb % LANES or n_rows < heads * q or nb < num_blocks:
+        raise ValueError(f"score_rows {score_rows.shape}: blocks must be whole rows of {LANES}, at least "
+                         f"num_blocks={num_blocks}, and the rows must hold heads * Q = {heads * q}")
+    if reason := unsupported_reason(num_blocks, topk):
+        raise ValueError(reason)
+    ids = _kernel_call(score_rows.reshape(b * n_rows, nb // LANES, LANES), q_pos.astype(jnp.int32), heads,
+                       block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+                       force_in=force_in, force_out=force_out, rows_per_step=rows_per_step, row_stride=n_rows,
+                       unscale=unscale, num_blocks=num_blocks, lane_list=lane_list, interpret=interpret)
+    return ids[:, :topk].reshape(b, heads, q, topk)

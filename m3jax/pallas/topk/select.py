@@ -87,11 +87,17 @@ def insert(vals, ids, x, j):
     return tuple(new_vals), tuple(new_ids)
 
 
-def insert_smem_row(carry, row_ref, rowpos, j, *, layout, block_size: int, local_blocks: int, init_blocks: int,
-                    force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
-    """Load one SMEM row of scores (one element per thread in ``layout``) for block id(s) ``j``, give
-    forced blocks their priorities and insert it into the ``(vals, ids)`` lists of ``carry``."""
+def smem_candidate(row_ref, rowpos, j, *, layout, block_size: int, local_blocks: int, init_blocks: int,
+                   force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (), scale=None, own=None):
+    """Load one SMEM row of scores (one element per thread in ``layout``) for block id(s) ``j`` and give
+    forced blocks their priorities: the candidate :func:`insert` takes. ``scale`` (a scalar):
+    multiply the scores first; ``own`` (the row's own block, a scalar): blocks after it score ``-inf``
+    whatever the row holds there (scores read where the scoring kernel wrote them, blocks past the
+    live pages never written)."""
     x = plgpu.load(row_ref, layout=layout)
-    x = forced_candidate(x, rowpos, j, block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks,
-                         force_in=force_in, force_out=force_out)
-    return insert(*carry, x, j)
+    if scale is not None:
+        x = x * scale
+    if own is not None:
+        x = jnp.where(j <= own, x, -jnp.inf)
+    return forced_candidate(x, rowpos, j, block_size=block_size, local_blocks=local_blocks, init_blocks=init_blocks,
+                            force_in=force_in, force_out=force_out)
