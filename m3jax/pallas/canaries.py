@@ -160,7 +160,7 @@ def _topk_rowsplit():
 def _topk_rowsplit_in_place():
     # The decode scoring kernel's rows as the top-k reads them in place (select_blocks_rows): spare rows,
     # NaN and huge values after each row's own block (never written there), per-row factors.
-    from m3jax.pallas.topk import rowsplit as R
+    from m3jax.pallas import topk as K
 
     rng, bs, nb, q_pos = np.random.default_rng(4), 4, 300, np.array([[1199], [9]], np.int32)
     scores = _topk_scores(rng, 2, 2, 1, nb, bs, q_pos)
@@ -169,7 +169,7 @@ def _topk_rowsplit_in_place():
     s = np.asarray(scores).reshape(2, 2, nb)
     junk[:, :2, :nb] = np.where(np.isneginf(s), junk[:, :2, :nb], s)
     kw = {"block_size": bs, "topk": 8, "local_blocks": 2, "init_blocks": 1}
-    return (R.select_blocks_rows(jnp.asarray(junk), jnp.asarray(q_pos), unscale, heads=2, num_blocks=nb, **kw),
+    return (K.select_blocks_rows(jnp.asarray(junk), jnp.asarray(q_pos), unscale, heads=2, num_blocks=nb, **kw),
             _topk_select_reference(scores * unscale[:, :, None, None], q_pos, **kw))
 
 

@@ -13,7 +13,8 @@ for prefill; ``config`` is its ``TopkConfig``), ``"pallas_rowsplit"`` (:mod:`.ro
 per row, its blocks split over 128 threads and tree-merged, for decode), ``"pallas"`` (the
 row-split kernel up to ``ROWSPLIT_MAX_ROWS`` rows when a row fits in one CTA's SMEM, else the
 block-major one) and ``"reference"`` (``m3jax.msa.select_blocks``). ``select_blocks_blockmajor``
-takes the index-score kernel's block-major ``[B, nb, T*Hi]`` scores directly (no transpose).
+takes the index-score kernel's block-major ``[B, nb, T*Hi]`` scores directly (no transpose), and
+``select_blocks_rows`` (the row-split kernel) the decode scoring kernel's rows as written.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from m3jax.pallas.topk import kernel as _kernel
 from m3jax.pallas.topk import reference as _reference
 from m3jax.pallas.topk import rowsplit as _rowsplit
 from m3jax.pallas.topk.kernel import TopkConfig, select_blocks_blockmajor
+from m3jax.pallas.topk.rowsplit import select_blocks_rows
 
-__all__ = ["ROWSPLIT_MAX_ROWS", "TopkConfig", "select_blocks", "select_blocks_blockmajor"]
+__all__ = ["ROWSPLIT_MAX_ROWS", "TopkConfig", "select_blocks", "select_blocks_blockmajor", "select_blocks_rows"]
 
 # ~4 waves of one-row CTAs on 132 SMs: by op counts the row-split kernel (nb/128 insertions + 7 merge
 # rounds per row) is faster than the block-major one (nb sequential insertions per CTA) up to here,
