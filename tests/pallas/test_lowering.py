@@ -225,6 +225,24 @@ def test_blackwell_decode_scores_lower_at_other_tiles(bs, q, dtype, mosaic_modul
     assert "tcgen05.mma" in mosaic_modules[-1] and "wgmma" not in mosaic_modules[-1]
 
 
+@pytest.mark.parametrize("b,ctx,ik_dtype", [(8, 1 << 20, BF16), (1, 1 << 20, BF16), (8, 1 << 20, jnp.float8_e4m3fn),
+                                             (3, 307_200, BF16)])
+@pytest.mark.parametrize("target", ["HOPPER", "BLACKWELL"])
+def test_decode_score_select_lowers_at_m3_decode_shapes(target, b, ctx, ik_dtype):
+    # The scoring kernel's transposed score tile and the row-split top-k reading it in place, at M3's
+    # decode shapes: one wave of splits at batch 8 and 1M gives 455-512 pages per CTA, stored in TMA boxes
+    # of at most 256 pages; 300K tokens at batch 3 leaves a chunk whose tile needs wider rows.
+    # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
+    from m3jax.pallas.decode import decode_score_select
+
+    nb = ctx // 128
+    args = (S((b, 1, 4, 128), BF16), S((b * nb, 128, 128), ik_dtype), S((b, nb), I32), S((b,), I32))
+    with _backend.lowering_for(getattr(_backend, target)):
+        text = jax.jit(lambda *a: decode_score_select(*a, block_size=128, topk=16)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2  # the scoring kernel and the top-k
+
+
 @pytest.mark.parametrize("hx,bs,dtype,fused", [(16, 64, BF16, False), (32, 256, F32, False), (64, 16, BF16, True),
                                                (128, 96, BF16, True), (128, 256, F32, False)])
 def test_blackwell_index_scores_lower_at_other_tiles(hx, bs, dtype, fused, mosaic_modules):

@@ -417,15 +417,21 @@ def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, 
     unit-stride dimension."""
     stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, page_shape, transforms, stages)
     cols, n_out = score_smem.shape[1], out_gmem.shape[1]
+    # TMA boxes are at most 256 elements a dimension: pieces of 256 pages (the last one shorter, still
+    # whole elements per thread: 256 is a multiple of 128, so the piece has the chunk's divisors of 128).
+    starts = tuple(range(0, chunk, 256))
+    widths = tuple(min(256, chunk - p0) for p0 in starts)
 
-    def transpose(rows_smem):
-        layout = plgpu.Layout.WG_STRIDED((cols, chunk), 1)
-        rows_smem[...] = plgpu.load(score_smem.transpose((1, 0)), layout=layout)
+    def transpose(*rows_smems):
+        for p0, w, rows_smem in zip(starts, widths, rows_smems):
+            layout = plgpu.Layout.WG_STRIDED((cols, w), 1)
+            rows_smem[...] = plgpu.load(score_smem.at[pl.ds(p0, w)].transpose((1, 0)), layout=layout)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(0, n_out)], out_gmem.at[bi, :, pl.ds(first, chunk)])
+        for p0, w, rows_smem in zip(starts, widths, rows_smems):
+            plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(0, n_out)], out_gmem.at[bi, :, pl.ds(first + p0, w)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(transpose, plgpu.SMEM((cols, chunk), jnp.float32))
+    pl.run_scoped(transpose, *(plgpu.SMEM((cols, w), jnp.float32) for w in widths))
 
 
 def score_tile_cols(n_pad: int, chunk: int) -> int:
