@@ -187,3 +187,16 @@ def test_score_select_reads_the_kernel_rows(q_len, dtype, ik_dtype, score_dtype,
     # and with the positions derived from the lengths
     np.testing.assert_array_equal(np.asarray(D.decode_score_select(iq, ikp, pt, sl, config=config,
                                                                     score_dtype=score_dtype, **kw)), want)
+
+
+def test_score_rows_past_one_tma_box():
+    # One split over 297 pages: the scoring kernel's transposed tile goes out in TMA boxes of at most
+    # 256 pages (256 + 44 of the chunk's 300), read in place by the top-k.
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    _, iq, _, _, ikp, pt, sl = make_case([297 * BS - 5, 150], 1, jnp.bfloat16, seed=21)
+    config = D.DecodeScoreConfig(num_splits=1)
+    _, got = check_scores(iq, ikp, pt, sl, splits=1)
+    kw = dict(block_size=BS, topk=TOPK)
+    q_pos = D.query_positions(sl, 1)
+    want = np.asarray(msa.select_blocks(jnp.asarray(got), q_pos, **kw))
+    np.testing.assert_array_equal(np.asarray(D.decode_score_select(iq, ikp, pt, sl, q_pos, config=config, **kw)), want)
