@@ -208,11 +208,8 @@ def score_chunks(config: DecodeScoreConfig, b: int, max_pages: int, cols: int | 
         return -(-max_pages // splits), splits
     splits = max(splits, -(-max_pages // max(4, 32768 // (4 * cols) // 4 * 4)))
     # The tile goes out transposed (:func:`score_pipeline`): its rows are ``chunk`` fp32 pages long, and a
-    # TMA row is a multiple of 16 bytes. Where that would widen the tile past 32 KiB
-    # (:func:`score_tile_cols`), whole 16-page rows keep it at the query rows' width.
+    # TMA row is a multiple of 16 bytes.
     chunk = round_up(-(-max_pages // splits), 4)
-    if chunk * score_tile_cols(cols, chunk) * 4 > 32768:
-        chunk = round_up(chunk, 16)
     return chunk, -(-max_pages // chunk)
 
 
@@ -411,33 +408,43 @@ def score_pipeline(page_step, k_gmem, pt_gmem, out_gmem, score_smem, bi, first, 
     tile transposed, at its pages of the query rows: the output is row-major per query row
     (:func:`score_out_shape`), the layout the row-split top-k kernel reads, so no XLA transpose runs
     between the two. The transposition is one load of the tile's transposed view (one element per
-    thread and step, ``cols * chunk`` a multiple of the warpgroup's 128 threads:
-    :func:`score_tile_cols`) into a row-major tile in the page buffers' SMEM, free after the pipeline;
+    thread and step, in pieces of whole elements per thread of the warpgroup: :func:`score_tile_pieces`)
+    into row-major tiles in the page buffers' SMEM, free after the pipeline;
     a column of the tile (one query row) cannot be stored on its own, as Mosaic GPU vectorises only a
     unit-stride dimension."""
     stream_pages(page_step, k_gmem, pt_gmem, bi, first, steps, page_shape, transforms, stages)
     cols, n_out = score_smem.shape[1], out_gmem.shape[1]
-    # TMA boxes are at most 256 elements a dimension: pieces of 256 pages (the last one shorter, still
-    # whole elements per thread: 256 is a multiple of 128, so the piece has the chunk's divisors of 128).
-    starts = tuple(range(0, chunk, 256))
-    widths = tuple(min(256, chunk - p0) for p0 in starts)
+    pieces = score_tile_pieces(chunk)
 
     def transpose(*rows_smems):
-        for p0, w, rows_smem in zip(starts, widths, rows_smems):
+        for (p0, w), rows_smem in zip(pieces, rows_smems):
             layout = plgpu.Layout.WG_STRIDED((cols, w), 1)
             rows_smem[...] = plgpu.load(score_smem.at[pl.ds(p0, w)].transpose((1, 0)), layout=layout)
         plgpu.commit_smem()
-        for p0, w, rows_smem in zip(starts, widths, rows_smems):
+        for (p0, w), rows_smem in zip(pieces, rows_smems):
             plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(0, n_out)], out_gmem.at[bi, :, pl.ds(first + p0, w)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(transpose, *(plgpu.SMEM((cols, w), jnp.float32) for w in widths))
+    pl.run_scoped(transpose, *(plgpu.SMEM((cols, w), jnp.float32) for _, w in pieces))
+
+
+def score_tile_pieces(chunk: int) -> tuple[tuple[int, int], ...]:
+    """(first page, pages) of each transposed piece of a chunk's score tile: at most 256 pages (a TMA
+    box's limit per dimension) and whole elements per thread of a warpgroup (16-page multiples, the
+    tile being ``n_pad`` wide, a multiple of 8). A chunk that is not a multiple of 16 ends with its
+    last 16 pages, which overlap the piece before: both store the same values. A chunk below 16
+    pages is one piece, its tile widened instead (:func:`score_tile_cols`)."""
+    if chunk < 16:
+        return ((0, chunk),)
+    whole = chunk // 16 * 16
+    pieces = tuple((p0, min(256, whole - p0)) for p0 in range(0, whole, 256))
+    return pieces + (((chunk - 16, 16),) if chunk % 16 else ())
 
 
 def score_tile_cols(n_pad: int, chunk: int) -> int:
-    """Columns of the scores kernels' SMEM tile: the ``n_pad`` query rows, rounded up so that the tile
-    is whole elements per thread of a warpgroup (:func:`score_pipeline`'s transposition)."""
-    return round_up(n_pad, 128 // math.gcd(chunk, 128))
+    """Columns of the scores kernels' SMEM tile: the ``n_pad`` query rows; below 16 pages a chunk's
+    tile is widened to whole elements per thread of a warpgroup (:func:`score_tile_pieces`)."""
+    return n_pad if chunk >= 16 else round_up(n_pad, 128 // math.gcd(chunk, 128))
 
 
 def store_page_scores(score_smem, i, row) -> None:
