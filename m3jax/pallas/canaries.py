@@ -133,9 +133,13 @@ def _index_topk_fused():
 
 def _topk_scores(rng, b, hi, t, nb, bs, q_pos):
     """fp32 integer scores in [-2, 2] (ties) with -inf past each query's own block, as block_scores."""
+    return jnp.asarray(_topk_scores_np(rng, b, hi, t, nb, bs, q_pos))
+
+
+def _topk_scores_np(rng, b, hi, t, nb, bs, q_pos):
     s = rng.integers(-2, 3, (b, hi, t, nb)).astype(np.float32)
     visible = np.arange(nb) <= (np.asarray(q_pos) // bs)[:, None, :, None]
-    return jnp.asarray(np.where(visible, s, -np.inf).astype(np.float32))
+    return np.where(visible, s, -np.inf).astype(np.float32)
 
 
 def _topk(implementation, b, t, nb, bs, q_pos, topk):
@@ -163,14 +167,14 @@ def _topk_rowsplit_in_place():
     from m3jax.pallas import topk as K
 
     rng, bs, nb, q_pos = np.random.default_rng(4), 4, 300, np.array([[1199], [9]], np.int32)
-    scores = _topk_scores(rng, 2, 2, 1, nb, bs, q_pos)
+    scores = _topk_scores_np(rng, 2, 2, 1, nb, bs, q_pos)  # numpy: the canary is also traced under jit
     unscale = jnp.asarray(rng.choice([0.5, 1.0, 4.0], (2, 2)).astype(np.float32))
     junk = np.where(rng.random((2, 8, 384)) < 0.5, np.float32(1e30), np.float32(np.nan))
-    s = np.asarray(scores).reshape(2, 2, nb)
+    s = scores.reshape(2, 2, nb)
     junk[:, :2, :nb] = np.where(np.isneginf(s), junk[:, :2, :nb], s)
     kw = {"block_size": bs, "topk": 8, "local_blocks": 2, "init_blocks": 1}
     return (K.select_blocks_rows(jnp.asarray(junk), jnp.asarray(q_pos), unscale, heads=2, num_blocks=nb, **kw),
-            _topk_select_reference(scores * unscale[:, :, None, None], q_pos, **kw))
+            _topk_select_reference(jnp.asarray(scores) * unscale[:, :, None, None], q_pos, **kw))
 
 
 def _topk_select_reference(scores, q_pos, **kw):
