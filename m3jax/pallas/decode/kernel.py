@@ -293,7 +293,7 @@ def score_stages(config: DecodeScoreConfig, chunk: int, q_parts, k_parts, n_pad:
 def score_scratch(q_parts, k_parts, n_pad: int, hx: int, bs: int, tile: tuple[int, int], transforms,
                   registers: bool = False) -> list:
     """The scratch every variant starts with: query tile, fp32 score tile (``tile``: the scores
-    kernels' ``(n_pad, chunk)``, :func:`score_pipeline`), the query tile's barrier and, for fp8 pages
+    kernels' ``(chunk, score_tile_cols)``, :func:`score_pipeline`), the query tile's barrier and, for fp8 pages
     converted in SMEM (not in ``registers``), the page converted to the query's type (the MMA's key
     operand)."""
     dtype = q_parts[0].dtype

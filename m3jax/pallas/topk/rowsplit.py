@@ -241,10 +241,10 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
             store(MERGE_ROUNDS % 2, *carry)
 
         if lane_list < topk:
-            # Short lists first: a block of the top-k that a thread's list lost is larger than every
-            # value the k-th kept is not below, so the short lists' answer is exact when the largest lost
-            # value is below the k-th kept one (or -inf: such blocks never enter). Else (several of
-            # the top-k in one thread's blocks {c * 128 + i}, or ties with the k-th) the full lists run.
+            # Short lists first. No block a list lost scores above the largest lost value, so when that
+            # value is below the k-th kept one no lost block belongs to the top-k and the short lists'
+            # answer is exact (a -inf block never enters a list anyway). Else (several of the top-k in
+            # one thread's blocks {c * 128 + i}, or a tie with the k-th) the full lists run.
             select_row(lane_list, True)
             kth, lost = v_buf[MERGE_ROUNDS % 2, topk - 1, 0], v_buf[MERGE_ROUNDS % 2, kp, 0]
             jax.lax.cond((lost < kth) | (lost == NEG_INF), lambda: None, lambda: select_row(topk, False))
