@@ -27,8 +27,9 @@ Design (Hopper): grid = one CTA (one warpgroup) per row (row = one (batch, index
   through the merge below; the answer is exact when the largest lost value is below the k-th kept
   one, strictly, or ``-inf`` (such blocks never enter). Otherwise -- some thread's blocks
   ``{c * 128 + i}`` hold more than ``lane_list`` of the top-k, or a lost value ties the k-th -- the
-  whole selection runs again with full lists (a warpgroup-uniform branch on two SMEM scalars). The
-  top-k of a row spread over 128 threads rarely puts 5 of its blocks in one thread.
+  whole selection runs again with full lists, one SMEM row a loop step (a warpgroup-uniform branch
+  on two SMEM scalars; the rare path is kept small, as Mosaic's lowering time grows faster than the
+  kernel's IR). The top-k of a row spread over 128 threads rarely puts 5 of its blocks in one thread.
 * Tree merge, 7 rounds (``log2 128``). In the round of stride ``s`` every thread writes its list
   to SMEM (``[kp, 192]`` values and ids, double buffered so that a round's writes never overtake
   the previous round's reads), the warpgroup synchronises, and thread ``i`` reads the list of
@@ -195,12 +196,15 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
                 drop = jnp.maximum(drop, jnp.minimum(x, vals[-1]))
             return (*select.insert(vals, ids, x, c * LANES + lane), drop)
 
-        def several(c, carry):
-            # u rows per step: their loads and forced ranks do not depend on the lists, so they can be
-            # issued ahead of the previous rows' insertions (benchmarks/RESULTS.md#topk-rows-per-step).
-            for t in range(u):
-                carry = one(c * u + t, carry)
-            return carry
+        def several(steps: int):
+            def body(c, carry):
+                # ``steps`` rows a step: their loads and forced ranks do not depend on the lists, so they can
+                # be issued ahead of the previous rows' insertions (benchmarks/RESULTS.md#topk-rows-per-step).
+                for t in range(steps):
+                    carry = one(c * steps + t, carry)
+                return carry
+
+            return body
 
         rows_vis = -(-nvis // LANES)
 
@@ -225,14 +229,14 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
                 drop = jnp.maximum(drop, plgpu.load(v_buf.at[slot, kp, pl.ds(stride, LANES)]))
             return (*_merge(*carry[:2], *partner), drop)
 
-        def select_row(length: int, track: bool):
-            """Lists of ``length`` per thread, merged into thread 0's top ``kp``, left in the final slot
-            (with ``track``, each list also keeps the largest value it lost, and row kp the largest
-            any list lost)."""
+        def select_row(length: int, track: bool, steps: int):
+            """Lists of ``length`` per thread, ``steps`` SMEM rows a loop step, merged into thread 0's top
+            ``kp``, left in the final slot (with ``track``, each list also keeps the largest value it
+            lost, and row kp the largest any list lost)."""
             drop = empty_v if track else None
             carry = ((empty_v,) * length, (empty_i,) * length, drop)
-            carry = jax.lax.fori_loop(0, rows_vis // u, several, carry)
-            vals, ids, drop = jax.lax.fori_loop(rows_vis // u * u, rows_vis, one, carry)
+            carry = jax.lax.fori_loop(0, rows_vis // steps, several(steps), carry)
+            vals, ids, drop = jax.lax.fori_loop(rows_vis // steps * steps, rows_vis, one, carry)
             vals, ids = vals + (empty_v,) * (kp - length), ids + (empty_i,) * (kp - length)
             # A loop, not 7 unrolled rounds: Mosaic's layout inference is superlinear in the IR size
             # (100+ s to lower the unrolled kernel). The partner loads carry no layout cast, so their
@@ -244,12 +248,13 @@ def _kernel_call(scores, q_pos, heads: int, *, block_size, topk, local_blocks, i
             # Short lists first. No block a list lost scores above the largest lost value, so when that
             # value is below the k-th kept one no lost block belongs to the top-k and the short lists'
             # answer is exact (a -inf block never enters a list anyway). Else (several of the top-k in
-            # one thread's blocks {c * 128 + i}, or a tie with the k-th) the full lists run.
-            select_row(lane_list, True)
+            # one thread's blocks {c * 128 + i}, or a tie with the k-th) the full lists run, one row a
+            # step: the rare path, kept small (Mosaic's lowering time grows faster than the kernel's IR).
+            select_row(lane_list, True, u)
             kth, lost = v_buf[MERGE_ROUNDS % 2, topk - 1, 0], v_buf[MERGE_ROUNDS % 2, kp, 0]
-            jax.lax.cond((lost < kth) | (lost == NEG_INF), lambda: None, lambda: select_row(topk, False))
+            jax.lax.cond((lost < kth) | (lost == NEG_INF), lambda: None, lambda: select_row(topk, False, 1))
         else:
-            select_row(topk, False)
+            select_row(topk, False, u)
         out = empty_i
         for t in range(topk):
             out = jnp.where(lane == t, i_buf[MERGE_ROUNDS % 2, t, 0], out)  # thread 0's list
