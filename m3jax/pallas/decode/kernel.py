@@ -15,7 +15,10 @@ position ``seq_lens[b] - Q + i``.
    ``stages`` page loads in flight (physical page read from ``page_table`` inside the index map).
    Per page: the ``[block_size, N]`` fp32 accumulator is masked causally (key position <= query
    position), max-reduced over the key axis, and the ``[N]`` row goes to an SMEM score tile that is
-   written back with one TMA store per CTA (rows of pages without tokens are set to -inf in XLA). Memory-bound: the index-key scan is the only large read.
+   transposed and written back by TMA (:func:`score_pipeline`): the output is one row per query row,
+   read in place by the row-split top-k (``decode_score_select``), which takes the never-written pages
+   without tokens as -inf (``decode_index_scores`` sets them to -inf in XLA). Memory-bound: the
+   index-key scan is the only large read.
    fp8 e4m3 index pages (``index_cache_dtype="float8_e4m3fn"``) are TMA-loaded as fp8 (half the
    bytes) and converted in SMEM, 64 rows at a time through registers, into one page of the query's
    16-bit type that the MMA reads as its A operand (:func:`convert_page`; exact: every e4m3 value is
