@@ -26,7 +26,6 @@ from m3jax.pallas.decode import hopper as _hopper
 from m3jax.pallas.decode import reference as _reference
 from m3jax.pallas.decode.kernel import FP8, FP8_SCORES, DecodeScoreConfig, SparseDecodeConfig
 from m3jax.pallas.decode.reference import query_positions
-from m3jax.pallas.topk import rowsplit as _rowsplit
 
 __all__ = [
     "DecodeScoreConfig",
@@ -102,9 +101,7 @@ def decode_score_select(
     pos = query_positions(seq_lens, iq.shape[1]) if q_pos is None else q_pos
     score_kw = dict(block_size=block_size, config=config, score_dtype=score_dtype, interpret=interpret)
     b, q, hi, _ = iq.shape
-    rows = b * hi * q
-    if (implementation != "pallas" or rows > _topk.ROWSPLIT_MAX_ROWS
-            or _rowsplit.unsupported_reason(page_table.shape[1], topk) is not None):
+    if implementation != "pallas" or not _topk.takes_rowsplit(b * hi * q, page_table.shape[1], topk):
         scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, implementation=implementation, **score_kw)
         return _topk.select_blocks(scores, pos, implementation="pallas" if implementation == "pallas" else
                                    "reference", **kw)
@@ -113,8 +110,8 @@ def decode_score_select(
     _check_block_size("decode_score_select", "ik_pages", ik_pages, block_size)
     kernel = _score_rows_kernel(ik_pages.dtype, score_dtype)
     score_rows, unscale = kernel(iq, ik_pages, page_table, seq_lens, **score_kw)
-    return _rowsplit.select_blocks_rows(score_rows, pos, unscale, heads=hi, num_blocks=page_table.shape[1],
-                                        interpret=interpret, **kw)
+    return _topk.select_blocks_rows(score_rows, pos, unscale, heads=hi, num_blocks=page_table.shape[1],
+                                    interpret=interpret, **kw)
 
 
 def _score_rows_kernel(ik_dtype, score_dtype: str):

@@ -34,6 +34,11 @@ __all__ = ["ROWSPLIT_MAX_ROWS", "TopkConfig", "select_blocks", "select_blocks_bl
 ROWSPLIT_MAX_ROWS = 512
 
 
+def takes_rowsplit(rows: int, nb: int, topk: int) -> bool:
+    """Whether ``implementation="pallas"`` takes the row-split kernel for ``rows`` rows of ``nb`` blocks."""
+    return rows <= ROWSPLIT_MAX_ROWS and _rowsplit.unsupported_reason(nb, topk) is None
+
+
 def select_blocks(scores, q_pos, *, block_size: int, topk: int, local_blocks: int = 1, init_blocks: int = 0,
                   force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = (), implementation: str = "pallas",
                   config=None):
@@ -44,8 +49,7 @@ def select_blocks(scores, q_pos, *, block_size: int, topk: int, local_blocks: in
         raise ValueError(f"select_blocks: topk must be >= 1, got {topk}")
     if implementation == "pallas":
         b, hi, t, nb = scores.shape
-        few = b * hi * t <= ROWSPLIT_MAX_ROWS and _rowsplit.unsupported_reason(nb, topk) is None
-        implementation = "pallas_rowsplit" if few else "pallas_blockmajor"
+        implementation = "pallas_rowsplit" if takes_rowsplit(b * hi * t, nb, topk) else "pallas_blockmajor"
     if implementation == "pallas_rowsplit":
         return _rowsplit.select_blocks(scores, q_pos, **kw)
     if implementation == "pallas_blockmajor":

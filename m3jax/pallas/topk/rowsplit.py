@@ -71,8 +71,8 @@ warpgroup with 2 and made it 4 % slower with 4, and made 128K rows 12 % and 30 %
 so they add no issue slots. Eight rows per step (loads and forced ranks that need not wait for the
 previous insertions) is faster than one, at 1M and at 128K: benchmarks/RESULTS.md#topk-rows-per-step
 (rows padded to whole steps) and #decode-2026-12-06-h200 (this loop: whole steps, then single rows).
-How the 1M row's remaining time splits between the insertions, the merge and the row's load is not
-measured.
+With full lists, the 1M row's time is about half insertions, a third merge rounds, the rest the row's
+load and the output; the 128K row's is nearly all merge (benchmarks/RESULTS.md#decode-2026-12-07).
 
 Blackwell: nothing here uses the MMA, TMEM or clusters, so the kernel runs unchanged (148 SMs, the
 same SMEM budget).
