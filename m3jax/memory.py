@@ -96,11 +96,70 @@ def device_memory(devices=None) -> tuple[int | None, str]:
         dev = devices[0]
         return min(free), f"{dev.device_kind} ({dev.platform})" + (f", each of {len(devices)}" if len(devices) > 1 else "")
     share = f" / {len(devices)} devices" if len(devices) > 1 else ""
-    try:
-        ram = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.9)
-        return ram // len(devices), f"host RAM{share} (CPU backend)"
-    except (ValueError, OSError):
+    ram = host_available_bytes()
+    if ram is None:
         return None, "host"
+    return int(ram * 0.9) // len(devices), f"host RAM{share} (CPU backend)"
+
+
+def _meminfo_kib(path: str, key: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == key:
+                    return int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _stat_field(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes a new allocation can get on this host: the kernel's MemAvailable (free pages plus the page
+    cache it can drop; free pages alone read near zero on a machine that has read many files), lowered to
+    the room left under this process's cgroup limit (v2, else v1; its reclaimable inactive file cache
+    counts as room). ``None`` where neither is known."""
+    kib = _meminfo_kib(meminfo, "MemAvailable")
+    if kib is not None:
+        avail = kib * 1024
+    else:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            avail = None
+    for limit_file, usage_file, stat_file, inactive in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
+        limit = _read_int(os.path.join(cgroup, limit_file))
+        usage = _read_int(os.path.join(cgroup, usage_file))
+        if limit is None or usage is None or limit >= 1 << 60:  # v1 writes a huge number for no limit
+            continue
+        room = max(0, limit - usage + _stat_field(os.path.join(cgroup, stat_file), inactive))
+        avail = room if avail is None else min(avail, room)
+        break
+    return avail
 
 
 def plan(cfg: M3Config, *, batch: int, capacity: int, chunk: int, dtype_bytes: int, weights_loaded: bool = False,

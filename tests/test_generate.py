@@ -278,6 +278,33 @@ def test_memory_plan_m3_width_1m_fits_h200(monkeypatch):
     assert a < 30 * GiB and w + c + a < 100 * GiB
 
 
+def test_host_memory_counts_page_cache_and_cgroup_limit(tmp_path):
+    """The CPU backend's budget is MemAvailable (a host whose free pages are nearly all page cache still
+    has room), lowered to what is left under a cgroup limit (v2 and v1), with reclaimable file cache."""
+    from m3jax.memory import host_available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          250000 kB\nMemAvailable:   20000000 kB\n")
+    none = tmp_path / "no-cgroup"
+    assert host_available_bytes(str(meminfo), str(none)) == 20000000 * 1024
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("8000000000\n")
+    (v2 / "memory.current").write_text("7000000000\n")
+    (v2 / "memory.stat").write_text("anon 5000000000\ninactive_file 500000000\nactive_file 1\n")
+    assert host_available_bytes(str(meminfo), str(v2)) == 1500000000
+    (v2 / "memory.max").write_text("max\n")
+    assert host_available_bytes(str(meminfo), str(v2)) == 20000000 * 1024
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("4000000000\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("3000000000\n")
+    (v1 / "memory" / "memory.stat").write_text("total_inactive_file 250000000\n")
+    assert host_available_bytes(str(meminfo), str(v1)) == 1250000000
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")
+    assert host_available_bytes(str(meminfo), str(v1)) == 20000000 * 1024
+
+
 def test_paged_msa_decode_through_kernels_equals_reference():
     """attention_impl="pallas" decode reads the cache pages in place (decode kernels, GPU interpret mode
     here) through a non-trivial page table; it equals gathering the pages and the jnp reference."""
