@@ -15,6 +15,8 @@ pages + :mod:`m3jax.msa`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -66,19 +68,13 @@ def decode_index_scores(
     check_dims("decode_index_scores", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
                page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"))
     _check_block_size("decode_index_scores", "ik_pages", ik_pages, block_size)
-    if score_dtype not in ("bfloat16", FP8_SCORES):
-        raise ValueError(f"decode_index_scores: score_dtype={score_dtype!r}; choose 'bfloat16' or {FP8_SCORES!r}")
+    _check_score_dtype("decode_index_scores", score_dtype)
     if implementation == "reference":
         return _reference.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size,
                                               score_dtype=score_dtype)
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
-    if score_dtype == FP8_SCORES:
-        if reason := fp8_scores_unsupported_reason(ik_pages.dtype):
-            raise ValueError(f"decode_index_scores: {reason}")
-        return _hopper.decode_index_scores(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config,
-                                           score_dtype=score_dtype, interpret=interpret)
-    kernel = arch_module(_hopper, _blackwell).decode_index_scores
+    kernel = _score_kernel("decode_index_scores", ik_pages.dtype, score_dtype, rows=False)
     return kernel(iq, ik_pages, page_table, seq_lens, block_size=block_size, config=config, interpret=interpret)
 
 
@@ -99,32 +95,37 @@ def decode_score_select(
     kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
               force_in=tuple(force_in), force_out=tuple(force_out))
     pos = query_positions(seq_lens, iq.shape[1]) if q_pos is None else q_pos
-    score_kw = dict(block_size=block_size, config=config, score_dtype=score_dtype, interpret=interpret)
+    score_kw = dict(block_size=block_size, config=config, interpret=interpret)
     b, q, hi, _ = iq.shape
     if implementation != "pallas" or not _topk.takes_rowsplit(b * hi * q, page_table.shape[1], topk):
-        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, implementation=implementation, **score_kw)
+        scores = decode_index_scores(iq, ik_pages, page_table, seq_lens, implementation=implementation,
+                                     score_dtype=score_dtype, **score_kw)
         return _topk.select_blocks(scores, pos, implementation="pallas" if implementation == "pallas" else
                                    "reference", **kw)
     check_dims("decode_score_select", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
                page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"), q_pos=(pos, "B Q"))
     _check_block_size("decode_score_select", "ik_pages", ik_pages, block_size)
-    kernel = _score_rows_kernel(ik_pages.dtype, score_dtype)
+    kernel = _score_kernel("decode_score_select", ik_pages.dtype, score_dtype, rows=True)
     score_rows, unscale = kernel(iq, ik_pages, page_table, seq_lens, **score_kw)
     return _topk.select_blocks_rows(score_rows, pos, unscale, heads=hi, num_blocks=page_table.shape[1],
                                     interpret=interpret, **kw)
 
 
-def _score_rows_kernel(ik_dtype, score_dtype: str):
-    """The target's scoring kernel returning its rows (the fp8 indexer: Hopper's, checked)."""
+def _check_score_dtype(where: str, score_dtype: str) -> None:
     if score_dtype not in ("bfloat16", FP8_SCORES):
-        raise ValueError(f"score_dtype={score_dtype!r}; choose 'bfloat16' or {FP8_SCORES!r}")
-    if score_dtype == FP8_SCORES:
-        if reason := fp8_scores_unsupported_reason(ik_dtype):
-            raise ValueError(f"decode scoring: {reason}")
-        return _hopper.decode_index_score_rows
-    if arch_module(_hopper, _blackwell) is _blackwell:
-        return lambda *a, score_dtype, **kw: _blackwell.decode_index_score_rows(*a, **kw)
-    return _hopper.decode_index_score_rows
+        raise ValueError(f"{where}: score_dtype={score_dtype!r}; choose 'bfloat16' or {FP8_SCORES!r}")
+
+
+def _score_kernel(where: str, ik_dtype, score_dtype: str, *, rows: bool):
+    """The target's scoring kernel with ``score_dtype`` bound (the fp8 indexer: Hopper's, checked):
+    ``rows`` its raw rows and factors, else the [B, Hi, Q, pages] scores."""
+    _check_score_dtype(where, score_dtype)
+    if score_dtype == FP8_SCORES and (reason := fp8_scores_unsupported_reason(ik_dtype)):
+        raise ValueError(f"{where}: {reason}")
+    arch = arch_module(_hopper, _blackwell)
+    kernel = arch.decode_index_score_rows if rows else arch.decode_index_scores
+    # Blackwell's kernels take no score_dtype: only bf16 reaches them (fp8_scores_unsupported_reason).
+    return functools.partial(kernel, score_dtype=score_dtype) if arch is _hopper else kernel
 
 
 def decode_select_blocks(
