@@ -19,7 +19,8 @@ always times its cuDNN baseline first, so its ratios are never missing.
 ``model_decode_step`` rows time the model's own decode path (``m3jax.msa.kernels.decode``) with the
 index-key pages in bf16, in fp8 e4m3 (``index_cache_dtype="float8_e4m3fn"``, same keys rounded), and in
 fp8 under the fp8 indexer (``index_score_dtype="float8_e4m3fn"`` too: e4m3 x e4m3 scoring); ``ratio``
-there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in the notes.
+there = bf16 ms / ms (> 1: the setting makes the step faster), cuDNN's ratio in the notes, which also say
+whether the step's block ids equal XLA's top-k over the scoring kernel's own scores.
 ``MSA_BENCH_MODEL_ONLY=1``: only these rows and cuDNN (the decode table in a short run).
 ``MSA_BENCH_TUNE=1``: only cuDNN, the row-split top-k per ``rows_per_step`` (1, 2, 4, 8; ids checked
 against XLA's), the scoring kernel per ``DecodeScoreConfig`` waves and stages
@@ -47,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import statistics
 import time
@@ -237,11 +239,15 @@ def bench(report) -> None:
                     # the positions are an argument, as in the model's step (a constant closed over
                     # would be materialised by a launch of its own)
                     model = jax.jit(lambda q, iq, kp, vp, ik, pt, pos, cfg=cfg: kernels.decode(
-                        q, iq, LayerCache(kp, vp, ik), pt, pos, cfg)[0])
+                        q, iq, LayerCache(kp, vp, ik), pt, pos, cfg))
                     label = f"index {name}" + (", fp8 indexer" if score != "bfloat16" else "")
-                    timed(f"model_decode_step[{label}]", "pallas", nbytes + kv_bytes, model,
+                    timed(f"model_decode_step[{label}]", "pallas", nbytes + kv_bytes, lambda *a: model(*a)[0],
                           q, iq, kp, vp, pages, pt, q_pos, parts=True)
                     model_ms[label] = rows[-1][2]
+                    op, impl, ms, nb, note = rows[-1]
+                    if not math.isnan(ms):  # it ran: its ids against the scoring kernel's
+                        sel = model(q, iq, kp, vp, pages, pt, q_pos)[1]
+                        rows[-1] = (op, impl, ms, nb, note + _ids_note(sel, iq, pages, pt, sl, q_pos, cfg))
             ms_of = {(op, impl): t for op, impl, t, _, _ in rows}
 
             for op, impl, t, nbytes, note in rows:
@@ -249,6 +255,20 @@ def bench(report) -> None:
                 report({"op": f"msa_decode/{op}", "shape": shape, "impl": impl, "ms": t, "gbps": nbytes / t / 1e6,
                         "baseline": baseline, "ratio": ratio, "notes": why + note})
             del q, iq, kp, vp, ikp, pt, sl
+
+
+def _ids_note(sel, iq, pages, pt, sl, q_pos, cfg) -> str:
+    """Whether the model step's block ids (its scoring kernel's rows read in place by the row-split top-k)
+    equal XLA's top-k over the same scoring kernel's [B, Hi, Q, pages] scores: a check on the device, where
+    a race inside a warpgroup would show and interpret mode cannot."""
+    from m3jax import msa
+    from m3jax.pallas import decode as D
+
+    scores = D.decode_index_scores(iq, pages, pt, sl, block_size=BS, score_dtype=cfg.index_score_dtype)
+    want = msa.select_blocks(scores, q_pos, block_size=BS, topk=cfg.index_topk_blocks,
+                             local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
+    same = bool(jnp.array_equal(sel, want))
+    return "; ids = scoring kernel + XLA top-k" if same else "; WRONG: ids differ from scoring kernel + XLA top-k"
 
 
 def _ratio(op: str, impl: str, t: float, t_dense: float, model_ms: dict, ms_of: dict):
