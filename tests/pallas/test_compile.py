@@ -313,15 +313,17 @@ def _table(toolchain, tmp_path) -> list[tuple[str, str, dict]]:
     if table.is_file():
         return [tuple(row) for row in json.loads(table.read_text())]
     jobs = []  # (case, arch, text, bytecode)
-    for arch, (target, _) in TARGETS.items():
-        for case, (_, make) in CASES.items():
-            for i, (text, bytecode) in enumerate(_modules(make, target)):
-                jobs.append((case if i == 0 else f"{case} [{i}]", arch, text, bytecode))
-    # Identical modules (the same kernel, shapes and tiles) are compiled once.
-    unique = {(arch, bytecode): n for n, (_, arch, _, bytecode) in enumerate(jobs)}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the work is in processes
-        done = {key: pool.submit(_compile, toolchain, key[0], TARGETS[key[0]][1], key[1], tmp_path / f"m{n}")
-                for key, n in unique.items()}
+    done = {}  # (arch, bytecode) -> its compile: identical modules (same kernel, shapes, tiles) compile once
+    # Each module compiles (in a process of its own) as soon as it is lowered, while the next cases lower
+    # here: lowering is about half of the work, and serial.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for arch, (target, _) in TARGETS.items():
+            for case, (_, make) in CASES.items():
+                for i, (text, bytecode) in enumerate(_modules(make, target)):
+                    jobs.append((case if i == 0 else f"{case} [{i}]", arch, text, bytecode))
+                    if (arch, bytecode) not in done:
+                        done[(arch, bytecode)] = pool.submit(_compile, toolchain, arch, TARGETS[arch][1], bytecode,
+                                                             tmp_path / f"m{len(done)}")
     out = []
     for case, arch, text, bytecode in jobs:
         smem = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", text)
