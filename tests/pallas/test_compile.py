@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import io
 import json
 import os
 import re
@@ -45,7 +44,7 @@ import jax.numpy as jnp
 import pytest
 
 from m3jax.pallas import _backend, canaries
-from tests.pallas.test_lowering import BF16, BS, H, HI, I32, KERNELS, NB, TOPK, S
+from tests.pallas.test_lowering import BF16, BS, H, HI, I32, KERNELS, NB, TOPK, S, lower_modules, lowered_kernel
 
 _STAND_IN_LIBCUDA = r"""
 #include <stdlib.h>
@@ -223,35 +222,6 @@ def toolchain(tmp_path_factory):
     return plugin, ptxas, lib, (version or ["?"])[0]
 
 
-def _modules(make, target) -> list[tuple[str, bytes]]:
-    """(text, bytecode) of every Mosaic module the kernel lowers to for ``target``: the text before
-    Mosaic serialises it (its launch's dynamic SMEM), the bytes the custom call would carry; none where
-    ``make`` returns None (a case the target does not run)."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-
-    out, serde = [], mgpu_core._run_serde_pass
-
-    def capture(module, *, serialize, **kw):
-        text = str(module) if serialize else None
-        module = serde(module, serialize=serialize, **kw)
-        if serialize:
-            buf = io.BytesIO()
-            module.operation.write_bytecode(buf)
-            out.append((text, buf.getvalue()))
-        return module
-
-    mgpu_core._run_serde_pass = capture
-    try:
-        with _backend.lowering_for(target):
-            made = make()
-            if made is not None:
-                f, args = made
-                jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        mgpu_core._run_serde_pass = serde
-    return out
-
-
 def _compile(toolchain, arch: str, cc: str, bytecode: bytes, work: Path) -> dict:
     plugin, ptxas, lib, version = toolchain
     key = hashlib.sha256(b"\0".join([arch.encode(), version.encode(), str(plugin).encode(), bytecode])).hexdigest()
@@ -318,8 +288,10 @@ def _table(toolchain, tmp_path) -> list[tuple[str, str, dict]]:
     # here: lowering is about half of the work, and serial.
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for arch, (target, _) in TARGETS.items():
-            for case, (_, make) in CASES.items():
-                for i, (text, bytecode) in enumerate(_modules(make, target)):
+            for case, (kernel, make) in CASES.items():
+                kernel_case = case == f"m3 {kernel}" and kernel in KERNELS  # test_lowering.py's, lowered once
+                lowered = lowered_kernel(kernel, target) if kernel_case else lower_modules(make, target)
+                for i, (text, bytecode) in enumerate(lowered[1] if lowered else []):
                     jobs.append((case if i == 0 else f"{case} [{i}]", arch, text, bytecode))
                     if (arch, bytecode) not in done:
                         done[(arch, bytecode)] = pool.submit(_compile, toolchain, arch, TARGETS[arch][1], bytecode,

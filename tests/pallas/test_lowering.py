@@ -18,6 +18,8 @@ interpret mode does not).
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import re
 
@@ -185,30 +187,63 @@ def mosaic_modules(monkeypatch):
     return modules
 
 
-def test_lowers_for_sm100a(mosaic_modules):
-    # (Hopper: the same function with _backend.HOPPER passes too; 20 s more of CI for what the H200
-    # runs compile anyway.)
+def lower_modules(make, target) -> tuple[str, list[tuple[str, bytes]]] | None:
+    """``make()``'s function (traced as on ``target``) lowered for CUDA: its StableHLO text and every
+    Mosaic GPU module it carries, as (text just before Mosaic serialises it, the bytecode the custom call
+    carries); None where ``make`` returns None (no path on that target)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    modules, serde = [], mgpu_core._run_serde_pass
+
+    def capture(module, *, serialize, **kw):
+        text = str(module) if serialize else None
+        module = serde(module, serialize=serialize, **kw)
+        if serialize:
+            buf = io.BytesIO()
+            module.operation.write_bytecode(buf)
+            modules.append((text, buf.getvalue()))
+        return module
+
+    mgpu_core._run_serde_pass = capture
+    try:
+        with _backend.lowering_for(target):
+            made = make()
+            if made is None:
+                return None
+            f, args = made
+            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text(), modules
+    finally:
+        mgpu_core._run_serde_pass = serde
+
+
+@functools.cache
+def lowered_kernel(name: str, target) -> tuple[str, list[tuple[str, bytes]]] | None:
+    """:func:`lower_modules` of ``KERNELS[name]``, once per session: tests/pallas/test_compile.py
+    compiles the same modules (lowering is most of both tests' time)."""
+    return lower_modules(KERNELS[name][0], target)
+
+
+def test_lowers_for_sm100a():
+    # (Hopper: the same function with _backend.HOPPER passes too; test_compile.py lowers and compiles
+    # them for sm_90a.)
     # Machine: any: lowers for a named target (no GPU needed); nothing is compiled or run
     target = _backend.BLACKWELL
     before = (_backend.current_target(), _backend.on_gpu())  # Hopper off-GPU and on the H200
     with _backend.lowering_for(target):
         assert _backend.current_target() is target
-        for name, (make, mma) in KERNELS.items():
-            start = len(mosaic_modules)
-            made = make()
-            if made is None:  # no path on this target
-                continue
-            f, args = made
-            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("custom_call @mosaic_gpu") >= 1, name
-            mods = mosaic_modules[start:]
-            assert mods and all("mosaic_gpu.arch_major = 10 : i32" in m for m in mods), name
-            want = _mma_instruction(name, mma, target)
-            for instruction in ("wgmma.mma_async", "tcgen05.mma"):
-                assert any(instruction in m for m in mods) == (instruction == want), (name, instruction)
-            if name in FENCES:  # in every module of the kernel (some lower more than one)
-                assert {m.count("nvvm.tcgen05.fence <before>") for m in mods} == {FENCES[name]}, name
     assert (_backend.current_target(), _backend.on_gpu()) == before  # the override is undone
+    for name, (_, mma) in KERNELS.items():
+        lowered = lowered_kernel(name, target)
+        if lowered is None:  # no path on this target
+            continue
+        text, mods = lowered[0], [m for m, _ in lowered[1]]
+        assert text.count("custom_call @mosaic_gpu") >= 1, name
+        assert mods and all("mosaic_gpu.arch_major = 10 : i32" in m for m in mods), name
+        want = _mma_instruction(name, mma, target)
+        for instruction in ("wgmma.mma_async", "tcgen05.mma"):
+            assert any(instruction in m for m in mods) == (instruction == want), (name, instruction)
+        if name in FENCES:  # in every module of the kernel (some lower more than one)
+            assert {m.count("nvvm.tcgen05.fence <before>") for m in mods} == {FENCES[name]}, name
 
 
 @pytest.mark.parametrize("bs,q,dtype", [(64, 1, BF16), (64, 32, BF16), (192, 2, F32), (256, 4, BF16)])
