@@ -123,23 +123,41 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
 
 
-def _stat_field(path: str, key: str) -> int:
+def _stat_sum(path: str, keys: tuple[str, ...]) -> int:
+    total = 0
     try:
         with open(path) as f:
             for line in f:
                 name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
+                if name in keys:
+                    total += int(value)
+    except (OSError, ValueError):
+        return 0
+    return total
+
+
+def _own_cgroup_dirs(mount: str, proc_cgroup: str, v1: bool) -> list[str]:
+    """This process's cgroup folder under ``mount`` (its line in /proc/self/cgroup: ``0::/path`` for v2,
+    ``N:memory:/path`` for v1's memory controller), then the mount itself (a container's own cgroup
+    where it has a namespace of its own)."""
+    dirs = []
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.strip().split(":", 2)
+                if (("memory" in controllers.split(",")) if v1 else controllers == "") and path != "/":
+                    dirs.append(os.path.join(mount, path.lstrip("/")))
     except (OSError, ValueError):
         pass
-    return 0
+    return dirs + [mount]
 
 
-def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup",
+                         proc_cgroup: str = "/proc/self/cgroup") -> int | None:
     """Bytes a new allocation can get on this host: the kernel's MemAvailable (free pages plus the page
     cache it can drop; free pages alone read near zero on a machine that has read many files), lowered to
-    the room left under this process's cgroup limit (v2, else v1; its reclaimable inactive file cache
-    counts as room). ``None`` where neither is known."""
+    the room left under this process's cgroup limit (v2, else v1), where the group's file cache, which the
+    kernel reclaims before refusing, counts as room. ``None`` where neither is known."""
     kib = _meminfo_kib(meminfo, "MemAvailable")
     if kib is not None:
         avail = kib * 1024
@@ -148,15 +166,16 @@ def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             avail = None
-    for limit_file, usage_file, stat_file, inactive in (
-            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
-             "total_inactive_file")):
-        limit = _read_int(os.path.join(cgroup, limit_file))
-        usage = _read_int(os.path.join(cgroup, usage_file))
+    v2 = [(os.path.join(d, "memory.max"), os.path.join(d, "memory.current"), os.path.join(d, "memory.stat"),
+           ("active_file", "inactive_file")) for d in _own_cgroup_dirs(cgroup, proc_cgroup, v1=False)]
+    v1 = [(os.path.join(d, "memory.limit_in_bytes"), os.path.join(d, "memory.usage_in_bytes"),
+           os.path.join(d, "memory.stat"), ("total_active_file", "total_inactive_file"))
+          for d in _own_cgroup_dirs(os.path.join(cgroup, "memory"), proc_cgroup, v1=True)]
+    for limit_file, usage_file, stat_file, cache in v2 + v1:
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
         if limit is None or usage is None or limit >= 1 << 60:  # v1 writes a huge number for no limit
             continue
-        room = max(0, limit - usage + _stat_field(os.path.join(cgroup, stat_file), inactive))
+        room = max(0, limit - usage + _stat_sum(stat_file, cache))
         avail = room if avail is None else min(avail, room)
         break
     return avail

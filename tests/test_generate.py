@@ -280,29 +280,45 @@ def test_memory_plan_m3_width_1m_fits_h200(monkeypatch):
 
 def test_host_memory_counts_page_cache_and_cgroup_limit(tmp_path):
     """The CPU backend's budget is MemAvailable (a host whose free pages are nearly all page cache still
-    has room), lowered to what is left under a cgroup limit (v2 and v1), with reclaimable file cache."""
+    has room), lowered to what is left under the process's cgroup limit (v2 and v1: its own folder, else
+    the mount), where the group's file cache counts as room."""
     from m3jax.memory import host_available_bytes
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          250000 kB\nMemAvailable:   20000000 kB\n")
-    none = tmp_path / "no-cgroup"
-    assert host_available_bytes(str(meminfo), str(none)) == 20000000 * 1024
+    no_proc = str(tmp_path / "no-proc-cgroup")
+    host = 20000000 * 1024
+    assert host_available_bytes(str(meminfo), str(tmp_path / "no-cgroup"), no_proc) == host
     v2 = tmp_path / "v2"
     v2.mkdir()
     (v2 / "memory.max").write_text("8000000000\n")
-    (v2 / "memory.current").write_text("7000000000\n")
-    (v2 / "memory.stat").write_text("anon 5000000000\ninactive_file 500000000\nactive_file 1\n")
-    assert host_available_bytes(str(meminfo), str(v2)) == 1500000000
+    (v2 / "memory.current").write_text("7900000000\n")
+    (v2 / "memory.stat").write_text("anon 5000000000\nactive_file 400000000\ninactive_file 500000000\nshmem 7\n")
+    assert host_available_bytes(str(meminfo), str(v2), no_proc) == 1000000000
     (v2 / "memory.max").write_text("max\n")
-    assert host_available_bytes(str(meminfo), str(v2)) == 20000000 * 1024
+    assert host_available_bytes(str(meminfo), str(v2), no_proc) == host
+    # the process's own cgroup folder, named in /proc/self/cgroup, before the mount's
+    own = v2 / "job" / "step"
+    own.mkdir(parents=True)
+    (own / "memory.max").write_text("3000000000\n")
+    (own / "memory.current").write_text("2500000000\n")
+    (own / "memory.stat").write_text("inactive_file 100000000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n")
+    assert host_available_bytes(str(meminfo), str(v2), str(proc)) == 600000000
     v1 = tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)
     (v1 / "memory" / "memory.limit_in_bytes").write_text("4000000000\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text("3000000000\n")
-    (v1 / "memory" / "memory.stat").write_text("total_inactive_file 250000000\n")
-    assert host_available_bytes(str(meminfo), str(v1)) == 1250000000
+    (v1 / "memory" / "memory.stat").write_text("cache 9\ntotal_active_file 50000000\ntotal_inactive_file 250000000\n")
+    assert host_available_bytes(str(meminfo), str(v1), no_proc) == 1300000000
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")
-    assert host_available_bytes(str(meminfo), str(v1)) == 20000000 * 1024
+    assert host_available_bytes(str(meminfo), str(v1), no_proc) == host
+    (v1 / "memory" / "grp").mkdir()  # v1's memory controller line names the process's own folder
+    (v1 / "memory" / "grp" / "memory.limit_in_bytes").write_text("2000000000\n")
+    (v1 / "memory" / "grp" / "memory.usage_in_bytes").write_text("1900000000\n")
+    proc.write_text("5:cpu,cpuacct:/other\n4:memory:/grp\n0::/\n")
+    assert host_available_bytes(str(meminfo), str(v1), str(proc)) == 100000000
 
 
 def test_paged_msa_decode_through_kernels_equals_reference():
