@@ -285,7 +285,7 @@ def _table(toolchain, tmp_path) -> list[tuple[str, str, dict]]:
     jobs = []  # (case, arch, text, bytecode)
     done = {}  # (arch, bytecode) -> its compile: identical modules (same kernel, shapes, tiles) compile once
     # Each module compiles (in a process of its own) as soon as it is lowered, while the next cases lower
-    # here: lowering is about half of the work, and serial.
+    # here: lowering is most of the work, and serial (benchmarks/RESULTS.md#suite-time-2026-12-07).
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for arch, (target, _) in TARGETS.items():
             for case, (kernel, make) in CASES.items():
