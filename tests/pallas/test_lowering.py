@@ -18,6 +18,7 @@ interpret mode does not).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
@@ -171,49 +172,49 @@ def test_every_selfcheck_kernel_is_lowered_here():
     assert set(KERNELS) == set(canaries.KERNELS)
 
 
-@pytest.fixture
-def mosaic_modules(monkeypatch):
-    """The text of every Mosaic GPU module lowered, captured just before Mosaic serialises it."""
+@contextlib.contextmanager
+def captured_modules():
+    """Every Mosaic GPU module lowered inside: two lists, each module's text just before Mosaic
+    serialises it and the bytecode its custom call carries."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
-    modules, serde = [], mgpu_core._run_serde_pass
+    texts, bytecodes, serde = [], [], mgpu_core._run_serde_pass
 
     def capture(module, *, serialize, **kw):
         if serialize:
-            modules.append(str(module))
-        return serde(module, serialize=serialize, **kw)
-
-    monkeypatch.setattr(mgpu_core, "_run_serde_pass", capture)
-    return modules
-
-
-def lower_modules(make, target) -> tuple[str, list[tuple[str, bytes]]] | None:
-    """``make()``'s function (traced as on ``target``) lowered for CUDA: its StableHLO text and every
-    Mosaic GPU module it carries, as (text just before Mosaic serialises it, the bytecode the custom call
-    carries); None where ``make`` returns None (no path on that target)."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-
-    modules, serde = [], mgpu_core._run_serde_pass
-
-    def capture(module, *, serialize, **kw):
-        text = str(module) if serialize else None
+            texts.append(str(module))
         module = serde(module, serialize=serialize, **kw)
         if serialize:
             buf = io.BytesIO()
             module.operation.write_bytecode(buf)
-            modules.append((text, buf.getvalue()))
+            bytecodes.append(buf.getvalue())
         return module
 
     mgpu_core._run_serde_pass = capture
     try:
-        with _backend.lowering_for(target):
-            made = make()
-            if made is None:
-                return None
-            f, args = made
-            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text(), modules
+        yield texts, bytecodes
     finally:
         mgpu_core._run_serde_pass = serde
+
+
+@pytest.fixture
+def mosaic_modules():
+    """The text of every Mosaic GPU module lowered in the test (:func:`captured_modules`)."""
+    with captured_modules() as (texts, _):
+        yield texts
+
+
+def lower_modules(make, target) -> tuple[str, list[tuple[str, bytes]]] | None:
+    """``make()``'s function (traced as on ``target``) lowered for CUDA: its StableHLO text and every
+    Mosaic GPU module it carries, as (text, bytecode) (:func:`captured_modules`); None where ``make``
+    returns None (no path on that target)."""
+    with captured_modules() as (texts, bytecodes), _backend.lowering_for(target):
+        made = make()
+        if made is None:
+            return None
+        f, args = made
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return text, list(zip(texts, bytecodes))
 
 
 @functools.cache

@@ -105,6 +105,7 @@ def decode_score_select(
     check_dims("decode_score_select", iq=(iq, "B Q Hi Hx"), ik_pages=(ik_pages, "pages block_size Hx"),
                page_table=(page_table, "B max_pages"), seq_lens=(seq_lens, "B"), q_pos=(pos, "B Q"))
     _check_block_size("decode_score_select", "ik_pages", ik_pages, block_size)
+    _check_score_dtype("decode_score_select", score_dtype)
     kernel = _score_kernel("decode_score_select", ik_pages.dtype, score_dtype, rows=True)
     score_rows, unscale = kernel(iq, ik_pages, page_table, seq_lens, **score_kw)
     return _topk.select_blocks_rows(score_rows, pos, unscale, heads=hi, num_blocks=page_table.shape[1],
@@ -117,9 +118,9 @@ def _check_score_dtype(where: str, score_dtype: str) -> None:
 
 
 def _score_kernel(where: str, ik_dtype, score_dtype: str, *, rows: bool):
-    """The target's scoring kernel with ``score_dtype`` bound (the fp8 indexer: Hopper's, checked):
-    ``rows`` its raw rows and factors, else the [B, Hi, Q, pages] scores."""
-    _check_score_dtype(where, score_dtype)
+    """The target's scoring kernel with ``score_dtype`` (already checked by :func:`_check_score_dtype`)
+    bound (the fp8 indexer: Hopper's, checked here): ``rows`` its raw rows and factors, else the
+    [B, Hi, Q, pages] scores."""
     if score_dtype == FP8_SCORES and (reason := fp8_scores_unsupported_reason(ik_dtype)):
         raise ValueError(f"{where}: {reason}")
     arch = arch_module(_hopper, _blackwell)
