@@ -72,6 +72,7 @@ from jax import export
 
 from m3jax.atomic import atomic_write
 from m3jax.config import M3Config, TextConfig
+from m3jax.envvars import env_count
 from m3jax.msa import layer as msa_layer
 from m3jax.pallas import _backend
 
@@ -292,30 +293,20 @@ def _write(path: Path, data: bytes) -> None:
         _warn(f"cannot write {path} ({e}); programs are not cached")
 
 
-def _env_count(name: str) -> int:
-    """``$name`` as a count >= 1; default the CPU count up to 8. ValueError naming it if it is not one."""
-    raw = os.environ.get(name, "")
-    if not raw.strip():
-        return max(1, min(8, os.cpu_count() or 1))
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if n < 1:
-        raise ValueError(f"{name}={raw!r} must be >= 1")
-    return n
+def _cpu_count_up_to_8() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def compile_threads() -> int:
     """Worker threads that :func:`compile_all` gives XLA: ``$M3JAX_COMPILE_THREADS``, default the CPU
     count up to 8 (1: one after the other)."""
-    return _env_count("M3JAX_COMPILE_THREADS")
+    return env_count("M3JAX_COMPILE_THREADS", _cpu_count_up_to_8())
 
 
 def stage_processes() -> int:
     """Processes that :func:`compile_all` exports programs in: ``$M3JAX_STAGE_PROCESSES``, default the
     CPU count up to 8 (1: every program in this process)."""
-    return _env_count("M3JAX_STAGE_PROCESSES")
+    return env_count("M3JAX_STAGE_PROCESSES", _cpu_count_up_to_8())
 
 
 @dataclasses.dataclass(frozen=True)

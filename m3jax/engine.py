@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from m3jax import aot, sharding
 from m3jax.cache import PagedCache, init_cache
 from m3jax.config import M3Config
-from m3jax.model import check_input_ids, lm_head, text_hidden
+from m3jax.model import check_input_ids, check_kernels_ahead, lm_head, text_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +401,7 @@ class Engine:
         ``programs_stage_s``, ``programs_xla_s``, ``programs_finish_s``, and ``programs_forked``, the programs
         staged in a child process; the decode call)."""
         t0 = time.perf_counter()
+        check_kernels_ahead(self.cfg)  # every verdict the traces below ask for, in one batch (first run on a GPU)
         if prompt_lens is None:
             wanted = self._programs_up_to(min(max_prompt_len or self.capacity, self.capacity))
         elif max_prompt_len is not None:

@@ -70,7 +70,7 @@ from m3jax.checkpoint import checkpoint_dtype
 from m3jax.config import describe_presets, load_config, preset
 from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams
 from m3jax.memory import GiB, device_memory, max_fitting_ctx, plan
-from m3jax.model import scatter_media
+from m3jax.model import check_kernels_ahead, scatter_media
 from m3jax.msa import layer as msa_layer
 from m3jax.params import init_random, init_random_on_device
 from m3jax.tokenizer import ByteTokenizer, load_tokenizer
@@ -429,6 +429,11 @@ def _generate(args) -> dict:
     dtype = args.dtype
     if dtype == "auto":  # the checkpoint's own dtype, as transformers' dtype="auto"; random presets bfloat16
         dtype = checkpoint_dtype(args.checkpoint) if args.checkpoint else "bfloat16"
+    # The self-check verdicts of every kernel this run can take, missing ones run in one batch of workers
+    # (a first run on this GPU, driver, JAX or kernel source): the choices below and the compile read them.
+    t_check = time.perf_counter()
+    canaries_run = sum(not v.cached for v in check_kernels_ahead(cfg.replace(attention_impl=args.attention_impl)))
+    selfcheck_s = time.perf_counter() - t_check
     cfg = cfg.replace(attention_impl=msa_layer.resolve_attention_impl(args.attention_impl, cfg, dtype))
     devices, data = select_devices(args)
     memory_plan = _check_memory(cfg, args, dtype, devices, data)
@@ -540,6 +545,8 @@ def _generate(args) -> dict:
         "devices": [str(d) for d in devices],
         "mesh": None if mesh is None else dict(mesh.shape),
         "timings": {
+            "selfcheck_s": selfcheck_s,
+            "selfcheck_canaries_run": canaries_run,
             "load_s": load_s,
             "compile_s": compile_s,
             **engine.warmup_split,
@@ -564,8 +571,10 @@ def _generate(args) -> dict:
     }
     if not args.quiet:
         tm = report["timings"]
+        checked = f", self-check of {canaries_run} canaries {selfcheck_s:.1f}s before that" if canaries_run else ""
         print(f"[{len(ids)} prompt tokens, {len(gen)} generated] load {tm['load_s']:.2f}s, TTFT {tm['ttft_s']:.2f}s "
-              f"({tm['prefill_tok_per_s']:.0f} tok/s prefill; compile {tm['compile_s']:.1f}s before), decode "
+              f"({tm['prefill_tok_per_s']:.0f} tok/s prefill; compile {tm['compile_s']:.1f}s before"
+              f"{checked}), decode "
               f"{tm['decode_ms_per_token']:.1f} ms/token; peak memory {report['peak_device_memory_bytes'] / 2**30:.2f} GiB "
               f"({report['memory_kind']}); attention_impl: {cfg.attention_impl}", file=sys.stderr)
         if mesh is not None:

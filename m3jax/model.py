@@ -23,7 +23,8 @@ from m3jax.cache import LayerCache, PagedCache
 from m3jax.config import M3Config, TextConfig
 from m3jax.layers import apply_rope, matmul_precision, rms_norm, rope_angles
 from m3jax.moe import dense_mlp, dequantize_layer, linear, linears, moe_sorted
-from m3jax.msa import layer as msa_layer, reference as msa
+from m3jax.msa import kernels as msa_kernels, layer as msa_layer, reference as msa
+from m3jax.pallas import verdicts
 from m3jax.vision import Grid, encode_media
 
 
@@ -249,6 +250,22 @@ def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int, moe_impl: str
         b, n, d = y.shape
         return moe_sorted(y.reshape(b * n, d), lp["moe"], cfg, impl=moe_impl).reshape(b, n, d)
     return dense_mlp(y, lp["mlp"], cfg, moe_impl)
+
+
+def check_kernels_ahead(cfg: M3Config) -> list[verdicts.Verdict]:
+    """The self-check verdicts of every kernel this model can take on this GPU (the MSA kernels when
+    ``cfg.attention_impl`` is "auto" or "pallas", the grouped GEMM when an MoE layer's ``moe_impl`` is
+    not "ragged_dot"), those missing run now in one batch of side-by-side workers
+    (:func:`m3jax.pallas.verdicts.check_kernels`). The kernel choices made while tracing then read
+    verdicts: without this, the first program's trace waited for the grouped GEMM's canaries and a
+    decode program's for the decode kernels', one worker after the other. [] off the GPU."""
+    t = cfg.text
+    kernels: dict[str, int | None] = {}
+    if cfg.attention_impl in ("auto", "pallas"):
+        kernels.update(dict.fromkeys(msa_kernels.canary_kernels(t), t.index_block_size))
+    if cfg.moe_impl != "ragged_dot" and any(t.is_moe(i) for i in range(t.num_hidden_layers)):
+        kernels["grouped_matmul"] = None
+    return verdicts.check_kernels(kernels)
 
 
 def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None, attend=None,

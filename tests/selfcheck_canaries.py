@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 
@@ -27,5 +28,16 @@ def _agrees():
     return x + 1.0, jnp.asarray([1.0, 1.5, 2.0, 2.5])
 
 
+def _notes_its_process():
+    """Agrees, after writing its worker's process id to a file of ``$M3JAX_TEST_PID_DIR`` and waiting a
+    second, so that a second worker takes the next canary."""
+    (Path(os.environ["M3JAX_TEST_PID_DIR"]) / f"{time.time_ns()}.pid").write_text(str(os.getpid()))
+    time.sleep(1.0)
+    return _agrees()
+
+
 CANARIES = {c.name: c for c in (Canary("hang_test", "agrees", _agrees, ()), Canary("hang_test", "sleeps", _hangs, ()),
                                 Canary("hang_test", "exits", _ends_the_process, ()))}
+# Run by name (verdicts.run_isolated), not asked for by a kernel: kernel_failure("hang_test") takes the three above.
+SIDE_BY_SIDE = [Canary("side_test", f"pid{i}", _notes_its_process, ()) for i in range(4)]
+CANARIES.update((c.name, c) for c in SIDE_BY_SIDE)

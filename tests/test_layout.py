@@ -93,7 +93,8 @@ def test_import_graph_has_no_cycle():
 
 # The tiers, lowest first: a module imports its own tier and those below, never one above.
 LEAVES = {"m3jax.config", "m3jax.mesh_axes", "m3jax.layers", "m3jax.cache", "m3jax.safetensors_io", "m3jax.atomic",
-          "m3jax.msa", "m3jax.msa.reference", "m3jax.pallas"}  # maths, data types and file writes every layer may use
+          "m3jax.envvars", "m3jax.msa", "m3jax.msa.reference",
+          "m3jax.pallas"}  # maths, data types, file writes and settings every layer may use
 TIERS = ("leaf", "pallas", "msa", "model")
 
 

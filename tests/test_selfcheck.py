@@ -237,6 +237,67 @@ def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monk
     assert sorted(v["status"] for v in stored.values()) == ["fail", "hung", "pass"]
 
 
+def test_canaries_run_side_by_side_and_a_hung_one_ends_only_its_worker(gpu, monkeypatch, tmp_path):
+    # Two worker slots share seven canaries: the hung one is killed at its 3 s deadline and the one that
+    # ends its process fails, each taking only its own worker down; every other canary passes, in a
+    # worker of one of the two slots, and the verdicts come back in the order asked.
+    monkeypatch.setenv("M3JAX_SELFCHECK_DEADLINE", "3")
+    monkeypatch.setenv("M3JAX_TEST_PID_DIR", str(tmp_path))
+    for name, c in selfcheck_canaries.CANARIES.items():
+        monkeypatch.setitem(canaries.CANARIES, name, c)
+    side = selfcheck_canaries.SIDE_BY_SIDE
+    asked = [*side[:2], *canaries.of_kernel("hang_test"), *side[2:]]
+    got = verdicts.run_isolated(asked, verdicts.device_key(), workers=2)
+    assert [v.canary for v in got] == [c.name for c in asked]
+    assert [v.status for v in got] == ["pass", "pass", "pass", "hung", "fail", "pass", "pass"], got
+    pids = {p.read_text() for p in tmp_path.glob("*.pid")}
+    assert len(list(tmp_path.glob("*.pid"))) == 4 and 2 <= len(pids) <= 4, pids
+
+
+def test_one_batch_ahead_holds_every_verdict_the_model_asks_for(gpu, monkeypatch):
+    # An H100 stand-in whose canaries all agree: check_kernels_ahead runs the prefill, decode and
+    # grouped-GEMM canaries of the config's paths in one batch; afterwards the model's own questions
+    # (made while tracing) run nothing. A config that takes no kernel asks for nothing.
+    import dataclasses
+
+    from m3jax.model import check_kernels_ahead
+    from m3jax.msa import kernels
+    from tests.conftest import tiny_config
+
+    gpu.update(device="NVIDIA H100 (sm_90)", target="sm_90a")
+    monkeypatch.setattr(_backend, "_target_override", _backend.HOPPER)
+    for name, c in list(canaries.CANARIES.items()):
+        monkeypatch.setitem(canaries.CANARIES, name, dataclasses.replace(c, run=lambda: (jnp.ones(3), jnp.ones(3))))
+    batches = []
+
+    def run_isolated(cs, dev):
+        batches.append([c.name for c in cs])
+        return [verdicts.run_canary(c, dev) for c in cs]
+
+    monkeypatch.setattr(verdicts, "run_isolated", run_isolated)
+    cfg = tiny_config(num_attention_heads=16, num_key_value_heads=2, head_dim=64, index_head_dim=64,
+                      index_block_size=128)
+    got = check_kernels_ahead(cfg)
+    assert len(batches) == 1 and [v.canary for v in got] == batches[0]
+    wanted = {c.name for k in (*kernels.canary_kernels(cfg.text), "grouped_matmul")
+              for c in canaries.paths_for(k, None if k == "grouped_matmul" else 128)}
+    assert set(batches[0]) == wanted and all(v.passed for v in got)
+    assert any(k.startswith("decode_index_scores@") for k in batches[0]), batches[0]
+
+    monkeypatch.setattr(verdicts, "run_isolated", lambda *a: pytest.fail(f"a canary ran again: {a[0]}"))
+    assert kernels.unsupported_reason(cfg.text) is None and kernels.decode_unsupported_reason(cfg.text) is None
+    assert verdicts.kernel_failure("grouped_matmul") is None  # what the MoE asks (m3jax.moe.resolve_moe_impl)
+    assert check_kernels_ahead(cfg.replace(attention_impl="reference", moe_impl="ragged_dot")) == []
+
+
+def test_worker_count_setting(monkeypatch):
+    monkeypatch.setenv("M3JAX_SELFCHECK_WORKERS", "3")
+    assert verdicts.canary_workers() == 3
+    monkeypatch.setenv("M3JAX_SELFCHECK_WORKERS", "0")
+    with pytest.raises(ValueError, match="M3JAX_SELFCHECK_WORKERS"):
+        verdicts.canary_workers()
+
+
 def test_refused_targets(gpu, monkeypatch):
     assert _backend.target_of("9.0") is _backend.HOPPER
     assert _backend.target_of("10.0") is _backend.BLACKWELL and _backend.target_of("10.3") is _backend.BLACKWELL

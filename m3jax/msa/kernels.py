@@ -92,8 +92,7 @@ def unsupported_reason(cfg: TextConfig, dtype="bfloat16") -> str | None:
     if reason:
         return reason
     # a kernel whose canary fails here at the path this block takes is not used
-    fp8 = canaries.FP8_INDEXER_PREFILL_KERNELS if cfg.index_score_dtype != "bfloat16" else ()
-    return verdicts.kernel_failure(*canaries.MSA_PREFILL_KERNELS, *fp8, block_size=cfg.index_block_size)
+    return verdicts.kernel_failure(*_prefill_kernels(cfg), block_size=cfg.index_block_size)
 
 
 def decode_unsupported_reason(cfg: TextConfig) -> str | None:
@@ -110,8 +109,30 @@ def decode_unsupported_reason(cfg: TextConfig) -> str | None:
         return f"head_dim {cfg.head_dim} must be a multiple of 64 up to 256"
     # failing decode kernels (the e4m3 scoring's too under the fp8 indexer): decode runs the prefill
     # kernels over the gathered cache
+    return verdicts.kernel_failure(*_decode_kernels(cfg), block_size=cfg.index_block_size)
+
+
+def _prefill_kernels(cfg: TextConfig) -> tuple[str, ...]:
+    fp8 = canaries.FP8_INDEXER_PREFILL_KERNELS if cfg.index_score_dtype != "bfloat16" else ()
+    return (*canaries.MSA_PREFILL_KERNELS, *fp8)
+
+
+def _decode_kernels(cfg: TextConfig) -> tuple[str, ...]:
     fp8 = canaries.FP8_INDEXER_DECODE_KERNELS if cfg.index_score_dtype != "bfloat16" else ()
-    return verdicts.kernel_failure(*canaries.MSA_DECODE_KERNELS, *fp8, block_size=cfg.index_block_size)
+    return (*canaries.MSA_DECODE_KERNELS, *fp8)
+
+
+def _fused_select(cfg: TextConfig) -> bool:
+    """Whether decode asks for the fused selection (not under the fp8 indexer: it has no e4m3 product)."""
+    return cfg.msa_decode_select == "fused" and cfg.index_score_dtype == "bfloat16"
+
+
+def canary_kernels(cfg: TextConfig) -> tuple[str, ...]:
+    """Every kernel whose self-check verdict this config's kernel path asks for, at
+    ``cfg.index_block_size``: the prefill's, the in-place decode's (the full-attention layers' too) and
+    the fused selection's when chosen; the fp8 indexer's when it is on."""
+    fused = ("decode_select_fused",) if _fused_select(cfg) else ()
+    return tuple(dict.fromkeys((*_prefill_kernels(cfg), *_decode_kernels(cfg), *fused)))
 
 
 def prefill(q, k, v, iq, ik, q_pos, cfg: TextConfig, force_in: tuple[int, ...] = (), force_out: tuple[int, ...] = ()):
@@ -202,8 +223,7 @@ def decode(q, iq, kv: LayerCache, page_table: jax.Array, q_pos: jax.Array, cfg: 
     same ids). Returns (o, block ids)."""
     if reason := _decode_score_dtype_reason(cfg):
         raise UnsupportedConfigError(f"MSA decode kernels: {reason}")
-    fused = cfg.msa_decode_select == "fused" and cfg.index_score_dtype == "bfloat16" and not verdicts.kernel_failure(
-        "decode_select_fused", block_size=cfg.index_block_size)
+    fused = _fused_select(cfg) and not verdicts.kernel_failure("decode_select_fused", block_size=cfg.index_block_size)
     return decode_pages(q, iq, kv.k, kv.v, kv.ik, page_table, q_pos[:, -1] + 1, block_size=cfg.index_block_size,
                         topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                         init_blocks=cfg.index_init_blocks, force_in=force_in, force_out=force_out,

@@ -4,9 +4,11 @@ model makes from them: a kernel whose canary fails, raises or hangs is not used.
 A verdict is kept per canary (a kernel at one tile path) and per key: device name, compute
 capability, driver, JAX version and a hash of the kernel's source files and of the canary cases. The
 first time the model asks for a kernel on a key with no verdict (:func:`kernel_failure`, called where
-the model chooses kernels: ``m3jax.msa.kernels`` and ``m3jax.moe``), its canaries run in a worker
-process with a deadline (``$M3JAX_SELFCHECK_DEADLINE`` seconds each, default 180): a wrong barrier
-count never returns, and it must not become the model's hang. A canary past its deadline is killed
+the model chooses kernels: ``m3jax.msa.kernels`` and ``m3jax.moe``), its canaries run in worker
+processes, up to ``$M3JAX_SELFCHECK_WORKERS`` side by side, each canary with a deadline
+(``$M3JAX_SELFCHECK_DEADLINE`` seconds, default 180): a wrong barrier count never returns, and it must
+not become the model's hang. :func:`check_kernels` asks for several kernels' verdicts in one batch
+ahead of tracing (``m3jax.model.check_kernels_ahead``). A canary past its deadline is killed
 and its verdict is "hung". A canary of a path the target does not have (``Canary.unsupported``: the
 fp8 indexer's decode scoring on tcgen05) is not run: its verdict is "n/a", no fault of the GPU's. A
 kernel is not used at a path whose canary fails, hangs or is "n/a", with one warning naming it and
@@ -41,6 +43,7 @@ from pathlib import Path
 import jax
 
 from m3jax.atomic import atomic_write
+from m3jax.envvars import env_count
 from m3jax.pallas import _backend
 from m3jax.pallas.canaries import CANARIES, SHARED_SOURCES, Canary, compare, of_kernel, paths_for
 
@@ -201,75 +204,133 @@ def _worker_env() -> dict:
     return env
 
 
-def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = None) -> list[Verdict]:
-    """Run canaries in a worker process, each within ``deadline`` seconds (:func:`deadline_s`). The
-    worker reports each canary as it starts and ends; one past its deadline is killed with the worker
-    and marked "hung" (one that ends the worker, "fail"), and the canaries after it run in a new
-    worker."""
-    deadline = deadline_s() if deadline is None else deadline
-    verdicts: list[Verdict] = []
-    pending = list(canaries)
-    while pending:
-        argv = [sys.executable, "-m", "m3jax.pallas.verdicts", *(f"{c.run.__module__}:{c.name}" for c in pending)]
+def canary_workers() -> int:
+    """Worker processes :func:`run_isolated` runs canaries in side by side: ``$M3JAX_SELFCHECK_WORKERS``,
+    default a quarter of the CPU cores, 1 to 4. A canary's time is mostly its kernel's lowering and
+    compile on the host, one core each; its GPU work is a few launches."""
+    return env_count("M3JAX_SELFCHECK_WORKERS", max(1, min(4, (os.cpu_count() or 1) // 4)))
+
+
+class _Worker:
+    """One worker process, given ``module:canary`` specs one line at a time on its stdin; its report
+    lines reach :attr:`lines` (None once its stdout ends: the process is gone)."""
+
+    def __init__(self):
+        argv = [sys.executable, "-m", "m3jax.pallas.verdicts"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=_worker_env(), start_new_session=True)
+        self.fresh = True  # JAX not imported yet: its first canary also waits for the process's start
+        self.lines: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        self.readers = [threading.Thread(target=self._read_stdout, daemon=True),
+                        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True)]
+        for r in self.readers:
+            r.start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def run(self, canary: Canary, dev: dict, deadline: float) -> tuple[Verdict, bool]:
+        """``canary``'s verdict, and whether this worker can take another."""
+        def verdict(status: str, seconds: float, error: str) -> Verdict:
+            return Verdict(canary.name, dev["target"], dev["device"], status, None, round(seconds, 3), error)
+
+        started = time.perf_counter()
+        allowed = deadline + (_STARTUP_S if self.fresh else 0.0)
+        self.fresh = False
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=_worker_env(), start_new_session=True)
-        except OSError as e:
-            error = f"the worker process did not start: {_first_line(e)}"
-            return verdicts + [Verdict(c.name, dev["target"], dev["device"], "fail", None, 0.0, error) for c in pending]
-        lines: queue.Queue = queue.Queue()
-        out_reader = threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout] + [lines.put(None)],
-                                      daemon=True)
-        out_reader.start()
-        stderr: list[str] = []
-        err_reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
-        err_reader.start()
-        current, started, allowed = pending[0], time.perf_counter(), deadline + _STARTUP_S
-        try:
-            while pending:
+            self.proc.stdin.write(f"{canary.run.__module__}:{canary.name}\n")
+            self.proc.stdin.flush()
+        except OSError:  # the worker is gone before its canary began: read on to its end, named below
+            pass
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, started + allowed - time.perf_counter()))
+            except queue.Empty:
+                return verdict("hung", time.perf_counter() - started, f"no result within the {deadline:g} s deadline; "
+                                                                      "killed"), False
+            if line is None:  # the worker died (a crash in the driver, an abort): this canary fails
+                self.proc.wait()
+                self.readers[1].join(timeout=5)
+                tail = "".join(self.stderr).strip().splitlines()[-1:] or [f"exit status {self.proc.returncode}"]
+                return verdict("fail", time.perf_counter() - started,
+                               f"the worker process ended during the canary: {tail[0][:300]}"), False
+            if not line.startswith(_TAG):  # the canary's own output
+                continue
+            msg = json.loads(line[len(_TAG):])
+            if "start" in msg:
+                started, allowed = time.perf_counter(), deadline
+            else:
+                return Verdict(**msg), True
+
+    def close(self) -> None:
+        """End the process (killed if it is still running: a hung canary), and its pipes' readers."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for reader, stream in zip(self.readers, (self.proc.stdout, self.proc.stderr)):
+            reader.join(timeout=5)  # at the pipe's end once the worker is gone
+            stream.close()
+        self.proc.stdin.close()
+
+
+def _serve(todo: queue.SimpleQueue, dev: dict, deadline: float, out: list[Verdict]) -> None:
+    """One worker slot of :func:`run_isolated`: take canaries from ``todo`` until it is empty, in one
+    worker process while it lasts, a new one after a canary that hung or ended it."""
+    worker = None
+    try:
+        while True:
+            try:
+                canary = todo.get_nowait()
+            except queue.Empty:
+                return
+            if worker is None:
                 try:
-                    line = lines.get(timeout=max(0.0, started + allowed - time.perf_counter()))
-                except queue.Empty:
-                    seconds = round(time.perf_counter() - started, 3)
-                    verdicts.append(Verdict(current.name, dev["target"], dev["device"], "hung", None, seconds,
-                                            f"no result within the {deadline:g} s deadline; killed"))
-                    pending.remove(current)
-                    break
-                if line is None:  # the worker died (a crash in the driver, an abort): this canary fails
-                    proc.wait()
-                    err_reader.join(timeout=5)
-                    tail = "".join(stderr).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-                    error = f"the worker process ended during the canary: {tail[0][:300]}"
-                    seconds = round(time.perf_counter() - started, 3)
-                    verdicts.append(Verdict(current.name, dev["target"], dev["device"], "fail", None, seconds, error))
-                    pending.remove(current)
-                    break
-                if not line.startswith(_TAG):  # the canary's own output
+                    worker = _Worker()
+                except OSError as e:
+                    out.append(Verdict(canary.name, dev["target"], dev["device"], "fail", None, 0.0,
+                                       f"the worker process did not start: {_first_line(e)}"))
                     continue
-                msg = json.loads(line[len(_TAG):])
-                if "start" in msg:
-                    current = next(c for c in pending if c.name == msg["start"])
-                    started, allowed = time.perf_counter(), deadline
-                else:
-                    v = Verdict(**msg)
-                    verdicts.append(v)
-                    pending = [c for c in pending if c.name != v.canary]
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            for reader, stream in ((out_reader, proc.stdout), (err_reader, proc.stderr)):
-                reader.join(timeout=5)  # at the pipe's end once the worker is gone
-                stream.close()
+            v, reusable = worker.run(canary, dev, deadline)
+            out.append(v)
+            if not reusable:
+                worker.close()
+                worker = None
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = None,
+                 workers: int | None = None) -> list[Verdict]:
+    """Run canaries in worker processes, up to ``workers`` (:func:`canary_workers`) side by side, each
+    canary going to the next free worker, each within ``deadline`` seconds (:func:`deadline_s`; a new
+    worker's start is allowed on top). A worker reports each canary as it starts and ends; one past its
+    deadline is killed with its worker and marked "hung" (one that ends its worker, "fail"), and the
+    next canary of that slot starts a new worker. Verdicts in the order of ``canaries``."""
+    deadline = deadline_s() if deadline is None else deadline
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for c in canaries:
+        todo.put(c)
+    out: list[Verdict] = []
+    slots = [threading.Thread(target=_serve, args=(todo, dev, deadline, out), daemon=True)
+             for _ in range(min(len(canaries), workers or canary_workers()))]
+    for t in slots:
+        t.start()
+    for t in slots:
+        t.join()
     order = {c.name: i for i, c in enumerate(canaries)}
-    return sorted(verdicts, key=lambda v: order[v.canary])
+    return sorted(out, key=lambda v: order[v.canary])
 
 
-def _worker(specs: list[str]) -> None:
-    """Worker process: run ``module:canary`` specs in order, one JSON line as each starts and ends."""
+def _worker() -> None:
+    """Worker process: run the ``module:canary`` spec of each line of stdin, one JSON line as each
+    starts and ends, until stdin ends."""
     dev = device_key()
-    for spec in specs:
-        module, name = spec.split(":", 1)
+    for line in sys.stdin:
+        module, name = line.strip().split(":", 1)
         canary = importlib.import_module(module).CANARIES[name]
         print(_TAG + json.dumps({"start": name}), flush=True)
         v = run_canary(canary, dev)
@@ -282,8 +343,8 @@ _MEMO: dict[str, Verdict] = {}  # this process's verdicts (the cache file is rea
 
 
 def check(canaries: list[Canary], *, force: bool = False, dev: dict | None = None) -> list[Verdict]:
-    """The canaries' verdicts on this device: cached for their keys, else run now (together, in one
-    worker) and cached."""
+    """The canaries' verdicts on this device: cached for their keys, else run now (together, in
+    :func:`run_isolated`'s side-by-side workers) and cached."""
     dev = dev or device_key()
     out: dict[str, Verdict] = {}
     todo = []
@@ -340,7 +401,7 @@ def kernel_failure(*kernels: str, block_size: int | None = None) -> str | None:
         return refused
     taken = {kernel: paths_for(kernel, block_size) for kernel in kernels}
     wanted = list(dict.fromkeys(c for cs in taken.values() for c in cs))
-    found = {c.name: v for c, v in zip(wanted, check(wanted, dev=dev))}  # one worker for all of them
+    found = {c.name: v for c, v in zip(wanted, check(wanted, dev=dev))}  # one batch of workers for all of them
     for kernel, cs in taken.items():
         bad = [found[c.name] for c in cs if not found[c.name].passed]
         if bad:
@@ -350,6 +411,17 @@ def kernel_failure(*kernels: str, block_size: int | None = None) -> str | None:
                        "choice is automatic). `python -m m3jax.selfcheck --force` reruns the check.")
             return reason
     return None
+
+
+def check_kernels(kernels: dict[str, int | None]) -> list[Verdict]:
+    """The verdicts of these kernels at the paths each takes (kernel -> block size; None: every path),
+    the missing ones run now in one batch of side-by-side workers (:func:`check`), so that the
+    :func:`kernel_failure` calls made later, while tracing, read them instead of each waiting for a
+    worker of its own. Nothing off the GPU or on a target the kernels refuse."""
+    dev = device_key()
+    if dev["target"] == "interpret" or _backend.current_target().refused:
+        return []
+    return check(list(dict.fromkeys(c for k, bs in kernels.items() for c in paths_for(k, bs))), dev=dev)
 
 
 def canaries_named(names: list[str]) -> list[Canary]:
@@ -364,5 +436,5 @@ def canaries_named(names: list[str]) -> list[Canary]:
     return list(dict.fromkeys(out))
 
 
-if __name__ == "__main__":  # the worker process of run_isolated
-    _worker(sys.argv[1:])
+if __name__ == "__main__":  # a worker process of run_isolated
+    _worker()
