@@ -169,9 +169,17 @@ MULTIDEVICE_RUN = pytest.StashKey[MultideviceRun]()
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: deselected checks are not started
 def pytest_collection_modifyitems(config, items):
     """Start the multi-device checks (~7 minutes on two cores) as soon as a collected test reads them,
-    so that they run beside the rest of the suite instead of after it."""
-    if any("multidevice_results" in getattr(item, "fixturenames", ()) for item in items):
-        config.stash[MULTIDEVICE_RUN] = MultideviceRun()
+    so that they run beside the rest of the suite instead of after it. Under pytest-xdist every worker
+    collects every test, and only the one given those tests may start the checks (in their fixture):
+    they go first instead, in the same order in every worker, so they still run beside the rest."""
+    def reads(item) -> bool:
+        return "multidevice_results" in getattr(item, "fixturenames", ())
+
+    if any(reads(item) for item in items):
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            items.sort(key=lambda item: not reads(item))  # stable: the rest keep their order
+        else:
+            config.stash[MULTIDEVICE_RUN] = MultideviceRun()
 
 
 def pytest_unconfigure(config):

@@ -33,4 +33,8 @@ if ! PYTHON=python scripts/fetch_cuda_compile_tools.sh; then
   echo "   not fetched (see above): tests/pallas/test_compile.py will skip"
 fi
 echo "== pytest"
-exec python -m pytest -q "$@"
+# Two pytest workers (pytest-xdist), each taking whole files, so that a file's module fixtures are built
+# once: most of the suite is single-threaded Python (Mosaic lowering, interpret mode), so two workers
+# finish sooner on CI's two cores (benchmarks/RESULTS.md#suite-time-xdist).
+# M3JAX_TEST_WORKERS=0 runs it in this process.
+exec python -m pytest -q -n "${M3JAX_TEST_WORKERS:-2}" --dist loadfile "$@"
