@@ -36,8 +36,15 @@ def _notes_its_process():
     return _agrees()
 
 
+def _garbles_its_report():
+    """Writes a report line that is not JSON (the tag, then anything) before it agrees."""
+    print("m3jax-selfcheck {not json", flush=True)
+    return _agrees()
+
+
 CANARIES = {c.name: c for c in (Canary("hang_test", "agrees", _agrees, ()), Canary("hang_test", "sleeps", _hangs, ()),
                                 Canary("hang_test", "exits", _ends_the_process, ()))}
 # Run by name (verdicts.run_isolated), not asked for by a kernel: kernel_failure("hang_test") takes the three above.
 SIDE_BY_SIDE = [Canary("side_test", f"pid{i}", _notes_its_process, ()) for i in range(4)]
-CANARIES.update((c.name, c) for c in SIDE_BY_SIDE)
+GARBLED = Canary("garble_test", "report", _garbles_its_report, ())
+CANARIES.update((c.name, c) for c in (*SIDE_BY_SIDE, GARBLED))

@@ -238,18 +238,20 @@ def test_hung_canary_is_killed_at_its_deadline_and_the_kernel_not_used(gpu, monk
 
 
 def test_canaries_run_side_by_side_and_a_hung_one_ends_only_its_worker(gpu, monkeypatch, tmp_path):
-    # Two worker slots share seven canaries: the hung one is killed at its 3 s deadline and the one that
-    # ends its process fails, each taking only its own worker down; every other canary passes, in a
-    # worker of one of the two slots, and the verdicts come back in the order asked.
+    # Two worker slots share eight canaries: the hung one is killed at its 3 s deadline, the one that
+    # ends its process fails and so does the one whose report does not parse, each taking only its own
+    # worker down; every other canary passes, in a worker of one of the two slots, and the verdicts
+    # come back in the order asked.
     monkeypatch.setenv("M3JAX_SELFCHECK_DEADLINE", "3")
     monkeypatch.setenv("M3JAX_TEST_PID_DIR", str(tmp_path))
     for name, c in selfcheck_canaries.CANARIES.items():
         monkeypatch.setitem(canaries.CANARIES, name, c)
     side = selfcheck_canaries.SIDE_BY_SIDE
-    asked = [*side[:2], *canaries.of_kernel("hang_test"), *side[2:]]
+    asked = [*side[:2], *canaries.of_kernel("hang_test"), selfcheck_canaries.GARBLED, *side[2:]]
     got = verdicts.run_isolated(asked, verdicts.device_key(), workers=2)
     assert [v.canary for v in got] == [c.name for c in asked]
-    assert [v.status for v in got] == ["pass", "pass", "pass", "hung", "fail", "pass", "pass"], got
+    assert [v.status for v in got] == ["pass", "pass", "pass", "hung", "fail", "fail", "pass", "pass"], got
+    assert "did not parse" in got[5].error, got[5]
     pids = {p.read_text() for p in tmp_path.glob("*.pid")}
     assert len(list(tmp_path.glob("*.pid"))) == 4 and 2 <= len(pids) <= 4, pids
 

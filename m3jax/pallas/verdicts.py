@@ -26,6 +26,7 @@ there. ``python -m m3jax.selfcheck`` is the command line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -273,7 +274,8 @@ class _Worker:
         for reader, stream in zip(self.readers, (self.proc.stdout, self.proc.stderr)):
             reader.join(timeout=5)  # at the pipe's end once the worker is gone
             stream.close()
-        self.proc.stdin.close()
+        with contextlib.suppress(OSError):  # a line still buffered for a worker that is gone
+            self.proc.stdin.close()
 
 
 def _serve(todo: queue.SimpleQueue, dev: dict, deadline: float, out: list[Verdict]) -> None:
@@ -293,7 +295,11 @@ def _serve(todo: queue.SimpleQueue, dev: dict, deadline: float, out: list[Verdic
                     out.append(Verdict(canary.name, dev["target"], dev["device"], "fail", None, 0.0,
                                        f"the worker process did not start: {_first_line(e)}"))
                     continue
-            v, reusable = worker.run(canary, dev, deadline)
+            try:
+                v, reusable = worker.run(canary, dev, deadline)
+            except Exception as e:  # noqa: BLE001  (a report line that does not parse: the canary fails, not the run)
+                v, reusable = Verdict(canary.name, dev["target"], dev["device"], "fail", None, 0.0,
+                                      f"the worker's report did not parse: {_first_line(e)}"), False
             out.append(v)
             if not reusable:
                 worker.close()
