@@ -162,10 +162,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
+def _no_result(canary: Canary, dev: dict, status: str, seconds: float, why: str) -> Verdict:
+    """A verdict reached without the canary's output to compare: n/a, hung, or a worker that failed it."""
+    return Verdict(canary.name, dev["target"], dev["device"], status, None, round(seconds, 3), why)
+
+
 def run_canary(canary: Canary, dev: dict) -> Verdict:
     """Run one canary in this process (the worker's job; tests call it directly)."""
     if canary.unsupported is not None and (why := canary.unsupported()):
-        return Verdict(canary.name, dev["target"], dev["device"], "n/a", None, 0.0, why)
+        return _no_result(canary, dev, "n/a", 0.0, why)
     interpret = dev["target"] == "interpret"
     t0 = time.perf_counter()
     status, err, why = "fail", None, None
@@ -235,9 +240,6 @@ class _Worker:
 
     def run(self, canary: Canary, dev: dict, deadline: float) -> tuple[Verdict, bool]:
         """``canary``'s verdict, and whether this worker can take another."""
-        def verdict(status: str, seconds: float, error: str) -> Verdict:
-            return Verdict(canary.name, dev["target"], dev["device"], status, None, round(seconds, 3), error)
-
         started = time.perf_counter()
         allowed = deadline + (_STARTUP_S if self.fresh else 0.0)
         self.fresh = False
@@ -250,14 +252,14 @@ class _Worker:
             try:
                 line = self.lines.get(timeout=max(0.0, started + allowed - time.perf_counter()))
             except queue.Empty:
-                return verdict("hung", time.perf_counter() - started, f"no result within the {deadline:g} s deadline; "
-                                                                      "killed"), False
+                why = f"no result within the {deadline:g} s deadline; killed"
+                return _no_result(canary, dev, "hung", time.perf_counter() - started, why), False
             if line is None:  # the worker died (a crash in the driver, an abort): this canary fails
                 self.proc.wait()
                 self.readers[1].join(timeout=5)
                 tail = "".join(self.stderr).strip().splitlines()[-1:] or [f"exit status {self.proc.returncode}"]
-                return verdict("fail", time.perf_counter() - started,
-                               f"the worker process ended during the canary: {tail[0][:300]}"), False
+                return _no_result(canary, dev, "fail", time.perf_counter() - started,
+                                  f"the worker process ended during the canary: {tail[0][:300]}"), False
             if not line.startswith(_TAG):  # the canary's own output
                 continue
             msg = json.loads(line[len(_TAG):])
@@ -292,14 +294,14 @@ def _serve(todo: queue.SimpleQueue, dev: dict, deadline: float, out: list[Verdic
                 try:
                     worker = _Worker()
                 except OSError as e:
-                    out.append(Verdict(canary.name, dev["target"], dev["device"], "fail", None, 0.0,
-                                       f"the worker process did not start: {_first_line(e)}"))
+                    out.append(_no_result(canary, dev, "fail", 0.0,
+                                          f"the worker process did not start: {_first_line(e)}"))
                     continue
             try:
                 v, reusable = worker.run(canary, dev, deadline)
             except Exception as e:  # noqa: BLE001  (a report line that does not parse: the canary fails, not the run)
-                v, reusable = Verdict(canary.name, dev["target"], dev["device"], "fail", None, 0.0,
-                                      f"the worker's report did not parse: {_first_line(e)}"), False
+                why = f"the worker's report did not parse: {_first_line(e)}"
+                v, reusable = _no_result(canary, dev, "fail", 0.0, why), False
             out.append(v)
             if not reusable:
                 worker.close()
