@@ -72,6 +72,7 @@ from m3jax.engine import DECODE_STEPS_PER_CALL, Engine, SamplingParams
 from m3jax.memory import GiB, device_memory, max_fitting_ctx, plan
 from m3jax.model import check_kernels_ahead, scatter_media
 from m3jax.msa import layer as msa_layer
+from m3jax.pallas import verdicts
 from m3jax.params import init_random, init_random_on_device
 from m3jax.tokenizer import ByteTokenizer, load_tokenizer
 from m3jax.vision import encode_media
@@ -392,9 +393,11 @@ def main(argv=None) -> dict:
     inputs.update({f"--video {p}": p for p in args.video})
     cli.refuse_overwriting_inputs(args.output_json, "--output-json", inputs)
     distributed.initialize(args)  # several processes: join the job; only process 0 prints and writes
-    try:  # read by the engine's warmup; a bad value is the user's, refused before anything loads
+    try:  # read by the self-check and the engine's warmup; a bad value is the user's, refused before anything loads
         aot.compile_threads()
         aot.stage_processes()
+        verdicts.canary_workers()
+        verdicts.deadline_s()
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     cache_dir = None if args.no_compile_cache else compile_cache_dir()

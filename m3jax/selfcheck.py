@@ -36,7 +36,7 @@ from m3jax.atomic import atomic_write
 from m3jax.pallas import _backend
 from m3jax.pallas.canaries import CANARIES
 from m3jax.pallas.tolerances import TOL
-from m3jax.pallas.verdicts import Verdict, cache_path, canaries_named, check, deadline_s, device_key
+from m3jax.pallas.verdicts import Verdict, cache_path, canaries_named, canary_workers, check, deadline_s, device_key
 
 
 # ---- CLI --------------------------------------------------------------------------------------------
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     try:
         canaries = canaries_named(args.kernels.split(",")) if args.kernels else list(CANARIES.values())
         deadline = deadline_s()
+        canary_workers()  # read when the canaries run: a bad value is refused here, in one line
     except ValueError as e:
         ap.error(str(e))
     dev = device_key()

@@ -292,12 +292,20 @@ def test_one_batch_ahead_holds_every_verdict_the_model_asks_for(gpu, monkeypatch
     assert check_kernels_ahead(cfg.replace(attention_impl="reference", moe_impl="ragged_dot")) == []
 
 
-def test_worker_count_setting(monkeypatch):
+def test_worker_count_setting(monkeypatch, capsys):
     monkeypatch.setenv("M3JAX_SELFCHECK_WORKERS", "3")
     assert verdicts.canary_workers() == 3
     monkeypatch.setenv("M3JAX_SELFCHECK_WORKERS", "0")
     with pytest.raises(ValueError, match="M3JAX_SELFCHECK_WORKERS"):
         verdicts.canary_workers()
+    # Both commands refuse it in one line before anything runs (on a GPU it is read only once canaries run).
+    from m3jax import cli, generate
+
+    with pytest.raises(SystemExit):
+        selfcheck.main(["--kernels", "topk_blockmajor"])
+    assert "M3JAX_SELFCHECK_WORKERS='0' must be >= 1" in capsys.readouterr().err
+    with pytest.raises(cli.UsageError, match="M3JAX_SELFCHECK_WORKERS"):
+        generate.main(["--max-new-tokens", "1"])
 
 
 def test_refused_targets(gpu, monkeypatch):
