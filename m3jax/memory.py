@@ -4,7 +4,7 @@ The largest transients of a prefill chunk are the gathered cache views of its ke
 the capacity), and per attention path: the reference's index scores of one query sub-chunk against
 the window, its key-blocked dense attention and the gathered selected K/V blocks; the kernels path's
 block-major index scores of the whole chunk and the KV-major staging of partial outputs (the
-full-attention layers' two cuDNN parts, merged in fp32, take less).
+full-attention layers' cuDNN parts, a copy of a piece of the prefix at a time merged in fp32, take less).
 """
 
 from __future__ import annotations

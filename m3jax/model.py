@@ -123,45 +123,76 @@ def _dense_layer_attention(q, k, v, q_pos, cfg: M3Config) -> jax.Array:
     return merge(o, 1)
 
 
+# Keys per unmasked piece of a chunk's prefix (cudnn_causal_attention): cuDNN's PADDING mask (a key
+# length) runs below its unmasked rate, so the prefix is cut into unmasked pieces of this many keys, and
+# only the remainder (fewer) takes the key length; each piece is long enough to keep cuDNN at its rate
+# and its copy and merge small beside it (benchmarks/RESULTS.md#chunk-pieces).
+PREFIX_PIECE = 131072
+
+
 def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                           implementation: str | None = "cudnn") -> jax.Array:
+                           implementation: str | None = "cudnn", piece: int = PREFIX_PIECE) -> jax.Array:
     """Flash attention (cuDNN) of a chunk of queries over its prefix and itself, without a mask.
 
     q [B, C, N, H] at consecutive positions q_pos[b] = start_b + 0..C-1; keys k, v [B, S, K, H]
     (key s at position s, S >= C). cuDNN's causal rule is aligned top-left (query i sees keys <= i)
-    and a boolean mask becomes a dense [C, S] bias with no tile skipped, so the attention is split:
-    the prefix, keys [0, s0), unmasked (``key_value_seq_lengths`` = s0: cuDNN stops there), and the
-    diagonal, the C keys from s0, causally (C x C: top-left is the right alignment), merged by their
-    log-sum-exps (:func:`msa.lse_merge`). s0 = start, except where the chunk runs past the key window
-    (the last chunk, padded, at the capacity): there s0 = S - C, the queries are shifted down by
-    d = start - s0 rows for the diagonal (row i + d sees diagonal keys <= i + d, i.e. positions
-    <= start + i) and shifted back; the rows that wrap round are padding at positions >= S.
+    and a boolean mask becomes a dense [C, S] bias with no tile skipped, so the attention is split
+    into parts merged by their log-sum-exps (:func:`msa.lse_merge`):
+
+    * the diagonal, the C keys from s0, causally (C x C: top-left is the right alignment). s0 = start,
+      except where the chunk runs past the key window (the last chunk, padded, at the capacity): there
+      s0 = S - C, the queries are shifted down by d = start - s0 rows for the diagonal (row i + d sees
+      diagonal keys <= i + d, i.e. positions <= start + i) and shifted back; the rows that wrap round
+      are padding at positions >= S;
+    * the prefix, keys [0, s0), unmasked: ``n = s0 // piece`` pieces of ``piece`` keys ending at s0
+      (keys [s0 - (j + 1) piece, s0 - j piece), in a loop of n steps: each piece's keys are copied, a
+      small cost beside its attention), then the head [0, s0 - n piece) as one call over the first
+      ``min(piece, S)`` keys with ``key_value_seq_lengths`` (cuDNN stops there). A row of the batch with
+      fewer pieces than another drops the extra ones' parts.
 
     ``implementation``: "cudnn" (GPU; q, k, v run as bf16, the output keeps q's dtype) or
     None / "xla" (any backend, inputs' dtype: the CPU tests check it against :func:`causal_attention`).
-    Forward only (:func:`_forward_only`).
+    ``piece``: keys per unmasked prefix piece (static). Forward only (:func:`_forward_only`).
     """
     c, s_len = q.shape[1], k.shape[1]
     if s_len < c:
         raise ValueError(f"{s_len} keys for a chunk of {c} queries")
+    if piece < 1:
+        raise ValueError(f"piece={piece}: need at least one key per prefix piece")
     q, k, v = _forward_only(q, k, v)
     start = q_pos[:, 0].astype(jnp.int32)
     s0 = jnp.minimum(start, s_len - c)
     d = (start - s0)[:, None]
     rows = jnp.arange(c)[None]
 
-    def take_rows(x, idx):  # x [B, C or S, ...] -> rows idx [B, C] of axis 1
+    def take_rows(x, idx):  # x [B, C or S, ...] -> rows idx [B, n] of axis 1
         return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+    def merge(a, b):  # two (o fp32, lse fp32) parts -> one
+        return msa.lse_merge(jnp.stack([a[0], b[0]], axis=-2), jnp.stack([a[1], b[1]], axis=-1), axis=-1)
 
     key_rows = s0[:, None] + rows
     o_diag, lse_diag = _attention_with_lse(take_rows(q, (rows - d) % c), take_rows(k, key_rows),
                                            take_rows(v, key_rows), implementation, causal=True)
-    o_diag, lse_diag = take_rows(o_diag, (rows + d) % c), take_rows(lse_diag, (rows + d) % c)
-    # An empty prefix (s0 = 0) still gets one key, so no backend sees a zero length; its LSE is dropped.
-    o_pre, lse_pre = _attention_with_lse(q, k, v, implementation, causal=False, kv_len=jnp.maximum(s0, 1))
-    lse_pre = jnp.where((s0 > 0)[:, None, None], lse_pre, msa.NEG_INF)
-    o, _ = msa.lse_merge(jnp.stack([o_pre, o_diag], axis=-2), jnp.stack([lse_pre, lse_diag], axis=-1), axis=-1)
-    return o.astype(q.dtype)
+    out = (take_rows(o_diag, (rows + d) % c).astype(jnp.float32), take_rows(lse_diag, (rows + d) % c))
+
+    # The head: an empty one (s0 a multiple of the piece) still gets one key, so no backend sees a zero
+    # length; its LSE is dropped.
+    width = min(piece, s_len)
+    n = s0 // width
+    head = s0 - n * width
+    o_head, lse_head = _attention_with_lse(q, k[:, :width], v[:, :width], implementation, causal=False,
+                                           kv_len=jnp.maximum(head, 1))
+    out = merge(out, (o_head.astype(jnp.float32), jnp.where((head > 0)[:, None, None], lse_head, msa.NEG_INF)))
+
+    def body(j, acc):  # piece j: keys [s0 - (j + 1) width, s0 - j width), unmasked
+        first = jnp.maximum(s0 - (j + 1) * width, 0)[:, None] + jnp.arange(width)[None]
+        o_j, lse_j = _attention_with_lse(q, take_rows(k, first), take_rows(v, first), implementation, causal=False)
+        return merge(acc, (o_j.astype(jnp.float32), jnp.where((j < n)[:, None, None], lse_j, msa.NEG_INF)))
+
+    if width <= s_len - c:  # else s0 <= S - C < width: no piece, and no call compiled for one
+        out = jax.lax.fori_loop(0, jnp.max(n), body, out)
+    return out[0].astype(q.dtype)
 
 
 def _attention_with_lse(q, k, v, implementation: str | None, *, causal: bool, kv_len=None):

@@ -429,12 +429,15 @@ def test_cli_presets_keep_bfloat16_and_m3_is_an_alias(monkeypatch):
         generate.main(["--config", "m3", "--ctx", "64", "--quiet"])
 
 
-@pytest.mark.parametrize("s_len,starts", [(24, (0, 0)), (80, (0, 37)), (80, (70, 13)), (61, (37, 50))])
-def test_chunk_attention_without_mask_equals_reference(s_len, starts):
-    """The full-attention layers' split attention (prefix unmasked + diagonal causal, merged by LSE),
-    through XLA here (cuDNN on the GPU), equals the masked reference: chunks at 0 and mid-context,
-    prefixes of no special length, rows of one batch at different starts, and a chunk that runs past
-    the key window (only its rows below S are real tokens)."""
+@pytest.mark.parametrize("s_len,starts,piece", [(24, (0, 0), 128), (80, (0, 37), 128), (80, (70, 13), 128),
+                                                 (61, (37, 50), 128), (80, (0, 37), 16), (80, (70, 13), 7),
+                                                 (61, (37, 50), 12), (96, (48, 64), 16)])
+def test_chunk_attention_without_mask_equals_reference(s_len, starts, piece):
+    """The full-attention layers' split attention (prefix in unmasked pieces and a head with a key length,
+    diagonal causal, merged by LSE), through XLA here (cuDNN on the GPU), equals the masked reference:
+    chunks at 0 and mid-context, prefixes of no special length, rows of one batch at different starts
+    (so with different numbers of pieces), a chunk that runs past the key window (only its rows below S
+    are real tokens), and prefixes that are whole pieces (an empty head)."""
     from m3jax.model import causal_attention, cudnn_causal_attention
 
     ks = jax.random.split(jax.random.key(3), 3)
@@ -443,15 +446,18 @@ def test_chunk_attention_without_mask_equals_reference(s_len, starts):
     k = jax.random.normal(ks[1], (2, s_len, 2, 16))
     v = jax.random.normal(ks[2], (2, s_len, 2, 16))
     pos = np.array(starts)[:, None] + np.arange(c)
-    got = np.asarray(jax.jit(cudnn_causal_attention, static_argnames="implementation")(q, k, v, pos, "xla"))
+    got = np.asarray(jax.jit(cudnn_causal_attention, static_argnames=("implementation", "piece"))(
+        q, k, v, pos, "xla", piece))
     want = np.asarray(jax.jit(causal_attention, static_argnames="key_block")(q, k, v, np.minimum(pos, s_len - 1), 16))
     real = pos < s_len
     assert rel_l2(got[real], want[real]) <= 1e-5
 
 
-def test_chunk_attention_lowers_to_two_unmasked_cudnn_calls():
-    """On CUDA the chunk attention is two cuDNN flash-attention calls, one CAUSAL (diagonal) and one
-    PADDING (prefix length), with no dense [C, S] mask operand (lowered here without a GPU; the
+@pytest.mark.parametrize("piece,masks", [(2048, ["CAUSAL", "PADDING"]), (256, ["CAUSAL", "NO_MASK", "PADDING"])])
+def test_chunk_attention_lowers_to_unmasked_cudnn_calls(piece, masks):
+    """On CUDA the chunk attention is cuDNN flash-attention calls, one CAUSAL (diagonal), one PADDING (the
+    prefix's head, a key length) and, where the window holds a whole piece before the chunk, one NO_MASK
+    (the prefix's pieces, in a loop), with no dense [C, S] mask operand (lowered here without a GPU; the
     cuDNN version probe is stubbed)."""
     import re
     from unittest import mock
@@ -465,9 +471,10 @@ def test_chunk_attention_lowers_to_two_unmasked_cudnn_calls():
     k = jax.ShapeDtypeStruct((1, 1024, 2, 128), bf16)
     pos = jax.ShapeDtypeStruct((1, 256), jax.numpy.int32)
     with mock.patch.object(fa, "check_cudnn_version", lambda: 91000):
-        text = jax.jit(cudnn_causal_attention).trace(q, k, k, pos).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(cudnn_causal_attention, static_argnames="piece").trace(q, k, k, pos, piece=piece).lower(
+            lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @__cudnn$fmha" in line]
-    assert sorted(re.search(r"mask_type\\22: \\22(\w+)", c).group(1) for c in calls) == ["CAUSAL", "PADDING"]
+    assert sorted(re.search(r"mask_type\\22: \\22(\w+)", c).group(1) for c in calls) == masks
     assert "1024xbf16" not in "".join(c.split("->")[0] for c in calls if "CAUSAL" in c)  # diagonal: C keys only
     assert not any("256x1024" in c for c in calls)  # no [C, S] bias
 
