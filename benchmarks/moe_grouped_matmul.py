@@ -30,7 +30,8 @@ consumer warpgroups, group-aligned tiles, ``split_k`` for decode; block_m 128, b
 layer's MXFP8 prefill tile); ``ws-rows``: the consumers split the rows,
 ``wg_split="m"``, in 64-row chunks multiplied only where they hold rows; ``ws-rows bm256 bn128``: the
 256-row tiles (``PREFILL_ROWS256``, the layer's bf16 prefill tile: one weight tile per K step
-for all of a ~256-row expert's rows, a group's last few rows in a 128-row visit; ``--cluster`` adds them
+for all of a ~256-row expert's rows, a group's last few rows in a 128-row visit; ``ws-rows bm384 bn128``:
+the 384-row tiles, an expert of up to ~380 rows in one visit; ``--cluster`` adds the 256-row tiles
 on two-CTA clusters, adjacent N tiles loading their shared lhs tile once by TMA multicast). "(layer)" marks the
 variant ``layer_config`` picks for the shape; at decode the first variant is the layer's bf16 config,
 the base of the "default" ratios; in ``--dry`` the first of the dry variants. Timing: CUPTI
@@ -88,6 +89,7 @@ def _cfg(bm, bn, schedule="pipeline", split_k=1, steps=4, wg_split="n", cluster=
 BASE = "ws bm128 bn256"  # the prefill tile the 256-row tiles are compared with (the layer's for MXFP8)
 PREFILL = {
     "ws-rows bm256 bn128": _cfg(256, 128, WS, wg_split="m"),
+    "ws-rows bm384 bn128": _cfg(384, 128, WS, wg_split="m"),
     BASE: _cfg(128, 256, WS),
     "pipeline bm128 bn128": _cfg(128, 128),
     "pipeline bm64 bn256": _cfg(64, 256),

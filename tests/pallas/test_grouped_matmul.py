@@ -40,6 +40,9 @@ WS_ROWS = GroupedMatmulConfig(block_m=128, block_n=128, max_concurrent_steps=2, 
 # only where it holds rows of the visit: one weight tile per K step serves up to 256 of an expert's rows
 WS_ROWS256 = GroupedMatmulConfig(block_m=256, block_n=128, max_concurrent_steps=2, schedule="warp_specialized",
                                  wg_split="m")
+# 384-row tiles: three 64-row chunks per consumer (192 accumulator registers), an expert of up to ~380 rows
+# in one visit
+WS_ROWS384 = dataclasses.replace(WS_ROWS256, block_m=384)
 SCHEDULES = {"pipeline": CFG, "warp_specialized": WS, "warp_specialized_rows": WS_ROWS,
              "warp_specialized_rows256": WS_ROWS256}
 # groups over several 256-row visits: a group of 300 rows from row 5 (its second visit holds rows of
@@ -172,6 +175,16 @@ def test_256_row_tiles_over_several_visits(dtype, cluster):
     _check(*_inputs(m, 128, 256, sizes, dtype, seed=9), cfg=dataclasses.replace(WS_ROWS256, cluster=cluster))
 
 
+@pytest.mark.parametrize("m,sizes", [MULTI_VISIT, (600, [10, 450, 0, 100])])
+def test_384_row_tiles(m, sizes):
+    # The 384-row tiles: MULTI_VISIT (every group in one visit; the 130-row group's tile clamped to lhs's
+    # end, so its rows start in a later chunk), and a 450-row group (a 384-row visit, then a short one of
+    # 66 rows); 2 N tiles, 2 K steps, bf16 in / fp32 out. Each consumer waits for as many MMA groups as it
+    # issued (one to three chunks with rows).
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    _check(*_inputs(m, 128, 256, sizes, jnp.bfloat16, seed=11), cfg=WS_ROWS384, out_dtype=jnp.float32)
+
+
 def test_split_k_decode_rows():
     # decode-like: a few rows per expert, K split in two (fp32 partials summed outside), K / 2 = 2 steps
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
@@ -225,14 +238,18 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
     rows = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized", wg_split="m")
     assert unsupported_reason(256, 128, 256, 2, rows) is None  # two consumers of 64 x 256
     assert mxfp8_unsupported_reason(256, 128, 256, 2, 4, rows) is None  # each converts the whole tile
-    assert "block_m=128 or 256" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(
+    assert "block_m=128, 256 or 384" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(
         block_m=64, block_n=256, schedule="warp_specialized", wg_split="m"))
     rows256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
     assert unsupported_reason(256, 128, 256, 2, rows256) is None  # two consumers of 128 x 128
     assert mxfp8_unsupported_reason(256, 128, 256, 2, 4, rows256) is None
     assert "registers" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows256, block_n=256))
+    rows384 = dataclasses.replace(rows256, block_m=384)
+    assert unsupported_reason(256, 128, 256, 2, rows384) is None  # two consumers of 192 x 128
+    assert "more than 192 registers" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows384, block_n=256))
     assert "wg_split='m'" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows256, wg_split="n"))
-    assert "256: schedule='warp_specialized'" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(block_m=256))
+    assert "wg_split='m'" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows384, wg_split="n"))
+    assert "256, 384: schedule='warp_specialized'" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(block_m=256))
     pair = dataclasses.replace(rows256, cluster=2)
     assert unsupported_reason(256, 128, 256, 2, pair) is None  # two N tiles of 128: one cluster's
     assert "multiple of cluster=2" in unsupported_reason(256, 128, 384, 2, pair)
@@ -346,14 +363,14 @@ def test_mxfp8_kernel_matches_dequantised_reference(dtype, schedule, n):
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, n), gs, cfg=cfg)
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
-def test_mxfp8_256_row_tiles_match_dequantised_reference(cluster):
-    # MULTI_VISIT on the 256-row tiles with MXFP8 weights: each consumer converts the whole fp8 tile (all
-    # 128 columns) into its own bf16 tiles, and a consumer without rows in a visit converts none
+@pytest.mark.parametrize("block_m,cluster", [(256, 1), (256, 2), (384, 1)])
+def test_mxfp8_256_row_tiles_match_dequantised_reference(block_m, cluster):
+    # MULTI_VISIT on the 256- and 384-row tiles with MXFP8 weights: each consumer converts the whole fp8
+    # tile (all 128 columns) into its own bf16 tiles, and a consumer without rows in a visit converts none
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     m, sizes = MULTI_VISIT
     lhs, _, gs = _inputs(m, 128, 256, sizes, jnp.bfloat16, seed=10)
-    cfg = dataclasses.replace(WS_ROWS256, cluster=cluster)
+    cfg = dataclasses.replace(WS_ROWS256, block_m=block_m, cluster=cluster)
     _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 128, 256, seed=11), gs, cfg=cfg, traced_sizes=True)
 
 
@@ -793,13 +810,15 @@ def test_layer_config_per_regime(monkeypatch):
     from m3jax.pallas.grouped_matmul import kernel, layer_config
 
     # Hopper's choice (kernel.LAYER_SCHEDULE): warp-specialised prefill at any row count, bf16 on the
-    # 256-row tiles (consumers split rows), MXFP8 on 128 x 256 (consumers split N); pipelined decode in
-    # 64-row tiles
+    # 256-row tiles (consumers split rows) below 224 rows per expert and the 384-row tiles from there,
+    # MXFP8 on 128 x 256 (consumers split N); pipelined decode in 64-row tiles
     rows256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
+    rows384 = dataclasses.replace(rows256, block_m=384)
     wide = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
-    assert (kernel.PREFILL_ROWS256, kernel.PREFILL_128X256) == (rows256, wide)
-    for m in (16384, 32768):  # the 4096- and 8192-token chunks' rows (top-4)
-        assert layer_config(m, 6144, 3072, 128) == layer_config(m, 3072, 6144, 128) == rows256
+    assert (kernel.PREFILL_ROWS256, kernel.PREFILL_ROWS384, kernel.PREFILL_128X256) == (rows256, rows384, wide)
+    # the 4096- and 8192-token chunks' rows (top-4), and either side of 224 rows per expert
+    for m, rows in ((16384, rows256), (224 * 128 - 1, rows256), (224 * 128, rows384), (32768, rows384)):
+        assert layer_config(m, 6144, 3072, 128) == layer_config(m, 3072, 6144, 128) == rows
         assert layer_config(m, 6144, 3072, 128, 192) == layer_config(m, 3072, 6144, 128, 96) == wide
     # N = 384 fits 128-column tiles only: bf16 keeps the 256-row tiles, MXFP8 falls back to the pipeline
     assert layer_config(16384, 6144, 384, 128) == rows256

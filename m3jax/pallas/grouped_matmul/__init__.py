@@ -14,8 +14,8 @@ shape times the same rows (an MLP's gate and up), one launch on the gemv schedul
 and groups, in one gemv launch (a decode step's shared expert beside the routed experts).
 
 ``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`),
-``"warp_specialized"`` (:mod:`.persistent`; its prefill tiles ``PREFILL_ROWS256``, bf16's, and
-``PREFILL_128X256``, MXFP8's) or, MXFP8 weights at decode rows, ``"gemv"`` (:mod:`.gemv`);
+``"warp_specialized"`` (:mod:`.persistent`; its prefill tiles ``PREFILL_ROWS256`` and ``PREFILL_ROWS384``,
+bf16's, and ``PREFILL_128X256``, MXFP8's) or, MXFP8 weights at decode rows, ``"gemv"`` (:mod:`.gemv`);
 ``layer_config`` is the MoE layer's choice per shape.
 """
 
@@ -26,6 +26,7 @@ from m3jax.pallas.grouped_matmul import reference as _reference
 from m3jax.pallas.grouped_matmul.kernel import (
     PREFILL_128X256,
     PREFILL_ROWS256,
+    PREFILL_ROWS384,
     GroupedMatmulConfig,
     layer_config,
     mxfp8_unsupported_reason,
@@ -34,7 +35,7 @@ from m3jax.pallas.grouped_matmul.kernel import (
 )
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["PREFILL_128X256", "PREFILL_ROWS256", "GroupedMatmulConfig", "dequantize_mxfp8",
+__all__ = ["PREFILL_128X256", "PREFILL_ROWS256", "PREFILL_ROWS384", "GroupedMatmulConfig", "dequantize_mxfp8",
            "gemv_launch_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8", "layer_config",
            "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 

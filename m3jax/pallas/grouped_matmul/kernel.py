@@ -43,7 +43,7 @@ Design (Hopper, ``Target.HOPPER``):
   ``jax.lax.ragged_dot``'s VJP (a transposed grouped-GEMM kernel is the next step for training).
 
 Limits (``unsupported_reason``): ``K % block_k == 0``, ``N % block_n == 0``, ``block_m`` 64 or
-128 (256 on the warp-specialised schedule with ``wg_split="m"``), ``block_n`` a multiple of 64 up to
+128 (256 or 384 on the warp-specialised schedule with ``wg_split="m"``), ``block_n`` a multiple of 64 up to
 256 and ``block_m * block_n <= 128 * 128`` (one warpgroup holds the fp32 accumulator in 128 registers
 per thread).
 
@@ -88,9 +88,10 @@ ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
-    """Tile configuration. ``block_m``: rows per tile (64 or 128; 256 warp-specialised with ``wg_split="m"``);
-    ``block_n``: output columns per CTA (pipeline: 64..256, multiple of 64; warp-specialised: up to 512,
-    multiple of 128; with ``wg_split="m"`` 64..256, multiple of 64, and at most 128 at ``block_m=256``); ``block_k``: K
+    """Tile configuration. ``block_m``: rows per tile (64 or 128; 256 or 384 warp-specialised with
+    ``wg_split="m"``); ``block_n``: output columns per CTA (pipeline: 64..256, multiple of 64; warp-specialised:
+    up to 512, multiple of 128; with ``wg_split="m"`` 64..256, multiple of 64, and at most 128 at ``block_m``
+    256 or 384); ``block_k``: K
     per pipeline step (64 = one 128-byte swizzled bf16 row); ``max_concurrent_steps``: K steps in flight
     (capped by SMEM).
 
@@ -101,8 +102,9 @@ class GroupedMatmulConfig:
     (``"warp_specialized"`` only; for decode, where the few rows per expert give too few items).
     ``wg_split`` (``"warp_specialized"`` only): how the two consumers share the CTA tile, ``"n"``
     (half the columns each) or ``"m"`` (``block_m / 2`` rows each, in 64-row chunks that are multiplied
-    only where they hold rows of the visit; ``block_m`` 128, or 256 with ``block_n <= 128``: the 256-row
-    tiles, one weight tile per K step for up to 256 of an expert's rows, ``PREFILL_ROWS256``).
+    only where they hold rows of the visit; ``block_m`` 128, or 256 or 384 with ``block_n <= 128``: the
+    256- and 384-row tiles, one weight tile per K step for up to that many of an expert's rows,
+    ``PREFILL_ROWS256``).
     ``cluster`` (``"warp_specialized"`` only): CTAs per cluster, 1 or 2; with 2 a cluster's CTAs take
     adjacent N tiles of the same visit and load its lhs tile once between them (TMA multicast, each
     CTA half of it)."""
@@ -129,6 +131,14 @@ DECODE_SPLIT_K = 4
 # The layer's bf16 prefill tile: faster than 128 x 256 at 128 and 256 rows per expert; MXFP8 keeps
 # 128 x 256, on which its fp8 -> bf16 conversion is the faster (benchmarks/RESULTS.md#gmm-rows256).
 PREFILL_ROWS256 = GroupedMatmulConfig(block_m=256, block_n=128, schedule="warp_specialized", wg_split="m")
+# The 384-row tiles (consumers of 192 rows): past ~256 rows per expert a 256-row tile leaves many experts a
+# second visit that streams their weights again; a 384-row tile takes each in one. Faster in bf16 at 256
+# rows per expert, slower at 128 (a taller lhs tile per visit) and in MXFP8 (each consumer converts the
+# whole fp8 tile) (benchmarks/RESULTS.md#gmm-rows384). The layer takes them for bf16 from ROWS384_MIN_ROWS
+# rows per expert on average, where a ~256-row expert's spread (about +-16 rows for random routing) starts
+# to cross 256.
+PREFILL_ROWS384 = dataclasses.replace(PREFILL_ROWS256, block_m=384)
+ROWS384_MIN_ROWS = 224
 PREFILL_128X256 = GroupedMatmulConfig(block_m=128, block_n=256, schedule="warp_specialized")
 # MXFP8 decode where the pipeline's CTAs (one per 128 columns of each expert with rows, each converting
 # its whole K of fp8 tiles) are fewer than the SMs, past the gemv schedule's rows (below; a dense weight's
@@ -168,9 +178,10 @@ def layer_config(m: int, k: int, n: int, g: int, k_groups: int | None = None, we
         if decode:
             split = next(s for s in (DECODE_SPLIT_K, 2, 1) if k % (s * 64) == 0)
             candidates = [GroupedMatmulConfig(block_m=64, block_n=256, schedule="warp_specialized", split_k=split)]
-        else:  # bf16 on the 256-row tiles; MXFP8 (and bf16 where those cannot run) on 128 x 256, the consumers
-            # splitting N (RESULTS.md#gmm-rows256, #gmm-schedules)
-            candidates = [*([] if k_groups else [PREFILL_ROWS256]), PREFILL_128X256]
+        else:  # bf16 on the 384- or 256-row tiles; MXFP8 (and bf16 where those cannot run) on 128 x 256, the
+            # consumers splitting N (RESULTS.md#gmm-rows384, #gmm-rows256, #gmm-schedules)
+            rows = PREFILL_ROWS384 if m >= ROWS384_MIN_ROWS * g else PREFILL_ROWS256
+            candidates = [*([] if k_groups else [rows]), PREFILL_128X256]
         for cfg in candidates:
             reason = (mxfp8_unsupported_reason(m, k, n, g, k_groups, cfg) if k_groups
                       else unsupported_reason(m, k, n, g, cfg))
@@ -199,10 +210,10 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
     c = config or GroupedMatmulConfig()
     if c.schedule == "gemv":
         return "the gemv schedule takes MXFP8 weights only (grouped_matmul_mxfp8)"
-    if c.schedule == "warp_specialized" and c.block_m == 256:  # two consumers of 128 rows (persistent)
+    if c.schedule == "warp_specialized" and c.block_m in (256, 384):  # two consumers of 128 or 192 rows
         return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.block_m not in (64, 128):
-        return f"block_m={c.block_m} must be 64 or 128 (256: schedule='warp_specialized', wg_split='m')"
+        return f"block_m={c.block_m} must be 64 or 128 (256, 384: schedule='warp_specialized', wg_split='m')"
     if c.schedule == "warp_specialized":
         return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.schedule != "pipeline":

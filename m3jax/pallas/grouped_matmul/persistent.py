@@ -36,6 +36,12 @@ how the work is cut and who does what in a CTA.
   first visit) runs a second pipeline whose lhs tile is ``SHORT_ROWS`` high, in the first rows of each
   stage's buffer (the pipelines share their buffers and barriers; each visit's drains them), so it
   does not load 256 rows for a few.
+* The 384-row tiles (``block_m=384``, ``block_n <= 128``: consumers of three ``[64, block_n]``
+  accumulators, 192 registers of the 232 a consumer gets beside a 40-register producer). Past ~256 rows
+  per expert (M3's 8,192-token prefill), a 256-row tile leaves about half of the experts a second visit
+  for their last few rows, and that visit streams the expert's weights again; a 384-row tile takes an
+  expert of up to ~380 rows in one visit, so its weights stream once, and the MMAs still skip the
+  64-row chunks without rows.
 * Clusters (``cluster=2``, opt-in). The grid runs over two-CTA clusters; a cluster's CTAs take
   adjacent N tiles of one visit, and the lhs tile's BlockSpec is collective over the cluster: each CTA
   loads half of it by TMA multicast into both (the consumed barriers become cluster barriers). On the
@@ -97,6 +103,9 @@ CHUNK_ROWS = 64  # wgmma's M: with wg_split="m" a consumer multiplies (or skips)
 # wg_split="m", block_m=256: a visit of at most this many rows (a group's last) loads an lhs tile this high
 SHORT_ROWS = 128
 PRODUCER_REGISTERS = 40
+# a consumer's fp32 accumulator registers per thread at most: of the 232 each consumer gets beside the
+# producer's 40 (emit_pipeline_warp_specialized's split of 512), 40 are left for addresses and the loop
+ACC_REGISTERS = 192
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (the SMEM tiling's rows)
 EPI_ROWS, EPI_COLS = 64, 128  # a consumer's output staging tile; larger accumulators are stored in pieces
 # MXFP8: Pallas's automatic warpgroup barriers around SMEM stores off (``unsafe_no_auto_barriers``), the
@@ -163,17 +172,17 @@ def unsupported_reason(k: int, n: int, config) -> str | None:
         return f"wg_split={config.wg_split!r} must be 'n' or 'm'"
     rows, cols = consumer_tile(config)
     if config.wg_split == "m":
-        if bm not in (128, 256):
-            return f"wg_split='m' needs block_m=128 or 256 (two consumers of 64 or 128 rows), not {bm}"
+        if bm not in (128, 256, 384):
+            return f"wg_split='m' needs block_m=128, 256 or 384 (two consumers of 64, 128 or 192 rows), not {bm}"
         if bn % 64 or not 64 <= bn <= 256:
             return f"block_n={bn} must be a multiple of 64 in [64, 256] with wg_split='m'"
-    elif bm == 256:
-        return "block_m=256 takes wg_split='m' (two consumers of 128 rows)"
+    elif bm in (256, 384):
+        return f"block_m={bm} takes wg_split='m' (two consumers of {bm // 2} rows)"
     elif bn % (64 * CONSUMERS) or not 128 <= bn <= 512:
         return f"block_n={bn} must be a multiple of 128 in [128, 512] (two consumer warpgroups of >= 64 columns)"
-    if rows * cols > 128 * 128:
-        return (f"a consumer's {rows} x {cols} fp32 accumulator would need more than 128 registers per thread "
-                f"(block_m={bm}, block_n={bn}, wg_split={config.wg_split!r})")
+    if rows * cols > ACC_REGISTERS * 128:
+        return (f"a consumer's {rows} x {cols} fp32 accumulator would need more than {ACC_REGISTERS} registers per "
+                f"thread (block_m={bm}, block_n={bn}, wg_split={config.wg_split!r})")
     if config.split_k < 1 or k % (config.split_k * config.block_k):
         return f"K={k} must be a multiple of split_k * block_k = {config.split_k} * {config.block_k}"
     if config.cluster not in (1, 2):
@@ -327,17 +336,18 @@ def kernel_call(group_sizes, m, lhs, rhs, *, out_dtype, config, transpose_rhs=Fa
                             when(active, lambda acc_ref=acc_ref, a=a: plgpu.wgmma(acc_ref, a, w))
                         # each wgmma call commits a group of its own: retire step kk - 1's (delay 1), leaving
                         # in flight the groups issued here, one per chunk with rows (with a tile clamped to
-                        # lhs's end, the rows may start in any chunk)
+                        # lhs's end, the rows may start in any chunk); a consumer without rows issued none
+                        # in this visit, and one group left in flight is then none of it
                         if len(accs) == 1:
                             plgpu.wgmma_wait(delay)
                         else:
-                            both = functools.reduce(jnp.logical_and, actives)
+                            issued = sum(a.astype(jnp.int32) for a in actives)
 
                             def wait(groups):
                                 plgpu.wgmma_wait(groups * delay)
 
-                            pl.when(both)(lambda: wait(len(accs)))
-                            pl.when(~both)(lambda: wait(1))
+                            for n in range(1, len(accs) + 1):
+                                pl.when(jnp.maximum(issued, 1) == n)(functools.partial(wait, n))
                         return accs
 
                     def context(run):
