@@ -435,7 +435,9 @@ def _generate(args) -> dict:
     # The self-check verdicts of every kernel this run can take, missing ones run in one batch of workers
     # (a first run on this GPU, driver, JAX or kernel source): the choices below and the compile read them.
     t_check = time.perf_counter()
-    canaries_run = sum(not v.cached for v in check_kernels_ahead(cfg.replace(attention_impl=args.attention_impl)))
+    ran = {v.canary: v.seconds for v in check_kernels_ahead(cfg.replace(attention_impl=args.attention_impl))
+           if not v.cached}
+    canaries_run = len(ran)
     selfcheck_s = time.perf_counter() - t_check
     cfg = cfg.replace(attention_impl=msa_layer.resolve_attention_impl(args.attention_impl, cfg, dtype))
     devices, data = select_devices(args)
@@ -550,6 +552,7 @@ def _generate(args) -> dict:
         "timings": {
             "selfcheck_s": selfcheck_s,
             "selfcheck_canaries_run": canaries_run,
+            "selfcheck_canary_s": ran,  # each canary's own time in its worker, compilation included
             "load_s": load_s,
             "compile_s": compile_s,
             **engine.warmup_split,

@@ -36,6 +36,17 @@ def _notes_its_process():
     return _agrees()
 
 
+def _notes_its_turn(name: str):
+    """A canary that agrees, after writing a file named by the time and ``name`` to ``$M3JAX_TEST_PID_DIR``:
+    the files' order is the order the canaries ran in. (A function of this module: the worker finds the
+    canary through its run function's module.)"""
+    def run():
+        (Path(os.environ["M3JAX_TEST_PID_DIR"]) / f"{time.time_ns()}-{name}").touch()
+        return _agrees()
+
+    return run
+
+
 def _garbles_its_report():
     """Writes a report line that is not JSON (the tag, then anything) before it agrees."""
     print("m3jax-selfcheck {not json", flush=True)
@@ -47,4 +58,6 @@ CANARIES = {c.name: c for c in (Canary("hang_test", "agrees", _agrees, ()), Cana
 # Run by name (verdicts.run_isolated), not asked for by a kernel: kernel_failure("hang_test") takes the three above.
 SIDE_BY_SIDE = [Canary("side_test", f"pid{i}", _notes_its_process, ()) for i in range(4)]
 GARBLED = Canary("garble_test", "report", _garbles_its_report, ())
-CANARIES.update((c.name, c) for c in (*SIDE_BY_SIDE, GARBLED))
+# four canaries, the last two long (Canary.long): one worker runs those first
+IN_TURN = [Canary("turn_test", f"c{i}", _notes_its_turn(f"c{i}"), (), long=i >= 2) for i in range(4)]
+CANARIES.update((c.name, c) for c in (*SIDE_BY_SIDE, GARBLED, *IN_TURN))

@@ -256,6 +256,17 @@ def test_canaries_run_side_by_side_and_a_hung_one_ends_only_its_worker(gpu, monk
     assert len(list(tmp_path.glob("*.pid"))) == 4 and 2 <= len(pids) <= 4, pids
 
 
+def test_long_canaries_start_first(gpu, monkeypatch, tmp_path):
+    # One worker slot: the two long canaries run before the others, and the verdicts still come back in
+    # the order asked.
+    monkeypatch.setenv("M3JAX_TEST_PID_DIR", str(tmp_path))
+    asked = selfcheck_canaries.IN_TURN
+    got = verdicts.run_isolated(asked, verdicts.device_key(), workers=1)
+    assert [v.canary for v in got] == [c.name for c in asked] and all(v.passed for v in got), got
+    ran = [p.name.split("-")[1] for p in sorted(tmp_path.iterdir(), key=lambda p: int(p.name.split("-")[0]))]
+    assert ran == ["c2", "c3", "c0", "c1"], ran
+
+
 def test_one_batch_ahead_holds_every_verdict_the_model_asks_for(gpu, monkeypatch):
     # An H100 stand-in whose canaries all agree: check_kernels_ahead runs the prefill, decode and
     # grouped-GEMM canaries of the config's paths in one batch; afterwards the model's own questions

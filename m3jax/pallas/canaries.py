@@ -68,6 +68,10 @@ class Canary:
     at_block: Callable[[int], bool] | None = None
     # why this target has no such path (the model never takes it here: its verdict is "n/a"); None: it has
     unsupported: Callable[[], str | None] | None = None
+    # among the longest canaries (several kernel configurations compiled, or a long lowering): a batch of
+    # side-by-side workers starts these first, so none is left to start last on a worker that ran others
+    # (benchmarks/RESULTS.md#selfcheck-2026-12-07c)
+    long: bool = False
 
     @property
     def name(self) -> str:
@@ -297,42 +301,44 @@ def _sparse_decode_attention(seq_lens=(100, 200), **tile):
             D.sparse_decode_attention(*args, block_size=bs, implementation="reference"))
 
 
-def _grouped_matmul():
+def _grouped_matmul(mx: bool):
     from m3jax.pallas.grouped_matmul import (
         PREFILL_128X256,
         PREFILL_ROWS256,
+        PREFILL_ROWS384,
         GroupedMatmulConfig,
         grouped_matmul,
         grouped_matmul_mxfp8,
         layer_config,
     )
 
-    # 6 experts, empty groups, rows past sum(group_sizes); K = 128, N = 256. The bf16 kernel and the MXFP8
-    # variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact products), each with
-    # the default tiles and with both warp-specialised prefill tiles where the target takes them (385 rows
-    # > 64 per expert: the MoE layer's prefill config, the 256-row tiles in bf16 and 128 x 256 in MXFP8,
-    # and the other one), so its verdict covers what prefill runs whichever the layer picks, and the MXFP8
-    # variant on 5 decode rows with the layer's decode config (the gemv schedule, split over K, as for a
-    # decode step's routed experts and the shared expert).
+    # 6 experts, empty groups, rows past sum(group_sizes); K = 128, N = 256. The bf16 kernel (``mx``
+    # False) or the MXFP8 variant (weights="mxfp8"; the same ints as fp8, E8M0 scales 2^-1..2^1: exact
+    # products), with the default tiles and with the warp-specialised prefill tiles where the target takes
+    # them (385 rows > 64 per expert: the MoE layer's prefill config, the 256- or 384-row tiles in bf16 and
+    # 128 x 256 in MXFP8, and the others), so its verdict covers what prefill runs whichever the layer
+    # picks; MXFP8 also on 5 decode rows with the layer's decode config (the gemv schedule, split over K,
+    # as for a decode step's routed experts and the shared expert). Two canaries, not one: each compiles
+    # several configurations, and side by side they take half the time (RESULTS.md#selfcheck-2026-12-07c).
     rng = np.random.default_rng(6)
     m, k, n, g = 385, 128, 256, 6
     lhs, rhs = _ints(rng, (m, k)), _ints(rng, (g, k, n))
     gs = jnp.asarray([0, 130, 0, 0, 170, 60], jnp.int32)
     fp8, scales = rhs.astype(jnp.float8_e4m3fn), jnp.asarray(rng.integers(126, 129, (g, k // 32, n)), jnp.uint8)
-    def run(mx, **kw):
+
+    def run(**kw):
         return grouped_matmul_mxfp8(lhs, fp8, scales, gs, **kw) if mx else grouped_matmul(lhs, rhs, gs, **kw)
 
-    got, ref = [], []
-    for mx in (False, True):
-        want = run(mx, implementation="reference")
-        layer = layer_config(m, k, n, g, k // 32 if mx else None)
-        prefill = [PREFILL_128X256, PREFILL_ROWS256] if layer.schedule == "warp_specialized" else [layer]  # Hopper's
-        for config in dict.fromkeys([GroupedMatmulConfig(), *prefill]):
-            got.append(run(mx, config=config))
-            ref.append(want)
-    dec, dec_gs = lhs[:5], jnp.asarray([0, 2, 0, 0, 3, 0], jnp.int32)
-    got.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, config=layer_config(5, k, n, g, k // 32)))
-    ref.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, implementation="reference"))
+    want = run(implementation="reference")
+    layer = layer_config(m, k, n, g, k // 32 if mx else None)
+    prefill = ([PREFILL_128X256, PREFILL_ROWS256, *([] if mx else [PREFILL_ROWS384])]
+               if layer.schedule == "warp_specialized" else [layer])  # Hopper's
+    configs = list(dict.fromkeys([GroupedMatmulConfig(), *prefill]))
+    got, ref = [run(config=c) for c in configs], [want] * len(configs)
+    if mx:
+        dec, dec_gs = lhs[:5], jnp.asarray([0, 2, 0, 0, 3, 0], jnp.int32)
+        got.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, config=layer_config(5, k, n, g, k // 32)))
+        ref.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, implementation="reference"))
     return jnp.concatenate([x.ravel() for x in got]), jnp.concatenate([x.ravel() for x in ref])
 
 
@@ -361,7 +367,7 @@ CANARIES: dict[str, Canary] = {
                at_block=_LARGE),
         Canary("topk_blockmajor", "rows40", _topk_blockmajor, _TOPK),
         Canary("topk_rowsplit", "rows1", _topk_rowsplit, _TOPK, m3=True),
-        Canary("topk_rowsplit", "in-place", _topk_rowsplit_in_place, _TOPK, m3=True),
+        Canary("topk_rowsplit", "in-place", _topk_rowsplit_in_place, _TOPK, m3=True, long=True),
         Canary("sparse_attention_kv_major", "b64-h64-g8", lambda: _sparse_attention("kv_major"), _ATT, at_block=_SMALL),
         Canary("sparse_attention_kv_major", "b128-h128-g16",
                lambda: _sparse_attention("kv_major", n=16, k=1, h=128, bs=128, t=8, prefix=256, topk=2), _ATT, m3=True,
@@ -389,15 +395,16 @@ CANARIES: dict[str, Canary] = {
         # the fused decode selection (opt-in: TextConfig.msa_decode_select="fused"), the same two tiles
         Canary("decode_select_fused", "b64-m64", _decode_select_fused, _DEC, at_block=_DEC_M64),
         Canary("decode_select_fused", "b128-m128-n8", lambda: _decode_select_fused((100, 1500), bs=128, kh=4, hx=128),
-               _DEC, m3=True, at_block=_DEC_M128),
+               _DEC, m3=True, at_block=_DEC_M128, long=True),
         Canary("decode_select_registers", "b64-m64", _decode_select_registers, _DEC, at_block=_DEC_M64),
         Canary("decode_select_registers", "b128-m128-n8",
                lambda: _decode_select_registers((100, 1500), bs=128, kh=4, hx=128), _DEC, m3=True,
                at_block=_DEC_M128),
         Canary("sparse_decode_attention", "b64-h64-g8", _sparse_decode_attention, _DEC, at_block=_SMALL),
         Canary("sparse_decode_attention", "b128-h128-g16", lambda: _sparse_decode_attention((100, 300), **_M3_DECODE),
-               _DEC, m3=True, at_block=_LARGE),
-        Canary("grouped_matmul", "bf16-mxfp8", _grouped_matmul, _GMM, m3=True),
+               _DEC, m3=True, at_block=_LARGE, long=True),
+        Canary("grouped_matmul", "bf16", lambda: _grouped_matmul(False), _GMM, m3=True, long=True),
+        Canary("grouped_matmul", "mxfp8", lambda: _grouped_matmul(True), _GMM, m3=True, long=True),
     )
 }
 KERNELS = tuple(dict.fromkeys(c.kernel for c in CANARIES.values()))

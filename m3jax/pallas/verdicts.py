@@ -314,13 +314,14 @@ def _serve(todo: queue.SimpleQueue, dev: dict, deadline: float, out: list[Verdic
 def run_isolated(canaries: list[Canary], dev: dict, deadline: float | None = None,
                  workers: int | None = None) -> list[Verdict]:
     """Run canaries in worker processes, up to ``workers`` (:func:`canary_workers`) side by side, each
-    canary going to the next free worker, each within ``deadline`` seconds (:func:`deadline_s`; a new
-    worker's start is allowed on top). A worker reports each canary as it starts and ends; one past its
-    deadline is killed with its worker and marked "hung" (one that ends its worker, "fail"), and the
-    next canary of that slot starts a new worker. Verdicts in the order of ``canaries``."""
+    canary going to the next free worker (the long ones, ``Canary.long``, first), each within ``deadline``
+    seconds (:func:`deadline_s`; a new worker's start is allowed on top). A worker reports each canary as
+    it starts and ends; one past its deadline is killed with its worker and marked "hung" (one that ends
+    its worker, "fail"), and the next canary of that slot starts a new worker. Verdicts in the order of
+    ``canaries``."""
     deadline = deadline_s() if deadline is None else deadline
     todo: queue.SimpleQueue = queue.SimpleQueue()
-    for c in canaries:
+    for c in sorted(canaries, key=lambda c: not c.long):
         todo.put(c)
     out: list[Verdict] = []
     slots = [threading.Thread(target=_serve, args=(todo, dev, deadline, out), daemon=True)
