@@ -30,8 +30,10 @@ exact fp32 near-ties), with ``score_err`` = max |kernel - reference| / the index
 
 Run on one GPU: ``PYTHONPATH=. python benchmarks/decode_fp8_index.py``. Prints the table and writes
 ``$OUT/decode_fp8_index.md`` and ``.json`` (``$OUT`` default ``benchmarks/out``).
-``FP8_BENCH_CTX=131072,1048576`` / ``FP8_BENCH_BATCH=1,8`` choose the shapes; ``FP8_BENCH_BUDGET_S``
-(default 150) stops starting new shapes after that many seconds (they are reported as skipped).
+``FP8_BENCH_CTX=131072,1048576`` / ``FP8_BENCH_BATCH=1,8`` choose the shapes, ``FP8_BENCH_PARTS`` the
+parts (default ``index_scores,select_fused,decode_step``: ``index_scores`` alone is the bytes-floor table,
+four shapes in one short call); ``FP8_BENCH_BUDGET_S`` (default 150) stops starting new shapes after that
+many seconds (they are reported as skipped).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FP8 = jnp.float8_e4m3fn
+PARTS = ("index_scores", "select_fused", "decode_step")
 
 
 def _time_ms(f, *args, iters: int = 20) -> float:
@@ -105,7 +108,7 @@ def _agreement(a, b) -> tuple[float, float]:
     return equal, float(np.mean(shared))
 
 
-def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
+def run_shape(t, b: int, ctx: int, bw: float, parts=PARTS) -> list[dict]:
     from m3jax import msa
     from m3jax.cache import LayerCache
     from m3jax.msa import kernels
@@ -178,15 +181,20 @@ def run_shape(t, b: int, ctx: int, bw: float) -> list[dict]:
             score_err=float(d.max()))
     row("index_scores", "float8_e4m3fn upcast in XLA (before)", _time_ms(upcast_scores, iq, ik8, pt, sl), n8, ms16)
     del r8
+    if "select_fused" not in parts and "decode_step" not in parts:
+        return rows
 
     # 2. the fused selection (one launch: scores, block max, the splits' top-k): bf16 pages, fp8 pages
     # converted in SMEM and in registers; its selections from fp8 pages against the reference's
-    fs16 = _time_ms(fused["smem"], iq, ikp, pt, sl)
-    row("select_fused", "bfloat16", fs16, n16)
-    for convert in ("smem", "registers"):
-        f = fused[convert]
-        row("select_fused", f"float8_e4m3fn, fp8_convert={convert}", _time_ms(f, iq, ik8, pt, sl), n8, fs16,
-            rows_equal_ref=_agreement(f(iq, ik8, pt, sl), sel_ref)[0])
+    if "select_fused" in parts:
+        fs16 = _time_ms(fused["smem"], iq, ikp, pt, sl)
+        row("select_fused", "bfloat16", fs16, n16)
+        for convert in ("smem", "registers"):
+            f = fused[convert]
+            row("select_fused", f"float8_e4m3fn, fp8_convert={convert}", _time_ms(f, iq, ik8, pt, sl), n8, fs16,
+                rows_equal_ref=_agreement(f(iq, ik8, pt, sl), sel_ref)[0])
+    if "decode_step" not in parts:
+        return rows
 
     # 3. the model's whole MSA decode step (index scores, top-k, sparse attention); its selection too
     kv_bytes = b * t.num_key_value_heads * t.index_topk_blocks * bs * t.head_dim * 2 * 2
@@ -220,9 +228,14 @@ def main() -> None:
     t = m3jax.preset("minimax_m3").text
     ctxs = [int(x) for x in os.environ.get("FP8_BENCH_CTX", "131072,1048576").split(",")]
     batches = [int(x) for x in os.environ.get("FP8_BENCH_BATCH", "1,8").split(",")]
+    parts = os.environ.get("FP8_BENCH_PARTS", ",".join(PARTS)).split(",")
+    if "index_scores" not in parts or not set(parts) <= set(PARTS):
+        raise SystemExit(f"FP8_BENCH_PARTS={','.join(parts)}: a subset of {','.join(PARTS)} holding index_scores "
+                         "(the other parts compare against its bf16 row and reference selections)")
     deadline = time.time() + float(os.environ.get("FP8_BENCH_BUDGET_S", "150"))
     bw = copy_bandwidth()
-    info = run_info("decode_fp8_index.py", env=("FP8_BENCH_CTX", "FP8_BENCH_BATCH", "FP8_BENCH_BUDGET_S"))
+    info = run_info("decode_fp8_index.py",
+                    env=("FP8_BENCH_CTX", "FP8_BENCH_BATCH", "FP8_BENCH_PARTS", "FP8_BENCH_BUDGET_S"))
     head = {"run": info, "copy_gbps": bw / 1e9, "ptxas_isa": _ptxas_isa()}
     print(json.dumps(head), flush=True)
     print("| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS), flush=True)
@@ -233,7 +246,7 @@ def main() -> None:
                 new = [{"op": "-", "shape": f"B={b} ctx={ctx // 1024}K", "notes": "skipped: time budget"}]
             else:
                 try:
-                    new = run_shape(t, b, ctx, bw)
+                    new = run_shape(t, b, ctx, bw, parts)
                 except Exception as e:  # noqa: BLE001  (one failing shape must not hide the others)
                     new = [{"op": "-", "shape": f"B={b} ctx={ctx // 1024}K",
                             "notes": f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"}]
