@@ -319,7 +319,8 @@ def _grouped_matmul(mx: bool):
     # 128 x 256 in MXFP8, and the others), so its verdict covers what prefill runs whichever the layer
     # picks; MXFP8 also on 5 decode rows with the layer's decode config (the gemv schedule, split over K,
     # as for a decode step's routed experts and the shared expert). Two canaries, not one: each compiles
-    # several configurations, and side by side they take half the time (RESULTS.md#selfcheck-2026-12-07c).
+    # several configurations, and side by side the longer of the two ends well before the one did
+    # (benchmarks/RESULTS.md#selfcheck-2026-12-07c).
     rng = np.random.default_rng(6)
     m, k, n, g = 385, 128, 256, 6
     lhs, rhs = _ints(rng, (m, k)), _ints(rng, (g, k, n))
