@@ -249,7 +249,8 @@ def test_refuses_unsupported_shapes_and_auto_falls_back(monkeypatch):
     assert "more than 192 registers" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows384, block_n=256))
     assert "wg_split='m'" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows256, wg_split="n"))
     assert "wg_split='m'" in unsupported_reason(256, 128, 256, 2, dataclasses.replace(rows384, wg_split="n"))
-    assert "256, 384: schedule='warp_specialized'" in unsupported_reason(256, 128, 256, 2, GroupedMatmulConfig(block_m=256))
+    assert "256, 384: schedule='warp_specialized'" in unsupported_reason(256, 128, 256, 2,
+                                                                        GroupedMatmulConfig(block_m=256))
     pair = dataclasses.replace(rows256, cluster=2)
     assert unsupported_reason(256, 128, 256, 2, pair) is None  # two N tiles of 128: one cluster's
     assert "multiple of cluster=2" in unsupported_reason(256, 128, 384, 2, pair)
