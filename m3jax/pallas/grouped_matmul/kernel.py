@@ -91,9 +91,8 @@ class GroupedMatmulConfig:
     """Tile configuration. ``block_m``: rows per tile (64 or 128; 256 or 384 warp-specialised with
     ``wg_split="m"``); ``block_n``: output columns per CTA (pipeline: 64..256, multiple of 64; warp-specialised:
     up to 512, multiple of 128; with ``wg_split="m"`` 64..256, multiple of 64, and at most 128 at ``block_m``
-    256 or 384); ``block_k``: K
-    per pipeline step (64 = one 128-byte swizzled bf16 row); ``max_concurrent_steps``: K steps in flight
-    (capped by SMEM).
+    256 or 384); ``block_k``: K per pipeline step (64 = one 128-byte swizzled bf16 row);
+    ``max_concurrent_steps``: K steps in flight (capped by SMEM).
 
     ``schedule``: ``"pipeline"`` (this module: one warpgroup per CTA, a CTA per work item, tiles
     aligned to ``block_m``) or ``"warp_specialized"`` (:mod:`.persistent`: one CTA per SM, a TMA
@@ -104,7 +103,7 @@ class GroupedMatmulConfig:
     (half the columns each) or ``"m"`` (``block_m / 2`` rows each, in 64-row chunks that are multiplied
     only where they hold rows of the visit; ``block_m`` 128, or 256 or 384 with ``block_n <= 128``: the
     256- and 384-row tiles, one weight tile per K step for up to that many of an expert's rows,
-    ``PREFILL_ROWS256``).
+    ``PREFILL_ROWS256`` and ``PREFILL_ROWS384``).
     ``cluster`` (``"warp_specialized"`` only): CTAs per cluster, 1 or 2; with 2 a cluster's CTAs take
     adjacent N tiles of the same visit and load its lhs tile once between them (TMA multicast, each
     CTA half of it)."""
@@ -210,12 +209,10 @@ def unsupported_reason(m: int, k: int, n: int, g: int, config: GroupedMatmulConf
     c = config or GroupedMatmulConfig()
     if c.schedule == "gemv":
         return "the gemv schedule takes MXFP8 weights only (grouped_matmul_mxfp8)"
-    if c.schedule == "warp_specialized" and c.block_m in (256, 384):  # two consumers of 128 or 192 rows
+    if c.schedule == "warp_specialized":  # its block_m rule is the schedule's own
         return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.block_m not in (64, 128):
         return f"block_m={c.block_m} must be 64 or 128 (256, 384: schedule='warp_specialized', wg_split='m')"
-    if c.schedule == "warp_specialized":
-        return _shared_reason(m, k, n, g, c) or persistent.unsupported_reason(k, n, c)
     if c.schedule != "pipeline":
         return f"schedule={c.schedule!r} must be 'pipeline', 'warp_specialized' or 'gemv' (MXFP8)"
     if c.split_k != 1 or c.wg_split != "n" or c.cluster != 1:

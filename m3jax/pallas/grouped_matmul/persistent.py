@@ -176,8 +176,8 @@ def unsupported_reason(k: int, n: int, config) -> str | None:
             return f"wg_split='m' needs block_m=128, 256 or 384 (two consumers of 64, 128 or 192 rows), not {bm}"
         if bn % 64 or not 64 <= bn <= 256:
             return f"block_n={bn} must be a multiple of 64 in [64, 256] with wg_split='m'"
-    elif bm in (256, 384):
-        return f"block_m={bm} takes wg_split='m' (two consumers of {bm // 2} rows)"
+    elif bm not in (64, 128):
+        return f"block_m={bm} must be 64 or 128 with wg_split='n' (256, 384: wg_split='m')"
     elif bn % (64 * CONSUMERS) or not 128 <= bn <= 512:
         return f"block_n={bn} must be a multiple of 128 in [128, 512] (two consumer warpgroups of >= 64 columns)"
     if rows * cols > ACC_REGISTERS * 128:
