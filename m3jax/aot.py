@@ -530,7 +530,7 @@ def _forked(children: dict[int, tuple[_Staged, Path]]):
 
 
 def compile_all(programs: list[Program], threads: int | None = None, timing: dict | None = None,
-                processes: int | None = None) -> list[Callable]:
+                processes: int | None = None, confirm: Callable[[], None] | None = None) -> list[Callable]:
     """:func:`compile` for several programs, staged in several processes and compiled by XLA side by
     side. Staging (trace, export, lower) holds the GIL, and at M3 widths it is mostly Mosaic GPU's
     lowering of the kernels, in Python: so the programs to export are exported in up to ``processes``
@@ -542,10 +542,13 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
     ready to one of up to ``threads`` worker threads (default :func:`compile_threads`) for XLA's
     compile, which releases the GIL. Then each is written to the disk cache and kept in memory, in
     order. Returns the programs' calls in the order given; a program listed twice is compiled once.
-    ``timing`` (a dict) gets the seconds of the three phases: ``stage_s`` (staging every program, XLA
-    compiling beside it), ``xla_s`` (the compiles still running after that) and ``finish_s`` (written
-    to disk; programs that cannot be exported are compiled here), and ``forked``, the programs a child
-    process exported."""
+    ``timing`` (a dict) gets the seconds of the phases: ``stage_s`` (staging every program, XLA
+    compiling beside it), ``xla_s`` (the compiles still running after that), ``confirm_s`` (waiting in
+    ``confirm``) and ``finish_s`` (written to disk; programs that cannot be exported are compiled here),
+    and ``forked``, the programs a child process exported. ``confirm()`` is called once XLA's compiles end, before anything is written to the
+    disk cache or kept: a first run traces while its kernels' self-check still runs, presuming they pass
+    (:class:`m3jax.pallas.verdicts.Background`), and what ``confirm`` raises when one did not leaves no
+    program behind."""
     t0 = time.perf_counter()
     staged: dict[str, _Staged] = {}
     order = []
@@ -595,9 +598,13 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
         for f in compiling:
             f.result()
     t2 = time.perf_counter()
+    if confirm is not None:
+        confirm()
+    t3 = time.perf_counter()
     runs = {key: _finish(st) for key, st in staged.items()}
     if timing is not None:
-        timing.update(stage_s=t1 - t0, xla_s=t2 - t1, finish_s=time.perf_counter() - t2, forked=forked)
+        timing.update(stage_s=t1 - t0, xla_s=t2 - t1, confirm_s=t3 - t2, finish_s=time.perf_counter() - t3,
+                      forked=forked)
     return [runs[key] for key in order]
 
 

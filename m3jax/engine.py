@@ -389,7 +389,8 @@ class Engine:
 
     @_under_mesh
     def warmup(self, max_prompt_len: int | None = None, sampling: SamplingParams = SamplingParams(),
-               keep_logits: bool = False, *, prompt_lens: Sequence[int] | None = None) -> float:
+               keep_logits: bool = False, *, prompt_lens: Sequence[int] | None = None,
+               confirm: Callable[[], None] | None = None) -> float:
         """Compile the prefill programs that prompts of up to ``max_prompt_len`` tokens (default: the
         capacity) can run (every key window, and with prefill buckets every chunk size of a last chunk),
         or, given ``prompt_lens``, exactly those that prompts of these lengths run (what the CLI knows);
@@ -398,10 +399,25 @@ class Engine:
         dummy call writes positions 0..N-1 of each row, which the real prefill or decode rewrites
         before anything reads them. Returns the seconds spent; their split is in ``warmup_split``
         (programs compiled or read back, and that time by phase of :func:`m3jax.aot.compile_all`:
-        ``programs_stage_s``, ``programs_xla_s``, ``programs_finish_s``, and ``programs_forked``, the programs
-        staged in a child process; the decode call)."""
+        ``programs_stage_s``, ``programs_xla_s``, ``programs_confirm_s``, ``programs_finish_s``, and
+        ``programs_forked``, the programs staged in a child process; the decode call).
+
+        ``confirm``: the caller's kernel self-check runs in the background
+        (:class:`m3jax.pallas.verdicts.Background`) and the programs are traced presuming its canaries
+        pass; canaries this engine's config asks for beyond it join it. Both are confirmed once the
+        programs are compiled, before any is kept or run: the :class:`~m3jax.pallas.verdicts.CanaryFailed`
+        raised when one did not pass leaves nothing compiled here, and the caller builds its model's
+        config and engine again (the kernel choices read the verdicts then)."""
         t0 = time.perf_counter()
-        check_kernels_ahead(self.cfg)  # every verdict the traces below ask for, in one batch (first run on a GPU)
+        confirm_all = None
+        if confirm is None:  # every verdict the traces below ask for, in one batch (first run on a GPU)
+            check_kernels_ahead(self.cfg)
+        else:
+            extra = check_kernels_ahead(self.cfg, wait=False)
+
+            def confirm_all():
+                extra.confirm()
+                confirm()
         if prompt_lens is None:
             wanted = self._programs_up_to(min(max_prompt_len or self.capacity, self.capacity))
         elif max_prompt_len is not None:
@@ -418,7 +434,7 @@ class Engine:
         phases: dict[str, float] = {}
         compiled = aot.compile_all([*(self._prefill_spec(*wc) for wc in programs),
                                     *(self._embed_spec(c) for c in sizes), self._first_spec(sampling),
-                                    self._decode_spec(sampling, keep_logits)], timing=phases)
+                                    self._decode_spec(sampling, keep_logits)], timing=phases, confirm=confirm_all)
         self._prefill_programs.update(zip(programs, compiled))
         self._embed_programs.update(zip(sizes, compiled[len(programs):]))
         self._first_programs[sampling] = compiled[-2]

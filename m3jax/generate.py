@@ -432,14 +432,6 @@ def _generate(args) -> dict:
     dtype = args.dtype
     if dtype == "auto":  # the checkpoint's own dtype, as transformers' dtype="auto"; random presets bfloat16
         dtype = checkpoint_dtype(args.checkpoint) if args.checkpoint else "bfloat16"
-    # The self-check verdicts of every kernel this run can take, missing ones run in one batch of workers
-    # (a first run on this GPU, driver, JAX or kernel source): the choices below and the compile read them.
-    t_check = time.perf_counter()
-    ran = {v.canary: v.seconds for v in check_kernels_ahead(cfg.replace(attention_impl=args.attention_impl))
-           if not v.cached}
-    canaries_run = len(ran)
-    selfcheck_s = time.perf_counter() - t_check
-    cfg = cfg.replace(attention_impl=msa_layer.resolve_attention_impl(args.attention_impl, cfg, dtype))
     devices, data = select_devices(args)
     memory_plan = _check_memory(cfg, args, dtype, devices, data)
     mesh = sharding.make_mesh(len(devices), data=data, devices=devices) if len(devices) > 1 else None
@@ -480,6 +472,13 @@ def _generate(args) -> dict:
     if len(ids) + args.max_new_tokens > args.ctx:
         raise SystemExit(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceed --ctx {args.ctx}")
 
+    # The self-check of every kernel this run can take: the canaries without a verdict (a first run on this
+    # GPU, driver, JAX or kernel source) run in a background batch of workers beside the load and the
+    # compile, which presume they pass; the engine's warmup confirms them before it keeps or runs a program.
+    checking = check_kernels_ahead(cfg.replace(attention_impl=args.attention_impl), wait=False)
+    unresolved = cfg
+    cfg = cfg.replace(attention_impl=msa_layer.resolve_attention_impl(args.attention_impl, cfg, dtype))
+
     t0 = time.perf_counter()
     if args.checkpoint:
         # With a mesh each device reads only its shard of the files (a progress bar per file).
@@ -503,9 +502,24 @@ def _generate(args) -> dict:
     load_s = time.perf_counter() - t0
 
     prompt_embeds = [_media_prompt_embeds(model.params, cfg, ids, *media[1:])] if media else None
-    engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk, mesh=mesh,
-                    decode_steps_per_call=args.decode_steps_per_call, prefill_buckets=not args.no_prefill_buckets)
-    compile_s = engine.warmup(sampling=args.sampling, prompt_lens=[len(ids)])
+    def warm_engine(cfg, confirm=None):
+        engine = Engine(model.params, cfg, batch=1, capacity=args.ctx, prefill_chunk=args.prefill_chunk, mesh=mesh,
+                        decode_steps_per_call=args.decode_steps_per_call, prefill_buckets=not args.no_prefill_buckets)
+        return engine, engine.warmup(sampling=args.sampling, prompt_lens=[len(ids)], confirm=confirm)
+
+    retraced = None
+    try:
+        engine, compile_s = warm_engine(cfg, checking.confirm)
+    except verdicts.CanaryFailed as e:
+        retraced = [v.canary for v in e.failed]
+    if retraced is not None:  # past the except clause: its traceback no longer holds the first engine's cache
+        # A kernel failed its canary after the programs were traced presuming it passed: nothing of them
+        # was kept. The choices read the verdicts now (the failing kernel is not used, with a warning).
+        cfg = unresolved.replace(attention_impl=msa_layer.resolve_attention_impl(args.attention_impl, unresolved,
+                                                                                 dtype))
+        engine, compile_s = warm_engine(cfg)
+    ran = {v.canary: v.seconds for v in checking.wait()}
+    canaries_run = len(ran)
     eos = cfg.text.eos_token_id
     eos_ids = () if isinstance(tok, ByteTokenizer) else (tuple(eos) if isinstance(eos, tuple) else (eos,))
 
@@ -550,9 +564,11 @@ def _generate(args) -> dict:
         "devices": [str(d) for d in devices],
         "mesh": None if mesh is None else dict(mesh.shape),
         "timings": {
-            "selfcheck_s": selfcheck_s,
+            "selfcheck_s": checking.seconds,  # the canaries' batch, beside the load and the compile
+            "selfcheck_wait_s": checking.wait_s,  # what the compile then waited for it
             "selfcheck_canaries_run": canaries_run,
             "selfcheck_canary_s": ran,  # each canary's own time in its worker, compilation included
+            "selfcheck_failed_retraced": retraced,  # canaries that failed after the programs presumed them
             "load_s": load_s,
             "compile_s": compile_s,
             **engine.warmup_split,
@@ -577,7 +593,8 @@ def _generate(args) -> dict:
     }
     if not args.quiet:
         tm = report["timings"]
-        checked = f", self-check of {canaries_run} canaries {selfcheck_s:.1f}s before that" if canaries_run else ""
+        checked = (f", self-check of {canaries_run} canaries {checking.seconds:.1f}s beside the load and compile, "
+                   f"{checking.wait_s:.1f}s of it waited for") if canaries_run else ""
         print(f"[{len(ids)} prompt tokens, {len(gen)} generated] load {tm['load_s']:.2f}s, TTFT {tm['ttft_s']:.2f}s "
               f"({tm['prefill_tok_per_s']:.0f} tok/s prefill; compile {tm['compile_s']:.1f}s before"
               f"{checked}), decode "

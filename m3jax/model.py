@@ -283,20 +283,21 @@ def mlp_block(y: jax.Array, lp: dict, cfg: TextConfig, layer: int, moe_impl: str
     return dense_mlp(y, lp["mlp"], cfg, moe_impl)
 
 
-def check_kernels_ahead(cfg: M3Config) -> list[verdicts.Verdict]:
+def check_kernels_ahead(cfg: M3Config, *, wait: bool = True) -> list[verdicts.Verdict] | verdicts.Background:
     """The self-check verdicts of every kernel this model can take on this GPU (the MSA kernels when
     ``cfg.attention_impl`` is "auto" or "pallas", the grouped GEMM when an MoE layer's ``moe_impl`` is
     not "ragged_dot"), those missing run now in one batch of side-by-side workers
     (:func:`m3jax.pallas.verdicts.check_kernels`). The kernel choices made while tracing then read
     verdicts: without this, the first program's trace waited for the grouped GEMM's canaries and a
-    decode program's for the decode kernels', one worker after the other. [] off the GPU."""
+    decode program's for the decode kernels', one worker after the other. [] off the GPU. ``wait=False``:
+    the missing ones run in the background (:class:`m3jax.pallas.verdicts.Background`, to be confirmed)."""
     t = cfg.text
     kernels: dict[str, int | None] = {}
     if cfg.attention_impl in ("auto", "pallas"):
         kernels.update(dict.fromkeys(msa_kernels.canary_kernels(t), t.index_block_size))
     if cfg.moe_impl != "ragged_dot" and any(t.is_moe(i) for i in range(t.num_hidden_layers)):
         kernels["grouped_matmul"] = None
-    return verdicts.check_kernels(kernels)
+    return verdicts.check_kernels(kernels, wait=wait)
 
 
 def decoder_layer(h, lp, angles, q_pos, cfg: M3Config, i: int, kv=None, page_table=None, attend=None,

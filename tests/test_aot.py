@@ -221,6 +221,30 @@ def test_compile_all_compiles_a_repeated_program_once(tmp_path, monkeypatch):
     aot.clear()
 
 
+def test_a_failed_confirm_keeps_no_program(tmp_path):
+    # Programs traced while the kernels' self-check ran presume its canaries pass: when one did not,
+    # compile_all keeps nothing (no file, nothing in memory) and a later compile traces again.
+    from m3jax.pallas import verdicts
+
+    x = jnp.arange(3.0)
+    prog = aot.Program("times", lambda x, *, k: x * k, (x,), jax.tree.structure(0), {"k": 5})
+    failed = verdicts.Verdict("fake@p", "sm_90a", "fake GPU", "fail", 1.0, 0.1, "wrong")
+
+    def confirm():
+        raise verdicts.CanaryFailed([failed])
+
+    aot.clear()
+    with aot.disk_cache(tmp_path) as stats, pytest.raises(verdicts.CanaryFailed, match="fake@p fail"):
+        aot.compile_all([prog], confirm=confirm)
+    assert list(tmp_path.glob("*.m3aot")) == [] and stats["misses"] == 0 and not aot._memo
+    timing = {}
+    with aot.disk_cache(tmp_path) as stats:
+        (run,) = aot.compile_all([prog], timing=timing, confirm=lambda: None)
+    assert stats["misses"] == 1 and len(list(tmp_path.glob("*.m3aot"))) == 1 and timing["confirm_s"] >= 0
+    np.testing.assert_array_equal(run(x), 5 * np.arange(3.0))
+    aot.clear()
+
+
 def test_compile_all_stages_in_child_processes(tmp_path, monkeypatch):
     """compile_all exports programs in forked children as well as here (the first one here, before any
     fork): the programs give what they give staged here, their entries are the ones a later run reads

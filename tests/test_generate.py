@@ -412,6 +412,38 @@ def test_cli_resolves_attention_impl_once(tmp_path, monkeypatch):
         real_load(d, config=seen["model"].config, attention_impl="pallas", progress=False)
 
 
+def test_cli_traces_again_when_a_background_canary_fails(monkeypatch):
+    # The first run's canaries run beside the load and compile, which presume they pass; one that fails at
+    # the warmup's confirm leaves no program, and the config is resolved and the engine built again.
+    from m3jax.pallas import verdicts
+
+    argv = ["--config", "m3_tiny", "--prompt-ids", "1,2,3", "--ctx", "64", "--max-new-tokens", "3", "--quiet"]
+    plain = generate.main(argv)
+    assert plain["timings"]["selfcheck_failed_retraced"] is None and plain["timings"]["selfcheck_canaries_run"] == 0
+    failed = verdicts.Verdict("fake@p", "sm_90a", "fake GPU", "fail", 1.0, 2.0, "wrong")
+
+    class Batch:
+        seconds, wait_s = 2.0, 0.5
+
+        def confirm(self):
+            raise verdicts.CanaryFailed([failed])
+
+        def wait(self):
+            return [failed]
+
+    monkeypatch.setattr(generate, "check_kernels_ahead", lambda cfg, wait: Batch())
+    calls = []
+    real_resolve = generate.msa_layer.resolve_attention_impl
+    monkeypatch.setattr(generate.msa_layer, "resolve_attention_impl",
+                        lambda impl, *a, **kw: calls.append(impl) or real_resolve(impl, *a, **kw))
+    report = generate.main(argv)
+    assert calls == ["auto", "auto"]
+    t = report["timings"]
+    assert t["selfcheck_failed_retraced"] == ["fake@p"] and t["selfcheck_canary_s"] == {"fake@p": 2.0}
+    assert t["selfcheck_s"] == 2.0 and t["selfcheck_wait_s"] == 0.5
+    assert report["generated_ids"] == plain["generated_ids"]
+
+
 def test_cli_presets_keep_bfloat16_and_m3_is_an_alias(monkeypatch):
     seen = {}
 

@@ -26,6 +26,7 @@ def gpu(tmp_path, monkeypatch):
     """A fake GPU (its device key) with its verdicts in tmp_path and a fresh process state."""
     monkeypatch.setenv("M3JAX_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(verdicts, "_MEMO", {})
+    monkeypatch.setattr(verdicts, "_IN_FLIGHT", {})
     monkeypatch.setattr(verdicts, "_WARNED", set())
     monkeypatch.setattr(verdicts, "_SOURCE_HASHES", {})
     dev = dict(FAKE_GPU)
@@ -105,6 +106,65 @@ def test_failing_canary_is_not_used_and_warns_once(fake):
     fake.out = RuntimeError("ptxas: wgmma not supported on sm_100a\nmore")
     (v,) = verdicts.check(canaries.of_kernel("fake"), force=True)
     assert v.status == "fail" and v.error == "RuntimeError: ptxas: wgmma not supported on sm_100a"
+
+
+def _held(fake, monkeypatch):
+    """Hold the fake kernel's canary until the returned event is set (a canary still running)."""
+    import threading
+
+    release = threading.Event()
+    run = canaries.CANARIES["fake@p"].run
+
+    def held():
+        assert release.wait(30), "the test never released the canary"
+        return run()
+
+    monkeypatch.setitem(canaries.CANARIES, "fake@p", canaries.Canary("fake", "p", held, (fake.source,)))
+    return release
+
+
+def test_a_background_batch_is_presumed_until_confirmed(fake, monkeypatch):
+    # A first run's canaries beside its compile: the model's questions presume they pass while the batch
+    # runs (nothing waits, nothing runs twice); confirm() waits for the verdicts, which are then cached.
+    release = _held(fake, monkeypatch)
+    batch = verdicts.check_kernels({"fake": None}, wait=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert verdicts.kernel_failure("fake") is None  # presumed: the canary is held
+    assert not batch._future.done()
+    release.set()
+    batch.confirm()
+    (v,) = batch.wait()
+    assert v.canary == "fake@p" and v.passed and not v.cached and fake.runs == 1
+    assert batch.seconds > 0 and batch.wait_s >= 0
+    assert verdicts.check_kernels({"fake": None}, wait=False).wait() == []  # read back: nothing to run
+    assert verdicts.kernel_failure("fake") is None and fake.runs == 1
+
+
+def test_a_background_canary_that_fails_is_raised_at_confirm(fake, monkeypatch):
+    fake.out = jnp.array([1.0, 2.5, 3.0])
+    release = _held(fake, monkeypatch)
+    batch = verdicts.check_kernels({"fake": None}, wait=False)
+    assert verdicts.kernel_failure("fake") is None  # what a trace meanwhile sees: presumed
+    release.set()
+    (v,) = verdicts.check(canaries.of_kernel("fake"))  # a question that does not presume waits for the batch
+    assert v.status == "fail" and fake.runs == 1
+    with pytest.raises(verdicts.CanaryFailed, match=r"fake@p fail") as e:
+        batch.confirm()
+    assert [f.canary for f in e.value.failed] == ["fake@p"]
+    with pytest.warns(RuntimeWarning, match="the fake kernel failed its self-check"):
+        assert "fake@p" in verdicts.kernel_failure("fake")  # the retrace reads the verdict
+    assert fake.runs == 1
+
+
+def test_a_path_the_target_lacks_is_not_presumed(fake, monkeypatch):
+    c = canaries.CANARIES["fake@p"]
+    monkeypatch.setitem(canaries.CANARIES, "fake@p", canaries.Canary("fake", "p", c.run, c.sources,
+                                                                     unsupported=lambda: "no such path here"))
+    batch = verdicts.check_kernels({"fake": None}, wait=False)
+    assert batch.wait() == [] and fake.runs == 0
+    with pytest.warns(RuntimeWarning, match="no path at fake@p"):
+        assert "no such path here" in verdicts.kernel_failure("fake")
 
 
 def test_model_hooks_fall_back(fake, monkeypatch):

@@ -26,6 +26,7 @@ there. ``python -m m3jax.selfcheck`` is the command line.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -349,24 +350,45 @@ def _worker() -> None:
 # ---- verdicts and the model's choice ----------------------------------------------------------------
 
 _MEMO: dict[str, Verdict] = {}  # this process's verdicts (the cache file is read once per key)
+# key -> the background batch (:class:`Background`) running its canary; while it runs, the model's
+# questions presume the canary passes (:func:`kernel_failure`)
+_IN_FLIGHT: dict[str, concurrent.futures.Future] = {}
 
 
-def check(canaries: list[Canary], *, force: bool = False, dev: dict | None = None) -> list[Verdict]:
+def _presumed(canary: Canary, dev: dict) -> Verdict:
+    return Verdict(canary.name, dev["target"], dev["device"], "pass", None, 0.0,
+                   "presumed: its canary is still running", cached=True)
+
+
+def _known(key: str, stored: dict) -> Verdict | None:
+    """The verdict this process or the cache file (``stored``, as read) holds for ``key``, or None."""
+    if key not in _MEMO and key in stored:
+        _MEMO[key] = Verdict(**stored[key], cached=True)
+    return _MEMO.get(key)
+
+
+def check(canaries: list[Canary], *, force: bool = False, dev: dict | None = None,
+          presume: bool = False) -> list[Verdict]:
     """The canaries' verdicts on this device: cached for their keys, else run now (together, in
-    :func:`run_isolated`'s side-by-side workers) and cached."""
+    :func:`run_isolated`'s side-by-side workers) and cached. A canary a :class:`Background` batch is
+    running is waited for, or with ``presume`` taken as passing (:func:`kernel_failure`)."""
     dev = dev or device_key()
     out: dict[str, Verdict] = {}
     todo = []
     stored = None
     for c in canaries:
         key = _key(c, dev)
-        if not force and key in _MEMO:
-            out[c.name] = _MEMO[key]
-            continue
+        running = None if force else _IN_FLIGHT.get(key)
+        if running is not None:
+            if presume:
+                out[c.name] = _presumed(c, dev)
+                continue
+            running.exception()  # waits; a batch that raised leaves no verdict, and the canary runs below
         if not force:
-            stored = _load() if stored is None else stored
-            if key in stored:
-                _MEMO[key] = out[c.name] = Verdict(**stored[key], cached=True)
+            if key not in _MEMO and stored is None:
+                stored = _load()
+            if (v := _known(key, stored or {})) is not None:
+                out[c.name] = v
                 continue
         todo.append(c)
     if todo:
@@ -374,6 +396,66 @@ def check(canaries: list[Canary], *, force: bool = False, dev: dict | None = Non
             _MEMO[_key(c, dev)] = out[c.name] = v
             _save(_key(c, dev), v)
     return [out[c.name] for c in canaries]
+
+
+class CanaryFailed(RuntimeError):
+    """A canary of a :class:`Background` batch did not pass: what was traced while it ran presumed it
+    would, and must be traced again (the model's questions now read its verdict)."""
+
+    def __init__(self, failed: list[Verdict]):
+        self.failed = failed
+        super().__init__("; ".join(f"{v.canary} {v.status} ({v.error})" for v in failed))
+
+
+class Background:
+    """Canaries run in worker processes while the caller goes on (:func:`check_kernels` with
+    ``wait=False``): a first run's self-check beside the weights' load and the programs' compile.
+    Until the batch ends, :func:`kernel_failure` presumes each of its canaries passes, so whoever starts
+    one must :meth:`confirm` before running or keeping anything traced meanwhile, and trace again when
+    it raises. Canaries of a path the target lacks get their "n/a" verdicts at once, not presumed."""
+
+    def __init__(self, canaries: list[Canary], dev: dict):
+        self.started = time.perf_counter()
+        self.seconds = 0.0  # the batch's wall time, once it ended
+        self.wait_s = 0.0  # what confirm() waited for it
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._keys = {c.name: _key(c, dev) for c in canaries}
+        if not canaries:
+            self._future.set_result([])
+            return
+        for key in self._keys.values():
+            _IN_FLIGHT[key] = self._future
+        threading.Thread(target=self._run, args=(canaries, dev), daemon=True, name="m3jax-selfcheck").start()
+
+    def _run(self, canaries: list[Canary], dev: dict) -> None:
+        try:
+            got = run_isolated(canaries, dev)
+            for c, v in zip(canaries, got):
+                _MEMO[self._keys[c.name]] = v
+                _save(self._keys[c.name], v)
+            self.seconds = time.perf_counter() - self.started
+            self._future.set_result(got)
+        except BaseException as e:  # noqa: BLE001  (handed to whoever waits; the canaries run again on demand)
+            self._future.set_exception(e)
+        finally:
+            for key in self._keys.values():
+                if _IN_FLIGHT.get(key) is self._future:
+                    del _IN_FLIGHT[key]
+
+    def wait(self) -> list[Verdict]:
+        """The batch's verdicts, in the order given, once it ends."""
+        return self._future.result()
+
+    def confirm(self) -> None:
+        """Wait for the batch; CanaryFailed naming the canaries that did not pass."""
+        t0 = time.perf_counter()
+        try:
+            got = self.wait()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        failed = [v for v in got if not v.passed]
+        if failed:
+            raise CanaryFailed(failed)
 
 
 _WARNED: set[str] = set()
@@ -410,7 +492,8 @@ def kernel_failure(*kernels: str, block_size: int | None = None) -> str | None:
         return refused
     taken = {kernel: paths_for(kernel, block_size) for kernel in kernels}
     wanted = list(dict.fromkeys(c for cs in taken.values() for c in cs))
-    found = {c.name: v for c, v in zip(wanted, check(wanted, dev=dev))}  # one batch of workers for all of them
+    # one batch of workers for all of them; a canary a Background batch runs is presumed to pass
+    found = {c.name: v for c, v in zip(wanted, check(wanted, dev=dev, presume=True))}
     for kernel, cs in taken.items():
         bad = [found[c.name] for c in cs if not found[c.name].passed]
         if bad:
@@ -422,15 +505,31 @@ def kernel_failure(*kernels: str, block_size: int | None = None) -> str | None:
     return None
 
 
-def check_kernels(kernels: dict[str, int | None]) -> list[Verdict]:
+def check_kernels(kernels: dict[str, int | None], *, wait: bool = True) -> list[Verdict] | Background:
     """The verdicts of these kernels at the paths each takes (kernel -> block size; None: every path),
     the missing ones run now in one batch of side-by-side workers (:func:`check`), so that the
     :func:`kernel_failure` calls made later, while tracing, read them instead of each waiting for a
-    worker of its own. Nothing off the GPU or on a target the kernels refuse."""
+    worker of its own. Nothing off the GPU or on a target the kernels refuse.
+
+    ``wait=False`` returns at once a :class:`Background` batch of the missing canaries (cached verdicts
+    are read first; a canary another batch is running is left to it), which the caller confirms."""
     dev = device_key()
-    if dev["target"] == "interpret" or _backend.current_target().refused:
-        return []
-    return check(list(dict.fromkeys(c for k, bs in kernels.items() for c in paths_for(k, bs))), dev=dev)
+    skip = dev["target"] == "interpret" or _backend.current_target().refused
+    wanted = [] if skip else list(dict.fromkeys(c for k, bs in kernels.items() for c in paths_for(k, bs)))
+    if wait:
+        return check(wanted, dev=dev)
+    stored = _load() if wanted else {}
+    todo = []
+    for c in wanted:
+        key = _key(c, dev)
+        if key in _IN_FLIGHT or _known(key, stored) is not None:
+            continue
+        if c.unsupported is not None and (why := c.unsupported()):  # known now: nothing to presume
+            _MEMO[key] = _no_result(c, dev, "n/a", 0.0, why)
+            _save(key, _MEMO[key])
+            continue
+        todo.append(c)
+    return Background(todo, dev)
 
 
 def canaries_named(names: list[str]) -> list[Canary]:
