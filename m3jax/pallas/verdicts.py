@@ -8,7 +8,9 @@ the model chooses kernels: ``m3jax.msa.kernels`` and ``m3jax.moe``), its canarie
 processes, up to ``$M3JAX_SELFCHECK_WORKERS`` side by side, each canary with a deadline
 (``$M3JAX_SELFCHECK_DEADLINE`` seconds, default 180): a wrong barrier count never returns, and it must
 not become the model's hang. :func:`check_kernels` asks for several kernels' verdicts in one batch
-ahead of tracing (``m3jax.model.check_kernels_ahead``). A canary past its deadline is killed
+ahead of tracing (``m3jax.model.check_kernels_ahead``), or starts that batch in the background
+(:class:`Background`: ``generate``'s first run traces and compiles beside it, presuming its canaries pass,
+and confirms them before it keeps or runs a program). A canary past its deadline is killed
 and its verdict is "hung". A canary of a path the target does not have (``Canary.unsupported``: the
 fp8 indexer's decode scoring on tcgen05) is not run: its verdict is "n/a", no fault of the GPU's. A
 kernel is not used at a path whose canary fails, hangs or is "n/a", with one warning naming it and
