@@ -50,28 +50,45 @@ def check_input_ids(input_ids, t: TextConfig, name: str = "input_ids") -> np.nda
     return ids.astype(np.int32)
 
 
-def _norm_rope(y, norm_w, angles, eps):
-    """Per-head Gemma RMSNorm, then partial RoPE, of projected heads [B, T, heads, H]."""
-    return apply_rope(rms_norm(y, norm_w, eps), angles)
+def _norm_rope(parts: list, angles: jax.Array, eps: float) -> list:
+    """Per-head Gemma RMSNorm, then partial RoPE, of projected heads: ``parts`` is a list of (y [B, T,
+    heads, H], norm weight [H]). The heads of one size are concatenated and normed and rotated together,
+    then split back: the same maths head by head, and a decode step runs one norm and one RoPE launch for
+    q, k and the index q/k instead of one each (benchmarks/RESULTS.md#decode-launches-2026-12-07)."""
+    out = [None] * len(parts)
+    for size in dict.fromkeys(y.shape[-1] for y, _ in parts):
+        idx = [i for i, (y, _) in enumerate(parts) if y.shape[-1] == size]
+        heads = [parts[i][0].shape[2] for i in idx]
+        y = jnp.concatenate([parts[i][0] for i in idx], axis=2)
+        w = jnp.concatenate([jnp.broadcast_to(parts[i][1], (n, size)) for i, n in zip(idx, heads)])
+        done = apply_rope(rms_norm(y, w, eps), angles)
+        for i, piece in zip(idx, jnp.split(done, np.cumsum(heads)[:-1].tolist(), axis=2)):
+            out[i] = piece
+    return out
+
+
+def _index_parts(x: jax.Array, p: dict, impl: str) -> list:
+    """The MSA index q [B, T, Hi, Hx] and k [B, T, 1, Hx] projections with their norm weights."""
+    return [(linear(x, p["wq"], impl), p["q_norm"]), (linear(x, p["wk"], impl)[:, :, None], p["k_norm"])]
 
 
 def index_branch(x: jax.Array, p: dict, angles: jax.Array, cfg: TextConfig,
                  impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array]:
     """MSA index q/k. x: [B, T, D] -> iq [B, T, Hi, Hx], ik [B, T, Hx] (post norm and RoPE).
     ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
-    iq = _norm_rope(linear(x, p["wq"], impl), p["q_norm"], angles, cfg.rms_norm_eps)
-    ik = _norm_rope(linear(x, p["wk"], impl)[:, :, None], p["k_norm"], angles, cfg.rms_norm_eps)[:, :, 0]
-    return iq, ik
+    iq, ik = _norm_rope(_index_parts(x, p, impl), angles, cfg.rms_norm_eps)
+    return iq, ik[:, :, 0]
 
 
 def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, sparse: bool, impl: str = "ragged_dot"):
     """q [B,T,N,H], k, v [B,T,K,H] (q/k normed and rotated) and, on MSA layers, iq [B,T,Hi,Hx], ik [B,T,Hx].
     ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
     p = lp["attn"]
-    q = _norm_rope(linear(x, p["wq"], impl), p["q_norm"], angles, cfg.rms_norm_eps)
+    q = linear(x, p["wq"], impl)
     k, v = linears(x, (p["wk"], p["wv"]), impl)
-    k = _norm_rope(k, p["k_norm"], angles, cfg.rms_norm_eps)
-    iq, ik = index_branch(x, lp["index"], angles, cfg, impl) if sparse else (None, None)
+    parts = [(q, p["q_norm"]), (k, p["k_norm"]), *(_index_parts(x, lp["index"], impl) if sparse else [])]
+    q, k, *index = _norm_rope(parts, angles, cfg.rms_norm_eps)
+    iq, ik = (index[0], index[1][:, :, 0]) if sparse else (None, None)
     return q, k, v, iq, ik
 
 

@@ -185,3 +185,34 @@ def test_a_new_variant_is_one_registry_entry(monkeypatch):
     assert_close(got.logits, want.logits, what="logits")  # fp32
     assert want.block_indices and all(np.array_equal(got.block_indices[i], want.block_indices[i])
                                       for i in want.block_indices)
+
+
+@pytest.mark.parametrize("index_head_dim,dtype", [(64, "bfloat16"), (32, "float32")])
+def test_projections_normed_together_equal_one_by_one(index_head_dim, dtype):
+    # project_qkv norms and rotates q, k and the index q/k in one computation per head size (one launch
+    # each at decode on the GPU); head by head that is the per-projection norm and RoPE, exactly on CPU.
+    import jax
+
+    import m3jax
+    from m3jax.layers import apply_rope, rms_norm, rope_angles
+    from m3jax.model import index_branch, project_qkv
+    from m3jax.moe import linear
+
+    cfg = tiny_config(head_dim=64, index_head_dim=index_head_dim)
+    t = cfg.text
+    lp = m3jax.init_random(cfg, seed=3, dtype=dtype).params["text"]["layers"][1]
+    x = jax.random.normal(jax.random.key(0), (2, 3, t.hidden_size), dtype)
+    angles = rope_angles(jnp.arange(3)[None] + jnp.array([[5], [900]]), t.rotary_dim, t.rope_theta)
+
+    def alone(w, norm):
+        return apply_rope(rms_norm(linear(x, w), norm, t.rms_norm_eps), angles)
+
+    q, k, v, iq, ik = project_qkv(x, lp, angles, t, sparse=True)
+    a, i = lp["attn"], lp["index"]
+    want = [alone(a["wq"], a["q_norm"]), alone(a["wk"], a["k_norm"]), linear(x, a["wv"]),
+            alone(i["wq"], i["q_norm"]), alone(i["wk"][:, None], i["k_norm"])[:, :, 0]]
+    for got, w in zip((q, k, v, iq, ik), want):
+        assert got.shape == w.shape and got.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w, np.float32))
+    for got, w in zip(index_branch(x, i, angles, t), want[3:]):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w, np.float32))
