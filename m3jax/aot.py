@@ -545,10 +545,10 @@ def compile_all(programs: list[Program], threads: int | None = None, timing: dic
     ``timing`` (a dict) gets the seconds of the phases: ``stage_s`` (staging every program, XLA
     compiling beside it), ``xla_s`` (the compiles still running after that), ``confirm_s`` (waiting in
     ``confirm``) and ``finish_s`` (written to disk; programs that cannot be exported are compiled here),
-    and ``forked``, the programs a child process exported. ``confirm()`` is called once XLA's compiles end, before anything is written to the
-    disk cache or kept: a first run traces while its kernels' self-check still runs, presuming they pass
-    (:class:`m3jax.pallas.verdicts.Background`), and what ``confirm`` raises when one did not leaves no
-    program behind."""
+    and ``forked``, the programs a child process exported. ``confirm()`` is called once XLA's compiles
+    end, before anything is written to the disk cache or kept: a first run traces while its kernels'
+    self-check still runs, presuming they pass (:class:`m3jax.pallas.verdicts.Background`), and what
+    ``confirm`` raises when one did not leaves no program behind."""
     t0 = time.perf_counter()
     staged: dict[str, _Staged] = {}
     order = []
