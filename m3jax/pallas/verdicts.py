@@ -170,10 +170,16 @@ def _no_result(canary: Canary, dev: dict, status: str, seconds: float, why: str)
     return Verdict(canary.name, dev["target"], dev["device"], status, None, round(seconds, 3), why)
 
 
+def _not_applicable(canary: Canary, dev: dict) -> Verdict | None:
+    """The "n/a" verdict of a canary whose path the target lacks (``Canary.unsupported``), or None."""
+    why = canary.unsupported() if canary.unsupported is not None else None
+    return _no_result(canary, dev, "n/a", 0.0, why) if why else None
+
+
 def run_canary(canary: Canary, dev: dict) -> Verdict:
     """Run one canary in this process (the worker's job; tests call it directly)."""
-    if canary.unsupported is not None and (why := canary.unsupported()):
-        return _no_result(canary, dev, "n/a", 0.0, why)
+    if (na := _not_applicable(canary, dev)) is not None:
+        return na
     interpret = dev["target"] == "interpret"
     t0 = time.perf_counter()
     status, err, why = "fail", None, None
@@ -526,9 +532,9 @@ def check_kernels(kernels: dict[str, int | None], *, wait: bool = True) -> list[
         key = _key(c, dev)
         if key in _IN_FLIGHT or _known(key, stored) is not None:
             continue
-        if c.unsupported is not None and (why := c.unsupported()):  # known now: nothing to presume
-            _MEMO[key] = _no_result(c, dev, "n/a", 0.0, why)
-            _save(key, _MEMO[key])
+        if (na := _not_applicable(c, dev)) is not None:  # known now: nothing to presume
+            _MEMO[key] = na
+            _save(key, na)
             continue
         todo.append(c)
     return Background(todo, dev)
