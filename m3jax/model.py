@@ -67,26 +67,28 @@ def _norm_rope(parts: list, angles: jax.Array, eps: float) -> list:
     return out
 
 
-def _index_parts(x: jax.Array, p: dict, impl: str) -> list:
-    """The MSA index q [B, T, Hi, Hx] and k [B, T, 1, Hx] projections with their norm weights."""
-    return [(linear(x, p["wq"], impl), p["q_norm"]), (linear(x, p["wk"], impl)[:, :, None], p["k_norm"])]
+def _index_parts(iq: jax.Array, ik: jax.Array, p: dict) -> list:
+    """The MSA index q [B, T, Hi, Hx] and k [B, T, Hx] projections with their norm weights, for
+    :func:`_norm_rope` (k as one head)."""
+    return [(iq, p["q_norm"]), (ik[:, :, None], p["k_norm"])]
 
 
 def index_branch(x: jax.Array, p: dict, angles: jax.Array, cfg: TextConfig,
                  impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array]:
     """MSA index q/k. x: [B, T, D] -> iq [B, T, Hi, Hx], ik [B, T, Hx] (post norm and RoPE).
     ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
-    iq, ik = _norm_rope(_index_parts(x, p, impl), angles, cfg.rms_norm_eps)
+    iq, ik = _norm_rope(_index_parts(*linears(x, (p["wq"], p["wk"]), impl), p), angles, cfg.rms_norm_eps)
     return iq, ik[:, :, 0]
 
 
 def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, sparse: bool, impl: str = "ragged_dot"):
     """q [B,T,N,H], k, v [B,T,K,H] (q/k normed and rotated) and, on MSA layers, iq [B,T,Hi,Hx], ik [B,T,Hx].
     ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
-    p = lp["attn"]
-    q = linear(x, p["wq"], impl)
-    k, v = linears(x, (p["wk"], p["wv"]), impl)
-    parts = [(q, p["q_norm"]), (k, p["k_norm"]), *(_index_parts(x, lp["index"], impl) if sparse else [])]
+    p, ip = lp["attn"], lp["index"] if sparse else None
+    # one launch at decode for every projection of x (moe.linears: the dense gemv, or MXFP8's per shape)
+    q, k, v, *index = linears(x, (p["wq"], p["wk"], p["wv"], *((ip["wq"], ip["wk"]) if sparse else ())), impl,
+                              dense_gemv=True)
+    parts = [(q, p["q_norm"]), (k, p["k_norm"]), *(_index_parts(*index, ip) if sparse else [])]
     q, k, *index = _norm_rope(parts, angles, cfg.rms_norm_eps)
     iq, ik = (index[0], index[1][:, :, 0]) if sparse else (None, None)
     return q, k, v, iq, ik

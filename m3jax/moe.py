@@ -64,12 +64,28 @@ def _one_mxfp8_shape(ws) -> bool:
     return all(isinstance(w, MXFP8Weight) for w in ws) and len({(w.values.shape, w.scales.shape) for w in ws}) == 1
 
 
-def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tuple:
+def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1, dense_gemv: bool = False) -> tuple:
     """:func:`linear` of one ``x`` with each weight of ``ws``; MXFP8 weights of one shape that the kernel
-    takes run as one launch (``grouped_matmuls_mxfp8``: an MLP's gate and up, attention's k and v)."""
+    takes run as one launch (``grouped_matmuls_mxfp8``: an MLP's gate and up, attention's k and v).
+    Weights of several shapes: the MXFP8 ones of each shape as such a launch; with ``dense_gemv`` the bf16
+    ones the dense gemv takes at these rows (:func:`_dense_gemv_takes`: decode) as one launch of it
+    whatever their widths (a decode step's attention projections); the rest as XLA dots."""
     if not _one_mxfp8_shape(ws):
-        return tuple(linears(x, (w,), impl, in_axes)[0] if isinstance(w, MXFP8Weight)
-                     else jnp.tensordot(x, w, axes=in_axes, precision=dot_precision(x.dtype)) for w in ws)
+        out = [None] * len(ws)
+        batches = {}
+        for i, w in enumerate(ws):
+            if isinstance(w, MXFP8Weight):
+                batches.setdefault((w.values.shape, w.scales.shape), []).append(i)
+        for idx in batches.values():
+            for i, y in zip(idx, linears(x, tuple(ws[i] for i in idx), impl, in_axes)):
+                out[i] = y
+        if take := (_dense_gemv_takes(x, ws, impl, in_axes) if dense_gemv else []):
+            k = math.prod(x.shape[x.ndim - in_axes:])
+            done = gmm.dense_gemvs(x.reshape(-1, k), [ws[i].reshape(k, -1) for i in take])
+            for i, y in zip(take, done):
+                out[i] = y.reshape(*x.shape[: x.ndim - in_axes], *ws[i].shape[in_axes:])
+        return tuple(jnp.tensordot(x, w, axes=in_axes, precision=dot_precision(x.dtype)) if y is None else y
+                     for y, w in zip(out, ws))
     for w in ws:
         if w.group_axis != in_axes - 1:
             raise ValueError(f"MXFP8 weight {w.values.shape} groups axis {w.group_axis}, not its last input axis "
@@ -86,6 +102,22 @@ def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1) -> tup
     sizes = np.full((1,), rows.shape[0], np.int32)  # known when tracing: the kernel's schedule is a constant
     outs = gmm.grouped_matmuls_mxfp8(rows, ones, sizes, config=config)
     return tuple(out.reshape(*x.shape[: x.ndim - in_axes], *out_shape) for out in outs)
+
+
+def _dense_gemv_takes(x: jax.Array, ws, impl: str, in_axes: int) -> list[int]:
+    """The indices of ``ws`` that :func:`linears` runs on the bf16 dense gemv (``gmm.dense_gemvs``): bf16
+    rows and weights, at most the gemv's rows (decode), shapes it takes, ``impl`` "auto" on the GPU or
+    "pallas", no tensor-parallel mesh, a kernel that passed its canary. Where it takes none, XLA's dots."""
+    k = math.prod(x.shape[x.ndim - in_axes:])
+    m = x.size // max(k, 1)
+    if impl == "ragged_dot" or (impl == "auto" and not _backend.on_gpu()) or x.dtype != jnp.bfloat16:
+        return []
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and dict(mesh.shape).get(MODEL, 1) > 1:
+        return []
+    take = [i for i, w in enumerate(ws) if not isinstance(w, MXFP8Weight)
+            and gmm.dense_gemv_unsupported_reason(m, k, w.size // k, w.dtype) is None]
+    return take if take and kernel_failure("grouped_matmul") is None else []
 
 
 def _dense_kernel_config(impl: str, rows: jax.Array, one: MXFP8Weight, weights: int = 1):

@@ -307,6 +307,7 @@ def _grouped_matmul(mx: bool):
         PREFILL_ROWS256,
         PREFILL_ROWS384,
         GroupedMatmulConfig,
+        dense_gemvs,
         grouped_matmul,
         grouped_matmul_mxfp8,
         layer_config,
@@ -318,7 +319,8 @@ def _grouped_matmul(mx: bool):
     # them (385 rows > 64 per expert: the MoE layer's prefill config, the 256- or 384-row tiles in bf16 and
     # 128 x 256 in MXFP8, and the others), so its verdict covers what prefill runs whichever the layer
     # picks; MXFP8 also on 5 decode rows with the layer's decode config (the gemv schedule, split over K,
-    # as for a decode step's routed experts and the shared expert). Two canaries, not one: each compiles
+    # as for a decode step's routed experts and the shared expert), bf16 also on the gemv's dense weights
+    # (5 rows, two widths: a decode step's attention projections). Two canaries, not one: each compiles
     # several configurations, and side by side the longer of the two ends well before the one did
     # (benchmarks/RESULTS.md#selfcheck-2026-12-07c).
     rng = np.random.default_rng(6)
@@ -336,6 +338,10 @@ def _grouped_matmul(mx: bool):
                if layer.schedule == "warp_specialized" else [layer])  # Hopper's
     configs = list(dict.fromkeys([GroupedMatmulConfig(), *prefill]))
     got, ref = [run(config=c) for c in configs], [want] * len(configs)
+    if not mx:  # the bf16 dense gemv (a decode step's attention projections): two widths in one launch
+        dense = (rhs[1], jnp.concatenate([rhs[4], rhs[0]], axis=1))
+        got += list(dense_gemvs(lhs[:5], dense))
+        ref += list(dense_gemvs(lhs[:5], dense, implementation="reference"))
     if mx:
         dec, dec_gs = lhs[:5], jnp.asarray([0, 2, 0, 0, 3, 0], jnp.int32)
         got.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, config=layer_config(5, k, n, g, k // 32)))

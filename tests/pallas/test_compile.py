@@ -137,13 +137,25 @@ def _m3_moe(mx: bool, m: int, config=None):
             (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32)))
 
 
+def _m3_projections(m: int):
+    """A decode step's attention projections at M3's widths (hidden 6144 -> q 64 x 128, k, v and the index
+    q 4 x 128) as the model runs them on the dense gemv, ``m`` rows."""
+    from m3jax.pallas.grouped_matmul import dense_gemvs
+
+    S = jax.ShapeDtypeStruct
+    widths = (8192, 512, 512, 512)
+    return (lambda x, *ws: dense_gemvs(x, ws),
+            (S((m, 6144), jnp.bfloat16), *(S((6144, n), jnp.bfloat16) for n in widths)))
+
+
 # case -> (kernel, function and abstract arguments): M3's shapes, then every canary's tile path
 CASES = {f"m3 {name}": (name, make) for name, (make, _) in KERNELS.items()}
 CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(False, 65536)),  # 16K tokens
               "m3 grouped_matmul prefill mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 65536)),
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
-              "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32))})
+              "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32)),
+              "m3 dense gemv, 8 rows": ("grouped_matmul", lambda: _m3_projections(8))})
 # fp8 e4m3 index pages (index_cache_dtype) at M3's decode shapes, converted into an SMEM page (the
 # default; KERNELS has the register-A conversion and the fp8 indexer's e4m3 x e4m3 scoring)
 CASES.update({f"m3 {kernel} fp8 smem": (kernel, lambda k=kernel: _m3_decode_fp8(k))

@@ -402,21 +402,24 @@ def test_mxfp8_split_k_decode_rows():
     _check_mxfp8(lhs, *_mxfp8_weights(len(gs), 256, 256, seed=2), gs, cfg=cfg)
 
 
-@pytest.mark.parametrize("dtype,m,sizes,split", [
+@pytest.mark.parametrize("dtype,m,sizes,split,k", [
     # visits of 1, 2, 3-4 and 5-8 rows (each of the four row bodies), empty groups, a row past the sum
-    (jnp.bfloat16, 20, [1, 0, 2, 3, 0, 7, 5], 2),
+    (jnp.bfloat16, 20, [1, 0, 2, 3, 0, 7, 5], 2, 256),
     # fp32 lhs (fp32 arithmetic, no bf16 pieces); a group of 11 rows in two visits, one group of 4
-    (jnp.float32, 15, [11, 0, 4], 1),
+    (jnp.float32, 15, [11, 0, 4], 1, 256),
+    # a K part of 10 steps over the pipeline's 4 slots, each slot refilled while others are read (M3's
+    # parts are 12 steps): the refill must wait for every warp's reads of the slot
+    (jnp.bfloat16, 6, [2, 0, 4], 1, 640),
 ])
-def test_mxfp8_gemv_matches_dequantised_reference(dtype, m, sizes, split):
+def test_mxfp8_gemv_matches_dequantised_reference(dtype, m, sizes, split, k):
     # the decode GEMV: CUDA-core FMAs over fp8 rows, scales applied per 32-row partial sum; two N tiles,
-    # two K steps per part
+    # several K steps per part
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
-    lhs, _, gs = _inputs(m, 256, 512, sizes, dtype, seed=3)
+    lhs, _, gs = _inputs(m, k, 512, sizes, dtype, seed=3)
     cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=split)
     # traced group sizes: every row body the rows allow is built (constant ones build those the
     # schedule needs: test_gemv_launch_of_several_problems_matches_one_call_each)
-    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), 256, 512, seed=4), gs, cfg=cfg, traced_sizes=True)
+    _check_mxfp8(lhs, *_mxfp8_weights(len(sizes), k, 512, seed=4), gs, cfg=cfg, traced_sizes=True)
 
 
 @pytest.mark.parametrize("schedule", ["gemv", "pipeline"])
@@ -442,6 +445,66 @@ def _check_several(lhs, weights, gs, cfg):
         assert out.dtype == lhs.dtype and out.shape == ref.shape
         assert not np.any(np.asarray(out, np.float32)[int(np.sum(gs)):]), "rows past sum(group_sizes) must be zero"
         assert_close(np.asarray(out, np.float32), ref, "bfloat16", "grouped_matmuls_mxfp8 vs reference")
+
+
+@pytest.mark.parametrize("dtype,m", [(jnp.bfloat16, 1), (jnp.bfloat16, 5), (jnp.float32, 8)])
+def test_dense_gemvs_match_reference(dtype, m):
+    # bf16 dense weights of three widths (two of one shape: one problem of two weights), one launch; the
+    # row bodies for 1, 4-5 and 8 rows; K = 640, so split K parts of whole 64-row steps; fp32 lhs and out
+    # in fp32 arithmetic (the products of bf16 weights exact in fp32)
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    from m3jax.pallas.grouped_matmul import dense_gemvs
+
+    rng = np.random.default_rng(11)
+    lhs = jnp.asarray(rng.normal(size=(m, 640)), dtype)
+    ws = tuple(jnp.asarray(rng.normal(size=(640, n)) / 8, jnp.bfloat16) for n in (512, 256, 512, 768))
+    got = dense_gemvs(lhs, ws)
+    assert not _backend.interpret_races_found()
+    for out, want in zip(got, dense_gemvs(lhs, ws, implementation="reference")):
+        assert out.dtype == dtype and out.shape == want.shape
+        assert_close(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                     "bfloat16" if dtype == jnp.bfloat16 else "float32", "dense_gemvs vs reference")
+
+
+def test_dense_gemvs_refuse_what_they_cannot_take():
+    # Machine: any (the checks run before any kernel)
+    from m3jax.pallas.grouped_matmul import dense_gemvs
+
+    x, w = jnp.ones((2, 128), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16)
+    for lhs, weight, what in ((x, w[:, :128], "N=128"), (jnp.ones((9, 128), jnp.bfloat16), w, "M=9"),
+                              (x, w.astype(jnp.float32), "float32"), (x, w[:96], "K")):
+        with pytest.raises(ValueError, match=what):
+            dense_gemvs(lhs, (w, weight))
+
+
+def test_linears_run_the_bf16_decode_projections_in_one_launch(monkeypatch):
+    # m3jax.moe.linears(dense_gemv=True): the bf16 weights the gemv takes at decode rows go in one
+    # dense_gemvs launch whatever their widths, a width it refuses (N = 128: the index k) and prefill
+    # rows as XLA dots; each output the weight's product
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    import m3jax.pallas.grouped_matmul as gmm
+    from m3jax.moe import linears
+
+    launches, launch = [], gmm.dense_gemvs
+    monkeypatch.setattr(gmm, "dense_gemvs", lambda lhs, ws, **kw: launches.append([w.shape for w in ws])
+                        or launch(lhs, ws, **kw))
+    rng = np.random.default_rng(12)
+    ws = tuple(jnp.asarray(rng.normal(size=s) / 16, jnp.bfloat16)
+               for s in ((256, 4, 128), (256, 2, 128), (256, 2, 128), (256, 128)))
+    for rows, want_launches in ((3, [[(256, 512), (256, 256), (256, 256)]]), (9, [])):
+        launches.clear()
+        x = jnp.asarray(rng.normal(size=(1, rows, 256)), jnp.bfloat16)
+        got = linears(x, ws, "pallas", dense_gemv=True)
+        assert launches == want_launches
+        for w, out in zip(ws, got):
+            want = jnp.tensordot(x, w, axes=1, precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+            assert out.shape == want.shape
+            assert_close(np.asarray(out, np.float32), np.asarray(want), "bfloat16", "linears vs tensordot")
+    launches.clear()
+    linears(jnp.ones((1, 2, 256), jnp.bfloat16), ws, "pallas")
+    assert launches == []  # dense_gemv off: XLA's dots
+    assert not _backend.interpret_races_found()
 
 
 def test_gemv_launch_of_several_problems_matches_one_call_each():

@@ -12,6 +12,8 @@ reference dequantises (``dequantize_mxfp8``) and multiplies. ``mxfp8_unsupported
 shape times the same rows (an MLP's gate and up), one launch on the gemv schedule.
 ``gemv_launch_mxfp8(((lhs, weights, group_sizes, config), ...))``: several such calls, each its own rows
 and groups, in one gemv launch (a decode step's shared expert beside the routed experts).
+``dense_gemvs(lhs, (w, ...))``: a few rows times several bf16 dense weights ``[K, N_i]`` in one gemv
+launch (a decode step's attention projections); ``dense_gemv_unsupported_reason(m, k, n, dtype)``.
 
 ``GroupedMatmulConfig.schedule`` picks the kernel: ``"pipeline"`` (:mod:`.kernel`),
 ``"warp_specialized"`` (:mod:`.persistent`; its prefill tiles ``PREFILL_ROWS256`` and ``PREFILL_ROWS384``,
@@ -33,11 +35,13 @@ from m3jax.pallas.grouped_matmul.kernel import (
     tile_schedule,
     unsupported_reason,
 )
+from m3jax.pallas.grouped_matmul.gemv import dense_unsupported_reason as dense_gemv_unsupported_reason
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
 
-__all__ = ["PREFILL_128X256", "PREFILL_ROWS256", "PREFILL_ROWS384", "GroupedMatmulConfig", "dequantize_mxfp8",
-           "gemv_launch_mxfp8", "grouped_matmul", "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8", "layer_config",
-           "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
+__all__ = ["PREFILL_128X256", "PREFILL_ROWS256", "PREFILL_ROWS384", "GroupedMatmulConfig",
+           "dense_gemv_unsupported_reason", "dense_gemvs", "dequantize_mxfp8", "gemv_launch_mxfp8", "grouped_matmul",
+           "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8", "layer_config", "mxfp8_unsupported_reason",
+           "tile_schedule", "unsupported_reason"]
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation: str = "pallas", config=None,
@@ -77,4 +81,13 @@ def gemv_launch_mxfp8(problems, *, out_dtype=None, implementation: str = "pallas
         return _kernel.gemv_launch_mxfp8(problems, out_dtype=out_dtype, interpret=interpret)
     if implementation == "reference":
         return _reference.gemv_launch_mxfp8(problems, out_dtype=out_dtype)
+    raise ValueError(f"unknown implementation {implementation!r}")
+
+
+def dense_gemvs(lhs, weights, *, out_dtype=None, implementation: str = "pallas", interpret=None) -> tuple:
+    weights = tuple(weights)
+    if implementation == "pallas":
+        return _kernel.dense_gemvs(lhs, weights, out_dtype=out_dtype, interpret=interpret)
+    if implementation == "reference":
+        return _reference.dense_gemvs(lhs, weights, out_dtype=out_dtype)
     raise ValueError(f"unknown implementation {implementation!r}")

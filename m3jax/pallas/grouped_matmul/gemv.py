@@ -1,4 +1,5 @@
-"""MXFP8 grouped GEMV for decode: ``GroupedMatmulConfig(schedule="gemv")``, same contract as :mod:`.kernel`.
+"""MXFP8 grouped GEMV for decode: ``GroupedMatmulConfig(schedule="gemv")``, same contract as :mod:`.kernel`;
+and the bf16 dense GEMVs of a decode step's attention projections (:func:`dense_problems`).
 
 At decode a group (an expert, or the one group of a dense weight) has a few rows, so the MMA kernels'
 64-row tiles are almost empty and their time goes to converting every fp8 weight tile into a bf16 SMEM
@@ -31,6 +32,12 @@ This kernel multiplies on the CUDA cores instead, in fp32, and never forms the b
   :func:`leading_split`).
 * Pipeline. ``plgpu.emit_pipeline`` over the K part in ``block_k = 64`` row steps, unswizzled TMA
   tiles (the loads are row vectors, no MMA reads them), the accumulators carried in registers.
+
+* bf16 dense weights. A problem's weights may be bf16 ``(values,)`` of one group of every row, with no
+  scales: a thread's bf16 pair converted to fp32 and FMAd into the accumulators. At most ``ROWS`` rows,
+  one visit, so each weight is read once. All the projections of a decode step's attention input
+  (q, k, v, the index q and k) run as one launch, where XLA gave each narrow one its own split-K pair
+  of launches (benchmarks/RESULTS.md#decode-launches-2026-12-07).
 
 No MMA, so the same code runs on Hopper and Blackwell. Forward only, like the MXFP8 MMA kernels.
 """
@@ -140,6 +147,35 @@ def unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int, config) ->
     return None
 
 
+def dense_unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
+    """Why the schedule cannot take ``[m, k] x`` a bf16 dense weight ``[k, n]`` (:func:`dense_problems`)."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"weight dtype {jnp.dtype(dtype)}: the dense gemv takes bfloat16 weights"
+    if not 1 <= m <= ROWS:
+        # one visit streams the weight once; more rows would stream it once per ROWS rows
+        return f"M={m} rows: the dense gemv takes 1 to {ROWS}"
+    if n % BLOCK_N:
+        return f"N={n} must be a multiple of {BLOCK_N}"
+    if k % BLOCK_K:
+        return f"K={k} must be a multiple of {BLOCK_K}"
+    return None
+
+
+def dense_problems(lhs, weights) -> list[tuple[Problem, list[int]]]:
+    """bf16 dense weights ``[K, N_i]`` times the rows ``lhs [m, K]`` as one :class:`Problem` per distinct
+    shape (each split by :func:`decode_split` for its tiles), with the indices into ``weights`` it holds."""
+    m = lhs.shape[0]
+    by_shape: dict[tuple, list[int]] = {}
+    for i, w in enumerate(weights):
+        by_shape.setdefault(w.shape, []).append(i)
+    sizes = np.full((1,), m, np.int32)  # one group of every row, known when tracing: a constant schedule
+    problems = []
+    for (k, n), idx in by_shape.items():
+        split = decode_split(m, k, n, 1, len(idx))
+        problems.append((Problem(sizes, m, lhs, tuple((weights[i].reshape(1, k, n),) for i in idx), split), idx))
+    return problems
+
+
 def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpret=None) -> tuple:
     """One ``[m, N]`` per ``(values, scales)`` of ``weights`` (all of one shape): rows ``[0, m)`` of
     ``ragged_dot(lhs [m, K], dequantize(values, scales), group_sizes)``, rows past ``sum(group_sizes)`` zero.
@@ -152,8 +188,9 @@ def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpr
 
 
 class Problem(NamedTuple):
-    """One grouped GEMV of a launch: ``lhs [m, K]`` (rows ``[0, m)`` sorted by group) times each
-    ``(values [G, K, N], scales [G, K / group, N])`` of ``weights`` (one shape), K split in ``split_k``."""
+    """One grouped GEMV of a launch: ``lhs [m, K]`` (rows ``[0, m)`` sorted by group) times each weight of
+    ``weights`` (one shape and kind): MXFP8 ``(values [G, K, N], scales [G, K / group, N])`` or bf16
+    ``(values [G, K, N],)``; K split in ``split_k``."""
 
     group_sizes: jax.Array
     m: int
@@ -184,7 +221,7 @@ def kernel_calls(problems, *, out_dtype, interpret=None) -> tuple:
         pid = lax.axis_index("t")
         start, at = 0, 0
         for plan, size, out_ref in zip(plans, sizes, outs):
-            n_in = 2 + 2 * plan["n_weights"]
+            n_in = 2 + (1 + plan["scaled"]) * plan["n_weights"]
             mine = ins[at: at + n_in]
             pl.when((pid >= start) & (pid < start + size))(
                 functools.partial(_problem_body, plan, pid - start, mine[0], mine[1], mine[2:], out_ref))
@@ -202,8 +239,9 @@ def kernel_calls(problems, *, out_dtype, interpret=None) -> tuple:
 def _plan(pr: Problem) -> dict:
     """What a problem's CTAs need to know, and its operands built by XLA (schedule, padded fp32 lhs)."""
     k = pr.lhs.shape[1]
-    values0, scales0 = pr.weights[0]
+    values0 = pr.weights[0][0]
     n = values0.shape[2]
+    scaled = len(pr.weights[0]) == 2  # MXFP8 (values, scales); bf16 weights come as (values,)
     split = pr.split_k
     n_tiles = n // BLOCK_N
     # group sizes known when tracing (a dense weight's one group, m3jax.moe.linears) give a constant
@@ -221,7 +259,8 @@ def _plan(pr: Problem) -> dict:
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
     # row counts are multiples of 8 (the TMA's 8-row tiling, as for the MMA kernels' stores)
     m8 = -(-pr.m // 8) * 8
-    return {"n": n, "group": k // scales0.shape[1], "n_weights": len(pr.weights), "split": split,
+    return {"n": n, "group": k // pr.weights[0][1].shape[1] if scaled else BLOCK_K, "scaled": scaled,
+            "n_weights": len(pr.weights), "split": split,
             "k_part": k // split, "per_visit": n_tiles * split, "per_weight": sched.shape[0] * n_tiles * split,
             "steps": max(1, min(STAGES, k // split // BLOCK_K)), "m8": m8, "sched": sched, "covered": covered,
             "bodies": bodies,
@@ -240,31 +279,45 @@ def _problem_body(plan: dict, pid, sched_ref, x_ref, w_refs, out_ref) -> None:
     rows = hi - lo
 
     def visit(w, n_rows):
-        q_ref, s_ref = w_refs[2 * w], w_refs[2 * w + 1]
+        scaled = plan["scaled"]
+        q_ref = w_refs[(1 + scaled) * w]
 
-        def step(_, q_smem, s_smem, x_smem, acc):
-            acc = list(acc)
-            for j in range(bk // group):
-                # a loop over the group's K rows, ROWS_PER_ITER unrolled: fully unrolled, the Mosaic
-                # GPU layout inference takes minutes over the thousands of ops
-                def k_rows(i, part, j=j):
-                    part = list(part)
-                    for u in range(ROWS_PER_ITER):
-                        kr = j * group + i * ROWS_PER_ITER + u
-                        q = plgpu.load(q_smem.at[kr], layout=_COLS).astype(jnp.float16).astype(jnp.float32)
-                        part = [p + q * x_smem[r, kr] for r, p in enumerate(part)]
-                    return tuple(part)
+        def k_rows(q_smem, x_smem, k_first, i, part):
+            # ROWS_PER_ITER K rows per iteration: fully unrolled, the Mosaic GPU layout inference takes
+            # minutes over the thousands of ops
+            part = list(part)
+            for u in range(ROWS_PER_ITER):
+                kr = k_first + i * ROWS_PER_ITER + u
+                q = plgpu.load(q_smem.at[kr], layout=_COLS)
+                q = (q.astype(jnp.float16) if scaled else q).astype(jnp.float32)  # e4m3 converts through f16
+                part = [p + q * x_smem[r, kr] for r, p in enumerate(part)]
+            return tuple(part)
 
-                part = lax.fori_loop(0, group // ROWS_PER_ITER, k_rows, _zeros(n_rows))
-                scale = e8m0_scale(plgpu.load(s_smem.at[j], layout=_COLS).astype(jnp.int32))
-                acc = [a + p * scale for a, p in zip(acc, part)]
+        def step(_, q_smem, *rest):
+            if not scaled:  # bf16: no scale groups, the step's rows straight into the accumulators
+                x_smem, acc = rest
+                acc = lax.fori_loop(0, bk // ROWS_PER_ITER, functools.partial(k_rows, q_smem, x_smem, 0), acc)
+            else:
+                s_smem, x_smem, acc = rest
+                acc = list(acc)
+                for j in range(bk // group):
+                    part = lax.fori_loop(0, group // ROWS_PER_ITER,
+                                         functools.partial(k_rows, q_smem, x_smem, j * group), _zeros(n_rows))
+                    scale = e8m0_scale(plgpu.load(s_smem.at[j], layout=_COLS).astype(jnp.int32))
+                    acc = [a + p * scale for a, p in zip(acc, part)]
+            # The pipeline refills this step's slots by TMA as soon as the step returns, issued by one
+            # thread: every warp's reads of them must be done first (a warpgroup barrier, with the fence
+            # that orders them before the async proxy's writes). Without it a K part of more steps than
+            # stages raced in interpret mode's race detector.
+            plgpu.commit_smem()
             return tuple(acc)
 
         in_specs = [plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0)),
-                    plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0)),
+                    *([plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, 0))] if scaled else []),
                     plgpu.BlockSpec((n_rows, bk), lambda kk: (0, kk))]
-        operands = (q_ref.at[grp, pl.ds(k0, k_part), pl.ds(col0, bn)],
-                    s_ref.at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)],
+        scales = ((w_refs[2 * w + 1].at[grp, pl.ds(k0 // group, k_part // group), pl.ds(col0, bn)],) if scaled
+                  else ())
+        operands = (q_ref.at[grp, pl.ds(k0, k_part), pl.ds(col0, bn)], *scales,
                     x_ref.at[pl.ds(lo, n_rows), pl.ds(k0, k_part)])
         acc = plgpu.emit_pipeline(step, grid=(k_part // bk,), in_specs=in_specs, max_concurrent_steps=plan["steps"],
                                   init_carry=_zeros(n_rows))(*operands)

@@ -572,3 +572,25 @@ def gemv_launch_mxfp8(problems, *, out_dtype=None, interpret=None) -> tuple:
         jobs.append(gemv.Problem(group_sizes, lhs.shape[0], lhs, tuple(weights), config.split_k))
     out_dtype = jnp.dtype(out_dtype or problems[0][0].dtype)
     return gemv.kernel_calls(jobs, out_dtype=out_dtype, interpret=interpret)
+
+
+def dense_gemvs(lhs, weights, *, out_dtype=None, interpret=None) -> tuple:
+    """``lhs [M, K] @ w`` for each bf16 ``w [K, N_i]`` of ``weights`` (any mix of widths), all in one gemv
+    launch (:func:`.gemv.dense_problems`): fp32 arithmetic on the CUDA cores, an fp32 ``lhs`` taken as it
+    is, the products summed in fp32 and rounded once to ``out_dtype`` (default ``lhs.dtype``). At most
+    ``gemv.ROWS`` rows (:func:`.gemv.dense_unsupported_reason`). A decode step's attention projections."""
+    if not weights:
+        raise ValueError("dense_gemvs: no weights")
+    m, k = check_dims("dense_gemvs", lhs=(lhs, "M K"))["M"], lhs.shape[1]
+    for i, w in enumerate(weights):
+        check_dims("dense_gemvs", lhs=(lhs, "M K"), **{f"weights[{i}]": (w, "K N")})
+        if reason := gemv.dense_unsupported_reason(m, k, w.shape[1], w.dtype):
+            raise ValueError(f"dense_gemvs cannot take lhs {lhs.shape} x weights[{i}] {w.shape}: {reason}")
+    problems = gemv.dense_problems(lhs, weights)
+    outs = gemv.kernel_calls([pr for pr, _ in problems], out_dtype=jnp.dtype(out_dtype or lhs.dtype),
+                             interpret=interpret)
+    result = [None] * len(weights)
+    for (_, idx), out in zip(problems, outs):
+        for i, o in zip(idx, out):
+            result[i] = o
+    return tuple(result)

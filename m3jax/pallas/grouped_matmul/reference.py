@@ -33,3 +33,11 @@ def gemv_launch_mxfp8(problems, *, out_dtype=None, interpret=None) -> tuple:
     """:func:`grouped_matmuls_mxfp8` per ``(lhs, weights, group_sizes, config)`` problem."""
     out_dtype = out_dtype or problems[0][0].dtype
     return tuple(grouped_matmuls_mxfp8(lhs, weights, sizes, out_dtype=out_dtype) for lhs, weights, sizes, _ in problems)
+
+
+def dense_gemvs(lhs, weights, *, out_dtype=None, interpret=None) -> tuple:
+    """``lhs @ w`` per weight of ``weights``, fp32 products and sums, rounded once to ``out_dtype``."""
+    del interpret
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    return tuple(jnp.dot(lhs, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+                 .astype(out_dtype) for w in weights)
