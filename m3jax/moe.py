@@ -104,18 +104,27 @@ def linears(x: jax.Array, ws, impl: str = "ragged_dot", in_axes: int = 1, dense_
     return tuple(out.reshape(*x.shape[: x.ndim - in_axes], *out_shape) for out in outs)
 
 
+# The bf16 dense gemv runs a decode step's projections where it beat XLA's dots (H100,
+# benchmarks/RESULTS.md#dense-gemv): one row, narrow weights (k, v and the index q at 512 columns: XLA runs
+# each as a split-K pair of launches). At 8 rows, and for q's 8,192 columns at one, XLA was faster.
+DENSE_GEMV_ROWS = 1
+DENSE_GEMV_MAX_N = 1024
+
+
 def _dense_gemv_takes(x: jax.Array, ws, impl: str, in_axes: int) -> list[int]:
     """The indices of ``ws`` that :func:`linears` runs on the bf16 dense gemv (``gmm.dense_gemvs``): bf16
-    rows and weights, at most the gemv's rows (decode), shapes it takes, ``impl`` "auto" on the GPU or
-    "pallas", no tensor-parallel mesh, a kernel that passed its canary. Where it takes none, XLA's dots."""
+    rows and weights, at most DENSE_GEMV_ROWS rows and DENSE_GEMV_MAX_N columns, shapes it takes, ``impl``
+    "auto" on the GPU or "pallas", no tensor-parallel mesh, a kernel that passed its canary. Where it takes
+    none, XLA's dots."""
     k = math.prod(x.shape[x.ndim - in_axes:])
     m = x.size // max(k, 1)
-    if impl == "ragged_dot" or (impl == "auto" and not _backend.on_gpu()) or x.dtype != jnp.bfloat16:
+    if (impl == "ragged_dot" or (impl == "auto" and not _backend.on_gpu()) or x.dtype != jnp.bfloat16
+            or m > DENSE_GEMV_ROWS):
         return []
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and dict(mesh.shape).get(MODEL, 1) > 1:
         return []
-    take = [i for i, w in enumerate(ws) if not isinstance(w, MXFP8Weight)
+    take = [i for i, w in enumerate(ws) if not isinstance(w, MXFP8Weight) and w.size // k <= DENSE_GEMV_MAX_N
             and gmm.dense_gemv_unsupported_reason(m, k, w.size // k, w.dtype) is None]
     return take if take and kernel_failure("grouped_matmul") is None else []
 

@@ -479,19 +479,24 @@ def test_dense_gemvs_refuse_what_they_cannot_take():
 
 def test_linears_run_the_bf16_decode_projections_in_one_launch(monkeypatch):
     # m3jax.moe.linears(dense_gemv=True): the bf16 weights the gemv takes at decode rows go in one
-    # dense_gemvs launch whatever their widths, a width it refuses (N = 128: the index k) and prefill
-    # rows as XLA dots; each output the weight's product
+    # dense_gemvs launch whatever their widths; a width it refuses (N = 128: the index k), one past
+    # DENSE_GEMV_MAX_N and more rows than DENSE_GEMV_ROWS (raised here to 3, then below) as XLA dots;
+    # each output the weight's product
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     import m3jax.pallas.grouped_matmul as gmm
+    from m3jax import moe
     from m3jax.moe import linears
+
+    monkeypatch.setattr(moe, "DENSE_GEMV_ROWS", 3)
+    monkeypatch.setattr(moe, "DENSE_GEMV_MAX_N", 512)
 
     launches, launch = [], gmm.dense_gemvs
     monkeypatch.setattr(gmm, "dense_gemvs", lambda lhs, ws, **kw: launches.append([w.shape for w in ws])
                         or launch(lhs, ws, **kw))
     rng = np.random.default_rng(12)
     ws = tuple(jnp.asarray(rng.normal(size=s) / 16, jnp.bfloat16)
-               for s in ((256, 4, 128), (256, 2, 128), (256, 2, 128), (256, 128)))
-    for rows, want_launches in ((3, [[(256, 512), (256, 256), (256, 256)]]), (9, [])):
+               for s in ((256, 4, 128), (256, 2, 128), (256, 2, 128), (256, 128), (256, 1024)))
+    for rows, want_launches in ((3, [[(256, 512), (256, 256), (256, 256)]]), (4, [])):
         launches.clear()
         x = jnp.asarray(rng.normal(size=(1, rows, 256)), jnp.bfloat16)
         got = linears(x, ws, "pallas", dense_gemv=True)
@@ -821,20 +826,24 @@ def test_linears_mxfp8_one_launch_per_shape(monkeypatch):
 
 def test_gemv_schedule_is_a_constant_for_a_dense_weight(monkeypatch):
     # a dense weight's one group (m3jax.moe.linears) is known when tracing: the gemv's visit schedule is
-    # computed then, not by kernels of the program; routed experts' traced group sizes keep it traced
+    # computed then (in numpy), not by kernels of the program; routed experts' traced group sizes keep it
+    # traced
     # Machine: any: host-side planning, no kernel runs
     from m3jax.layers import MXFP8Weight
     from m3jax.moe import grouped_matmuls, linears
     from m3jax.pallas.grouped_matmul import gemv
 
-    traced, schedule = [], gemv.schedule
+    traced = []
 
-    def recorded(*args):
-        out = schedule(*args)
-        traced.append(isinstance(out, jax.core.Tracer))
-        return out
+    def recorded(f):
+        def run(*args):
+            out = f(*args)
+            traced.append(isinstance(out, jax.core.Tracer))
+            return out
+        return run
 
-    monkeypatch.setattr(gemv, "schedule", recorded)
+    monkeypatch.setattr(gemv, "schedule", recorded(gemv.schedule))
+    monkeypatch.setattr(gemv, "one_group_schedule", recorded(gemv.one_group_schedule))
     (va, sa), (vb, sb) = (_mxfp8_weights(2, 256, 256, seed=s) for s in (11, 12))
     x = jnp.asarray(np.random.default_rng(6).normal(size=(3, 256)), jnp.bfloat16)
     jax.jit(lambda x: linears(x, (MXFP8Weight(va[0], sa[0]), MXFP8Weight(vb[0], sb[0])), "pallas"))(x)
@@ -947,3 +956,13 @@ def test_moe_layer_warp_specialized_matches_ragged_dot(monkeypatch):
     ref = moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
     assert not _backend.interpret_races_found()
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MoE warp-specialised vs ragged_dot")
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 17, 64])
+def test_one_group_schedule_is_the_traced_one(m):
+    # a dense weight's schedule is built in numpy when tracing (a forked staging child runs nothing on a
+    # device): the same visits as the schedule of group sizes [m]
+    # Machine: any (numpy and XLA on the default device)
+    from m3jax.pallas.grouped_matmul import gemv
+
+    np.testing.assert_array_equal(gemv.one_group_schedule(m), np.asarray(gemv.schedule(jnp.asarray([m]), m)))

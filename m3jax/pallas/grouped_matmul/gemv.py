@@ -83,6 +83,19 @@ def schedule(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.stack([grp, jnp.where(live, lo, zero), jnp.where(live, hi, zero)], axis=1)
 
 
+def one_group_schedule(m: int) -> np.ndarray:
+    """:func:`schedule` of one group of all ``m`` rows (a dense weight), in numpy: a program staged in a
+    forked child (m3jax.aot) is traced without running anything on a device, which
+    ``jax.ensure_compile_time_eval`` would do on the GPU."""
+    lo = np.arange(visits_bound(m, 1), dtype=np.int32) * ROWS
+    live = lo < m
+    return np.stack([np.zeros_like(lo), np.where(live, lo, 0), np.where(live, np.minimum(lo + ROWS, m), 0)], axis=1)
+
+
+def _one_group_of_all(group_sizes, m: int) -> bool:
+    return isinstance(group_sizes, np.ndarray) and group_sizes.shape == (1,) and int(group_sizes[0]) == m
+
+
 def _runs_body(rows, n_rows: int):
     """Whether a visit of ``rows`` rows runs the body for ``n_rows`` (the smallest of ROW_BODIES that
     holds them); ``rows`` a scalar or an array of them."""
@@ -246,9 +259,12 @@ def _plan(pr: Problem) -> dict:
     n_tiles = n // BLOCK_N
     # group sizes known when tracing (a dense weight's one group, m3jax.moe.linears) give a constant
     # schedule: no index kernels before the launch
-    with jax.ensure_compile_time_eval():
-        sched = schedule(jnp.asarray(pr.group_sizes), pr.m)
-        covered = jnp.arange(pr.m) < jnp.max(sched[:, 2])  # rows some visit writes: below the last live visit's end
+    if _one_group_of_all(pr.group_sizes, pr.m):
+        sched, covered = one_group_schedule(pr.m), np.ones((pr.m,), bool)
+    else:
+        with jax.ensure_compile_time_eval():
+            sched = schedule(jnp.asarray(pr.group_sizes), pr.m)
+            covered = jnp.arange(pr.m) < jnp.max(sched[:, 2])  # rows some visit writes: below the last live visit's end
     # the row bodies some visit can run, the others never built (each is a copy of the pipeline to lower
     # and compile): for a traced schedule those of at most m rows, for a constant one (a dense weight at
     # decode) those its visits need
