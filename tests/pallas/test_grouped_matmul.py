@@ -447,17 +447,22 @@ def _check_several(lhs, weights, gs, cfg):
         assert_close(np.asarray(out, np.float32), ref, "bfloat16", "grouped_matmuls_mxfp8 vs reference")
 
 
-@pytest.mark.parametrize("dtype,m", [(jnp.bfloat16, 1), (jnp.bfloat16, 5), (jnp.float32, 8)])
-def test_dense_gemvs_match_reference(dtype, m):
-    # bf16 dense weights of three widths (two of one shape: one problem of two weights), one launch; the
-    # row bodies for 1, 4-5 and 8 rows; K = 640, so split K parts of whole 64-row steps; fp32 lhs and out
-    # in fp32 arithmetic (the products of bf16 weights exact in fp32)
+@pytest.mark.parametrize("dtype,m,k,widths", [
+    # three widths (two of one shape: one problem of two weights) in one launch; K = 640 in parts of 5
+    # steps, more than the pipeline's slots
+    (jnp.bfloat16, 1, 640, (512, 256, 512, 768)),
+    # the row bodies for 4-5 and 8 rows; fp32 lhs and out in fp32 arithmetic (the products of bf16
+    # weights exact in fp32)
+    (jnp.bfloat16, 5, 128, (256, 512)),
+    (jnp.float32, 8, 128, (256,)),
+])
+def test_dense_gemvs_match_reference(dtype, m, k, widths):
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.pallas.grouped_matmul import dense_gemvs
 
     rng = np.random.default_rng(11)
-    lhs = jnp.asarray(rng.normal(size=(m, 640)), dtype)
-    ws = tuple(jnp.asarray(rng.normal(size=(640, n)) / 8, jnp.bfloat16) for n in (512, 256, 512, 768))
+    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    ws = tuple(jnp.asarray(rng.normal(size=(k, n)) / 8, jnp.bfloat16) for n in widths)
     got = dense_gemvs(lhs, ws)
     assert not _backend.interpret_races_found()
     for out, want in zip(got, dense_gemvs(lhs, ws, implementation="reference")):
@@ -966,3 +971,36 @@ def test_one_group_schedule_is_the_traced_one(m):
     from m3jax.pallas.grouped_matmul import gemv
 
     np.testing.assert_array_equal(gemv.one_group_schedule(m), np.asarray(gemv.schedule(jnp.asarray([m]), m)))
+
+
+def test_msa_layer_decode_projections_share_one_dense_gemv(monkeypatch):
+    # a decode token's projections on an MSA layer with bf16 weights and moe_impl="pallas": k, v and the
+    # index q (256 columns each) in one dense_gemvs launch; q (1,024 columns, past DENSE_GEMV_MAX_N here)
+    # and the index k (64: narrower than the gemv's tile) as XLA dots; each normed and rotated output
+    # equal to the XLA path's within bf16 rounding
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    import m3jax.pallas.grouped_matmul as gmm
+    from m3jax import moe
+    from m3jax.layers import rope_angles
+    from m3jax.model import project_qkv
+    from m3jax.params import init_random_on_device
+    from tests.conftest import tiny_config
+
+    monkeypatch.setattr(moe, "DENSE_GEMV_MAX_N", 512)
+    launches, launch = [], gmm.dense_gemvs
+    monkeypatch.setattr(gmm, "dense_gemvs", lambda lhs, ws, **kw: launches.append([w.shape for w in ws])
+                        or launch(lhs, ws, **kw))
+    cfg = tiny_config(hidden_size=256, num_attention_heads=16, num_key_value_heads=4, head_dim=64, rotary_dim=32,
+                      index_n_heads=4, index_head_dim=64, num_hidden_layers=2,
+                      layer_types=("full_attention", "minimax_m3_sparse"), mlp_layer_types=("dense", "dense"))
+    lp = init_random_on_device(cfg, seed=3, dtype=jnp.bfloat16, scale=0.3)["text"]["layers"][1]
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(1, 1, 256)), jnp.bfloat16)
+    pos = jnp.full((1, 1), 37, jnp.int32)
+    angles = rope_angles(pos, cfg.text.rotary_dim, cfg.text.rope_theta)
+    got = project_qkv(x, lp, angles, cfg.text, True, "pallas")
+    assert launches == [[(256, 256)] * 3]
+    assert not _backend.interpret_races_found()
+    want = project_qkv(x, lp, angles, cfg.text, True, "ragged_dot")
+    for name, g, w in zip(("q", "k", "v", "iq", "ik"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert_close(np.asarray(g, np.float32), np.asarray(w, np.float32), "bfloat16", f"{name}: gemv vs XLA")
