@@ -83,9 +83,10 @@ def index_branch(x: jax.Array, p: dict, angles: jax.Array, cfg: TextConfig,
 
 def project_qkv(x: jax.Array, lp: dict, angles: jax.Array, cfg: TextConfig, sparse: bool, impl: str = "ragged_dot"):
     """q [B,T,N,H], k, v [B,T,K,H] (q/k normed and rotated) and, on MSA layers, iq [B,T,Hi,Hx], ik [B,T,Hx].
-    ``impl``: MXFP8 weights' matmuls (:func:`m3jax.moe.linear`)."""
+    ``impl``: the matmuls' kernels (:func:`m3jax.moe.linears`)."""
     p, ip = lp["attn"], lp["index"] if sparse else None
-    # one launch at decode for every projection of x (moe.linears: the dense gemv, or MXFP8's per shape)
+    # every projection of x in one linears call, so that a decode step shares launches among them: the
+    # dense gemv's one launch for the bf16 weights it takes, one per shape for MXFP8 weights
     q, k, v, *index = linears(x, (p["wq"], p["wk"], p["wv"], *((ip["wq"], ip["wk"]) if sparse else ())), impl,
                               dense_gemv=True)
     parts = [(q, p["q_norm"]), (k, p["k_norm"]), *(_index_parts(*index, ip) if sparse else [])]

@@ -35,9 +35,9 @@ This kernel multiplies on the CUDA cores instead, in fp32, and never forms the b
 
 * bf16 dense weights. A problem's weights may be bf16 ``(values,)`` of one group of every row, with no
   scales: a thread's bf16 pair converted to fp32 and FMAd into the accumulators. At most ``ROWS`` rows,
-  one visit, so each weight is read once. All the projections of a decode step's attention input
-  (q, k, v, the index q and k) run as one launch, where XLA gave each narrow one its own split-K pair
-  of launches (benchmarks/RESULTS.md#decode-launches-2026-12-07).
+  one visit, so each weight is read once. A decode step's narrow attention projections run as one launch
+  (:func:`m3jax.moe.linears` says which), where XLA gave each its own split-K pair of launches
+  (benchmarks/RESULTS.md#dense-gemv).
 
 No MMA, so the same code runs on Hopper and Blackwell. Forward only, like the MXFP8 MMA kernels.
 """
