@@ -144,7 +144,9 @@ def _load() -> dict:
     return {k: v for k, v in entries.items() if isinstance(v, dict) and set(v) == _FIELDS}
 
 
-def _save(key: str, verdict: Verdict) -> None:
+def _remember(key: str, verdict: Verdict) -> None:
+    """Keep ``verdict`` for ``key`` in this process (``_MEMO``) and in the cache file."""
+    _MEMO[key] = verdict
     path = cache_path()
     with warnings.catch_warnings():  # a bad file was named when it was read
         warnings.simplefilter("ignore")
@@ -401,8 +403,8 @@ def check(canaries: list[Canary], *, force: bool = False, dev: dict | None = Non
         todo.append(c)
     if todo:
         for c, v in zip(todo, run_isolated(todo, dev)):
-            _MEMO[_key(c, dev)] = out[c.name] = v
-            _save(_key(c, dev), v)
+            _remember(_key(c, dev), v)
+            out[c.name] = v
     return [out[c.name] for c in canaries]
 
 
@@ -439,8 +441,7 @@ class Background:
         try:
             got = run_isolated(canaries, dev)
             for c, v in zip(canaries, got):
-                _MEMO[self._keys[c.name]] = v
-                _save(self._keys[c.name], v)
+                _remember(self._keys[c.name], v)
             self.seconds = time.perf_counter() - self.started
             self._future.set_result(got)
         except BaseException as e:  # noqa: BLE001  (handed to whoever waits; the canaries run again on demand)
@@ -533,8 +534,7 @@ def check_kernels(kernels: dict[str, int | None], *, wait: bool = True) -> list[
         if key in _IN_FLIGHT or _known(key, stored) is not None:
             continue
         if (na := _not_applicable(c, dev)) is not None:  # known now: nothing to presume
-            _MEMO[key] = na
-            _save(key, na)
+            _remember(key, na)
             continue
         todo.append(c)
     return Background(todo, dev)
