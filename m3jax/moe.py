@@ -165,9 +165,25 @@ def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]
     """
     logits = jnp.dot(x.astype(jnp.float32), p["router"], precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    _, ids = jax.lax.top_k(scores + p["router_bias"], cfg.num_experts_per_tok)
-    w = jnp.take_along_axis(scores, ids, axis=-1)
-    return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
+    ids, w = choose_experts(scores + p["router_bias"], scores, cfg.num_experts_per_tok)
+    return ids, w / jnp.sum(w, axis=-1, keepdims=True)
+
+
+def choose_experts(biased: jax.Array, scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(ids int32 [T, k], ``scores`` at them [T, k]): ``jax.lax.top_k(biased, k)``'s experts in its order
+    (descending, the lower id first among equals). Up to :data:`FEW_PAIRS` (token, slot) pairs by ranks:
+    expert i's rank is the number of experts before it in that order, all pairs compared at once, a
+    fusion or two where top-k is a sort launch and the scores' gather another (a decode step)."""
+    t, e = biased.shape
+    if t * k > FEW_PAIRS:
+        _, ids = jax.lax.top_k(biased, k)
+        return ids.astype(jnp.int32), jnp.take_along_axis(scores, ids, axis=-1)
+    i = jnp.arange(e, dtype=jnp.int32)
+    a, b = biased[:, :, None], biased[:, None, :]  # [t, i, j]
+    rank = jnp.sum((b > a) | ((b == a) & (i[None, None, :] < i[None, :, None])), axis=2, dtype=jnp.int32)
+    slot = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [t, slot, i]: one i per slot
+    ids = jnp.sum(jnp.where(slot, i, 0), axis=2, dtype=jnp.int32)
+    return ids, jnp.sum(jnp.where(slot, scores[:, None, :], 0), axis=2)
 
 
 def _grouped_matmul_config(m: int, w: jax.Array | MXFP8Weight, weights: int = 1):
@@ -331,9 +347,15 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     ``impl``: the grouped matmul (``M3Config.moe_impl``)."""
     if expert_parallel_axis(cfg) is not None:  # a mesh with an expert axis is active (m3jax.sharding)
         return moe_expert_parallel(x, p, cfg, impl=impl)
-    t, _ = x.shape
+    t, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_local_experts
     ids, w = route(x, p, cfg)
+    if t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl):
+        # one token's k experts are distinct: each (token, slot) row is a kernel visit of its own, in slot
+        # order (gmm.RowGroups); no sort by expert, no group sizes and no schedule kernels in the step
+        ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
+        routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
+        return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
     flat_ids = ids.reshape(-1)
     order, group_sizes = expert_order(flat_ids, e)
     token = order // k
@@ -341,6 +363,16 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
     routed = sum_rows(ys, token, t)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
+
+
+def _row_visits(xs: jax.Array, p: dict, impl: str) -> bool:
+    """Whether the routed experts' GEMMs over ``xs [M, D]`` all run the kernel on a schedule that takes a
+    visit per row (``gmm.RowGroups``: the pipeline, the gemv), so :func:`moe_sorted` may skip the sort."""
+    down = p["down"].values if isinstance(p["down"], MXFP8Weight) else p["down"]
+    act = jax.ShapeDtypeStruct((xs.shape[0], down.shape[1]), xs.dtype)
+    return all(resolve_moe_impl(impl, rows, w) == "pallas"
+               and _grouped_matmul_config(rows.shape[0], w).schedule in ("pipeline", "gemv")
+               for rows, w in ((xs, p["gate"]), (xs, p["up"]), (act, p["down"])))
 
 
 # Up to this many (token, slot) pairs (a decode step: batch x experts per token) the pairs are ordered by

@@ -6,7 +6,9 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from m3jax.moe import FEW_PAIRS, expert_order, moe_dense_reference, moe_sorted, route, sum_rows
+import jax
+
+from m3jax.moe import FEW_PAIRS, choose_experts, expert_order, moe_dense_reference, moe_sorted, route, sum_rows
 from m3jax.params import init_random
 from tests.conftest import assert_close, tiny_config
 
@@ -32,6 +34,21 @@ def test_expert_order_is_the_stable_sort(pairs):
     np.add.at(want, token, ys)
     np.testing.assert_allclose(np.asarray(sum_rows(jnp.asarray(ys), jnp.asarray(token), 3)), want, rtol=1e-6,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 17])
+def test_choose_experts_is_top_k(tokens):
+    # Machine: any. Few pairs by ranks (1 and 8 tokens of top-4), many by lax.top_k (17): the same experts in
+    # the same order as lax.top_k, equal values ordered by id, and the unbiased scores at them, exactly
+    rng = np.random.default_rng(tokens)
+    biased = np.round(rng.normal(size=(tokens, 64)), 1).astype(np.float32)  # one decimal: many ties
+    biased[:, 7] = biased[:, 3] = biased.max(1)  # a tie at the top
+    scores = rng.random(size=(tokens, 64)).astype(np.float32)
+    ids, w = choose_experts(jnp.asarray(biased), jnp.asarray(scores), 4)
+    _, want = jax.lax.top_k(jnp.asarray(biased), 4)
+    assert ids.dtype == jnp.int32 and (tokens * 4 > FEW_PAIRS) == (tokens == 17)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(w), np.take_along_axis(scores, np.asarray(want), -1))
 
 
 @pytest.mark.parametrize("tokens", [1, 53])

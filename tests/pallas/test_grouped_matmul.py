@@ -81,11 +81,14 @@ def _check(lhs, rhs, gs, cfg=CFG, out_dtype=None):
 @pytest.mark.parametrize("m,sizes,bm", [
     (120, [0, 30, 0, 0, 50, 40], 64), (180, [10, 150, 20], 64), (150, [20, 30, 25], 128),
     (7, [3, 0, 2], 64), (300, [0] * 5, 128), (256, [64, 64, 64, 64], 64),
+    # decode: 4 rows of a token's 4 experts among 128 groups: 4 visits, not one per group
+    (4, [0] * 9 + [1] + [0] * 40 + [1, 1] + [0] * 75 + [1], 64),
 ])
 def test_tile_schedule_covers_each_row_once(m, sizes, bm):
     # Machine: any: host-side planning, no kernel runs
     sched = np.asarray(tile_schedule(jnp.asarray(sizes, jnp.int32), m, bm))
-    assert sched.shape == (-(-m // bm) + len(sizes), 4)
+    # a visit per tile, and one more per boundary inside a tile between groups with rows (the zero group too)
+    assert sched.shape == (-(-m // bm) + min(len(sizes) + 1, m) - 1, 4)
     ends = np.cumsum(sizes)
     owner = np.full(m, len(sizes))  # the zero group past the sum
     for g, (s, e) in enumerate(zip(ends - sizes, ends)):
@@ -283,6 +286,72 @@ def test_moe_layer_pallas_matches_ragged_dot():
     assert not _backend.interpret_races_found()
     assert got.dtype == jnp.bfloat16
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", "MoE pallas vs ragged_dot")
+
+
+@pytest.mark.parametrize("kind", ["pipeline_bf16", "pipeline_fp32", "gemv_mxfp8"])
+def test_row_groups_match_per_row_products(kind):
+    # RowGroups: row r times group ids[r], the rows in no order, a group repeated and others unused; against
+    # numpy's product of each row with its own weight (the reference too: it sorts, runs ragged_dot and puts
+    # the rows back). gemv: gate and up in one launch over 10-step K parts
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    from m3jax.pallas.grouped_matmul import RowGroups, dequantize_mxfp8, tile_schedule
+
+    ids = jnp.asarray([5, 2, 5, 0, 3], jnp.int32)
+    g, dtype = 6, jnp.float32 if kind == "pipeline_fp32" else jnp.bfloat16
+    if kind == "gemv_mxfp8":
+        k, n = 640, 256
+        lhs = _inputs(5, k, n, [0] * g, dtype, seed=12)[0]
+        weights = (_mxfp8_weights(g, k, n, seed=13), _mxfp8_weights(g, k, n, seed=14))
+        cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=1)
+        got = jax.jit(lambda ids: grouped_matmuls_mxfp8(lhs, weights, RowGroups(ids), config=cfg))(ids)
+        ref = gmm_reference.grouped_matmuls_mxfp8(lhs, weights, RowGroups(ids))
+        rhs = [dequantize_mxfp8(v, s) for v, s in weights]
+    else:
+        lhs, rhs, _ = _inputs(5, 128, 256, [0] * g, dtype, seed=12)
+        got = (jax.jit(lambda ids: grouped_matmul(lhs, rhs, RowGroups(ids), config=CFG))(ids),)
+        ref = (gmm_reference.grouped_matmul(lhs, rhs, RowGroups(ids)),)
+        rhs = [rhs]
+        assert tile_schedule(RowGroups(ids), 5, CFG.block_m).shape == (5, 4)  # a visit per row, no dead ones
+    assert not _backend.interpret_races_found()
+    for out, want, w in zip(got, ref, rhs):
+        per_row = np.einsum("mk,mkn->mn", np.asarray(lhs, np.float64), np.asarray(w, np.float64)[np.asarray(ids)])
+        assert out.dtype == dtype and out.shape == per_row.shape
+        name = "float32" if dtype == jnp.float32 else "bfloat16"
+        assert_close(np.asarray(want, np.float32), per_row, name, "reference's per-row groups vs numpy")
+        assert_close(np.asarray(out, np.float32), per_row, name, f"{kind} per-row groups vs numpy")
+    with pytest.raises(ValueError, match="group_sizes.ids"):
+        grouped_matmul(lhs[:, :128], jnp.zeros((g, 128, 256), dtype), RowGroups(ids[:4]), config=CFG)
+    with pytest.raises(ValueError, match="per-row groups"):
+        grouped_matmul(lhs[:, :128], jnp.zeros((g, 128, 256), dtype), RowGroups(ids), config=WS)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "mxfp8"])
+def test_moe_decode_token_skips_the_sort(monkeypatch, weights):
+    # one token: its experts' rows go to the kernels in slot order (RowGroups), expert_order never runs;
+    # against the sorted ragged_dot path on the same (dequantised) weights
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    import m3jax.moe as moe
+    import m3jax.pallas.grouped_matmul as gmm
+    from m3jax.layers import dequantize_tree
+    from m3jax.params import init_random_on_device
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=256, shared_intermediate_size=256, num_local_experts=6,
+                      num_experts_per_tok=3)
+    p = init_random_on_device(cfg, seed=8, dtype=jnp.bfloat16, scale=0.3,
+                              weights="mxfp8" if weights == "mxfp8" else "dequantize")["text"]["layers"][1]["moe"]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(1, 256)), jnp.bfloat16)
+    ref = moe.moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
+    seen = []
+    for name in ("grouped_matmul", "gemv_launch_mxfp8"):
+        call = getattr(gmm, name)
+        monkeypatch.setattr(gmm, name, lambda *a, call=call, **kw: seen.append(a[2] if len(a) > 2 else a[0][0][2])
+                            or call(*a, **kw))
+    monkeypatch.setattr(moe, "expert_order", lambda *a: pytest.fail("one decode token needs no sort"))
+    got = moe.moe_sorted(x, p, cfg.text, impl="pallas")
+    assert not _backend.interpret_races_found()
+    assert seen and all(isinstance(gs, gmm.RowGroups) for gs in seen)
+    assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", f"{weights} MoE decode token")
 
 
 def test_m3config_moe_impl_is_validated_and_not_serialised():

@@ -2,7 +2,8 @@
 
 ``grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation="pallas", config=None)``
 returns ``[M, N]`` with row r = ``lhs[r] @ rhs[group of r]`` (rows sorted by group, rows past
-``sum(group_sizes)`` zero). ``unsupported_reason(m, k, n, g, config)`` says why the kernel cannot
+``sum(group_sizes)`` zero; ``RowGroups(ids)`` instead: row r times ``rhs[ids[r]]``, rows in any order, on
+the pipeline and gemv schedules). ``unsupported_reason(m, k, n, g, config)`` says why the kernel cannot
 take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.ragged_dot``.
 
 ``grouped_matmul_mxfp8(lhs, values, scales, group_sizes, ...)``: the same with MXFP8 weights (float8_e4m3fn
@@ -37,8 +38,9 @@ from m3jax.pallas.grouped_matmul.kernel import (
 )
 from m3jax.pallas.grouped_matmul.gemv import dense_unsupported_reason as dense_gemv_unsupported_reason
 from m3jax.pallas.grouped_matmul.reference import dequantize_mxfp8
+from m3jax.pallas.grouped_matmul.tiles import RowGroups
 
-__all__ = ["PREFILL_128X256", "PREFILL_ROWS256", "PREFILL_ROWS384", "GroupedMatmulConfig",
+__all__ = ["PREFILL_128X256", "PREFILL_ROWS256", "PREFILL_ROWS384", "GroupedMatmulConfig", "RowGroups",
            "dense_gemv_unsupported_reason", "dense_gemvs", "dequantize_mxfp8", "gemv_launch_mxfp8", "grouped_matmul",
            "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8", "layer_config", "mxfp8_unsupported_reason",
            "tile_schedule", "unsupported_reason"]

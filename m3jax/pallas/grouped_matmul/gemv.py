@@ -53,7 +53,7 @@ import numpy as np
 from jax import lax
 
 from m3jax.pallas._backend import current_target, mosaic_kernel, pl, plgpu
-from m3jax.pallas.grouped_matmul.tiles import deal_visits, e8m0_scale, group_rows
+from m3jax.pallas.grouped_matmul.tiles import RowGroups, deal_visits, e8m0_scale, group_rows
 
 ROWS = 8  # lhs rows of one visit (fp32 accumulators per thread: 2 per row)
 ROW_BODIES = (1, 2, 4, 8)  # a visit runs the body for the smallest of these that holds its rows
@@ -201,9 +201,9 @@ def kernel_call(group_sizes, m: int, lhs, weights, *, out_dtype, config, interpr
 
 
 class Problem(NamedTuple):
-    """One grouped GEMV of a launch: ``lhs [m, K]`` (rows ``[0, m)`` sorted by group) times each weight of
-    ``weights`` (one shape and kind): MXFP8 ``(values [G, K, N], scales [G, K / group, N])`` or bf16
-    ``(values [G, K, N],)``; K split in ``split_k``."""
+    """One grouped GEMV of a launch: ``lhs [m, K]`` (rows ``[0, m)`` sorted by group, or any order with
+    ``group_sizes`` a :class:`.tiles.RowGroups`) times each weight of ``weights`` (one shape and kind): MXFP8
+    ``(values [G, K, N], scales [G, K / group, N])`` or bf16 ``(values [G, K, N],)``; K split in ``split_k``."""
 
     group_sizes: jax.Array
     m: int
@@ -261,6 +261,9 @@ def _plan(pr: Problem) -> dict:
     # schedule: no index kernels before the launch
     if _one_group_of_all(pr.group_sizes, pr.m):
         sched, covered = one_group_schedule(pr.m), np.ones((pr.m,), bool)
+    elif isinstance(pr.group_sizes, RowGroups):  # a visit per row: one XLA op, the 1-row body only
+        r = jnp.arange(pr.m, dtype=jnp.int32)
+        sched, covered = jnp.stack([pr.group_sizes.ids.astype(jnp.int32), r, r + 1], axis=1), np.ones((pr.m,), bool)
     else:
         with jax.ensure_compile_time_eval():
             sched = schedule(jnp.asarray(pr.group_sizes), pr.m)
@@ -268,7 +271,7 @@ def _plan(pr: Problem) -> dict:
     # the row bodies some visit can run, the others never built (each is a copy of the pipeline to lower
     # and compile): for a traced schedule those of at most m rows, for a constant one (a dense weight at
     # decode) those its visits need
-    bodies = tuple(n for n in ROW_BODIES if n // 2 < pr.m)
+    bodies = (1,) if isinstance(pr.group_sizes, RowGroups) else tuple(n for n in ROW_BODIES if n // 2 < pr.m)
     if not isinstance(sched, jax.core.Tracer):
         rows = np.diff(np.asarray(sched)[:, 1:], axis=1)
         bodies = tuple(n for n in ROW_BODIES if np.any(_runs_body(rows, n)))

@@ -6,13 +6,14 @@ written as zeros (as ``ragged_dot`` does); a sum larger than ``M`` is clipped to
 
 Design (Hopper, ``Target.HOPPER``):
 
-* Tile schedule (``tile_schedule``, plain XLA on ``G + M / block_m`` integers). Row tiles are
+* Tile schedule (``tile_schedule``, plain XLA on ``G + M / block_m`` integers; or one visit per row,
+  ``tiles.RowGroups``, for one decode token's experts). Row tiles are
   aligned to ``block_m`` and may straddle group boundaries: a tile crossed by ``j`` boundaries is
   *visited* ``j + 1`` times, once per group that owns some of its rows, and each visit owns the row
   range ``[lo, hi)`` of the tile that belongs to its group. Visits are listed group by group, so a
   group's visits are adjacent. Rows past the sum are one extra "zero group" (id ``G``) whose visits
-  store zeros without loading anything. There are at most ``cdiv(M, block_m) + G`` visits, which
-  fixes the launch grid statically; unused entries have ``lo == hi`` and exit at once.
+  store zeros without loading anything. There are at most ``cdiv(M, block_m) + min(G + 1, M) - 1``
+  visits, which fixes the launch grid statically; unused entries have ``lo == hi`` and exit at once.
 * Launch. A 1-D grid of ``visits x N tiles``, the N tile varying fastest: the CTAs running together
   share the same LHS row tile (read from HBM once for all N tiles) and the visits of one group (the
   expert's weights, read from HBM about once and then from L2).
@@ -81,7 +82,7 @@ from jax import lax
 from m3jax.pallas._backend import arch_module, current_target, mosaic_kernel, pl, plgpu
 from m3jax.pallas._common import bf16_split, check_dims, split_products, swizzle_transforms
 from m3jax.pallas.grouped_matmul import blackwell, gemv, hopper, persistent, reference, tiles
-from m3jax.pallas.grouped_matmul.tiles import deal_visits, dequantize_tile, group_rows
+from m3jax.pallas.grouped_matmul.tiles import RowGroups, deal_visits, dequantize_tile, group_rows
 
 ROW_CHUNK = 8  # rows per aligned TMA store chunk
 
@@ -240,18 +241,25 @@ def _shared_reason(m: int, k: int, n: int, g: int, c: GroupedMatmulConfig) -> st
     return None
 
 
-def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """int32 [cdiv(m, block_m) + G, 4]: per visit (group, row tile, lo, hi), rows ``[lo, hi)``.
+def tile_schedule(group_sizes, m: int, block_m: int) -> jax.Array:
+    """int32 [visits, 4]: per visit (group, row tile, lo, hi), rows ``[lo, hi)``.
 
-    Group ``G`` is the zero group (rows ``[sum, m)``); unused entries have ``lo == hi == 0``.
-    """
+    ``group_sizes`` int [G]: ``cdiv(m, block_m) + min(G + 1, m) - 1`` visits, group ``G`` the zero group
+    (rows ``[sum, m)``), unused entries with ``lo == hi == 0``. A row tile is visited once per group
+    with rows in it, and at most ``min(G + 1, m)`` groups (the zero group included) have rows, so the
+    visits past the tiles are one per boundary between them: at decode a few, not one per expert
+    (dead visits are CTAs that start and exit). :class:`.tiles.RowGroups`: ``m`` visits, row r alone
+    in group ``ids[r]``."""
+    if isinstance(group_sizes, RowGroups):
+        r = jnp.arange(m, dtype=jnp.int32)
+        return jnp.stack([group_sizes.ids.astype(jnp.int32), r // block_m, r, r + 1], axis=1)
     g = group_sizes.shape[0]
     starts, ends = group_rows(group_sizes, m)
     starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     first = starts // block_m
     last = jnp.where(ends > starts, (ends + block_m - 1) // block_m, first)
-    gc, ordinal, valid = deal_visits(last - first, -(-m // block_m) + g)  # tiles touched, per group
+    gc, ordinal, valid = deal_visits(last - first, -(-m // block_m) + min(g + 1, m) - 1)  # tiles touched, per group
     tile = first[gc] + ordinal
     lo = jnp.maximum(starts[gc], tile * block_m)
     hi = jnp.minimum(ends[gc], tile * block_m + block_m)
@@ -442,7 +450,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
     Args:
       lhs: [M, K] bf16 or fp32, rows sorted by group.
       rhs: [G, K, N] bf16 or fp32.
-      group_sizes: int [G], sum <= M (rows past the sum come out as zeros).
+      group_sizes: int [G], sum <= M (rows past the sum come out as zeros); or :class:`.tiles.RowGroups`
+        (int32 [M], a group per row, rows in any order; the pipeline schedule).
       out_dtype: output dtype (default: the inputs' result type); accumulation is fp32.
     Returns:
       [M, N] ``out_dtype``.
@@ -450,7 +459,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
       ValueError: shapes the kernel cannot take (``unsupported_reason``).
     """
     config = config or GroupedMatmulConfig()
-    check_dims("grouped_matmul", lhs=(lhs, "M K"), rhs=(rhs, "G K N"), group_sizes=(group_sizes, "G"))
+    check_dims("grouped_matmul", lhs=(lhs, "M K"), rhs=(rhs, "G K N"))
+    _check_groups("grouped_matmul", lhs, rhs, group_sizes, config)
     m, k = lhs.shape
     g, _, n = rhs.shape
     reason = unsupported_reason(m, k, n, g, config)
@@ -483,9 +493,24 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
     return unsupported_reason(m, k, n, g, c)
 
 
+def _check_groups(where: str, lhs, rhs, group_sizes, config: GroupedMatmulConfig) -> None:
+    """``group_sizes`` int [G] for ``rhs [G, ...]``, or :class:`.tiles.RowGroups` int [M] for ``lhs [M, K]`` on a
+    schedule that takes a visit per row (pipeline, gemv)."""
+    if isinstance(group_sizes, RowGroups):
+        check_dims(where, lhs=(lhs, "M K"), **{"group_sizes.ids": (group_sizes.ids, "M")})
+        if config.schedule not in ("pipeline", "gemv"):
+            raise ValueError(f"{where}: per-row groups (RowGroups) run on the pipeline or gemv schedule, not "
+                             f"{config.schedule!r}")
+        if not jnp.issubdtype(group_sizes.ids.dtype, jnp.integer):
+            raise ValueError(f"{where}: group_sizes.ids must be integers, got {group_sizes.ids.dtype}")
+    else:
+        check_dims(where, rhs=(rhs, "G K N"), group_sizes=(group_sizes, "G"))
+
+
 def _check_mxfp8(lhs, values, scales, group_sizes, config: GroupedMatmulConfig) -> None:
     check_dims("grouped_matmul_mxfp8", lhs=(lhs, "M K"), values=(values, "G K N"),
-               scales=(scales, "G K_groups N"), group_sizes=(group_sizes, "G"))
+               scales=(scales, "G K_groups N"))
+    _check_groups("grouped_matmul_mxfp8", lhs, values, group_sizes, config)
     if values.dtype != jnp.float8_e4m3fn or scales.dtype != jnp.uint8:
         raise ValueError(f"grouped_matmul_mxfp8: values must be float8_e4m3fn and scales uint8, got "
                          f"{values.dtype} and {scales.dtype}")
@@ -520,7 +545,7 @@ def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, co
       lhs: [M, K] bf16 or fp32, rows sorted by group.
       values: float8_e4m3fn [G, K, N].
       scales: uint8 [G, K / group, N], E8M0 exponents (2^(e - 127)) of ``group`` consecutive inputs.
-      group_sizes: int [G], sum <= M.
+      group_sizes: int [G], sum <= M; or :class:`.tiles.RowGroups` (int32 [M]; pipeline and gemv schedules).
       out_dtype: default ``lhs.dtype``.
     """
     config = config or GroupedMatmulConfig()

@@ -6,12 +6,22 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.layers import dequantize_mxfp8  # the MXFP8 format maths live beside MXFP8Weight
+from m3jax.pallas.grouped_matmul.tiles import RowGroups
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interpret=None) -> jax.Array:
-    """[M, N]: row r of ``lhs [M, K]`` times ``rhs[g(r)] [K, N]``; rows past sum(group_sizes) are zero."""
+    """[M, N]: row r of ``lhs [M, K]`` times ``rhs[g(r)] [K, N]``; rows past sum(group_sizes) are zero.
+    :class:`.tiles.RowGroups`: row r times ``rhs[ids[r]]`` (the rows sorted by group for ``ragged_dot``
+    and put back)."""
     del config, interpret
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+    if isinstance(group_sizes, RowGroups):
+        ids = group_sizes.ids.astype(jnp.int32)
+        order = jnp.argsort(ids, stable=True)
+        sizes = jnp.bincount(ids, length=rhs.shape[0]).astype(jnp.int32)
+        out = jax.lax.ragged_dot(lhs[order], rhs, sizes, precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
+        return jnp.zeros_like(out).at[order].set(out).astype(out_dtype)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(out_dtype)

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from m3jax.pallas._backend import pl, plgpu, tiled_layout
 from m3jax.pallas._common import swizzle_transforms
+
+
+class RowGroups(NamedTuple):
+    """Per-row groups in place of ``group_sizes``: row ``r`` of the lhs is multiplied by group ``ids[r]``
+    (int32 [M]) and is a visit of its own, whatever the rows' order. One decode token's routed experts:
+    its k experts are distinct, so each weight is still read once, and the rows need no sort by expert,
+    no group sizes and no schedule kernels before the launch (``m3jax.moe.moe_sorted``). The pipeline
+    and gemv schedules take it; ids outside ``[0, G)`` are the caller's error, as sizes past M are."""
+
+    ids: jax.Array
 
 
 def cumsum(x):
