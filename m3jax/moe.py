@@ -342,7 +342,7 @@ def _shared_leads(configs: tuple, t: int, ps: dict) -> tuple[tuple, bool]:
 
 def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> jax.Array:
     """MoE over x [T, D] -> [T, D]: (token, slot) pairs sorted by expert, grouped matmul, weighted sum per
-    token.
+    token; one token on the kernels: its pairs in slot order, each a visit of its own (``gmm.RowGroups``).
 
     ``impl``: the grouped matmul (``M3Config.moe_impl``)."""
     if expert_parallel_axis(cfg) is not None:  # a mesh with an expert axis is active (m3jax.sharding)
