@@ -413,11 +413,12 @@ def moe_dense_reference(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
     ids, w = route(x, p, cfg)
     combine = jnp.zeros((x.shape[0], cfg.num_local_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)  # [T, E]
-    gate = jnp.einsum("td,edf->tef", x, p["gate"])
-    up = jnp.einsum("td,edf->tef", x, p["up"])
+    prec = dot_precision(x.dtype)  # fp32 stays fp32 on a GPU (XLA's default there is TF32)
+    gate = jnp.einsum("td,edf->tef", x, p["gate"], precision=prec)
+    up = jnp.einsum("td,edf->tef", x, p["up"], precision=prec)
     act = swiglu_oai(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit).astype(x.dtype)
-    per_expert = jnp.einsum("tef,efd->ted", act, p["down"]).astype(jnp.float32)
-    routed = jnp.einsum("te,ted->td", combine, per_expert)
+    per_expert = jnp.einsum("tef,efd->ted", act, p["down"], precision=prec).astype(jnp.float32)
+    routed = jnp.einsum("te,ted->td", combine, per_expert, precision=jax.lax.Precision.HIGHEST)
     shared = dense_mlp(x, p["shared"], cfg)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
 
