@@ -173,7 +173,8 @@ def choose_experts(biased: jax.Array, scores: jax.Array, k: int) -> tuple[jax.Ar
     """(ids int32 [T, k], ``scores`` at them [T, k]): ``jax.lax.top_k(biased, k)``'s experts in its order
     (descending, the lower id first among equals). Up to :data:`FEW_PAIRS` (token, slot) pairs by ranks:
     expert i's rank is the number of experts before it in that order, all pairs compared at once, a
-    fusion or two where top-k is a sort launch and the scores' gather another (a decode step)."""
+    fusion or two where top-k is a sort launch and the scores' gather another (a decode step;
+    benchmarks/RESULTS.md#row-visits)."""
     t, e = biased.shape
     if t * k > FEW_PAIRS:
         _, ids = jax.lax.top_k(biased, k)
@@ -353,6 +354,7 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     if t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl):
         # one token's k experts are distinct: each (token, slot) row is a kernel visit of its own, in slot
         # order (gmm.RowGroups); no sort by expert, no group sizes and no schedule kernels in the step
+        # (benchmarks/RESULTS.md#row-visits)
         ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
         routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
         return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)

@@ -117,11 +117,12 @@ EXPECTED_FAILURES = {("sparse_attention_query_major", "sm_100a"): "wgmma"}
 _TOOLS = Path(__file__).resolve().parents[2] / ".venvs" / "cuda-compile"  # scripts/fetch_cuda_compile_tools.sh
 
 
-def _m3_moe(mx: bool, m: int, config=None):
+def _m3_moe(mx: bool, m: int, config=None, per_row: bool = False):
     """The MoE layer's grouped GEMM at M3's expert shapes (hidden 6144 -> 3072 per expert, 128 experts)
     with the config the layer picks for ``m`` rows (m3jax.moe: 4 rows per token), or ``config`` (None where
-    the target refuses it): bf16 or MXFP8 weights."""
-    from m3jax.pallas.grouped_matmul import (grouped_matmul, grouped_matmul_mxfp8, layer_config,
+    the target refuses it): bf16 or MXFP8 weights. ``per_row``: one decode token's rows, a group id per row
+    (``RowGroups``) in place of the group sizes."""
+    from m3jax.pallas.grouped_matmul import (RowGroups, grouped_matmul, grouped_matmul_mxfp8, layer_config,
                                              mxfp8_unsupported_reason, unsupported_reason)
 
     S, (k, n, g) = jax.ShapeDtypeStruct, (6144, 3072, 128)
@@ -129,12 +130,12 @@ def _m3_moe(mx: bool, m: int, config=None):
                                else unsupported_reason(m, k, n, g, config)):
         return None
     config = config or layer_config(m, k, n, g, k // 32 if mx else None)
+    groups, sizes = (RowGroups, S((m,), jnp.int32)) if per_row else (lambda gs: gs, S((g,), jnp.int32))
     if mx:
-        return (lambda x, w, sc, gs: grouped_matmul_mxfp8(x, w, sc, gs, config=config),
-                (S((m, k), jnp.bfloat16), S((g, k, n), jnp.float8_e4m3fn), S((g, k // 32, n), jnp.uint8),
-                 S((g,), jnp.int32)))
-    return (lambda x, w, gs: grouped_matmul(x, w, gs, config=config),
-            (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32)))
+        return (lambda x, w, sc, gs: grouped_matmul_mxfp8(x, w, sc, groups(gs), config=config),
+                (S((m, k), jnp.bfloat16), S((g, k, n), jnp.float8_e4m3fn), S((g, k // 32, n), jnp.uint8), sizes))
+    return (lambda x, w, gs: grouped_matmul(x, w, groups(gs), config=config),
+            (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), sizes))
 
 
 def _m3_projections(m: int):
@@ -155,6 +156,9 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32)),
+              # one decode token: a visit per row, its group read from the ids (pipeline; MXFP8 on the gemv)
+              "m3 grouped_matmul decode token": ("grouped_matmul", lambda: _m3_moe(False, 4, per_row=True)),
+              "m3 grouped_matmul decode token mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 4, per_row=True)),
               "m3 dense gemv, 8 rows": ("grouped_matmul", lambda: _m3_projections(8))})
 # fp8 e4m3 index pages (index_cache_dtype) at M3's decode shapes, converted into an SMEM page (the
 # default; KERNELS has the register-A conversion and the fp8 indexer's e4m3 x e4m3 scoring)
