@@ -353,8 +353,8 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     ids, w = route(x, p, cfg)
     if t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl):
         # one token's k experts are distinct: each (token, slot) row is a kernel visit of its own, in slot
-        # order (gmm.RowGroups); no sort by expert, no group sizes and no schedule kernels in the step
-        # (benchmarks/RESULTS.md#row-visits)
+        # order (gmm.RowGroups); no sort by expert and no group sizes, and one small op for the kernels'
+        # schedule in place of its index kernels (benchmarks/RESULTS.md#row-visits)
         ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
         routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
         return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)

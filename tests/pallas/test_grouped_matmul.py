@@ -296,22 +296,24 @@ def test_row_groups_match_per_row_products(kind):
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.pallas.grouped_matmul import RowGroups, dequantize_mxfp8, tile_schedule
 
-    ids = jnp.asarray([5, 2, 5, 0, 3], jnp.int32)
-    g, dtype = 6, jnp.float32 if kind == "pipeline_fp32" else jnp.bfloat16
+    # pipeline: 11 rows, which grouped_matmul pads to 16 for its store (the padding rows in no visit)
+    ids = jnp.asarray([5, 2, 5, 0, 3] + ([1, 5, 2, 0, 0, 4] if kind.startswith("pipeline") else []), jnp.int32)
+    m, g, dtype = ids.shape[0], 6, jnp.float32 if kind == "pipeline_fp32" else jnp.bfloat16
     if kind == "gemv_mxfp8":
         k, n = 640, 256
-        lhs = _inputs(5, k, n, [0] * g, dtype, seed=12)[0]
+        lhs = _inputs(m, k, n, [0] * g, dtype, seed=12)[0]
         weights = (_mxfp8_weights(g, k, n, seed=13), _mxfp8_weights(g, k, n, seed=14))
         cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=1)
         got = jax.jit(lambda ids: grouped_matmuls_mxfp8(lhs, weights, RowGroups(ids), config=cfg))(ids)
         ref = gmm_reference.grouped_matmuls_mxfp8(lhs, weights, RowGroups(ids))
         rhs = [dequantize_mxfp8(v, s) for v, s in weights]
     else:
-        lhs, rhs, _ = _inputs(5, 128, 256, [0] * g, dtype, seed=12)
+        lhs, rhs, _ = _inputs(m, 128, 256, [0] * g, dtype, seed=12)
         got = (jax.jit(lambda ids: grouped_matmul(lhs, rhs, RowGroups(ids), config=CFG))(ids),)
         ref = (gmm_reference.grouped_matmul(lhs, rhs, RowGroups(ids)),)
         rhs = [rhs]
-        assert tile_schedule(RowGroups(ids), 5, CFG.block_m).shape == (5, 4)  # a visit per row, no dead ones
+        # a visit per row, none for the padding (16 rows) nor dead ones
+        assert tile_schedule(RowGroups(ids), 16, CFG.block_m).shape == (m, 4)
     assert not _backend.interpret_races_found()
     for out, want, w in zip(got, ref, rhs):
         per_row = np.einsum("mk,mkn->mn", np.asarray(lhs, np.float64), np.asarray(w, np.float64)[np.asarray(ids)])
@@ -320,7 +322,7 @@ def test_row_groups_match_per_row_products(kind):
         assert_close(np.asarray(want, np.float32), per_row, name, "reference's per-row groups vs numpy")
         assert_close(np.asarray(out, np.float32), per_row, name, f"{kind} per-row groups vs numpy")
     with pytest.raises(ValueError, match="group_sizes.ids"):
-        grouped_matmul(lhs[:, :128], jnp.zeros((g, 128, 256), dtype), RowGroups(ids[:4]), config=CFG)
+        grouped_matmul(lhs[:, :128], jnp.zeros((g, 128, 256), dtype), RowGroups(ids[:-1]), config=CFG)
     with pytest.raises(ValueError, match="per-row groups"):
         grouped_matmul(lhs[:, :128], jnp.zeros((g, 128, 256), dtype), RowGroups(ids), config=WS)
 

@@ -241,17 +241,17 @@ def _shared_reason(m: int, k: int, n: int, g: int, c: GroupedMatmulConfig) -> st
     return None
 
 
-def tile_schedule(group_sizes, m: int, block_m: int) -> jax.Array:
+def tile_schedule(group_sizes: jax.Array | RowGroups, m: int, block_m: int) -> jax.Array:
     """int32 [visits, 4]: per visit (group, row tile, lo, hi), rows ``[lo, hi)``.
 
     ``group_sizes`` int [G]: ``cdiv(m, block_m) + min(G + 1, m) - 1`` visits, group ``G`` the zero group
     (rows ``[sum, m)``), unused entries with ``lo == hi == 0``. A row tile is visited once per group
     with rows in it, and at most ``min(G + 1, m)`` groups (the zero group included) have rows, so the
     visits past the tiles are one per boundary between them: at decode a few, not one per expert
-    (dead visits are CTAs that start and exit). :class:`.tiles.RowGroups`: ``m`` visits, row r alone
-    in group ``ids[r]``."""
+    (dead visits are CTAs that start and exit). :class:`.tiles.RowGroups` ids [M']: ``M'`` visits, row r
+    alone in group ``ids[r]`` (rows past ``M'``, the callers' padding, in none)."""
     if isinstance(group_sizes, RowGroups):
-        r = jnp.arange(m, dtype=jnp.int32)
+        r = jnp.arange(group_sizes.ids.shape[0], dtype=jnp.int32)
         return jnp.stack([group_sizes.ids.astype(jnp.int32), r // block_m, r, r + 1], axis=1)
     g = group_sizes.shape[0]
     starts, ends = group_rows(group_sizes, m)
