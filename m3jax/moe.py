@@ -357,13 +357,12 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
         # schedule in place of its index kernels (benchmarks/RESULTS.md#row-visits)
         ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
         routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
-        return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
-    flat_ids = ids.reshape(-1)
-    order, group_sizes = expert_order(flat_ids, e)
-    token = order // k
-    ys, shared = expert_mlps(x[token], group_sizes, x, p, cfg, impl)
-    ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-    routed = sum_rows(ys, token, t)
+    else:
+        order, group_sizes = expert_order(ids.reshape(-1), e)
+        token = order // k
+        ys, shared = expert_mlps(x[token], group_sizes, x, p, cfg, impl)
+        ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
+        routed = sum_rows(ys, token, t)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 

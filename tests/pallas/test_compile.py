@@ -156,7 +156,7 @@ CASES.update({"m3 grouped_matmul prefill": ("grouped_matmul", lambda: _m3_moe(Fa
               "m3 grouped_matmul prefill 4096-token chunk": ("grouped_matmul", lambda: _m3_moe(False, 16384)),
               "m3 grouped_matmul prefill 4096-token chunk mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 16384)),
               "m3 grouped_matmul decode mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 32)),
-              # one decode token: a visit per row, its group read from the ids (pipeline; MXFP8 on the gemv)
+              # one decode token: a visit per row of group ids[r] (RowGroups; pipeline, MXFP8 on the gemv)
               "m3 grouped_matmul decode token": ("grouped_matmul", lambda: _m3_moe(False, 4, per_row=True)),
               "m3 grouped_matmul decode token mxfp8": ("grouped_matmul", lambda: _m3_moe(True, 4, per_row=True)),
               "m3 dense gemv, 8 rows": ("grouped_matmul", lambda: _m3_projections(8))})

@@ -259,9 +259,10 @@ def _plan(pr: Problem) -> dict:
     n_tiles = n // BLOCK_N
     # group sizes known when tracing (a dense weight's one group, m3jax.moe.linears) give a constant
     # schedule: no index kernels before the launch
+    per_row = isinstance(pr.group_sizes, RowGroups)
     if _one_group_of_all(pr.group_sizes, pr.m):
         sched, covered = one_group_schedule(pr.m), np.ones((pr.m,), bool)
-    elif isinstance(pr.group_sizes, RowGroups):  # a visit per row: one XLA op, the 1-row body only
+    elif per_row:  # a visit per row: one XLA op, the 1-row body only
         r = jnp.arange(pr.m, dtype=jnp.int32)
         sched, covered = jnp.stack([pr.group_sizes.ids.astype(jnp.int32), r, r + 1], axis=1), np.ones((pr.m,), bool)
     else:
@@ -271,7 +272,7 @@ def _plan(pr: Problem) -> dict:
     # the row bodies some visit can run, the others never built (each is a copy of the pipeline to lower
     # and compile): for a traced schedule those of at most m rows, for a constant one (a dense weight at
     # decode) those its visits need
-    bodies = (1,) if isinstance(pr.group_sizes, RowGroups) else tuple(n for n in ROW_BODIES if n // 2 < pr.m)
+    bodies = (1,) if per_row else tuple(n for n in ROW_BODIES if n // 2 < pr.m)
     if not isinstance(sched, jax.core.Tracer):
         rows = np.diff(np.asarray(sched)[:, 1:], axis=1)
         bodies = tuple(n for n in ROW_BODIES if np.any(_runs_body(rows, n)))
