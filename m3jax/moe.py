@@ -283,6 +283,8 @@ def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cf
     CTAs, not queued at the launch's end: benchmarks/RESULTS.md#shared-expert-leads). Otherwise
     :func:`grouped_expert_mlp` and :func:`dense_mlp`. The same kernel bodies either way."""
     plan = _gemv_configs(xs, x, p, impl)
+    if plan is None and isinstance(group_sizes, gmm.RowGroups) and not isinstance(p["gate"], MXFP8Weight):
+        return _row_visit_mlps(xs, group_sizes.ids, x, p, cfg, impl)
     if plan is None:
         return grouped_expert_mlp(xs, group_sizes, p, cfg, impl), dense_mlp(x, p["shared"], cfg, impl)
     configs, lead = plan
@@ -304,6 +306,34 @@ def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cf
     (ys,), (shared,) = launch((act, (pair(p["down"]),), group_sizes, configs[2]),
                               (s_act, (pair(ps["down"], True),), one, configs[3]))
     return ys, shared
+
+
+def _row_visit_mlps(xs: jax.Array, ids: jax.Array, x: jax.Array, p: dict, cfg: TextConfig,
+                    impl: str) -> tuple[jax.Array, jax.Array]:
+    """:func:`expert_mlps` of rows that are per-row visits (``ids`` int32 [M], one decode token's experts in
+    slot order; :func:`_row_visits` said the kernel takes them) with array weights: the grouped GEMM's
+    pipeline with the weights as a tuple of arrays whose groups follow one another, so that one launch
+    runs the gate and up of every routed row and, where its widths are the experts', of the shared expert
+    (group E; its rows are ``x``), and one more their down. Otherwise the shared expert's three GEMMs are
+    XLA's, a launch each where the routed ones' ride along (benchmarks/RESULTS.md#row-visits)."""
+    ps, e = p["shared"], p["gate"].shape[0]
+    shared_rides = all(not isinstance(w, MXFP8Weight) and w.shape == p[n].shape[1:]
+                       for n, w in (("gate", ps["gate"]), ("up", ps["up"]), ("down", ps["down"])))
+    if shared_rides:
+        rows = jnp.concatenate([xs, x.astype(xs.dtype)])
+        ids = jnp.concatenate([ids.astype(jnp.int32), jnp.full((x.shape[0],), e, jnp.int32)])
+        gate_up = (p["gate"], ps["gate"][None], p["up"], ps["up"][None])
+        down = (p["down"], ps["down"][None])
+    else:
+        rows, ids, gate_up, down = xs, ids.astype(jnp.int32), (p["gate"], p["up"]), (p["down"],)
+    g = ids.shape[0]
+    both = jnp.concatenate([rows, rows])
+    out = gmm.grouped_matmul(both, gate_up, gmm.RowGroups(jnp.concatenate([ids, ids + e + shared_rides])),
+                             config=_grouped_matmul_config(both.shape[0], p["gate"]))
+    act = swiglu_oai(out[:g], out[g:], cfg.swiglu_alpha, cfg.swiglu_limit).astype(xs.dtype)
+    ys = gmm.grouped_matmul(act, down, gmm.RowGroups(ids), config=_grouped_matmul_config(g, p["down"]))
+    m = xs.shape[0]
+    return (ys[:m], ys[m:]) if shared_rides else (ys, dense_mlp(x, ps, cfg, impl))
 
 
 def _gemv_configs(xs: jax.Array, x: jax.Array, p: dict, impl: str):
@@ -353,8 +383,8 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
     ids, w = route(x, p, cfg)
     if t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl):
         # one token's k experts are distinct: each (token, slot) row is a kernel visit of its own, in slot
-        # order (gmm.RowGroups); no sort by expert and no group sizes, and one small op for the kernels'
-        # schedule in place of its index kernels (benchmarks/RESULTS.md#row-visits)
+        # order (gmm.RowGroups); no sort by expert, no group sizes, no schedule op: the kernels read the ids
+        # (benchmarks/RESULTS.md#row-visits)
         ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
         routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
     else:

@@ -294,7 +294,7 @@ def test_row_groups_match_per_row_products(kind):
     # numpy's product of each row with its own weight (the reference too: it sorts, runs ragged_dot and puts
     # the rows back). gemv: gate and up in one launch over 10-step K parts
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
-    from m3jax.pallas.grouped_matmul import RowGroups, dequantize_mxfp8, tile_schedule
+    from m3jax.pallas.grouped_matmul import RowGroups, dequantize_mxfp8
 
     # pipeline: 11 rows, which grouped_matmul pads to 16 for its store (the padding rows in no visit)
     ids = jnp.asarray([5, 2, 5, 0, 3] + ([1, 5, 2, 0, 0, 4] if kind.startswith("pipeline") else []), jnp.int32)
@@ -304,18 +304,21 @@ def test_row_groups_match_per_row_products(kind):
         lhs = _inputs(m, k, n, [0] * g, dtype, seed=12)[0]
         weights = (_mxfp8_weights(g, k, n, seed=13), _mxfp8_weights(g, k, n, seed=14))
         cfg = GroupedMatmulConfig(block_m=64, block_n=256, schedule="gemv", split_k=1)
-        got = jax.jit(lambda ids: grouped_matmuls_mxfp8(lhs, weights, RowGroups(ids), config=cfg))(ids)
+        call = lambda ids: grouped_matmuls_mxfp8(lhs, weights, RowGroups(ids), config=cfg)  # noqa: E731
+        got = jax.jit(call)(ids)
         ref = gmm_reference.grouped_matmuls_mxfp8(lhs, weights, RowGroups(ids))
-        rhs = [dequantize_mxfp8(v, s) for v, s in weights]
+        ws = [dequantize_mxfp8(v, s) for v, s in weights]
     else:
         lhs, rhs, _ = _inputs(m, 128, 256, [0] * g, dtype, seed=12)
-        got = (jax.jit(lambda ids: grouped_matmul(lhs, rhs, RowGroups(ids), config=CFG))(ids),)
+        call = lambda ids: grouped_matmul(lhs, rhs, RowGroups(ids), config=CFG)  # noqa: E731
+        got = (jax.jit(call)(ids),)
         ref = (gmm_reference.grouped_matmul(lhs, rhs, RowGroups(ids)),)
-        rhs = [rhs]
-        # a visit per row, none for the padding (16 rows) nor dead ones
-        assert tile_schedule(RowGroups(ids), 16, CFG.block_m).shape == (m, 4)
+        ws = [rhs]
+    # the kernels read the ids themselves: no XLA op builds a schedule from them before the launch
+    jaxpr = jax.make_jaxpr(call)(ids).jaxpr
+    assert set(_readers(jaxpr, set(jaxpr.invars))) == {"mpmd_map"}
     assert not _backend.interpret_races_found()
-    for out, want, w in zip(got, ref, rhs):
+    for out, want, w in zip(got, ref, ws):
         per_row = np.einsum("mk,mkn->mn", np.asarray(lhs, np.float64), np.asarray(w, np.float64)[np.asarray(ids)])
         assert out.dtype == dtype and out.shape == per_row.shape
         name = "float32" if dtype == jnp.float32 else "bfloat16"
@@ -327,10 +330,45 @@ def test_row_groups_match_per_row_products(kind):
         grouped_matmul(lhs[:, :128], jnp.zeros((g, 128, 256), dtype), RowGroups(ids), config=WS)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "mxfp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_row_groups_over_several_weight_arrays(dtype):
+    # rhs as a tuple of arrays whose groups follow one another (a decode token's gate, up and shared expert in
+    # one launch): the same rows as the one concatenated array, through each array's copy of the main loop;
+    # its gradient is the reference's
+    # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
+    from m3jax.pallas.grouped_matmul import RowGroups
+
+    ids = jnp.asarray([5, 2, 6, 0, 3, 1, 6], jnp.int32)
+    lhs, rhs, _ = _inputs(ids.shape[0], 128, 256, [0] * 7, dtype, seed=21)
+    parts = (rhs[:4], rhs[4:6], rhs[6:])
+    got = jax.jit(lambda ids: grouped_matmul(lhs, parts, RowGroups(ids), config=CFG))(ids)
+    whole = grouped_matmul(lhs, rhs, RowGroups(ids), config=CFG)
+    assert not _backend.interpret_races_found()
+    per_row = np.einsum("mk,mkn->mn", np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)[np.asarray(ids)])
+    name = "float32" if dtype == jnp.float32 else "bfloat16"
+    assert_close(np.asarray(got, np.float32), per_row, name, "weight arrays' per-row groups vs numpy")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(whole, np.float32))
+    ref = gmm_reference.grouped_matmul(lhs, parts, RowGroups(ids))
+    assert_close(np.asarray(ref, np.float32), per_row, name, "reference's weight arrays vs numpy")
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(jnp.sin(fn(a, b, RowGroups(ids)).astype(jnp.float32)))
+
+    d_got = jax.grad(loss(lambda a, b, gs: grouped_matmul(a, b, gs, config=CFG)), argnums=(0, 1))(lhs, parts)
+    d_ref = jax.grad(loss(gmm_reference.grouped_matmul), argnums=(0, 1))(lhs, parts)
+    for a, b in zip(jax.tree.leaves(d_got), jax.tree.leaves(d_ref)):
+        assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), name, "weight arrays' gradient")
+    with pytest.raises(ValueError, match="needs per-row groups"):
+        grouped_matmul(lhs, parts, jnp.asarray([1, 1, 1, 1, 1, 1, 1], jnp.int32), config=CFG)
+    with pytest.raises(ValueError, match=r"rhs\[1\]"):
+        grouped_matmul(lhs, (rhs[:4], rhs[4:, :64]), RowGroups(ids), config=CFG)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "bfloat16_narrow_shared", "mxfp8"])
 def test_moe_decode_token_skips_the_sort(monkeypatch, weights):
     # one token: its experts' rows go to the kernels in slot order (RowGroups), expert_order never runs;
-    # against the sorted ragged_dot path on the same (dequantised) weights
+    # against the sorted ragged_dot path on the same (dequantised) weights. bf16: two launches, gate and up
+    # together, the shared expert riding along where its widths are the experts' (else XLA's)
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     import m3jax.moe as moe
     import m3jax.pallas.grouped_matmul as gmm
@@ -338,7 +376,8 @@ def test_moe_decode_token_skips_the_sort(monkeypatch, weights):
     from m3jax.params import init_random_on_device
     from tests.conftest import tiny_config
 
-    cfg = tiny_config(hidden_size=256, intermediate_size=256, shared_intermediate_size=256, num_local_experts=6,
+    shared = 128 if weights == "bfloat16_narrow_shared" else 256
+    cfg = tiny_config(hidden_size=256, intermediate_size=256, shared_intermediate_size=shared, num_local_experts=6,
                       num_experts_per_tok=3)
     p = init_random_on_device(cfg, seed=8, dtype=jnp.bfloat16, scale=0.3,
                               weights="mxfp8" if weights == "mxfp8" else "dequantize")["text"]["layers"][1]["moe"]
@@ -347,12 +386,14 @@ def test_moe_decode_token_skips_the_sort(monkeypatch, weights):
     seen = []
     for name in ("grouped_matmul", "gemv_launch_mxfp8"):
         call = getattr(gmm, name)
-        monkeypatch.setattr(gmm, name, lambda *a, call=call, **kw: seen.append(a[2] if len(a) > 2 else a[0][0][2])
+        monkeypatch.setattr(gmm, name, lambda *a, call=call, **kw: seen.append(a if len(a) > 2 else a[0][0])
                             or call(*a, **kw))
     monkeypatch.setattr(moe, "expert_order", lambda *a: pytest.fail("one decode token needs no sort"))
     got = moe.moe_sorted(x, p, cfg.text, impl="pallas")
     assert not _backend.interpret_races_found()
-    assert seen and all(isinstance(gs, gmm.RowGroups) for gs in seen)
+    assert seen and all(isinstance(a[2], gmm.RowGroups) for a in seen)
+    if weights != "mxfp8":
+        assert [len(a[1]) for a in seen] == ([2, 1] if shared == 128 else [4, 2])  # weight arrays per launch
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", f"{weights} MoE decode token")
 
 
@@ -394,6 +435,26 @@ def test_lowers_for_cuda_at_m3_shapes(dtype, schedule):
                                 argnums=(0, 1)))
         text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def _readers(jaxpr, tracked: set) -> list[str]:
+    """The primitives that read the variables ``tracked`` of ``jaxpr`` or values computed from them, looking
+    through calls (``jit``, ``custom_vjp_call``, ...) into their jaxprs; a Mosaic GPU kernel (``mpmd_map``)
+    ends the chain."""
+    names = []
+    for eqn in jaxpr.eqns:
+        hit = [i for i, v in enumerate(eqn.invars) if isinstance(v, jax.extend.core.Var) and v in tracked]
+        if not hit:
+            continue
+        subs = [sub for value in eqn.params.values() for sub in (value if isinstance(value, (list, tuple)) else [value])
+                if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))]
+        if eqn.primitive.name == "mpmd_map" or not subs:
+            names.append(eqn.primitive.name)
+            tracked = tracked | set(eqn.outvars)
+            continue
+        inner = getattr(subs[0], "jaxpr", subs[0])
+        names += _readers(inner, {inner.invars[i] for i in hit})
+    return names
 
 
 def _mxfp8_weights(g, k, n, seed=0):

@@ -3,7 +3,8 @@
 ``grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation="pallas", config=None)``
 returns ``[M, N]`` with row r = ``lhs[r] @ rhs[group of r]`` (rows sorted by group, rows past
 ``sum(group_sizes)`` zero; ``RowGroups(ids)`` instead: row r times ``rhs[ids[r]]``, rows in any order, on
-the pipeline and gemv schedules). ``unsupported_reason(m, k, n, g, config)`` says why the kernel cannot
+the pipeline and gemv schedules, ``rhs`` then also a tuple of arrays whose groups follow one another, run in
+one launch). ``unsupported_reason(m, k, n, g, config)`` says why the kernel cannot
 take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.ragged_dot``.
 
 ``grouped_matmul_mxfp8(lhs, values, scales, group_sizes, ...)``: the same with MXFP8 weights (float8_e4m3fn

@@ -262,9 +262,8 @@ def _plan(pr: Problem) -> dict:
     per_row = isinstance(pr.group_sizes, RowGroups)
     if _one_group_of_all(pr.group_sizes, pr.m):
         sched, covered = one_group_schedule(pr.m), np.ones((pr.m,), bool)
-    elif per_row:  # a visit per row: one XLA op, the 1-row body only
-        r = jnp.arange(pr.m, dtype=jnp.int32)
-        sched, covered = jnp.stack([pr.group_sizes.ids.astype(jnp.int32), r, r + 1], axis=1), np.ones((pr.m,), bool)
+    elif per_row:  # visit r is row r, its group read from the ids in the kernel: no op before the launch
+        sched, covered = pr.group_sizes.ids.astype(jnp.int32), np.ones((pr.m,), bool)
     else:
         with jax.ensure_compile_time_eval():
             sched = schedule(jnp.asarray(pr.group_sizes), pr.m)
@@ -273,7 +272,7 @@ def _plan(pr: Problem) -> dict:
     # and compile): for a traced schedule those of at most m rows, for a constant one (a dense weight at
     # decode) those its visits need
     bodies = (1,) if per_row else tuple(n for n in ROW_BODIES if n // 2 < pr.m)
-    if not isinstance(sched, jax.core.Tracer):
+    if not per_row and not isinstance(sched, jax.core.Tracer):
         rows = np.diff(np.asarray(sched)[:, 1:], axis=1)
         bodies = tuple(n for n in ROW_BODIES if np.any(_runs_body(rows, n)))
     # lhs rows: a visit's TMA box of up to ROWS rows starts at its first row, inside the padding; the
@@ -283,7 +282,7 @@ def _plan(pr: Problem) -> dict:
             "n_weights": len(pr.weights), "split": split,
             "k_part": k // split, "per_visit": n_tiles * split, "per_weight": sched.shape[0] * n_tiles * split,
             "steps": max(1, min(STAGES, k // split // BLOCK_K)), "m8": m8, "sched": sched, "covered": covered,
-            "bodies": bodies,
+            "bodies": bodies, "per_row": per_row,
             "x": jnp.pad(pr.lhs.astype(jnp.float32), ((0, m8 + ROWS - pr.m), (0, 0)))}
 
 
@@ -294,7 +293,10 @@ def _problem_body(plan: dict, pid, sched_ref, x_ref, w_refs, out_ref) -> None:
     wi, pid = lax.div(pid, per_weight), lax.rem(pid, per_weight)
     v, rest = lax.div(pid, per_visit), lax.rem(pid, per_visit)
     ni, ks = lax.div(rest, split), lax.rem(rest, split)
-    grp, lo, hi = (sched_ref[v, i] for i in range(3))
+    if plan["per_row"]:
+        grp, lo, hi = sched_ref[v], v, v + 1
+    else:
+        grp, lo, hi = (sched_ref[v, i] for i in range(3))
     col0, k0 = ni * bn, ks * k_part
     rows = hi - lo
 

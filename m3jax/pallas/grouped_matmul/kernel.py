@@ -6,8 +6,8 @@ written as zeros (as ``ragged_dot`` does); a sum larger than ``M`` is clipped to
 
 Design (Hopper, ``Target.HOPPER``):
 
-* Tile schedule (``tile_schedule``, plain XLA on ``G + M / block_m`` integers; or one visit per row,
-  ``tiles.RowGroups``, for one decode token's experts). Row tiles are
+* Tile schedule (``tile_schedule``, plain XLA on ``G + M / block_m`` integers; or, for one decode
+  token's experts, a visit per row whose group the kernel reads from ``tiles.RowGroups``' ids). Row tiles are
   aligned to ``block_m`` and may straddle group boundaries: a tile crossed by ``j`` boundaries is
   *visited* ``j + 1`` times, once per group that owns some of its rows, and each visit owns the row
   range ``[lo, hi)`` of the tile that belongs to its group. Visits are listed group by group, so a
@@ -77,6 +77,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from m3jax.pallas._backend import arch_module, current_target, mosaic_kernel, pl, plgpu
@@ -241,18 +242,15 @@ def _shared_reason(m: int, k: int, n: int, g: int, c: GroupedMatmulConfig) -> st
     return None
 
 
-def tile_schedule(group_sizes: jax.Array | RowGroups, m: int, block_m: int) -> jax.Array:
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     """int32 [visits, 4]: per visit (group, row tile, lo, hi), rows ``[lo, hi)``.
 
     ``group_sizes`` int [G]: ``cdiv(m, block_m) + min(G + 1, m) - 1`` visits, group ``G`` the zero group
     (rows ``[sum, m)``), unused entries with ``lo == hi == 0``. A row tile is visited once per group
     with rows in it, and at most ``min(G + 1, m)`` groups (the zero group included) have rows, so the
     visits past the tiles are one per boundary between them: at decode a few, not one per expert
-    (dead visits are CTAs that start and exit). :class:`.tiles.RowGroups` ids [M']: ``M'`` visits, row r
-    alone in group ``ids[r]`` (rows past ``M'``, the callers' padding, in none)."""
-    if isinstance(group_sizes, RowGroups):
-        r = jnp.arange(group_sizes.ids.shape[0], dtype=jnp.int32)
-        return jnp.stack([group_sizes.ids.astype(jnp.int32), r // block_m, r, r + 1], axis=1)
+    (dead visits are CTAs that start and exit). :class:`.tiles.RowGroups` need no schedule: the kernel
+    reads visit r's group from the ids (row r, alone)."""
     g = group_sizes.shape[0]
     starts, ends = group_rows(group_sizes, m)
     starts = jnp.concatenate([starts, ends[-1:]])
@@ -310,10 +308,14 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
     if config.schedule == "warp_specialized":
         return persistent.kernel_call(group_sizes, m_used, lhs, rhs, out_dtype=out_dtype, config=config,
                                       transpose_rhs=transpose_rhs, interpret=interpret, rhs_scales=rhs_scales)
-    sched = tile_schedule(group_sizes, m_used, config.block_m)
+    # per-row groups: visit r is row r, its group read from the ids in the kernel (no XLA op before the launch)
+    per_row = isinstance(group_sizes, RowGroups)
+    sched = group_sizes.ids.astype(jnp.int32) if per_row else tile_schedule(group_sizes, m_used, config.block_m)
+    parts = rhs if isinstance(rhs, tuple) else (rhs,)  # weight arrays whose groups follow one another
+    bases = np.cumsum([0] + [r.shape[0] for r in parts]).tolist()
     m, k = lhs.shape
-    g = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    g = bases[-1]
+    n = parts[0].shape[1] if transpose_rhs else parts[0].shape[2]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     n_tiles = n // bn
     n_visits = sched.shape[0]
@@ -324,11 +326,15 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
     delay = 1 if steps > 1 else 0
     arch = arch_module(hopper, blackwell)  # the MMA's tile maths
 
-    def body(sched_ref, lhs_ref, rhs_ref, *refs):
+    def body(sched_ref, lhs_ref, *refs):
+        rhs_refs, refs = refs[:len(parts)], refs[len(parts):]
         scale_ref, out_ref = refs if mxfp8 else (None, refs[0])
         pid = jax.lax.axis_index("t")
         v, ni = jax.lax.div(pid, n_tiles), jax.lax.rem(pid, n_tiles)
-        grp, tile, lo, hi = (sched_ref[v, i] for i in range(4))
+        if per_row:
+            grp, tile, lo, hi = sched_ref[v], jax.lax.div(v, bm), v, v + 1
+        else:
+            grp, tile, lo, hi = (sched_ref[v, i] for i in range(4))
         t0, col0 = tile * bm, ni * bn
 
         def store(values):
@@ -351,10 +357,8 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
         lhs_transforms = plan.bf16_transforms if mxfp8 else swizzle_transforms(bk)
         in_specs = [plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=lhs_transforms, delay_release=delay),
                     rhs_spec]
-        operands = (lhs_ref, rhs_ref.at[grp])
         if mxfp8:  # the fp8 tile's scale rows; read into registers at once, so released with the step
             in_specs.append(plgpu.BlockSpec((bk // group, bn), lambda kk: (kk, ni)))
-            operands += (scale_ref.at[grp],)
 
         def weights(kk, b_smem, s_smem, w_smem):
             """The MMA's weight operand of step kk: the bf16 tile, or the fp8 tile dequantised into
@@ -365,21 +369,25 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
             dequantize_tile(b_smem, s_smem, w, group)
             return w
 
-        def pipeline(step):
-            plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs, max_concurrent_steps=steps)(*operands)
-
         # MXFP8: two bf16 weight tiles, the MMA operands the fp8 tiles are dequantised into
         w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=plan.bf16_transforms),) if mxfp8 else ()
 
-        def mma(w_smem=None):
-            return arch.accumulate(pipeline, k // bk, weights, bm=bm, bn=bn, delay=delay, w_smem=w_smem)
+        for rhs_ref, base, end in zip(rhs_refs, bases, bases[1:]):
+            # one copy of the main loop per weight array (a ref cannot be chosen at run time)
+            operands = (lhs_ref, rhs_ref.at[grp - base], *((scale_ref.at[grp],) if mxfp8 else ()))
 
-        @pl.when((hi > lo) & (grp < g))
-        def _():
-            # (the SMEM tiles in a scope of their own: interpret mode refuses a register accumulator
-            # allocated together with SMEM)
-            acc = pl.run_scoped(mma, *w_scratch) if mxfp8 else mma()
-            store(acc.astype(out_dtype))
+            def pipeline(step, operands=operands):
+                plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs, max_concurrent_steps=steps)(*operands)
+
+            def mma(w_smem=None, pipeline=pipeline):
+                return arch.accumulate(pipeline, k // bk, weights, bm=bm, bn=bn, delay=delay, w_smem=w_smem)
+
+            @pl.when((hi > lo) & (grp >= base) & (grp < end))
+            def _():
+                # (the SMEM tiles in a scope of their own: interpret mode refuses a register accumulator
+                # allocated together with SMEM)
+                acc = pl.run_scoped(mma, *w_scratch) if mxfp8 else mma()
+                store(acc.astype(out_dtype))
 
         @pl.when((hi > lo) & (grp == g))
         def _():
@@ -392,20 +400,24 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
         grid=(n_visits * n_tiles,),
         grid_names=("t",),
     )
-    return kern(sched, lhs, rhs, *((rhs_scales,) if mxfp8 else ()))
+    return kern(sched, lhs, *parts, *((rhs_scales,) if mxfp8 else ()))
 
 
 def _forward(lhs, rhs, group_sizes, out_dtype, config, interpret, transpose_rhs=False):
+    """``rhs`` an array or a tuple of arrays whose groups follow one another (per-row groups only)."""
     m = lhs.shape[0]
     bm = config.block_m
-    if lhs.dtype == jnp.float32 or rhs.dtype == jnp.float32:
+    parts = rhs if isinstance(rhs, tuple) else (rhs,)
+    if lhs.dtype == jnp.float32 or any(r.dtype == jnp.float32 for r in parts):
         # the six part products along K: [l_i ...] . [r_j; ...] = sum over split_products(3) of l_i . r_j
-        lp, rp = bf16_split(lhs, 3), bf16_split(rhs, 3)
         prods = split_products(3)
+        lp = bf16_split(lhs, 3)
         lhs = jnp.concatenate([lp[i] for i, _ in prods], axis=1)
-        rhs = jnp.concatenate([rp[j] for _, j in prods], axis=2 if transpose_rhs else 1)
+        parts = tuple(jnp.concatenate([rp[j] for _, j in prods], axis=2 if transpose_rhs else 1)
+                      for rp in (bf16_split(r, 3) for r in parts))
     else:
-        lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+        lhs, parts = lhs.astype(jnp.bfloat16), tuple(r.astype(jnp.bfloat16) for r in parts)
+    rhs = parts if isinstance(rhs, tuple) else parts[0]
     m_pad = max(m, bm)  # TMA boxes of block_m rows need at least block_m rows
     if m_pad != m:
         lhs = jnp.pad(lhs, [(0, m_pad - m), (0, 0)])
@@ -426,6 +438,9 @@ def _fwd(lhs, rhs, group_sizes, out_dtype, config, interpret):
 def _bwd(out_dtype, config, interpret, res, d_out):
     lhs, rhs, group_sizes = res
     d_out = d_out.astype(out_dtype)
+    if isinstance(rhs, tuple):  # several weight arrays (one decode token's MLPs): the reference's VJP
+        _, vjp = jax.vjp(lambda a, b: reference.grouped_matmul(a, b, group_sizes, out_dtype=out_dtype), lhs, rhs)
+        return (*vjp(d_out), None)
     m, k = lhs.shape
     g, _, n = rhs.shape
     if unsupported_reason(m, n, k, g, config) is None:
@@ -449,7 +464,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
 
     Args:
       lhs: [M, K] bf16 or fp32, rows sorted by group.
-      rhs: [G, K, N] bf16 or fp32.
+      rhs: [G, K, N] bf16 or fp32; with :class:`.tiles.RowGroups`, also a tuple of such arrays ``[G_i, K, N]``
+        whose groups follow one another (group ``G_0 + j`` is ``rhs[1][j]``): weights kept apart, such as an
+        MLP's gate and up and a shared expert beside the routed ones, in one launch.
       group_sizes: int [G], sum <= M (rows past the sum come out as zeros); or :class:`.tiles.RowGroups`
         (int32 [M], a group per row, rows in any order; the pipeline schedule).
       out_dtype: output dtype (default: the inputs' result type); accumulation is fp32.
@@ -459,14 +476,15 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
       ValueError: shapes the kernel cannot take (``unsupported_reason``).
     """
     config = config or GroupedMatmulConfig()
-    check_dims("grouped_matmul", lhs=(lhs, "M K"), rhs=(rhs, "G K N"))
-    _check_groups("grouped_matmul", lhs, rhs, group_sizes, config)
+    parts = _rhs_parts("grouped_matmul", lhs, rhs, group_sizes)
+    _check_groups("grouped_matmul", lhs, parts[0], group_sizes, config)
     m, k = lhs.shape
-    g, _, n = rhs.shape
+    g, n = sum(r.shape[0] for r in parts), parts[0].shape[2]
     reason = unsupported_reason(m, k, n, g, config)
     if reason:
-        raise ValueError(f"grouped_matmul kernel cannot take lhs {lhs.shape} x rhs {rhs.shape}: {reason}")
-    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+        shapes = " + ".join(str(r.shape) for r in parts)
+        raise ValueError(f"grouped_matmul kernel cannot take lhs {lhs.shape} x rhs {shapes}: {reason}")
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, *(r.dtype for r in parts)))
     # The TMA store into out [M, N] needs M to be a multiple of its 8-row tiling once M exceeds it
     # (seen on the GPU only: interpret mode has no such rule). Rows past sum(group_sizes) come out
     # zero, so zero rows appended here change nothing and are cut off again.
@@ -491,6 +509,21 @@ def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,
     if group % 8:
         return f"scale group of {group} inputs must be a multiple of 8 (the conversion takes whole 8-row SMEM tiles)"
     return unsupported_reason(m, k, n, g, c)
+
+
+def _rhs_parts(where: str, lhs, rhs, group_sizes) -> tuple:
+    """``rhs`` as a tuple of weight arrays ``[G_i, K, N]`` of one K and N (checked against ``lhs [M, K]``); a
+    tuple of several only with per-row groups."""
+    if not isinstance(rhs, tuple):
+        check_dims(where, lhs=(lhs, "M K"), rhs=(rhs, "G K N"))
+        return (rhs,)
+    if not rhs:
+        raise ValueError(f"{where}: rhs is an empty tuple")
+    if len(rhs) > 1 and not isinstance(group_sizes, RowGroups):
+        raise ValueError(f"{where}: a tuple of {len(rhs)} weight arrays needs per-row groups (RowGroups)")
+    for i, r in enumerate(rhs):
+        check_dims(where, lhs=(lhs, "M K"), rhs0=(rhs[0], "G0 K N"), **{f"rhs[{i}]": (r, "G K N")})
+    return rhs
 
 
 def _check_groups(where: str, lhs, rhs, group_sizes, config: GroupedMatmulConfig) -> None:

@@ -12,8 +12,10 @@ from m3jax.pallas.grouped_matmul.tiles import RowGroups
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interpret=None) -> jax.Array:
     """[M, N]: row r of ``lhs [M, K]`` times ``rhs[g(r)] [K, N]``; rows past sum(group_sizes) are zero.
     :class:`.tiles.RowGroups`: row r times ``rhs[ids[r]]`` (the rows sorted by group for ``ragged_dot``
-    and put back)."""
+    and put back); ``rhs`` a tuple of arrays: their groups one after another (concatenated here)."""
     del config, interpret
+    if isinstance(rhs, tuple):
+        rhs = jnp.concatenate(rhs, axis=0)
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
     if isinstance(group_sizes, RowGroups):
         ids = group_sizes.ids.astype(jnp.int32)

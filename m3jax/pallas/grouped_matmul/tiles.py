@@ -21,10 +21,10 @@ from m3jax.pallas._common import swizzle_transforms
 class RowGroups(NamedTuple):
     """Per-row groups in place of ``group_sizes``: row ``r`` of the lhs is multiplied by group ``ids[r]``
     (int32 [M]) and is a visit of its own, whatever the rows' order. One decode token's routed experts:
-    its k experts are distinct, so each weight is still read once, and the rows need no sort by expert
-    and no group sizes; their schedule is one small XLA op in place of the index kernels
-    (``m3jax.moe.moe_sorted``). The pipeline and gemv schedules take it; ids outside ``[0, G)`` are the
-    caller's error, as sizes past M are."""
+    its k experts are distinct, so each weight is still read once, and the rows need no sort by expert,
+    no group sizes and no schedule: the kernels read visit r's group from the ids (``m3jax.moe.moe_sorted``).
+    The pipeline and gemv schedules take it; ids outside ``[0, G)`` are the caller's error, as sizes past
+    M are."""
 
     ids: jax.Array
 
