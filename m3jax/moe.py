@@ -157,15 +157,21 @@ def dense_mlp(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "ragged_dot") 
     return linear(act.astype(x.dtype), p["down"], impl)
 
 
-def route(x: jax.Array, p: dict, cfg: TextConfig) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, p: dict, cfg: TextConfig, shared_slot: bool = False) -> tuple[jax.Array, jax.Array]:
     """Router. x: [T, D] -> (expert ids int32 [T, k], weights fp32 [T, k]).
 
     Logits and sigmoid in fp32; the correction bias only decides the choice; the weights are the
-    unbiased scores of the chosen experts renormalised to sum to 1.
+    unbiased scores of the chosen experts renormalised to sum to 1. ``shared_slot``: [T, k + 1], slot 0
+    the shared expert as id E with weight 0, the chosen experts after it in their order (a decode token's
+    grouped GEMM ids, from the choice's own fusion).
     """
     logits = jnp.dot(x.astype(jnp.float32), p["router"], precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    ids, w = choose_experts(scores + p["router_bias"], scores, cfg.num_experts_per_tok)
+    biased, k = scores + p["router_bias"], cfg.num_experts_per_tok
+    if shared_slot:  # an extra expert E that every token ranks first, of score 0
+        biased = jnp.pad(biased, ((0, 0), (0, 1)), constant_values=jnp.inf)
+        scores, k = jnp.pad(scores, ((0, 0), (0, 1))), k + 1
+    ids, w = choose_experts(biased, scores, k)
     return ids, w / jnp.sum(w, axis=-1, keepdims=True)
 
 
@@ -283,8 +289,6 @@ def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cf
     CTAs, not queued at the launch's end: benchmarks/RESULTS.md#shared-expert-leads). Otherwise
     :func:`grouped_expert_mlp` and :func:`dense_mlp`. The same kernel bodies either way."""
     plan = _gemv_configs(xs, x, p, impl)
-    if plan is None and isinstance(group_sizes, gmm.RowGroups) and not isinstance(p["gate"], MXFP8Weight):
-        return _row_visit_mlps(xs, group_sizes.ids, x, p, cfg, impl)
     if plan is None:
         return grouped_expert_mlp(xs, group_sizes, p, cfg, impl), dense_mlp(x, p["shared"], cfg, impl)
     configs, lead = plan
@@ -306,34 +310,6 @@ def expert_mlps(xs: jax.Array, group_sizes: jax.Array, x: jax.Array, p: dict, cf
     (ys,), (shared,) = launch((act, (pair(p["down"]),), group_sizes, configs[2]),
                               (s_act, (pair(ps["down"], True),), one, configs[3]))
     return ys, shared
-
-
-def _row_visit_mlps(xs: jax.Array, ids: jax.Array, x: jax.Array, p: dict, cfg: TextConfig,
-                    impl: str) -> tuple[jax.Array, jax.Array]:
-    """:func:`expert_mlps` of rows that are per-row visits (``ids`` int32 [M], one decode token's experts in
-    slot order; :func:`_row_visits` said the kernel takes them) with array weights: the grouped GEMM's
-    pipeline with the weights as a tuple of arrays whose groups follow one another, so that one launch
-    runs the gate and up of every routed row and, where its widths are the experts', of the shared expert
-    (group E; its rows are ``x``), and one more their down. Otherwise the shared expert's three GEMMs are
-    XLA's, a launch each where the routed ones' ride along (benchmarks/RESULTS.md#row-visits)."""
-    ps, e = p["shared"], p["gate"].shape[0]
-    shared_rides = all(not isinstance(w, MXFP8Weight) and w.shape == p[n].shape[1:]
-                       for n, w in (("gate", ps["gate"]), ("up", ps["up"]), ("down", ps["down"])))
-    if shared_rides:
-        rows = jnp.concatenate([xs, x.astype(xs.dtype)])
-        ids = jnp.concatenate([ids.astype(jnp.int32), jnp.full((x.shape[0],), e, jnp.int32)])
-        gate_up = (p["gate"], ps["gate"][None], p["up"], ps["up"][None])
-        down = (p["down"], ps["down"][None])
-    else:
-        rows, ids, gate_up, down = xs, ids.astype(jnp.int32), (p["gate"], p["up"]), (p["down"],)
-    g = ids.shape[0]
-    both = jnp.concatenate([rows, rows])
-    out = gmm.grouped_matmul(both, gate_up, gmm.RowGroups(jnp.concatenate([ids, ids + e + shared_rides])),
-                             config=_grouped_matmul_config(both.shape[0], p["gate"]))
-    act = swiglu_oai(out[:g], out[g:], cfg.swiglu_alpha, cfg.swiglu_limit).astype(xs.dtype)
-    ys = gmm.grouped_matmul(act, down, gmm.RowGroups(ids), config=_grouped_matmul_config(g, p["down"]))
-    m = xs.shape[0]
-    return (ys[:m], ys[m:]) if shared_rides else (ys, dense_mlp(x, ps, cfg, impl))
 
 
 def _gemv_configs(xs: jax.Array, x: jax.Array, p: dict, impl: str):
@@ -380,20 +356,50 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
         return moe_expert_parallel(x, p, cfg, impl=impl)
     t, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_local_experts
-    ids, w = route(x, p, cfg)
-    if t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl):
+    row_visits = t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl)
+    if row_visits and not isinstance(p["gate"], MXFP8Weight):
+        ys, shared, w = _token_mlps(x, p, cfg, impl)
+        routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
+    elif row_visits:
         # one token's k experts are distinct: each (token, slot) row is a kernel visit of its own, in slot
         # order (gmm.RowGroups); no sort by expert, no group sizes, no schedule op: the kernels read the ids
         # (benchmarks/RESULTS.md#row-visits)
+        ids, w = route(x, p, cfg)
         ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
         routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
     else:
+        ids, w = route(x, p, cfg)
         order, group_sizes = expert_order(ids.reshape(-1), e)
         token = order // k
         ys, shared = expert_mlps(x[token], group_sizes, x, p, cfg, impl)
         ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
         routed = sum_rows(ys, token, t)
     return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
+
+
+def _token_mlps(x: jax.Array, p: dict, cfg: TextConfig, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode token ``x [1, D]`` through its routed experts (array weights; :func:`_row_visits` said the
+    pipeline kernel takes them as per-row visits): (their rows [k, D], the shared expert's [1, D], their
+    weights fp32 [1, k]). The gate and up of every row go as one launch (``gmm.grouped_matmuls``) and the
+    down as one more. Where the shared expert's widths are the experts', it rides along as group E: its
+    weights join the routed arrays as a tuple, the router puts it in slot 0 (``route(shared_slot=True)``),
+    and its three XLA GEMMs and SwiGLU are gone (benchmarks/RESULTS.md#row-visits)."""
+    ps, k = p["shared"], cfg.num_experts_per_tok
+    rides = all(not isinstance(w, MXFP8Weight) and w.shape == p[name].shape[1:] for name, w in ps.items())
+    ids, w = route(x, p, cfg, shared_slot=rides)
+    groups = gmm.RowGroups(ids[0])
+    rows = jnp.broadcast_to(x, (ids.shape[1], x.shape[1]))
+
+    def weight(name):
+        return (p[name], ps[name][None]) if rides else p[name]
+
+    gate, up = gmm.grouped_matmuls(rows, (weight("gate"), weight("up")), groups,
+                                   config=_grouped_matmul_config(rows.shape[0], p["gate"]))
+    act = swiglu_oai(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit).astype(x.dtype)
+    ys = gmm.grouped_matmul(act, weight("down"), groups, config=_grouped_matmul_config(rows.shape[0], p["down"]))
+    if rides:
+        return ys[1:], ys[:1], w[:, 1:]
+    return ys, dense_mlp(x, ps, cfg, impl), w
 
 
 def _row_visits(xs: jax.Array, p: dict, impl: str) -> bool:

@@ -80,3 +80,18 @@ def test_router_bias_only_chooses():
     assert (np.asarray(ids2) == 0).any(-1).all()
     picked2 = np.take_along_axis(scores, np.asarray(ids2), -1)
     np.testing.assert_allclose(np.asarray(w2), picked2 / picked2.sum(-1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_route_shared_slot_leads_the_same_choice(tokens):
+    # Machine: any. shared_slot: slot 0 is the shared expert as id E with weight 0, then the same experts in
+    # the same order with the same weights as without it (ranks at one token, lax.top_k at 20)
+    cfg = tiny_config()
+    p = _moe_params(cfg)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(tokens, cfg.text.hidden_size)), jnp.float32)
+    ids, w = route(x, p, cfg.text)
+    ids1, w1 = route(x, p, cfg.text, shared_slot=True)
+    assert ids1.shape == (tokens, cfg.text.num_experts_per_tok + 1)
+    assert (np.asarray(ids1[:, 0]) == cfg.text.num_local_experts).all() and (np.asarray(w1[:, 0]) == 0).all()
+    np.testing.assert_array_equal(np.asarray(ids1[:, 1:]), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(w1[:, 1:]), np.asarray(w))

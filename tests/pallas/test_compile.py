@@ -121,10 +121,10 @@ def _m3_moe(mx: bool, m: int, config=None, per_row: bool = False):
     """The MoE layer's grouped GEMM at M3's expert shapes (hidden 6144 -> 3072 per expert, 128 experts)
     with the config the layer picks for ``m`` rows (m3jax.moe: 4 rows per token), or ``config`` (None where
     the target refuses it): bf16 or MXFP8 weights. ``per_row``: one decode token's rows, a group id per row
-    (``RowGroups``) in place of the group sizes; bf16 as the layer runs its gate and up then, the routed and
-    the shared expert's in one launch (four weight arrays, ``m3jax.moe._row_visit_mlps``)."""
-    from m3jax.pallas.grouped_matmul import (RowGroups, grouped_matmul, grouped_matmul_mxfp8, layer_config,
-                                             mxfp8_unsupported_reason, unsupported_reason)
+    (``RowGroups``) in place of the group sizes; bf16 as the layer runs its gate and up then: one launch of
+    two weights, each the routed experts and the shared one (``m3jax.moe._token_mlps``)."""
+    from m3jax.pallas.grouped_matmul import (RowGroups, grouped_matmul, grouped_matmul_mxfp8, grouped_matmuls,
+                                             layer_config, mxfp8_unsupported_reason, unsupported_reason)
 
     S, (k, n, g) = jax.ShapeDtypeStruct, (6144, 3072, 128)
     if config is not None and (mxfp8_unsupported_reason(m, k, n, g, k // 32, config) if mx
@@ -136,10 +136,9 @@ def _m3_moe(mx: bool, m: int, config=None, per_row: bool = False):
         return (lambda x, w, sc, gs: grouped_matmul_mxfp8(x, w, sc, groups(gs), config=config),
                 (S((m, k), jnp.bfloat16), S((g, k, n), jnp.float8_e4m3fn), S((g, k // 32, n), jnp.uint8), sizes))
     if per_row:
-        rows = 2 * (m + 1)
-        parts = (S((g, k, n), jnp.bfloat16), S((1, k, n), jnp.bfloat16)) * 2
-        return (lambda x, w, gs: grouped_matmul(x, w, RowGroups(gs), config=config),
-                (S((rows, k), jnp.bfloat16), parts, S((rows,), jnp.int32)))
+        weight = (S((g, k, n), jnp.bfloat16), S((1, k, n), jnp.bfloat16))
+        return (lambda x, w, gs: grouped_matmuls(x, w, RowGroups(gs), config=config),
+                (S((m + 1, k), jnp.bfloat16), (weight, weight), S((m + 1,), jnp.int32)))
     return (lambda x, w, gs: grouped_matmul(x, w, groups(gs), config=config),
             (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), sizes))
 

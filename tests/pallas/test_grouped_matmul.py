@@ -22,6 +22,7 @@ from m3jax.pallas.grouped_matmul import (
     GroupedMatmulConfig,
     grouped_matmul,
     grouped_matmul_mxfp8,
+    grouped_matmuls,
     grouped_matmuls_mxfp8,
     mxfp8_unsupported_reason,
     persistent,
@@ -332,9 +333,9 @@ def test_row_groups_match_per_row_products(kind):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_row_groups_over_several_weight_arrays(dtype):
-    # rhs as a tuple of arrays whose groups follow one another (a decode token's gate, up and shared expert in
-    # one launch): the same rows as the one concatenated array, through each array's copy of the main loop;
-    # its gradient is the reference's
+    # rhs as a tuple of arrays whose groups follow one another (a decode token's routed and shared expert): the
+    # same rows as the one concatenated array, through each array's copy of the main loop; and two such weights
+    # in one launch (grouped_matmuls: gate and up); their gradients are the reference's
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     from m3jax.pallas.grouped_matmul import RowGroups
 
@@ -358,6 +359,20 @@ def test_row_groups_over_several_weight_arrays(dtype):
     d_ref = jax.grad(loss(gmm_reference.grouped_matmul), argnums=(0, 1))(lhs, parts)
     for a, b in zip(jax.tree.leaves(d_got), jax.tree.leaves(d_ref)):
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), name, "weight arrays' gradient")
+    # several such weights times the same rows, one launch: each as its own call
+    other = tuple(jnp.flip(r, axis=2) for r in parts)
+    both = jax.jit(lambda ids: grouped_matmuls(lhs, (parts, other), RowGroups(ids), config=CFG))(ids)
+    assert not _backend.interpret_races_found()
+    np.testing.assert_array_equal(np.asarray(both[0], np.float32), np.asarray(got, np.float32))
+    np.testing.assert_array_equal(np.asarray(both[1], np.float32),
+                                  np.asarray(grouped_matmul(lhs, other, RowGroups(ids), config=CFG), np.float32))
+    d_both = jax.grad(lambda a: sum(jnp.sum(jnp.sin(o.astype(jnp.float32)))
+                                    for o in grouped_matmuls(a, (parts, other), RowGroups(ids), config=CFG)))(lhs)
+    d_want = jax.grad(lambda a: sum(jnp.sum(jnp.sin(o.astype(jnp.float32)))
+                                    for o in gmm_reference.grouped_matmuls(a, (parts, other), RowGroups(ids))))(lhs)
+    assert_close(np.asarray(d_both, np.float32), np.asarray(d_want, np.float32), name, "several weights' gradient")
+    with pytest.raises(ValueError, match="different shapes"):
+        grouped_matmuls(lhs, (parts, parts[:2]), RowGroups(ids), config=CFG)
     with pytest.raises(ValueError, match="needs per-row groups"):
         grouped_matmul(lhs, parts, jnp.asarray([1, 1, 1, 1, 1, 1, 1], jnp.int32), config=CFG)
     with pytest.raises(ValueError, match=r"rhs\[1\]"):
@@ -368,7 +383,7 @@ def test_row_groups_over_several_weight_arrays(dtype):
 def test_moe_decode_token_skips_the_sort(monkeypatch, weights):
     # one token: its experts' rows go to the kernels in slot order (RowGroups), expert_order never runs;
     # against the sorted ragged_dot path on the same (dequantised) weights. bf16: two launches, gate and up
-    # together, the shared expert riding along where its widths are the experts' (else XLA's)
+    # together, the shared expert riding along (the router's slot 0) where its widths are the experts' (else XLA's)
     # Machine: any: interpret mode on a CPU, compiled for the device on a GPU (the same assertions on both)
     import m3jax.moe as moe
     import m3jax.pallas.grouped_matmul as gmm
@@ -384,16 +399,20 @@ def test_moe_decode_token_skips_the_sort(monkeypatch, weights):
     x = jnp.asarray(np.random.default_rng(3).normal(size=(1, 256)), jnp.bfloat16)
     ref = moe.moe_sorted(x, dequantize_tree(p, jnp.bfloat16), cfg.text, impl="ragged_dot")
     seen = []
-    for name in ("grouped_matmul", "gemv_launch_mxfp8"):
+    for name in ("grouped_matmul", "grouped_matmuls", "gemv_launch_mxfp8"):
         call = getattr(gmm, name)
-        monkeypatch.setattr(gmm, name, lambda *a, call=call, **kw: seen.append(a if len(a) > 2 else a[0][0])
+        monkeypatch.setattr(gmm, name, lambda *a, call=call, name=name, **kw: seen.append((name, a))
                             or call(*a, **kw))
     monkeypatch.setattr(moe, "expert_order", lambda *a: pytest.fail("one decode token needs no sort"))
     got = moe.moe_sorted(x, p, cfg.text, impl="pallas")
     assert not _backend.interpret_races_found()
-    assert seen and all(isinstance(a[2], gmm.RowGroups) for a in seen)
-    if weights != "mxfp8":
-        assert [len(a[1]) for a in seen] == ([2, 1] if shared == 128 else [4, 2])  # weight arrays per launch
+    assert seen and all(isinstance(a[2] if len(a) > 2 else a[0][0][2], gmm.RowGroups) for _, a in seen)
+    if weights != "mxfp8":  # per launch: the weights, as arrays or (routed, shared) pairs
+        launched = [(name, [len(w) if isinstance(w, tuple) else 1 for w in (a[1] if name == "grouped_matmuls"
+                                                                            else (a[1],))]) for name, a in seen]
+        rides = shared == 256
+        assert launched == [("grouped_matmuls", [2 if rides else 1] * 2), ("grouped_matmul", [2 if rides else 1])]
+        assert seen[0][1][2].ids.shape == (cfg.text.num_experts_per_tok + rides,)
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), "bfloat16", f"{weights} MoE decode token")
 
 

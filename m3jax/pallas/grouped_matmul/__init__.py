@@ -4,8 +4,9 @@
 returns ``[M, N]`` with row r = ``lhs[r] @ rhs[group of r]`` (rows sorted by group, rows past
 ``sum(group_sizes)`` zero; ``RowGroups(ids)`` instead: row r times ``rhs[ids[r]]``, rows in any order, on
 the pipeline and gemv schedules, ``rhs`` then also a tuple of arrays whose groups follow one another, run in
-one launch). ``unsupported_reason(m, k, n, g, config)`` says why the kernel cannot
-take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.ragged_dot``.
+one launch). ``grouped_matmuls(lhs, (w, ...), group_sizes, ...)``: several such weights of one shape times the
+same rows in one launch of the pipeline schedule. ``unsupported_reason(m, k, n, g, config)`` says why the kernel
+cannot take a shape (None when it can); ``implementation="reference"`` is ``jax.lax.ragged_dot``.
 
 ``grouped_matmul_mxfp8(lhs, values, scales, group_sizes, ...)``: the same with MXFP8 weights (float8_e4m3fn
 ``values [G, K, N]`` + uint8 E8M0 ``scales [G, K / 32, N]``), dequantised per tile in the kernel; its
@@ -43,8 +44,8 @@ from m3jax.pallas.grouped_matmul.tiles import RowGroups
 
 __all__ = ["PREFILL_128X256", "PREFILL_ROWS256", "PREFILL_ROWS384", "GroupedMatmulConfig", "RowGroups",
            "dense_gemv_unsupported_reason", "dense_gemvs", "dequantize_mxfp8", "gemv_launch_mxfp8", "grouped_matmul",
-           "grouped_matmul_mxfp8", "grouped_matmuls_mxfp8", "layer_config", "mxfp8_unsupported_reason",
-           "tile_schedule", "unsupported_reason"]
+           "grouped_matmul_mxfp8", "grouped_matmuls", "grouped_matmuls_mxfp8", "layer_config",
+           "mxfp8_unsupported_reason", "tile_schedule", "unsupported_reason"]
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation: str = "pallas", config=None,
@@ -54,6 +55,16 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, implementation: str
         return _kernel.grouped_matmul(lhs, rhs, group_sizes, **kw)
     if implementation == "reference":
         return _reference.grouped_matmul(lhs, rhs, group_sizes, **kw)
+    raise ValueError(f"unknown implementation {implementation!r}")
+
+
+def grouped_matmuls(lhs, weights, group_sizes, *, out_dtype=None, implementation: str = "pallas", config=None,
+                    interpret=None) -> tuple:
+    kw = {"out_dtype": out_dtype, "config": config, "interpret": interpret}
+    if implementation == "pallas":
+        return _kernel.grouped_matmuls(lhs, tuple(weights), group_sizes, **kw)
+    if implementation == "reference":
+        return _reference.grouped_matmuls(lhs, tuple(weights), group_sizes, **kw)
     raise ValueError(f"unknown implementation {implementation!r}")
 
 

@@ -304,21 +304,26 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
     unspecified or not at all, the callers cut them); rhs bf16 [G, K, N], or
     [G, N, K] with ``transpose_rhs`` (the backward's d lhs = d out . rhs^T, without a transpose copy), or
     float8_e4m3fn [G, K, N] with ``rhs_scales`` uint8 [G, K / group, N] (MXFP8: dequantised per tile in
-    the kernel, :func:`.tiles.dequantize_tile`). ``config.schedule`` picks the kernel."""
+    the kernel, :func:`.tiles.dequantize_tile`). ``config.schedule`` picks the kernel. On the pipeline
+    schedule (bf16) ``rhs`` may also be a tuple of arrays whose groups follow one another, or a list of
+    several such weights times the same rows, one output each (a list back), in one launch."""
     if config.schedule == "warp_specialized":
         return persistent.kernel_call(group_sizes, m_used, lhs, rhs, out_dtype=out_dtype, config=config,
                                       transpose_rhs=transpose_rhs, interpret=interpret, rhs_scales=rhs_scales)
     # per-row groups: visit r is row r, its group read from the ids in the kernel (no XLA op before the launch)
     per_row = isinstance(group_sizes, RowGroups)
     sched = group_sizes.ids.astype(jnp.int32) if per_row else tile_schedule(group_sizes, m_used, config.block_m)
-    parts = rhs if isinstance(rhs, tuple) else (rhs,)  # weight arrays whose groups follow one another
-    bases = np.cumsum([0] + [r.shape[0] for r in parts]).tolist()
+    several = isinstance(rhs, list)
+    # per weight, its arrays whose groups follow one another
+    weight_parts = [w if isinstance(w, tuple) else (w,) for w in (rhs if several else [rhs])]
+    bases = np.cumsum([0] + [r.shape[0] for r in weight_parts[0]]).tolist()
     m, k = lhs.shape
     g = bases[-1]
-    n = parts[0].shape[1] if transpose_rhs else parts[0].shape[2]
+    n = weight_parts[0][0].shape[1] if transpose_rhs else weight_parts[0][0].shape[2]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     n_tiles = n // bn
     n_visits = sched.shape[0]
+    n_weights = len(weight_parts)
     mxfp8 = rhs_scales is not None
     group = k // rhs_scales.shape[1] if mxfp8 else 0
     plan = tiles.tile_plan(bn) if mxfp8 else None  # the conversion's layout and its tiles' swizzles
@@ -326,10 +331,13 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
     delay = 1 if steps > 1 else 0
     arch = arch_module(hopper, blackwell)  # the MMA's tile maths
 
+    n_parts = sum(len(parts) for parts in weight_parts)
+
     def body(sched_ref, lhs_ref, *refs):
-        rhs_refs, refs = refs[:len(parts)], refs[len(parts):]
-        scale_ref, out_ref = refs if mxfp8 else (None, refs[0])
+        rhs_refs, refs = iter(refs[:n_parts]), refs[n_parts:]
+        scale_ref, out_refs = (refs[0], refs[1:]) if mxfp8 else (None, refs)
         pid = jax.lax.axis_index("t")
+        wi, pid = jax.lax.div(pid, n_visits * n_tiles), jax.lax.rem(pid, n_visits * n_tiles)
         v, ni = jax.lax.div(pid, n_tiles), jax.lax.rem(pid, n_tiles)
         if per_row:
             grp, tile, lo, hi = sched_ref[v], jax.lax.div(v, bm), v, v + 1
@@ -337,7 +345,7 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
             grp, tile, lo, hi = (sched_ref[v, i] for i in range(4))
         t0, col0 = tile * bm, ni * bn
 
-        def store(values):
+        def store(values, out_ref):
             def scope(o_smem):
                 o_smem[...] = values
                 plgpu.commit_smem()
@@ -372,58 +380,63 @@ def _kernel_call(group_sizes, m_used, lhs, rhs, *, out_dtype, config: GroupedMat
         # MXFP8: two bf16 weight tiles, the MMA operands the fp8 tiles are dequantised into
         w_scratch = (plgpu.SMEM((2, bk, bn), jnp.bfloat16, transforms=plan.bf16_transforms),) if mxfp8 else ()
 
-        for rhs_ref, base, end in zip(rhs_refs, bases, bases[1:]):
-            # one copy of the main loop per weight array (a ref cannot be chosen at run time)
-            operands = (lhs_ref, rhs_ref.at[grp - base], *((scale_ref.at[grp],) if mxfp8 else ()))
+        # one copy of the main loop per weight array (a ref cannot be chosen at run time); the copies' SMEM is
+        # shared, as they are scopes side by side
+        for w_idx, (parts, out_ref) in enumerate(zip(weight_parts, out_refs)):
+            for base, end in zip(bases, bases[1:]):
+                operands = (lhs_ref, next(rhs_refs).at[grp - base], *((scale_ref.at[grp],) if mxfp8 else ()))
 
-            def pipeline(step, operands=operands):
-                plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs, max_concurrent_steps=steps)(*operands)
+                def pipeline(step, operands=operands):
+                    plgpu.emit_pipeline(step, grid=(k // bk,), in_specs=in_specs,
+                                        max_concurrent_steps=steps)(*operands)
 
-            def mma(w_smem=None, pipeline=pipeline):
-                return arch.accumulate(pipeline, k // bk, weights, bm=bm, bn=bn, delay=delay, w_smem=w_smem)
+                def mma(w_smem=None, pipeline=pipeline):
+                    return arch.accumulate(pipeline, k // bk, weights, bm=bm, bn=bn, delay=delay, w_smem=w_smem)
 
-            @pl.when((hi > lo) & (grp >= base) & (grp < end))
-            def _():
-                # (the SMEM tiles in a scope of their own: interpret mode refuses a register accumulator
-                # allocated together with SMEM)
-                acc = pl.run_scoped(mma, *w_scratch) if mxfp8 else mma()
-                store(acc.astype(out_dtype))
+                @pl.when((wi == w_idx) & (hi > lo) & (grp >= base) & (grp < end))
+                def _(mma=mma, out_ref=out_ref):
+                    # (the SMEM tiles in a scope of their own: interpret mode refuses a register accumulator
+                    # allocated together with SMEM)
+                    acc = pl.run_scoped(mma, *w_scratch) if mxfp8 else mma()
+                    store(acc.astype(out_dtype), out_ref)
 
-        @pl.when((hi > lo) & (grp == g))
-        def _():
-            store(jnp.zeros((bm, bn), out_dtype))
+            @pl.when((wi == w_idx) & (hi > lo) & (grp == g))
+            def _(out_ref=out_ref):
+                store(jnp.zeros((bm, bn), out_dtype), out_ref)
 
     kern = mosaic_kernel(
         body,
         interpret=interpret,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(n_visits * n_tiles,),
+        out_type=tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in weight_parts),
+        grid=(n_weights * n_visits * n_tiles,),
         grid_names=("t",),
     )
-    return kern(sched, lhs, *parts, *((rhs_scales,) if mxfp8 else ()))
+    outs = kern(sched, lhs, *(r for parts in weight_parts for r in parts), *((rhs_scales,) if mxfp8 else ()))
+    return list(outs) if several else outs[0]
 
 
 def _forward(lhs, rhs, group_sizes, out_dtype, config, interpret, transpose_rhs=False):
-    """``rhs`` an array or a tuple of arrays whose groups follow one another (per-row groups only)."""
+    """``rhs`` an array, a tuple of arrays whose groups follow one another, or a list of such weights (a list
+    of outputs back)."""
     m = lhs.shape[0]
     bm = config.block_m
-    parts = rhs if isinstance(rhs, tuple) else (rhs,)
-    if lhs.dtype == jnp.float32 or any(r.dtype == jnp.float32 for r in parts):
+    arrays = jax.tree.leaves(rhs)
+    if lhs.dtype == jnp.float32 or any(r.dtype == jnp.float32 for r in arrays):
         # the six part products along K: [l_i ...] . [r_j; ...] = sum over split_products(3) of l_i . r_j
         prods = split_products(3)
         lp = bf16_split(lhs, 3)
         lhs = jnp.concatenate([lp[i] for i, _ in prods], axis=1)
-        parts = tuple(jnp.concatenate([rp[j] for _, j in prods], axis=2 if transpose_rhs else 1)
-                      for rp in (bf16_split(r, 3) for r in parts))
+        arrays = [jnp.concatenate([rp[j] for _, j in prods], axis=2 if transpose_rhs else 1)
+                  for rp in (bf16_split(r, 3) for r in arrays)]
     else:
-        lhs, parts = lhs.astype(jnp.bfloat16), tuple(r.astype(jnp.bfloat16) for r in parts)
-    rhs = parts if isinstance(rhs, tuple) else parts[0]
+        lhs, arrays = lhs.astype(jnp.bfloat16), [r.astype(jnp.bfloat16) for r in arrays]
+    rhs = jax.tree.unflatten(jax.tree.structure(rhs), arrays)
     m_pad = max(m, bm)  # TMA boxes of block_m rows need at least block_m rows
     if m_pad != m:
         lhs = jnp.pad(lhs, [(0, m_pad - m), (0, 0)])
     out = _kernel_call(group_sizes, m, lhs, rhs, out_dtype=out_dtype, config=config, transpose_rhs=transpose_rhs,
                        interpret=interpret)
-    return out[:m] if m_pad != m else out
+    return jax.tree.map(lambda o: o[:m], out) if m_pad != m else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -437,9 +450,10 @@ def _fwd(lhs, rhs, group_sizes, out_dtype, config, interpret):
 
 def _bwd(out_dtype, config, interpret, res, d_out):
     lhs, rhs, group_sizes = res
-    d_out = d_out.astype(out_dtype)
-    if isinstance(rhs, tuple):  # several weight arrays (one decode token's MLPs): the reference's VJP
-        _, vjp = jax.vjp(lambda a, b: reference.grouped_matmul(a, b, group_sizes, out_dtype=out_dtype), lhs, rhs)
+    d_out = jax.tree.map(lambda d: d.astype(out_dtype), d_out)
+    if not isinstance(rhs, jax.Array):  # weight arrays or several weights (a decode token's): the reference's
+        ref = reference.grouped_matmuls if isinstance(rhs, list) else reference.grouped_matmul
+        _, vjp = jax.vjp(lambda a, b: ref(a, b, group_sizes, out_dtype=out_dtype), lhs, rhs)
         return (*vjp(d_out), None)
     m, k = lhs.shape
     g, _, n = rhs.shape
@@ -493,6 +507,34 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
         lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
     out = _grouped_matmul(lhs, rhs, group_sizes, out_dtype, config, interpret)
     return out[:m] if pad else out
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def grouped_matmuls(lhs, weights, group_sizes, *, out_dtype=None, config=None, interpret=None) -> tuple:
+    """:func:`grouped_matmul` of one ``lhs`` with each weight of ``weights`` (each an array, or with per-row
+    groups a tuple of arrays, all of one structure and shapes), as one launch of the pipeline schedule: a
+    tuple of ``[M, N]``. One decode token's gate and up (``m3jax.moe``). Its VJP is the reference's."""
+    config = config or GroupedMatmulConfig()
+    weights = tuple(weights)
+    if not weights:
+        raise ValueError("grouped_matmuls: no weights")
+    if config.schedule != "pipeline":
+        raise ValueError(f"grouped_matmuls runs the pipeline schedule, not {config.schedule!r}")
+    shapes = {tuple(r.shape for r in _rhs_parts("grouped_matmuls", lhs, w, group_sizes)) for w in weights}
+    if len(shapes) > 1:
+        raise ValueError(f"grouped_matmuls: weights of different shapes {sorted(shapes)}")
+    w0 = weights[0] if isinstance(weights[0], tuple) else (weights[0],)
+    _check_groups("grouped_matmuls", lhs, w0[0], group_sizes, config)
+    m, k = lhs.shape
+    reason = unsupported_reason(m, k, w0[0].shape[2], sum(r.shape[0] for r in w0), config)
+    if reason:
+        raise ValueError(f"grouped_matmuls kernel cannot take lhs {lhs.shape} x {sorted(shapes)}: {reason}")
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, *(r.dtype for r in jax.tree.leaves(weights))))
+    pad = -m % 8 if m > 8 else 0  # as grouped_matmul: the TMA store's 8-row tiling
+    if pad:
+        lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+    outs = _grouped_matmul(lhs, list(weights), group_sizes, out_dtype, config, interpret)
+    return tuple(out[:m] if pad else out for out in outs)
 
 
 def mxfp8_unsupported_reason(m: int, k: int, n: int, g: int, k_groups: int,

@@ -29,6 +29,13 @@ def grouped_matmul(lhs, rhs, group_sizes, *, out_dtype=None, config=None, interp
     return out.astype(out_dtype)
 
 
+def grouped_matmuls(lhs, weights, group_sizes, *, out_dtype=None, config=None, interpret=None):
+    """:func:`grouped_matmul` of one ``lhs`` with each weight of ``weights`` (a list back for a list)."""
+    outs = [grouped_matmul(lhs, w, group_sizes, out_dtype=out_dtype, config=config, interpret=interpret)
+            for w in weights]
+    return outs if isinstance(weights, list) else tuple(outs)
+
+
 def grouped_matmul_mxfp8(lhs, values, scales, group_sizes, *, out_dtype=None, config=None, interpret=None) -> jax.Array:
     """The MXFP8-weight kernel's reference: dequantise to ``lhs``'s dtype, then :func:`grouped_matmul`."""
     return grouped_matmul(lhs, dequantize_mxfp8(values, scales, lhs.dtype), group_sizes,
