@@ -307,9 +307,11 @@ def _grouped_matmul(mx: bool):
         PREFILL_ROWS256,
         PREFILL_ROWS384,
         GroupedMatmulConfig,
+        RowGroups,
         dense_gemvs,
         grouped_matmul,
         grouped_matmul_mxfp8,
+        grouped_matmuls,
         layer_config,
     )
 
@@ -320,7 +322,9 @@ def _grouped_matmul(mx: bool):
     # 128 x 256 in MXFP8, and the others), so its verdict covers what prefill runs whichever the layer
     # picks; MXFP8 also on 5 decode rows with the layer's decode config (the gemv schedule, split over K,
     # as for a decode step's routed experts and the shared expert), bf16 also on the gemv's dense weights
-    # (5 rows, two widths: a decode step's attention projections). Two canaries, not one: each compiles
+    # (5 rows, two widths: a decode step's attention projections); both on one decode token's per-row groups
+    # (bf16: two weights of two arrays each in one launch, as m3jax.moe._token_mlps runs the gate and up of the
+    # routed and shared experts; MXFP8: the gemv). Two canaries, not one: each compiles
     # several configurations, and side by side the longer of the two ends well before the one did
     # (benchmarks/RESULTS.md#selfcheck-2026-12-07c).
     rng = np.random.default_rng(6)
@@ -338,14 +342,19 @@ def _grouped_matmul(mx: bool):
                if layer.schedule == "warp_specialized" else [layer])  # Hopper's
     configs = list(dict.fromkeys([GroupedMatmulConfig(), *prefill]))
     got, ref = [run(config=c) for c in configs], [want] * len(configs)
+    token = RowGroups(jnp.asarray([5, 1, 4, 0, 2], jnp.int32))  # slot 0 the last group, as the shared expert
     if not mx:  # the bf16 dense gemv (a decode step's attention projections): two widths in one launch
         dense = (rhs[1], jnp.concatenate([rhs[4], rhs[0]], axis=1))
         got += list(dense_gemvs(lhs[:5], dense))
         ref += list(dense_gemvs(lhs[:5], dense, implementation="reference"))
+        pair = ((rhs[:5], rhs[5:]), (rhs[:5, :, ::-1], rhs[5:, :, ::-1]))
+        got += list(grouped_matmuls(lhs[:5], pair, token, config=layer_config(5, k, n, g)))
+        ref += list(grouped_matmuls(lhs[:5], pair, token, implementation="reference"))
     if mx:
         dec, dec_gs = lhs[:5], jnp.asarray([0, 2, 0, 0, 3, 0], jnp.int32)
-        got.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, config=layer_config(5, k, n, g, k // 32)))
-        ref.append(grouped_matmul_mxfp8(dec, fp8, scales, dec_gs, implementation="reference"))
+        for groups in (dec_gs, token):
+            got.append(grouped_matmul_mxfp8(dec, fp8, scales, groups, config=layer_config(5, k, n, g, k // 32)))
+            ref.append(grouped_matmul_mxfp8(dec, fp8, scales, groups, implementation="reference"))
     return jnp.concatenate([x.ravel() for x in got]), jnp.concatenate([x.ravel() for x in ref])
 
 

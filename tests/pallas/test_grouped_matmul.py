@@ -340,7 +340,7 @@ def test_row_groups_over_several_weight_arrays(dtype):
     from m3jax.pallas.grouped_matmul import RowGroups
 
     ids = jnp.asarray([5, 2, 6, 0, 3, 1, 6], jnp.int32)
-    lhs, rhs, _ = _inputs(ids.shape[0], 128, 256, [0] * 7, dtype, seed=21)
+    lhs, rhs, _ = _inputs(ids.shape[0], 128, 128, [0] * 7, dtype, seed=21)
     parts = (rhs[:4], rhs[4:6], rhs[6:])
     got = jax.jit(lambda ids: grouped_matmul(lhs, parts, RowGroups(ids), config=CFG))(ids)
     whole = grouped_matmul(lhs, rhs, RowGroups(ids), config=CFG)
