@@ -85,7 +85,8 @@ def test_router_bias_only_chooses():
 @pytest.mark.parametrize("tokens", [1, 20])
 def test_route_shared_slot_leads_the_same_choice(tokens):
     # Machine: any. shared_slot: slot 0 is the shared expert as id E with weight 0, then the same experts in
-    # the same order with the same weights as without it (ranks at one token, lax.top_k at 20)
+    # the same order with the same weights as without it (ranks at one token, lax.top_k at 20); the weights to
+    # fp32 rounding: the GPU's XLA may sum the routed slots in another order inside the router's other fusion
     cfg = tiny_config()
     p = _moe_params(cfg)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(tokens, cfg.text.hidden_size)), jnp.float32)
@@ -94,4 +95,4 @@ def test_route_shared_slot_leads_the_same_choice(tokens):
     assert ids1.shape == (tokens, cfg.text.num_experts_per_tok + 1)
     assert (np.asarray(ids1[:, 0]) == cfg.text.num_local_experts).all() and (np.asarray(w1[:, 0]) == 0).all()
     np.testing.assert_array_equal(np.asarray(ids1[:, 1:]), np.asarray(ids))
-    np.testing.assert_array_equal(np.asarray(w1[:, 1:]), np.asarray(w))
+    np.testing.assert_allclose(np.asarray(w1[:, 1:]), np.asarray(w), rtol=1e-6)
