@@ -386,7 +386,7 @@ def _token_mlps(x: jax.Array, p: dict, cfg: TextConfig, impl: str) -> tuple[jax.
     weights fp32 [1, k]). The gate and up of every row go as one launch (``gmm.grouped_matmuls``) and the
     down as one more. Where the shared expert's widths are the experts', it rides along as group E: its
     weights join the routed arrays as a tuple, the router puts it in slot 0 (``route(shared_slot=True)``),
-    and its three XLA GEMMs and SwiGLU are gone (benchmarks/RESULTS.md#row-visits)."""
+    and its XLA GEMMs and SwiGLU are gone (benchmarks/RESULTS.md#token-mlps)."""
     ps, k = p["shared"], cfg.num_experts_per_tok
     rides = all(not isinstance(w, MXFP8Weight) and w.shape == p[name].shape[1:] for name, w in ps.items())
     ids, w = route(x, p, cfg, shared_slot=rides)
