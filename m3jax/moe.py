@@ -359,16 +359,15 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
         return moe_expert_parallel(x, p, cfg, impl=impl)
     t, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_local_experts
-    row_visits = t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl)
-    if row_visits and not isinstance(p["gate"], MXFP8Weight):
-        ys, shared, w = _token_mlps(x, p, cfg, impl)
-        routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
-    elif row_visits:
+    if t == 1 and _row_visits(jax.ShapeDtypeStruct((k, d), x.dtype), p, impl):
         # one token's k experts are distinct: each (token, slot) row is a kernel visit of its own, in slot
         # order (gmm.RowGroups); no sort by expert, no group sizes, no schedule op: the kernels read the ids
         # (benchmarks/RESULTS.md#row-visits)
-        ids, w = route(x, p, cfg)
-        ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
+        if isinstance(p["gate"], MXFP8Weight):
+            ids, w = route(x, p, cfg)
+            ys, shared = expert_mlps(jnp.broadcast_to(x, (k, d)), gmm.RowGroups(ids[0]), x, p, cfg, impl)
+        else:
+            ys, shared, w = _token_mlps(x, p, cfg, impl)
         routed = jnp.sum(ys.astype(jnp.float32) * w.reshape(k, 1), axis=0, keepdims=True)
     else:
         ids, w = route(x, p, cfg)
@@ -377,7 +376,12 @@ def moe_sorted(x: jax.Array, p: dict, cfg: TextConfig, impl: str = "auto") -> ja
         ys, shared = expert_mlps(x[token], group_sizes, x, p, cfg, impl)
         ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
         routed = sum_rows(ys, token, t)
-    return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
+    return _combine(routed, shared, cfg, x.dtype)
+
+
+def _combine(routed: jax.Array, shared: jax.Array, cfg: TextConfig, dtype) -> jax.Array:
+    """The MoE block's output: the routed experts' weighted sum (fp32 [T, D]) scaled, plus the shared expert's."""
+    return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(dtype)
 
 
 def _token_mlps(x: jax.Array, p: dict, cfg: TextConfig, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -460,7 +464,7 @@ def moe_dense_reference(x: jax.Array, p: dict, cfg: TextConfig) -> jax.Array:
     per_expert = jnp.einsum("tef,efd->ted", act, p["down"], precision=prec).astype(jnp.float32)
     routed = jnp.einsum("te,ted->td", combine, per_expert, precision=jax.lax.Precision.HIGHEST)
     shared = dense_mlp(x, p["shared"], cfg)
-    return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
+    return _combine(routed, shared, cfg, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -561,4 +565,4 @@ def moe_expert_parallel(x: jax.Array, p: dict, cfg: TextConfig, axis: str = MODE
         check_vma=False,
     )(xp, p["router"], p["router_bias"], p["gate"], p["up"], p["down"])[:t_all]
     shared = dense_mlp(x, p["shared"], cfg)
-    return (cfg.routed_scaling_factor * routed + shared.astype(jnp.float32)).astype(x.dtype)
+    return _combine(routed, shared, cfg, x.dtype)
