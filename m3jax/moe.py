@@ -172,10 +172,9 @@ def route(x: jax.Array, p: dict, cfg: TextConfig, shared_slot: bool = False) -> 
         biased = jnp.pad(biased, ((0, 0), (0, 1)), constant_values=jnp.inf)
         scores, k = jnp.pad(scores, ((0, 0), (0, 1))), k + 1
     ids, w = choose_experts(biased, scores, k)
-    if shared_slot:  # normalised over the routed slots alone: the same sums as without the slot
-        routed = w[:, 1:]
-        return ids, jnp.pad(routed / jnp.sum(routed, axis=-1, keepdims=True), ((0, 0), (1, 0)))
-    return ids, w / jnp.sum(w, axis=-1, keepdims=True)
+    routed = w[:, 1:] if shared_slot else w  # normalised alone: the same sums as without the slot
+    routed = routed / jnp.sum(routed, axis=-1, keepdims=True)
+    return ids, jnp.pad(routed, ((0, 0), (1, 0))) if shared_slot else routed
 
 
 def choose_experts(biased: jax.Array, scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
